@@ -1,0 +1,143 @@
+"""Checkpoint files: write (durably) and open (verified, zero-copy).
+
+Python never parses checkpoint bytes: the Rust core verifies the file and
+exports each payload tensor as a read-only buffer over the memory map;
+:meth:`Checkpoint.arrays` wraps those buffers in numpy arrays whose base
+keeps the map alive.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Mapping, Optional, Union
+
+import numpy as np
+
+from . import _core
+
+__all__ = ["Checkpoint", "write_checkpoint", "open_checkpoint", "REASONS", "reason_code"]
+
+REASONS: tuple[str, ...] = tuple(_core.REASONS)
+
+BytesLike = Union[bytes, bytearray, memoryview, np.ndarray]
+
+
+def reason_code(reason: Union[str, int]) -> int:
+    if isinstance(reason, int):
+        return reason
+    try:
+        return REASONS.index(reason)
+    except ValueError:
+        return REASONS.index("named")
+
+
+def _as_text(text: Union[str, BytesLike]) -> BytesLike:
+    return text.encode("utf-8") if isinstance(text, str) else text
+
+
+def _tensor_entry(name: str, a: Union[np.ndarray, BytesLike]):
+    if not isinstance(a, np.ndarray):
+        a = np.frombuffer(a, dtype=np.uint8)
+    if a.dtype.byteorder == ">":
+        raise ValueError(f"tensor {name!r}: big-endian arrays are not supported")
+    a = np.ascontiguousarray(a)  # no copy when already contiguous
+    raw = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+    return (name, a.dtype.str, list(a.shape), raw)
+
+
+def write_checkpoint(
+    path: Union[str, os.PathLike],
+    text: Union[str, BytesLike],
+    arrays: Mapping[str, Union[np.ndarray, BytesLike]],
+    *,
+    abi: str,
+    tokens: int,
+    ctx: int,
+    reason: Union[str, int] = "cold",
+    quant_bits: int = 0,
+    flags: int = 0,
+    created: Optional[int] = None,
+) -> int:
+    """Write a v2 checkpoint durably (temp file, fsync, rename, fsync dir).
+
+    ``arrays`` maps tensor names to numpy arrays (any supported dtype) or
+    bytes-like blobs (stored as uint8). They are streamed to disk in order,
+    never concatenated. Returns the file size in bytes."""
+    entries = [_tensor_entry(n, a) for n, a in arrays.items()]
+    size, _ = _core.write_checkpoint(
+        os.fspath(path),
+        _as_text(text),
+        entries,
+        abi=abi,
+        tokens=tokens,
+        ctx=ctx,
+        reason=reason_code(reason),
+        quant_bits=quant_bits,
+        flags=flags,
+        created=int(time.time()) if created is None else created,
+    )
+    return size
+
+
+class Checkpoint:
+    """A verified checkpoint (v2, or ds4's v1) opened through the Rust core."""
+
+    def __init__(self, core: "_core.Checkpoint"):
+        self._core = core
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    def __repr__(self) -> str:
+        return repr(self._core)
+
+    @property
+    def text_str(self) -> str:
+        return self._core.text.decode("utf-8", errors="replace")
+
+    def tensor_table(self):
+        return self._core.tensor_table()
+
+    def array(self, name: str) -> np.ndarray:
+        """One payload tensor as a read-only numpy array over the map."""
+        for n, dtype, shape, _off, nbytes in self._core.tensor_table():
+            if n == name:
+                buf = self._core.tensor_buffer(name)
+                dt = np.dtype(dtype)
+                a = np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize) if nbytes else np.empty(0, dt)
+                return a.reshape(shape)
+        raise KeyError(name)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every payload tensor, by name, as read-only zero-copy arrays."""
+        return {t[0]: self.array(t[0]) for t in self._core.tensor_table()}
+
+
+def open_checkpoint(
+    path: Union[str, os.PathLike],
+    *,
+    prompt: Union[str, BytesLike, None] = None,
+    expected_abi: Optional[str] = None,
+    quant_bits: Optional[int] = None,
+    ctx: Optional[int] = None,
+    check_name: bool = True,
+    load_payload: bool = True,
+    verify_checksum: bool = True,
+    mmap: bool = True,
+) -> Checkpoint:
+    """Run the verification pipeline on ``path``; raise a
+    :class:`ds4.errors.CheckpointError` subclass at the first failure."""
+    return Checkpoint(
+        _core.open_checkpoint(
+            os.fspath(path),
+            expected_abi=expected_abi,
+            quant_bits=quant_bits,
+            ctx=ctx,
+            check_name=check_name,
+            prompt=None if prompt is None else _as_text(prompt),
+            load_payload=load_payload,
+            verify_checksum=verify_checksum,
+            mmap=mmap,
+        )
+    )

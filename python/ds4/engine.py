@@ -1,0 +1,77 @@
+"""The engine protocol.
+
+An *engine* knows a model: how to render a chat into text, how to tokenize,
+and how to make a fresh *context*. A *context* (one per Session) holds the KV
+state of one token sequence and evaluates tokens on top of it.
+
+Invariants every engine keeps (the Session relies on them):
+
+* ``ctx.eval(tokens)`` appends ``tokens`` at position ``ctx.n_past`` and
+  returns the float32 logits of the last one (shape ``[vocab_size]``). On any
+  failure it raises :class:`ds4.errors.EngineError` and the context's state is
+  unspecified (the Session invalidates itself).
+* Evaluating ``a + b`` in one call or as ``a`` then ``b`` yields the same
+  state and logits (bit-identical for the reference engine; token-identical
+  greedy output for llama.cpp).
+* ``ctx.export_state()`` returns named numpy arrays that describe exactly the
+  ``n_past`` tokens; ``ctx.import_state(arrays, n_tokens)`` restores them.
+  Import first validates everything it can (names, dtypes, shapes, token
+  count) and raises :class:`ds4.errors.EngineStateError` *before* touching the
+  live state; arrays may be read-only views of a memory-mapped file and must
+  not be copied through Python ``bytes``.
+* ``payload_abi()`` names engine id, model fingerprint and payload layout
+  version; two engines with the same ABI string can load each other's
+  payloads.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class EngineContext(Protocol):
+    n_ctx: int
+
+    @property
+    def n_past(self) -> int: ...
+
+    def reset(self) -> None:
+        """Drop all state: ``n_past`` becomes 0."""
+
+    def eval(self, tokens: Sequence[int], progress=None) -> np.ndarray:
+        """Append ``tokens``; return float32 logits for the last one.
+
+        ``progress(done, total)`` is called between chunks when given."""
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """The KV state of the ``n_past`` tokens as named arrays."""
+
+    def import_state(self, arrays: Mapping[str, np.ndarray], n_tokens: int) -> None:
+        """Replace the state with ``arrays`` (validated first)."""
+
+    def truncate(self, n_tokens: int) -> bool:
+        """Drop tokens past ``n_tokens``; False when this engine cannot."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    vocab_size: int
+    eos_token_id: int
+    max_ctx: int
+
+    def payload_abi(self) -> str: ...
+
+    def new_context(self, n_ctx: int) -> EngineContext: ...
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str: ...
+
+    def tokenize(self, text: str, special: bool = False) -> list[int]:
+        """Tokens of ``text``; ``special=True`` parses chat markers as special tokens."""
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str: ...

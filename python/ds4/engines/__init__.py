@@ -1,0 +1,1 @@
+"""Engine implementations: the NumPy reference transformer and llama.cpp."""

@@ -1,0 +1,328 @@
+"""The ds4 exception hierarchy.
+
+Every failure a checkpoint can have is a subclass of :class:`CheckpointError`
+with a stable ``code`` (a short snake_case string that never changes between
+releases) and the ``stage`` of the verification pipeline that raised it
+(``open``, ``header``, ``text``, ``payload`` or ``engine``).
+
+The *class* of a failure decides what recovery does with the file:
+
+* :class:`CorruptCheckpointError` -- the bytes are damaged: the session is
+  invalidated and the file is removed (or quarantined).
+* :class:`IncompatibleCheckpointError` -- the file is fine but belongs to
+  another engine, model, layout or context size: it is skipped and kept.
+* :class:`CheckpointMismatchError` -- the file is fine but is not a prefix of
+  the prompt (or is not a checkpoint name at all): skipped and kept.
+
+Exceptions raised by the Rust core are built here, through
+:func:`from_core`, so ``ds4.errors`` is the one place that defines them.
+Every class pickles (``__reduce__``) and is importable from this module.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "Ds4Error",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "CheckpointMismatchError",
+    "NotRegularFileError",
+    "TooShortError",
+    "BadMagicError",
+    "UnsupportedVersionError",
+    "ReservedBytesError",
+    "HeaderChecksumError",
+    "SizeOverflowError",
+    "HeaderTooLargeError",
+    "BadMetadataError",
+    "TruncatedCheckpointError",
+    "TrailingBytesError",
+    "BadPaddingError",
+    "AbiMismatchError",
+    "QuantMismatchError",
+    "ContextTooSmallError",
+    "BadNameError",
+    "TextHashMismatchError",
+    "NameMismatchError",
+    "NotPrefixError",
+    "PrefixCollisionError",
+    "TensorTableError",
+    "PayloadChecksumError",
+    "TokenCountMismatchError",
+    "EngineStateError",
+    "BadV1PayloadError",
+    "SessionError",
+    "InvalidSessionError",
+    "ContextOverflowError",
+    "EmptyPromptError",
+    "EngineError",
+    "StoreError",
+    "StoreFullError",
+    "from_core",
+    "ERROR_CODES",
+]
+
+
+class Ds4Error(Exception):
+    """Root of every error ds4 raises on purpose."""
+
+
+class CheckpointError(Ds4Error, ValueError):
+    """A checkpoint file failed verification.
+
+    ``code`` is stable across releases, ``stage`` names the pipeline stage,
+    ``path`` is the file (when known) and ``reason`` the human message.
+    """
+
+    code: str = "checkpoint_error"
+    stage: str = "open"
+    kind: str = "corrupt"
+
+    def __init__(self, reason: str = "", *, path: Optional[str] = None, stage: Optional[str] = None):
+        self.reason = reason or self.__class__.__doc__.strip().splitlines()[0]
+        self.path = path
+        if stage is not None:
+            self.stage = stage
+        where = f" [{path}]" if path else ""
+        super().__init__(f"{self.code} (stage {self.stage}): {self.reason}{where}")
+
+    def __reduce__(self):
+        return (_rebuild, (self.__class__, self.reason, self.path, self.stage))
+
+
+def _rebuild(cls, reason, path, stage):
+    return cls(reason, path=path, stage=stage)
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The checkpoint's bytes are damaged; it must be removed."""
+
+    kind = "corrupt"
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint is intact but was written for another engine or layout."""
+
+    kind = "incompatible"
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint is intact but does not apply to this prompt."""
+
+    kind = "mismatch"
+
+
+# -- open ------------------------------------------------------------------
+class NotRegularFileError(CorruptCheckpointError):
+    """The path is not a regular file (a directory, a symlink, a device)."""
+
+    code, stage = "not_regular_file", "open"
+
+
+class BadNameError(CheckpointMismatchError):
+    """The file name is not `<40 hex sha1>.kv`."""
+
+    code, stage = "bad_name", "open"
+
+
+# -- header (corrupt) ------------------------------------------------------
+class TooShortError(CorruptCheckpointError):
+    """The file is shorter than the fixed header."""
+
+    code, stage = "too_short", "header"
+
+
+class BadMagicError(CorruptCheckpointError):
+    """The file does not start with the KVC magic."""
+
+    code, stage = "bad_magic", "header"
+
+
+class ReservedBytesError(CorruptCheckpointError):
+    """A reserved header byte is not zero."""
+
+    code, stage = "reserved_nonzero", "header"
+
+
+class HeaderChecksumError(CorruptCheckpointError):
+    """The header checksum does not match the header bytes."""
+
+    code, stage = "header_checksum", "header"
+
+
+class SizeOverflowError(CorruptCheckpointError):
+    """Declared sizes overflow when added up."""
+
+    code, stage = "size_overflow", "header"
+
+
+class HeaderTooLargeError(CorruptCheckpointError):
+    """A declared header section is larger than the format allows."""
+
+    code, stage = "header_too_large", "header"
+
+
+class BadMetadataError(CorruptCheckpointError):
+    """The ABI string or tensor table cannot be decoded."""
+
+    code, stage = "bad_metadata", "header"
+
+
+class TruncatedCheckpointError(CorruptCheckpointError):
+    """The file is shorter than its header says."""
+
+    code, stage = "truncated", "header"
+
+
+class TrailingBytesError(CorruptCheckpointError):
+    """The file is longer than its header says."""
+
+    code, stage = "trailing_bytes", "header"
+
+
+class BadPaddingError(CorruptCheckpointError):
+    """Alignment padding between text and payload is not zero."""
+
+    code, stage = "bad_padding", "header"
+
+
+# -- header (incompatible) -------------------------------------------------
+class UnsupportedVersionError(IncompatibleCheckpointError):
+    """The format version is not one this build reads (kept: a newer ds4 may own it)."""
+
+    code, stage = "unsupported_version", "header"
+
+
+class AbiMismatchError(IncompatibleCheckpointError):
+    """The payload ABI (engine, model, layout) differs from the session's."""
+
+    code, stage = "abi_mismatch", "header"
+
+
+class QuantMismatchError(IncompatibleCheckpointError):
+    """The quantization differs and the store rejects other quantizations."""
+
+    code, stage = "quant_mismatch", "header"
+
+
+class ContextTooSmallError(IncompatibleCheckpointError):
+    """The checkpoint holds more tokens than the session's context can take."""
+
+    code, stage = "ctx_too_small", "header"
+
+
+# -- text ------------------------------------------------------------------
+class TextHashMismatchError(CorruptCheckpointError):
+    """SHA-1 of the stored text differs from the SHA-1 recorded in the header."""
+
+    code, stage = "text_sha1_mismatch", "text"
+
+
+class NameMismatchError(CorruptCheckpointError):
+    """SHA-1 of the stored text differs from the file name."""
+
+    code, stage = "name_mismatch", "text"
+
+
+class NotPrefixError(CheckpointMismatchError):
+    """The stored text is not a byte prefix of the prompt."""
+
+    code, stage = "not_prefix", "text"
+
+
+class PrefixCollisionError(CorruptCheckpointError):
+    """The prompt prefix hashes to the file name but its bytes differ."""
+
+    code, stage = "prefix_collision", "text"
+
+
+# -- payload ---------------------------------------------------------------
+class TensorTableError(CorruptCheckpointError):
+    """A tensor is out of bounds, misaligned or of the wrong size."""
+
+    code, stage = "tensor_table", "payload"
+
+
+class PayloadChecksumError(CorruptCheckpointError):
+    """The payload checksum does not match the payload bytes."""
+
+    code, stage = "payload_checksum", "payload"
+
+
+class BadV1PayloadError(CorruptCheckpointError):
+    """A ds4 v1 DSV4 payload header cannot be decoded."""
+
+    code, stage = "bad_v1_payload", "payload"
+
+
+# -- engine ----------------------------------------------------------------
+class TokenCountMismatchError(CorruptCheckpointError):
+    """The payload's token count differs from the header's."""
+
+    code, stage = "token_count_mismatch", "engine"
+
+
+class EngineStateError(CorruptCheckpointError):
+    """The engine rejected the payload (shapes, dtypes, missing tensors)."""
+
+    code, stage = "engine_rejected", "engine"
+
+
+# -- sessions, engines, stores ---------------------------------------------
+class SessionError(Ds4Error):
+    """A session operation failed."""
+
+
+class InvalidSessionError(SessionError, RuntimeError):
+    """The session has no valid checkpoint: it cannot be extended or saved."""
+
+
+class ContextOverflowError(SessionError, ValueError):
+    """The prompt does not fit the session's context."""
+
+    def __init__(self, n_tokens: int, ctx: int):
+        self.n_tokens, self.ctx = n_tokens, ctx
+        super().__init__(f"prompt of {n_tokens} tokens does not fit context {ctx}")
+
+    def __reduce__(self):
+        return (self.__class__, (self.n_tokens, self.ctx))
+
+
+class EmptyPromptError(SessionError, ValueError):
+    """The prompt is empty."""
+
+
+class EngineError(Ds4Error, RuntimeError):
+    """The engine failed while prefilling or decoding."""
+
+
+class StoreError(Ds4Error, OSError):
+    """The checkpoint store could not complete an operation."""
+
+
+class StoreFullError(StoreError):
+    """The checkpoint does not fit the store's budget."""
+
+
+def _all_checkpoint_classes():
+    out = {}
+    stack = [CheckpointError]
+    while stack:
+        c = stack.pop()
+        stack.extend(c.__subclasses__())
+        if c.__dict__.get("code") is not None and "code" in c.__dict__:
+            out[c.code] = c
+    return out
+
+
+#: stable code -> exception class, for every checkpoint failure kind
+ERROR_CODES = _all_checkpoint_classes()
+
+
+def from_core(code: str, message: str, path: Optional[str] = None) -> CheckpointError:
+    """Build the exception for an error ``code`` reported by the Rust core."""
+    cls = ERROR_CODES.get(code, CorruptCheckpointError)
+    return cls(message, path=path)

@@ -1,0 +1,308 @@
+//! Opening a checkpoint: the verification pipeline (DESIGN.md) and the
+//! zero-copy payload it hands out.
+//!
+//! Stages, in order, stopping at the first failure:
+//! 1. open    -- name is `<sha1>.kv` (when asked), a regular file, not a symlink
+//! 2. header  -- length, magic, version, header checksum, sizes vs file length
+//!               (corrupt); then ABI, quantization, context (incompatible)
+//! 3. text    -- SHA-1(text) == header and file name (corrupt); text is a byte
+//!               prefix of the prompt (mismatch, or corrupt on a collision)
+//! 4. payload -- tensor table in bounds and exact, payload checksum (corrupt)
+//!
+//! Every size is checked against the real file length (from `fstat`) before
+//! anything is allocated or mapped: only the fixed header is read before
+//! that, and the metadata (bounded by [`format::MAX_META`]) once it is known
+//! to lie inside the file.
+
+use crate::error::{Error, Result};
+use crate::format::{self, v1, Header, V2_FIXED, VERSION_V1, VERSION_V2};
+use crate::hash::{self, Sha1Digest};
+use crate::storage::Storage;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Debug, Clone)]
+pub struct VerifyOptions<'a> {
+    /// Reject (incompatible) when the payload ABI differs.
+    pub expected_abi: Option<&'a str>,
+    /// Reject (incompatible) when the quantization differs.
+    pub quant_bits: Option<u8>,
+    /// Reject (incompatible) when the checkpoint holds more tokens than this.
+    pub ctx: Option<u64>,
+    /// Require the name `<sha1 of text>.kv`.
+    pub check_name: bool,
+    /// Require the stored text to be a byte prefix of this prompt.
+    pub prompt: Option<&'a [u8]>,
+    /// Run the payload stage (tensor table, checksum) and map the payload.
+    pub load_payload: bool,
+    /// Verify the payload checksum (on by default; costs one pass).
+    pub verify_checksum: bool,
+    /// Memory-map the payload (copy-on-write, read-only); else pread it.
+    pub mmap: bool,
+}
+
+impl Default for VerifyOptions<'_> {
+    fn default() -> Self {
+        VerifyOptions {
+            expected_abi: None,
+            quant_bits: None,
+            ctx: None,
+            check_name: true,
+            prompt: None,
+            load_payload: true,
+            verify_checksum: true,
+            mmap: true,
+        }
+    }
+}
+
+/// A verified checkpoint. The payload (when loaded) stays valid for as long
+/// as any clone of `storage` lives.
+#[derive(Debug)]
+pub struct Checkpoint {
+    pub path: PathBuf,
+    pub header: Header,
+    pub text: Vec<u8>,
+    pub file_len: u64,
+    pub storage: Option<Arc<Storage>>,
+    /// Offset of the payload inside `storage`.
+    pub payload_base: usize,
+    /// ds4 v1 only: the 13 DSV4 payload header fields.
+    pub dsv4: Option<[u32; 13]>,
+}
+
+impl Checkpoint {
+    pub fn payload(&self) -> Option<&[u8]> {
+        let s = self.storage.as_ref()?;
+        s.bytes().get(self.payload_base..self.payload_base + self.header.payload_bytes as usize)
+    }
+}
+
+/// `<40 lowercase hex>.kv` -> the digest.
+pub fn digest_from_name(path: &Path) -> Result<Sha1Digest> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    name.strip_suffix(".kv")
+        .and_then(hash::parse_hex_digest)
+        .ok_or_else(|| Error::BadName { name: name.to_owned() })
+}
+
+/// Opens a file for reading without following a final symlink, and checks
+/// that what was opened is a regular file.
+pub fn open_regular(path: &Path, write: bool) -> Result<(File, u64)> {
+    let md = std::fs::symlink_metadata(path)?;
+    let ft = md.file_type();
+    if ft.is_symlink() {
+        return Err(Error::NotRegularFile { what: "symlink" });
+    }
+    if ft.is_dir() {
+        return Err(Error::NotRegularFile { what: "directory" });
+    }
+    if !ft.is_file() {
+        return Err(Error::NotRegularFile { what: "special file" });
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                Error::NotRegularFile { what: "symlink" }
+            } else {
+                Error::Io(e)
+            }
+        })?;
+    let md = file.metadata()?; // the file we actually hold (no TOCTOU)
+    if !md.file_type().is_file() {
+        return Err(Error::NotRegularFile { what: "special file" });
+    }
+    Ok((file, md.len()))
+}
+
+fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8>> {
+    // Callers have checked offset+len <= file_len; re-check to be safe.
+    let end = offset.checked_add(len).ok_or(Error::SizeOverflow)?;
+    if end > file_len {
+        return Err(Error::Truncated { expected: end, actual: file_len });
+    }
+    let mut v = vec![0u8; len as usize];
+    file.read_exact_at(&mut v, offset).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            // The file shrank under us.
+            Error::Truncated { expected: end, actual: file_len }
+        } else {
+            Error::Io(e)
+        }
+    })?;
+    Ok(v)
+}
+
+/// Header stage only (corrupt checks): reads and checks the header of an
+/// open file of length `file_len`.
+pub fn read_header(file: &File, file_len: u64) -> Result<Header> {
+    let head = pread_vec(file, 0, file_len.min(V2_FIXED as u64), file_len)?;
+    match format::sniff(&head, file_len)? {
+        VERSION_V1 => v1::parse_v1(&head, file_len),
+        VERSION_V2 => {
+            let meta_len = format::v2_meta_len(&head, file_len)?;
+            let meta = pread_vec(file, V2_FIXED as u64, meta_len, file_len)?;
+            format::parse_v2(&head, &meta, file_len)
+        }
+        found => Err(Error::UnsupportedVersion { found }),
+    }
+}
+
+/// Runs the whole verification pipeline on `path`.
+pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
+    // Stage: open.
+    let name_digest = if o.check_name { Some(digest_from_name(path)?) } else { None };
+    let (file, file_len) = open_regular(path, false)?;
+
+    // Stage: header (corrupt, then incompatible).
+    let header = read_header(&file, file_len)?;
+    if let Some(abi) = o.expected_abi {
+        if header.abi != abi {
+            let found = if header.version == VERSION_V1 { "ds4 v1 (DSV4 payload)".to_owned() } else { header.abi.clone() };
+            return Err(Error::AbiMismatch { found, expected: abi.to_owned() });
+        }
+    }
+    if let Some(q) = o.quant_bits {
+        if header.quant_bits != q {
+            return Err(Error::QuantMismatch { found: header.quant_bits, expected: q });
+        }
+    }
+    if let Some(ctx) = o.ctx {
+        if header.tokens as u64 > ctx {
+            return Err(Error::CtxTooSmall { tokens: header.tokens as u64, ctx });
+        }
+    }
+
+    // Stage: text.
+    let text = pread_vec(&file, header.text_offset, header.text_bytes as u64, file_len)?;
+    let digest = hash::sha1(&text);
+    if let Some(stored) = header.text_sha1 {
+        if stored != digest {
+            return Err(Error::TextHashMismatch { stored: hash::to_hex(&stored), computed: hash::to_hex(&digest) });
+        }
+    }
+    if let Some(nd) = name_digest {
+        if nd != digest {
+            return Err(Error::NameMismatch { name: hash::to_hex(&nd), computed: hash::to_hex(&digest) });
+        }
+    }
+    if let Some(prompt) = o.prompt {
+        if !hash::is_byte_prefix(&text, prompt) {
+            let len = text.len() as u64;
+            if text.len() <= prompt.len() && prompt.get(..text.len()).map(hash::sha1) == Some(digest) {
+                let at = hash::common_prefix_len(&text, prompt) as u64;
+                return Err(Error::PrefixCollision { len, at });
+            }
+            return Err(Error::NotPrefix { len, prompt_len: prompt.len() as u64 });
+        }
+    }
+    if header.version == VERSION_V2 {
+        // The padding between text and payload must be zero.
+        let text_end = header.text_offset + header.text_bytes as u64;
+        let pad = pread_vec(&file, text_end, header.payload_offset - text_end, file_len)?;
+        if let Some(i) = pad.iter().position(|&b| b != 0) {
+            return Err(Error::BadPadding { offset: text_end + i as u64 });
+        }
+    }
+
+    let mut ck = Checkpoint {
+        path: path.to_path_buf(),
+        header,
+        text,
+        file_len,
+        storage: None,
+        payload_base: 0,
+        dsv4: None,
+    };
+    if !o.load_payload {
+        if ck.header.version == VERSION_V1 {
+            let n = ck.header.payload_bytes.min(52);
+            let head = pread_vec(&file, ck.header.payload_offset, n, file_len)?;
+            ck.dsv4 = v1::decode_dsv4(&head, ck.header.tokens).ok();
+        }
+        return Ok(ck);
+    }
+
+    // Stage: payload.
+    if ck.header.version == VERSION_V1 {
+        let n = ck.header.payload_bytes.min(52);
+        let head = pread_vec(&file, ck.header.payload_offset, n, file_len)?;
+        ck.dsv4 = Some(v1::decode_dsv4(&head, ck.header.tokens)?);
+    } else {
+        format::check_tensor_table(&ck.header.tensors, ck.header.payload_bytes)?;
+    }
+    let (storage, base) = if o.mmap {
+        (Storage::map(&file, file_len)?, ck.header.payload_offset as usize)
+    } else {
+        (Storage::pread(&file, ck.header.payload_offset, ck.header.payload_bytes, file_len)?, 0)
+    };
+    ck.storage = Some(Arc::new(storage));
+    ck.payload_base = base;
+    if o.verify_checksum && ck.header.version == VERSION_V2 {
+        let payload = ck.payload().ok_or(Error::Truncated { expected: ck.header.total_len, actual: file_len })?;
+        let computed = format::payload_checksum(payload);
+        if computed != ck.header.payload_checksum {
+            return Err(Error::PayloadChecksum { stored: ck.header.payload_checksum, computed });
+        }
+    }
+    Ok(ck)
+}
+
+/// Records a hit: `hits += 1`, `last_used = now`, under an exclusive `flock`
+/// so concurrent hits from several processes are never lost. Only the
+/// mutable fields are written; they are outside the header checksum.
+pub fn touch(path: &Path, now: u64) -> Result<u32> {
+    let (file, file_len) = open_regular(path, true)?;
+    let lock = FileLock::exclusive(&file)?;
+    let head = pread_vec(&file, 0, file_len.min(40), file_len)?;
+    let v = format::sniff(&head, file_len)?;
+    if v != VERSION_V1 && v != VERSION_V2 {
+        return Err(Error::UnsupportedVersion { found: v });
+    }
+    if file_len < 40 {
+        return Err(Error::TooShort { need: 40, have: file_len });
+    }
+    let hits = format::le_u32(&head, format::HITS_OFFSET as usize).saturating_add(1);
+    file.write_all_at(&hits.to_le_bytes(), format::HITS_OFFSET)?;
+    file.write_all_at(&now.to_le_bytes(), format::LAST_USED_OFFSET)?;
+    drop(lock);
+    Ok(hits)
+}
+
+/// An advisory `flock` held until dropped.
+pub struct FileLock<'a> {
+    file: &'a File,
+}
+
+impl<'a> FileLock<'a> {
+    pub fn exclusive(file: &'a File) -> Result<Self> {
+        use std::os::unix::io::AsRawFd;
+        loop {
+            // SAFETY: flock on a valid, open descriptor; no memory is passed.
+            let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+            if r == 0 {
+                return Ok(FileLock { file });
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(Error::Io(e));
+            }
+        }
+    }
+}
+
+impl Drop for FileLock<'_> {
+    fn drop(&mut self) {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: as above.
+        unsafe {
+            libc::flock(self.file.as_raw_fd(), libc::LOCK_UN);
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! The one error type of the core crate.
+//!
+//! Every variant has a stable [`Error::code`] (the Python exception in
+//! `ds4.errors` with the same `code` is raised for it), the verification
+//! [`Error::stage`] that produces it and a [`Class`] that tells recovery what
+//! to do with the file.
+
+use std::io;
+
+/// What recovery does with a file that failed with this error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// The bytes are damaged: invalidate, remove (or quarantine), go on.
+    Corrupt,
+    /// Intact but for another engine/model/layout/context: skip and keep.
+    Incompatible,
+    /// Intact but not for this prompt (or not a checkpoint name): skip and keep.
+    Mismatch,
+    /// An operating-system error (permissions, I/O): not the file's fault.
+    Io,
+}
+
+impl Class {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Corrupt => "corrupt",
+            Class::Incompatible => "incompatible",
+            Class::Mismatch => "mismatch",
+            Class::Io => "io",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    #[error("not a regular file: {what}")]
+    NotRegularFile { what: &'static str },
+    #[error("file name {name:?} is not <40 lowercase hex digits>.kv")]
+    BadName { name: String },
+    #[error("file is {have} bytes, shorter than the {need}-byte fixed header")]
+    TooShort { need: u64, have: u64 },
+    #[error("bad magic {found:02x?}, expected \"KVC\"")]
+    BadMagic { found: [u8; 3] },
+    #[error("format version {found} is not supported (this build reads versions 1 and 2)")]
+    UnsupportedVersion { found: u8 },
+    #[error("reserved header byte at offset {offset} is {value:#04x}, not zero")]
+    ReservedNonZero { offset: u64, value: u8 },
+    #[error("header checksum mismatch: stored {stored:016x}, computed {computed:016x}")]
+    HeaderChecksum { stored: u64, computed: u64 },
+    #[error("declared section sizes overflow 64-bit arithmetic")]
+    SizeOverflow,
+    #[error("{what} is {len} bytes, more than the {max} the format allows")]
+    HeaderTooLarge { what: &'static str, len: u64, max: u64 },
+    #[error("bad metadata: {0}")]
+    BadMetadata(String),
+    #[error("file is truncated: its header declares {expected} bytes, the file has {actual}")]
+    Truncated { expected: u64, actual: u64 },
+    #[error("file has {extra} trailing bytes after the {expected} its header declares")]
+    TrailingBytes { expected: u64, extra: u64 },
+    #[error("alignment padding at offset {offset} is not zero")]
+    BadPadding { offset: u64 },
+    #[error("payload ABI {found:?} differs from the session's {expected:?}")]
+    AbiMismatch { found: String, expected: String },
+    #[error("quantization {found} bits differs from the session's {expected}")]
+    QuantMismatch { found: u8, expected: u8 },
+    #[error("checkpoint holds {tokens} tokens, more than the context of {ctx} can take")]
+    CtxTooSmall { tokens: u64, ctx: u64 },
+    #[error("SHA-1 of the stored text is {computed}, the header records {stored}")]
+    TextHashMismatch { stored: String, computed: String },
+    #[error("SHA-1 of the stored text is {computed}, the file is named {name}")]
+    NameMismatch { name: String, computed: String },
+    #[error("stored text ({len} bytes) is not a byte prefix of the prompt ({prompt_len} bytes)")]
+    NotPrefix { len: u64, prompt_len: u64 },
+    #[error("prompt prefix of {len} bytes hashes to the file name but its bytes differ at {at}")]
+    PrefixCollision { len: u64, at: u64 },
+    #[error("tensor table: {0}")]
+    TensorTable(String),
+    #[error("payload checksum mismatch: stored {stored:016x}, computed {computed:016x}")]
+    PayloadChecksum { stored: u64, computed: u64 },
+    #[error("ds4 v1 payload: {0}")]
+    BadV1Payload(String),
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+impl Error {
+    /// Stable identifier; equals the `code` of the matching `ds4.errors` class.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::NotRegularFile { .. } => "not_regular_file",
+            Error::BadName { .. } => "bad_name",
+            Error::TooShort { .. } => "too_short",
+            Error::BadMagic { .. } => "bad_magic",
+            Error::UnsupportedVersion { .. } => "unsupported_version",
+            Error::ReservedNonZero { .. } => "reserved_nonzero",
+            Error::HeaderChecksum { .. } => "header_checksum",
+            Error::SizeOverflow => "size_overflow",
+            Error::HeaderTooLarge { .. } => "header_too_large",
+            Error::BadMetadata(_) => "bad_metadata",
+            Error::Truncated { .. } => "truncated",
+            Error::TrailingBytes { .. } => "trailing_bytes",
+            Error::BadPadding { .. } => "bad_padding",
+            Error::AbiMismatch { .. } => "abi_mismatch",
+            Error::QuantMismatch { .. } => "quant_mismatch",
+            Error::CtxTooSmall { .. } => "ctx_too_small",
+            Error::TextHashMismatch { .. } => "text_sha1_mismatch",
+            Error::NameMismatch { .. } => "name_mismatch",
+            Error::NotPrefix { .. } => "not_prefix",
+            Error::PrefixCollision { .. } => "prefix_collision",
+            Error::TensorTable(_) => "tensor_table",
+            Error::PayloadChecksum { .. } => "payload_checksum",
+            Error::BadV1Payload(_) => "bad_v1_payload",
+            Error::Io(_) => "io",
+        }
+    }
+
+    /// The verification stage that reports this error.
+    pub fn stage(&self) -> &'static str {
+        match self {
+            Error::NotRegularFile { .. } | Error::BadName { .. } | Error::Io(_) => "open",
+            Error::TooShort { .. }
+            | Error::BadMagic { .. }
+            | Error::UnsupportedVersion { .. }
+            | Error::ReservedNonZero { .. }
+            | Error::HeaderChecksum { .. }
+            | Error::SizeOverflow
+            | Error::HeaderTooLarge { .. }
+            | Error::BadMetadata(_)
+            | Error::Truncated { .. }
+            | Error::TrailingBytes { .. }
+            | Error::BadPadding { .. }
+            | Error::AbiMismatch { .. }
+            | Error::QuantMismatch { .. }
+            | Error::CtxTooSmall { .. } => "header",
+            Error::TextHashMismatch { .. }
+            | Error::NameMismatch { .. }
+            | Error::NotPrefix { .. }
+            | Error::PrefixCollision { .. } => "text",
+            Error::TensorTable(_) | Error::PayloadChecksum { .. } | Error::BadV1Payload(_) => {
+                "payload"
+            }
+        }
+    }
+
+    pub fn class(&self) -> Class {
+        match self {
+            Error::UnsupportedVersion { .. }
+            | Error::AbiMismatch { .. }
+            | Error::QuantMismatch { .. }
+            | Error::CtxTooSmall { .. } => Class::Incompatible,
+            Error::BadName { .. } | Error::NotPrefix { .. } => Class::Mismatch,
+            Error::Io(_) => Class::Io,
+            _ => Class::Corrupt,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

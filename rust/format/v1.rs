@@ -1,0 +1,99 @@
+//! ds4's own v1 files (ds4_kvstore.c): a 48-byte header, `u32` text length,
+//! the text, the engine payload (DSV4), and an optional trailer.
+//! They are listed, verified and inspected; their payload is described, not
+//! executed.
+#![deny(clippy::indexing_slicing)]
+
+use super::{byte, check_total, le_u32, le_u64, Header, VERSION_V1};
+use crate::error::{Error, Result};
+
+pub const V1_FIXED: usize = 52;
+pub const DSV4_MAGIC: u32 = 0x3456_5344;
+pub const DSV4_FIELDS: [&str; 13] = [
+    "magic",
+    "version",
+    "ctx",
+    "prefill_cap",
+    "raw_cap",
+    "raw_window",
+    "comp_cap",
+    "tokens",
+    "layers",
+    "head_dim",
+    "indexer_dim",
+    "vocab",
+    "raw_live",
+];
+/// ext flag bit 0: the file carries a tool-map (KTM) trailer.
+pub const EXT_TOOL_MAP: u8 = 1;
+
+/// Parses a v1 header from the first 52 bytes. ds4 allows bytes after the
+/// payload only as its tool-map trailer: when ext bit 0 is set they are
+/// reported as `trailer_bytes`; otherwise they are `TrailingBytes`.
+pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
+    if file_len < V1_FIXED as u64 || head.len() < V1_FIXED {
+        return Err(Error::TooShort { need: V1_FIXED as u64, have: file_len });
+    }
+    let flags = byte(head, 6);
+    let text_bytes = le_u32(head, 48);
+    let payload_bytes = le_u64(head, 40);
+    let text_offset = V1_FIXED as u64;
+    let payload_offset = text_offset.checked_add(text_bytes as u64).ok_or(Error::SizeOverflow)?;
+    let end = payload_offset.checked_add(payload_bytes).ok_or(Error::SizeOverflow)?;
+    let mut trailer = 0;
+    if flags & EXT_TOOL_MAP != 0 && end <= file_len {
+        trailer = file_len - end;
+    } else {
+        check_total(end, file_len)?;
+    }
+    Ok(Header {
+        version: VERSION_V1,
+        quant_bits: byte(head, 4),
+        reason: byte(head, 5),
+        flags,
+        tokens: le_u32(head, 8),
+        hits: le_u32(head, 12),
+        ctx: le_u32(head, 16),
+        created: le_u64(head, 24),
+        last_used: le_u64(head, 32),
+        payload_bytes,
+        text_bytes,
+        text_sha1: None,
+        payload_checksum: 0,
+        header_checksum: 0,
+        abi: String::new(),
+        tensors: Vec::new(),
+        text_offset,
+        payload_offset,
+        total_len: file_len,
+        trailer_bytes: trailer,
+    })
+}
+
+/// Decodes the 13 u32 fields at the start of a DSV4 payload and checks the
+/// magic, version and that the token count matches the file header.
+pub fn decode_dsv4(payload_head: &[u8], header_tokens: u32) -> Result<[u32; 13]> {
+    if payload_head.len() < 52 {
+        return Err(Error::BadV1Payload(format!(
+            "payload is {} bytes, shorter than the 52-byte DSV4 header",
+            payload_head.len()
+        )));
+    }
+    let mut f = [0u32; 13];
+    for (i, v) in f.iter_mut().enumerate() {
+        *v = le_u32(payload_head, 4 * i);
+    }
+    if f[0] != DSV4_MAGIC {
+        return Err(Error::BadV1Payload(format!("magic {:#010x} is not DSV4", f[0])));
+    }
+    if f[1] != 1 {
+        return Err(Error::BadV1Payload(format!("DSV4 version {} is not 1", f[1])));
+    }
+    if f[7] != header_tokens {
+        return Err(Error::BadV1Payload(format!(
+            "DSV4 token count {} differs from the header's {header_tokens}",
+            f[7]
+        )));
+    }
+    Ok(f)
+}

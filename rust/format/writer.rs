@@ -1,0 +1,207 @@
+//! The v2 writer: streams tensors to a temp file in the target directory,
+//! fsyncs it, renames it into place and fsyncs the directory. Nothing is
+//! concatenated in memory; the payload checksum is computed in a first pass
+//! over the caller's buffers.
+
+use super::{align_up, header_checksum, Dtype, TensorInfo, ALIGN, MAX_ABI, MAX_NAME, MAX_NDIM, MAX_TENSORS, V2_FIXED, VERSION_V2};
+use crate::error::{Error, Result};
+use crate::hash::sha1;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use xxhash_rust::xxh3::Xxh3;
+
+/// One tensor to write: raw little-endian bytes of a C-contiguous array.
+pub struct TensorSrc<'a> {
+    pub name: &'a str,
+    pub dtype: Dtype,
+    pub shape: &'a [u64],
+    pub data: &'a [u8],
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct WriteMeta {
+    pub quant_bits: u8,
+    pub reason: u8,
+    pub flags: u8,
+    pub tokens: u32,
+    pub ctx: u32,
+    pub created: u64,
+    pub abi: String,
+}
+
+/// The file a writer produced.
+#[derive(Debug, Clone)]
+pub struct Written {
+    pub path: PathBuf,
+    pub file_len: u64,
+    pub payload_checksum: u64,
+    pub header_checksum: u64,
+}
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Temp files are `.<final name>.tmp.<pid>.<unique>`: hidden from listings,
+/// recognisable by the store's cleanup, unique per process and call.
+pub fn temp_name(final_name: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    format!(".{final_name}.tmp.{}.{:x}{:x}", std::process::id(), t, n)
+}
+
+/// Builds the header and metadata bytes for `text` and `tensors`.
+pub fn encode_header(meta: &WriteMeta, text: &[u8], tensors: &[TensorSrc<'_>]) -> Result<(Vec<u8>, Vec<TensorInfo>, u64)> {
+    if meta.abi.len() > MAX_ABI {
+        return Err(Error::HeaderTooLarge { what: "ABI string", len: meta.abi.len() as u64, max: MAX_ABI as u64 });
+    }
+    if tensors.len() > MAX_TENSORS {
+        return Err(Error::HeaderTooLarge { what: "tensor table", len: tensors.len() as u64, max: MAX_TENSORS as u64 });
+    }
+    let text_len: u32 = text
+        .len()
+        .try_into()
+        .map_err(|_| Error::HeaderTooLarge { what: "text", len: text.len() as u64, max: u32::MAX as u64 })?;
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut off = 0u64;
+    let mut payload_len = 0u64;
+    for t in tensors {
+        if t.name.is_empty() || t.name.len() > MAX_NAME || t.shape.len() > MAX_NDIM {
+            return Err(Error::TensorTable(format!("cannot write tensor {:?}: bad name or too many dimensions", t.name)));
+        }
+        let want = t.shape.iter().try_fold(t.dtype.itemsize(), |a, &d| a.checked_mul(d)).ok_or(Error::SizeOverflow)?;
+        if want != t.data.len() as u64 {
+            return Err(Error::TensorTable(format!(
+                "cannot write tensor {:?}: {} data bytes for shape {:?}, expected {want}",
+                t.name,
+                t.data.len(),
+                t.shape
+            )));
+        }
+        infos.push(TensorInfo { name: t.name.to_owned(), dtype: t.dtype, shape: t.shape.to_vec(), offset: off, nbytes: want });
+        payload_len = off + want;
+        off = align_up(payload_len).ok_or(Error::SizeOverflow)?;
+    }
+    super::check_tensor_table(&infos, payload_len)?;
+
+    let mut m = Vec::new();
+    m.extend_from_slice(&(meta.abi.len() as u16).to_le_bytes());
+    m.extend_from_slice(meta.abi.as_bytes());
+    m.extend_from_slice(&(infos.len() as u16).to_le_bytes());
+    for t in &infos {
+        m.push(t.name.len() as u8);
+        m.extend_from_slice(t.name.as_bytes());
+        m.push(t.dtype as u8);
+        m.push(t.shape.len() as u8);
+        for d in &t.shape {
+            m.extend_from_slice(&d.to_le_bytes());
+        }
+        m.extend_from_slice(&t.offset.to_le_bytes());
+        m.extend_from_slice(&t.nbytes.to_le_bytes());
+    }
+    if m.len() as u64 > super::MAX_META {
+        return Err(Error::HeaderTooLarge { what: "metadata", len: m.len() as u64, max: super::MAX_META });
+    }
+
+    let mut f = vec![0u8; V2_FIXED];
+    f[0..3].copy_from_slice(&super::MAGIC);
+    f[3] = VERSION_V2;
+    f[4] = meta.quant_bits;
+    f[5] = meta.reason;
+    f[6] = meta.flags;
+    f[8..12].copy_from_slice(&meta.tokens.to_le_bytes());
+    // 12..16 hits = 0
+    f[16..20].copy_from_slice(&meta.ctx.to_le_bytes());
+    f[20..24].copy_from_slice(&(m.len() as u32).to_le_bytes());
+    f[24..32].copy_from_slice(&meta.created.to_le_bytes());
+    f[32..40].copy_from_slice(&meta.created.to_le_bytes()); // last_used starts at created
+    f[40..48].copy_from_slice(&payload_len.to_le_bytes());
+    f[48..52].copy_from_slice(&text_len.to_le_bytes());
+    // 52..56: reserved for flags of future versions, zero
+    f[56..76].copy_from_slice(&sha1(text));
+    // payload checksum (80..88) is filled by the caller; header checksum last.
+    f.extend_from_slice(&m);
+    Ok((f, infos, payload_len))
+}
+
+/// Computes the payload checksum over tensors and their zero padding.
+pub fn checksum_tensors(tensors: &[TensorSrc<'_>]) -> u64 {
+    let zeros = [0u8; ALIGN as usize];
+    let mut h = Xxh3::new();
+    let mut pos = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let _ = i;
+        let aligned = align_up(pos).unwrap_or(pos);
+        h.update(&zeros[..(aligned - pos) as usize]);
+        h.update(t.data);
+        pos = aligned + t.data.len() as u64;
+    }
+    h.digest()
+}
+
+/// Writes a v2 checkpoint durably to `path`: a 0600 temp file in the same
+/// directory, fsync, rename, fsync of the directory. On any error the temp
+/// file is removed and `path` is untouched.
+pub fn write_checkpoint(path: &Path, meta: &WriteMeta, text: &[u8], tensors: &[TensorSrc<'_>]) -> Result<Written> {
+    let (mut head, _infos, payload_len) = encode_header(meta, text, tensors)?;
+    let sum = checksum_tensors(tensors);
+    head[80..88].copy_from_slice(&sum.to_le_bytes());
+    let hsum = header_checksum(&head[..V2_FIXED], &head[V2_FIXED..]);
+    head[88..96].copy_from_slice(&hsum.to_le_bytes());
+
+    let text_end = head.len() as u64 + text.len() as u64;
+    let payload_off = align_up(text_end).ok_or(Error::SizeOverflow)?;
+    let total = payload_off + payload_len;
+
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| Error::Io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "checkpoint path has no file name")))?;
+    let tmp = dir.join(temp_name(name));
+    let res = (|| -> Result<()> {
+        let file = OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_CLOEXEC).open(&tmp)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+        w.write_all(&head)?;
+        w.write_all(text)?;
+        let zeros = [0u8; ALIGN as usize];
+        w.write_all(&zeros[..(payload_off - text_end) as usize])?;
+        let mut pos = 0u64;
+        for t in tensors {
+            let aligned = align_up(pos).ok_or(Error::SizeOverflow)?;
+            w.write_all(&zeros[..(aligned - pos) as usize])?;
+            w.write_all(t.data)?;
+            pos = aligned + t.data.len() as u64;
+        }
+        let file = w.into_inner().map_err(|e| Error::Io(e.into_error()))?;
+        let written = file.metadata()?.len();
+        if written != total {
+            return Err(Error::Io(std::io::Error::other(format!(
+                "wrote {written} bytes, expected {total}"
+            ))));
+        }
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&tmp, path)?;
+        sync_dir(&dir)?;
+        Ok(())
+    })();
+    if let Err(e) = res {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    Ok(Written { path: path.to_path_buf(), file_len: total, payload_checksum: sum, header_checksum: hsum })
+}
+
+/// fsync a directory so a rename or unlink in it survives a crash.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)?.sync_all()?;
+    Ok(())
+}
