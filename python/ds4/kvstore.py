@@ -1,0 +1,469 @@
+"""KVStore: a directory of checkpoints with ds4's policy on top.
+
+* Files are ``<sha1 of the rendered text>.kv`` (format v2, written by the
+  Rust core: temp file, fsync, rename, fsync of the directory, mode 0600).
+* An in-memory index (name -> header facts) is kept across lookups; the
+  directory is rescanned only when its mtime changes (another process added,
+  replaced or removed a file), and only new or changed files are re-read.
+* Lookup hashes the prompt once, snapshotting SHA-1 at every stored text
+  length (``_core.sha1_prefixes``), instead of one hash per candidate.
+* Candidates are tried longest first; a corrupt one is removed (or moved to
+  the quarantine directory) and the next is tried; an incompatible one is
+  skipped and kept (ds4-reference.md section 5.6).
+* Budget in MiB with 1 % slack; eviction by ds4's score
+  ``(hits * 2^(-age/6h) + 1) * tokens / file_size``, the newest file
+  protected; one failed unlink does not stop eviction (section 5.12).
+* Temp files left by crashed writers (dead pid, or older than an hour) and
+  files whose header is corrupt are removed on refresh, so nothing leaks
+  outside the budget (section 5.7).
+* Stores and evictions take an exclusive ``flock`` on ``.ds4.lock`` in the
+  directory, so several processes can share one directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import time
+from typing import Optional, Union
+
+from . import _core
+from .checkpoint import open_checkpoint, reason_code, write_checkpoint
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    InvalidSessionError,
+    StoreError,
+    StoreFullError,
+)
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = ["KVStore", "Entry", "LoadResult"]
+
+_NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
+_TMP_RE = re.compile(r"^\.(?P<name>[0-9a-f]{40}\.kv)\.tmp\.(?P<pid>\d+)\.[0-9a-f]+$")
+LOCK_NAME = ".ds4.lock"
+HALF_LIFE_S = 6 * 3600
+TMP_MAX_AGE_S = 3600
+
+
+@dataclasses.dataclass
+class Entry:
+    """What the index knows of one checkpoint file (from its header)."""
+
+    name: str
+    path: str
+    version: int
+    tokens: int
+    text_bytes: int
+    hits: int
+    created: int
+    last_used: int
+    size: int
+    abi: str
+    reason: str
+    ctx: int
+    stat_key: tuple
+
+    def score(self, now: float, half_life: float = HALF_LIFE_S) -> float:
+        used = self.last_used or self.created
+        age = max(0.0, now - used) if used else 0.0
+        eff = self.hits * 2.0 ** (-age / half_life) if used else 0.0
+        if eff < 0.01:
+            eff = 0.0
+        return (eff + 1.0) * self.tokens / max(1, self.size)
+
+
+@dataclasses.dataclass
+class LoadResult:
+    path: str
+    tokens: int
+    text_bytes: int
+
+
+class _DirLock:
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, LOCK_NAME)
+        self.fd = -1
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _stat_key(st: os.stat_result) -> tuple:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class KVStore:
+    """A checkpoint directory with ds4's store policy (defaults are ds4's)."""
+
+    def __init__(
+        self,
+        directory: Union[str, os.PathLike],
+        budget_mb: float = 4096,
+        *,
+        min_tokens: int = 512,
+        cold_max_tokens: int = 30000,
+        continued_interval_tokens: int = 10000,
+        boundary_trim_tokens: int = 32,
+        boundary_align_tokens: int = 2048,
+        reject_different_quant: bool = True,
+        quarantine_dir: Union[str, os.PathLike, None] = None,
+        verify_checksum: bool = True,
+        mmap: bool = True,
+        consume_over_cold_max: bool = False,
+    ):
+        self.dir = os.path.abspath(os.fspath(directory))
+        try:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise StoreError(e.errno, f"cannot create cache directory: {e.strerror}", self.dir) from e
+        if not os.path.isdir(self.dir) or os.path.islink(self.dir):
+            raise StoreError(errno.ENOTDIR, "cache path is not a directory", self.dir)
+        self.budget_bytes = int(budget_mb * 1024 * 1024)
+        self.min_tokens = min_tokens
+        self.cold_max_tokens = cold_max_tokens
+        self.continued_interval_tokens = continued_interval_tokens
+        self.boundary_trim_tokens = boundary_trim_tokens
+        self.boundary_align_tokens = boundary_align_tokens
+        self.reject_different_quant = reject_different_quant
+        self.quarantine_dir = os.fspath(quarantine_dir) if quarantine_dir else None
+        self.verify_checksum = verify_checksum
+        self.mmap = mmap
+        self.consume_over_cold_max = consume_over_cold_max
+        self._index: dict[str, Entry] = {}
+        self._dir_mtime: Optional[int] = None
+        self.stats = {"hits": 0, "misses": 0, "stores": 0, "evictions": 0, "rejected": 0, "removed_corrupt": 0, "scans": 0}
+        self.refresh(force=True)
+
+    # -- index ---------------------------------------------------------------
+    def refresh(self, force: bool = False) -> None:
+        """Bring the index up to date with the directory. Cheap when nothing
+        changed (one stat of the directory)."""
+        try:
+            mt = os.stat(self.dir).st_mtime_ns
+        except OSError as e:
+            raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
+        if not force and mt == self._dir_mtime:
+            return
+        self.stats["scans"] += 1
+        seen = {}
+        now = time.time()
+        with os.scandir(self.dir) as it:
+            for de in it:
+                name = de.name
+                if _NAME_RE.match(name):
+                    seen[name] = de
+                elif _TMP_RE.match(name):
+                    self._maybe_clean_tmp(de, now)
+        for name in list(self._index):
+            if name not in seen:
+                del self._index[name]
+        for name, de in seen.items():
+            try:
+                st = de.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            key = _stat_key(st)
+            old = self._index.get(name)
+            if old is not None and old.stat_key == key:
+                continue
+            self._index.pop(name, None)
+            self._index_file(name, de.path, key)
+        self._dir_mtime = mt
+
+    def _index_file(self, name: str, path: str, key: tuple) -> None:
+        try:
+            ck = open_checkpoint(path, load_payload=False)
+        except CorruptCheckpointError as e:
+            if e.code == "not_regular_file":
+                log.warning("kv cache ignoring %s: %s", name, e.reason)
+                return
+            self._discard(path, e, "refresh")
+            return
+        except CheckpointError as e:
+            log.info("kv cache ignoring %s: %s %s", name, e.code, e.reason)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("kv cache cannot read %s: %s", name, e)
+            return
+        self._index[name] = Entry(
+            name=name,
+            path=path,
+            version=ck.version,
+            tokens=ck.tokens,
+            text_bytes=ck.text_bytes,
+            hits=ck.hits,
+            created=ck.created,
+            last_used=ck.last_used,
+            size=ck.file_size,
+            abi=ck.abi,
+            reason=ck.reason_name,
+            ctx=ck.ctx,
+            stat_key=key,
+        )
+
+    def _maybe_clean_tmp(self, de: os.DirEntry, now: float) -> None:
+        m = _TMP_RE.match(de.name)
+        pid = int(m.group("pid"))
+        try:
+            st = de.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        dead = False
+        if pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                dead = True
+            except PermissionError:
+                pass
+        if dead or now - st.st_mtime > TMP_MAX_AGE_S:
+            try:
+                os.unlink(de.path)
+                log.info("kv cache removed orphaned temp file %s (writer pid %d %s)", de.name, pid, "dead" if dead else "stale")
+            except FileNotFoundError:
+                pass
+
+    def entries(self) -> list[Entry]:
+        self.refresh()
+        return sorted(self._index.values(), key=lambda e: (-e.text_bytes, e.name))
+
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self._index.values())
+
+    # -- lookup --------------------------------------------------------------
+    def lookup(self, prompt: Union[str, bytes], abi: Optional[str] = None, ctx: Optional[int] = None) -> list[Entry]:
+        """Entries whose name equals the SHA-1 of a prefix of ``prompt``,
+        longest first, in one pass over the prompt."""
+        self.refresh()
+        pb = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
+        cands = [
+            e
+            for e in self._index.values()
+            if e.text_bytes <= len(pb)
+            and e.tokens >= self.min_tokens
+            and (abi is None or e.abi == abi or e.version == 1)
+            and (ctx is None or e.tokens < ctx)
+        ]
+        if not cands:
+            return []
+        lengths = sorted({e.text_bytes for e in cands})
+        digests = dict(zip(lengths, _core.sha1_prefixes(pb, lengths)))
+        hits = [e for e in cands if digests.get(e.text_bytes) == e.name[:40]]
+        hits.sort(key=lambda e: (-e.text_bytes, -e.tokens))
+        return hits
+
+    # -- removal -------------------------------------------------------------
+    def _discard(self, path: str, err: CheckpointError, where: str) -> None:
+        """Remove (or quarantine) a corrupt file."""
+        name = os.path.basename(path)
+        self._index.pop(name, None)
+        self.stats["removed_corrupt"] += 1
+        try:
+            if self.quarantine_dir:
+                os.makedirs(self.quarantine_dir, mode=0o700, exist_ok=True)
+                dest = os.path.join(self.quarantine_dir, f"{name}.{int(time.time())}.{err.code}")
+                os.replace(path, dest)
+                log.warning("kv cache quarantined corrupt file=%s stage=%s code=%s reason=%s (%s) -> %s", name, err.stage, err.code, err.reason, where, dest)
+            else:
+                os.unlink(path)
+                log.warning("kv cache removed corrupt file=%s stage=%s code=%s reason=%s (%s)", name, err.stage, err.code, err.reason, where)
+            _core.sync_dir(self.dir)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.error("kv cache could not remove corrupt file %s: %s", name, e)
+
+    def remove(self, name_or_path: str) -> bool:
+        name = os.path.basename(name_or_path)
+        path = os.path.join(self.dir, name)
+        with _DirLock(self.dir):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+            _core.sync_dir(self.dir)
+        self._index.pop(name, None)
+        return True
+
+    # -- load ----------------------------------------------------------------
+    def try_load_text(self, sess, prompt_text: Union[str, bytes], report=None) -> Optional[LoadResult]:
+        """One rung of the ladder on its own, as in ds4: load the longest
+        stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
+        invalidate the session and are removed; incompatible ones are kept;
+        the next candidate is tried. Returns None when nothing loaded."""
+        pb = prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
+        abi = sess.payload_abi
+        for e in self.lookup(pb, ctx=sess.ctx):
+            t0 = time.perf_counter()
+            try:
+                ck = open_checkpoint(
+                    e.path,
+                    prompt=pb,
+                    expected_abi=abi,
+                    ctx=sess.ctx - 1,
+                    verify_checksum=self.verify_checksum,
+                    mmap=self.mmap,
+                )
+                sess.load_checkpoint(ck)
+            except FileNotFoundError:
+                self._index.pop(e.name, None)  # removed by another process
+                continue
+            except CheckpointError as err:
+                self.stats["rejected"] += 1
+                if report is not None:
+                    report.rejected.append((e.path, err.stage, err.code, err.reason))
+                if isinstance(err, CorruptCheckpointError):
+                    sess.invalidate(f"corrupt checkpoint {e.name}")
+                    self._discard(e.path, err, "load")
+                else:
+                    log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", e.name, err.stage, err.code, err.reason)
+                continue
+            ms = (time.perf_counter() - t0) * 1000
+            now = int(time.time())
+            consumed = self.consume_over_cold_max and self.cold_max_tokens > 0 and ck.tokens > self.cold_max_tokens
+            if not consumed:
+                try:
+                    e.hits = _core.touch(e.path, now)
+                    e.last_used = now
+                    st = os.stat(e.path)
+                    e.stat_key = _stat_key(st)
+                except OSError as ex:
+                    log.debug("kv cache touch failed for %s: %s", e.name, ex)
+            self.stats["hits"] += 1
+            log.info("kv cache hit text tokens=%d text=%d key=%s load=%.1f ms file=%s", ck.tokens, ck.text_bytes, e.name[:12], ms, e.path)
+            return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
+        self.stats["misses"] += 1
+        return None
+
+    # -- store policy ----------------------------------------------------------
+    def cold_store_len(self, n_tokens: int) -> Optional[int]:
+        """ds4's cold store length: trim the tail (BPE boundary safety) and
+        align down. Unlike ds4, a prompt too short to align keeps the trim
+        (ds4-reference.md 5.14); None when even that is below min_tokens."""
+        if n_tokens < self.min_tokens:
+            return None
+        trimmed = n_tokens - self.boundary_trim_tokens
+        if self.boundary_align_tokens > 0:
+            aligned = trimmed // self.boundary_align_tokens * self.boundary_align_tokens
+            if aligned >= self.min_tokens:
+                return aligned
+        return trimmed if trimmed >= self.min_tokens else None
+
+    def continued_step(self) -> int:
+        a = max(1, self.boundary_align_tokens)
+        return (self.continued_interval_tokens + a - 1) // a * a
+
+    def store_live_prefix(self, sess, reason: str = "cold", *, name_text: Optional[bytes] = None) -> Optional[str]:
+        """Save the live session (which must be valid) under the SHA-1 of its
+        rendered text. Returns the path, or None when the policy declines
+        (too short, over budget, key held by another engine's file)."""
+        if not sess.checkpoint_valid:
+            raise InvalidSessionError("cannot store a session without a valid checkpoint")
+        n = sess.n_past
+        if n < self.min_tokens:
+            log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, self.min_tokens)
+            return None
+        text = name_text if name_text is not None else sess.text_bytes()
+        name = _core.sha1_hex(text) + ".kv"
+        path = os.path.join(self.dir, name)
+        arrays = sess.export_arrays()
+        est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
+        if est + est // 100 > self.budget_bytes:
+            log.warning("kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB", reason, est / 2**20, self.budget_bytes / 2**20)
+            return None
+        t0 = time.perf_counter()
+        with _DirLock(self.dir):
+            existing = self._existing(path, sess, text)
+            if existing == "same":
+                log.info("kv cache store reason=%s: %s already stored", reason, name[:12])
+                return path
+            if existing == "foreign":
+                log.info("kv cache store skipped reason=%s: key %s is held by another engine's file (kept)", reason, name[:12])
+                return None
+            try:
+                size = write_checkpoint(
+                    path,
+                    text,
+                    arrays,
+                    abi=sess.payload_abi,
+                    tokens=n,
+                    ctx=sess.ctx,
+                    reason=reason_code(reason),
+                    quant_bits=getattr(sess.engine, "quant_bits", 0),
+                )
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StoreFullError(e.errno, f"disk full while storing checkpoint: {e.strerror}", path) from e
+                raise StoreError(e.errno, f"cannot store checkpoint: {e.strerror}", path) from e
+            self.stats["stores"] += 1
+            st = os.stat(path)
+            self._index[name] = Entry(name, path, 2, n, len(text), 0, int(time.time()), int(time.time()), size, sess.payload_abi, reason, sess.ctx, _stat_key(st))
+            log.info("kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms", n, reason, name[:12], size / 2**20, (time.perf_counter() - t0) * 1000)
+            self._evict_locked(protect=name)
+        return path
+
+    def _existing(self, path: str, sess, text: bytes) -> Optional[str]:
+        """'same' if a valid file for this engine and text exists, 'foreign'
+        if a valid file of another engine holds the key, None otherwise
+        (missing, or corrupt: then it is removed and rewritten)."""
+        if not os.path.lexists(path):
+            return None
+        try:
+            ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, verify_checksum=self.verify_checksum)
+        except IncompatibleCheckpointError:
+            return "foreign"
+        except CorruptCheckpointError as e:
+            self._discard(path, e, "store")
+            return None
+        except CheckpointError:
+            return "foreign"
+        return "same" if ck.text == text else None
+
+    # -- eviction --------------------------------------------------------------
+    def evict(self) -> int:
+        with _DirLock(self.dir):
+            return self._evict_locked(protect=None)
+
+    def _evict_locked(self, protect: Optional[str]) -> int:
+        self.refresh(force=True)
+        total = self.total_bytes()
+        limit = self.budget_bytes
+        removed = 0
+        now = time.time()
+        while total > limit:
+            cands = [e for e in self._index.values() if e.name != protect]
+            if not cands:
+                break
+            victim = min(cands, key=lambda e: (e.score(now), e.last_used or e.created))
+            try:
+                os.unlink(victim.path)
+                log.info("kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB file=%s", victim.tokens, victim.hits, victim.size / 2**20, victim.name)
+                removed += 1
+                self.stats["evictions"] += 1
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.error("kv cache eviction could not remove %s: %s (continuing)", victim.name, e)
+            self._index.pop(victim.name, None)
+            total -= victim.size
+        if removed:
+            _core.sync_dir(self.dir)
+            self._dir_mtime = None
+        return removed

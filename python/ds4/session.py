@@ -1,0 +1,299 @@
+"""Session: the live KV state of one conversation.
+
+ds4's session semantics, made strict (DESIGN.md "Session"):
+
+* ``checkpoint_valid`` means the engine state and ``logits`` describe exactly
+  ``tokens``. Only a valid session is extended or saved.
+* :meth:`Session.invalidate` is the one place validity is cleared; failed
+  prefills and decodes, failed loads and clear-history all go through it.
+* :meth:`Session.sync` extends a valid state when the new tokens extend it and
+  rebuilds from scratch otherwise.
+* :meth:`Session.rewrite_from_common` returns ``Rewrite.REBUILD_NEEDED`` and
+  leaves the session untouched when the engine cannot rewind.
+* Loads are transactional: the checkpoint is verified (Rust) and validated by
+  the engine before the live state changes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from .engine import Engine
+from .errors import (
+    ContextOverflowError,
+    EmptyPromptError,
+    EngineError,
+    EngineStateError,
+    InvalidSessionError,
+    TokenCountMismatchError,
+)
+
+log = logging.getLogger("ds4.session")
+
+__all__ = ["Session", "Rewrite", "TOKENS_TENSOR"]
+
+#: payload tensor holding the session's tokens (int32); reserved name
+TOKENS_TENSOR = "tokens"
+
+
+class Rewrite(enum.Enum):
+    OK = "ok"
+    REBUILD_NEEDED = "rebuild_needed"
+    ERROR = "error"
+
+
+class Session:
+    """One conversation's tokens, engine KV state and next-token logits."""
+
+    def __init__(self, engine: Engine, ctx: int = 8192):
+        if ctx <= 1:
+            raise ValueError(f"ctx must be > 1, got {ctx}")
+        if ctx > engine.max_ctx:
+            raise ValueError(f"ctx {ctx} exceeds the engine's maximum {engine.max_ctx}")
+        self.engine = engine
+        self.ctx = ctx
+        self._ectx = engine.new_context(ctx)
+        self._tokens: list[int] = []
+        self._logits: Optional[np.ndarray] = None
+        self._valid = False
+        self._abi = engine.payload_abi()
+        self.last_error: Optional[str] = None
+
+    # -- state ---------------------------------------------------------------
+    @property
+    def checkpoint_valid(self) -> bool:
+        return self._valid
+
+    @property
+    def tokens(self) -> list[int]:
+        """A copy of the live tokens (empty when invalid)."""
+        return list(self._tokens) if self._valid else []
+
+    @property
+    def n_past(self) -> int:
+        return len(self._tokens) if self._valid else 0
+
+    @property
+    def logits(self) -> Optional[np.ndarray]:
+        """Next-token logits (read-only view), or None when invalid."""
+        if not self._valid or self._logits is None:
+            return None
+        v = self._logits.view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def payload_abi(self) -> str:
+        return self._abi
+
+    def text_bytes(self, n: Optional[int] = None) -> bytes:
+        """The rendered bytes of the first ``n`` live tokens (the store key)."""
+        toks = self._tokens if n is None else self._tokens[:n]
+        tb = self.engine.token_bytes
+        return b"".join(tb(t) for t in toks)
+
+    def argmax(self) -> int:
+        if not self._valid or self._logits is None:
+            raise InvalidSessionError("argmax on a session without a valid checkpoint")
+        return int(np.argmax(self._logits))
+
+    def invalidate(self, reason: str = "") -> None:
+        """Clear validity (the one place that does). The engine state is reset
+        so nothing stale can be extended by mistake."""
+        if self._valid or self._tokens:
+            log.debug("session invalidated%s", f": {reason}" if reason else "")
+        self._valid = False
+        self._tokens = []
+        self._logits = None
+        try:
+            self._ectx.reset()
+        except Exception:  # a broken engine context: make a fresh one
+            self._ectx = self.engine.new_context(self.ctx)
+
+    # -- prefill / decode ----------------------------------------------------
+    def check_prompt(self, tokens: Sequence[int]) -> None:
+        """Raise for an empty prompt or one that leaves no room in ``ctx``."""
+        if len(tokens) == 0:
+            raise EmptyPromptError("prompt is empty")
+        if len(tokens) >= self.ctx:
+            raise ContextOverflowError(len(tokens), self.ctx)
+
+    def _eval(self, toks: Sequence[int], progress=None) -> None:
+        try:
+            logits = self._ectx.eval(toks, progress)
+        except (ContextOverflowError, ValueError) as e:
+            # Rejected before the engine touched its state: keep validity
+            # only if the engine guarantees that; be strict and invalidate.
+            self.invalidate(f"eval rejected: {e}")
+            raise
+        except BaseException as e:
+            self.invalidate(f"eval failed: {e}")
+            if isinstance(e, EngineError) or not isinstance(e, Exception):
+                raise
+            raise EngineError(f"engine failed during prefill/decode: {e}") from e
+        self._tokens.extend(int(t) for t in toks)
+        self._logits = np.asarray(logits, dtype=np.float32)
+
+    def sync(
+        self,
+        tokens: Sequence[int],
+        *,
+        progress: Optional[Callable[[int, int], None]] = None,
+        frontier_every: Optional[int] = None,
+        on_frontier: Optional[Callable[["Session"], None]] = None,
+    ) -> int:
+        """Make the session describe ``tokens``; return how many were reused.
+
+        Extends the live state when it is valid and ``tokens`` extends it;
+        otherwise rebuilds from scratch. With ``frontier_every``, prefill is
+        split at absolute multiples of it and ``on_frontier(self)`` runs at
+        each (the state is valid there: continued saves hook in here). On any
+        failure the session is invalid and the error propagates."""
+        tokens = [int(t) for t in tokens]
+        self.check_prompt(tokens)
+        reused = 0
+        if self._valid and len(tokens) >= len(self._tokens) and tokens[: len(self._tokens)] == self._tokens:
+            reused = len(self._tokens)
+        else:
+            self.invalidate("sync rebuild")
+            self._valid = True  # an empty state describes zero tokens exactly
+        if reused == len(tokens):
+            return reused
+        self._prefill_from(tokens, reused, progress, frontier_every, on_frontier)
+        return reused
+
+    def _prefill_from(self, tokens, start, progress, frontier_every, on_frontier) -> None:
+        total = len(tokens) - start
+        cuts = [len(tokens)]
+        if frontier_every and on_frontier:
+            first = (start // frontier_every + 1) * frontier_every
+            cuts = list(range(first, len(tokens), frontier_every)) + [len(tokens)]
+        pos = start
+        for cut in cuts:
+            base = pos - start
+
+            def prog(done, _tot, base=base):
+                progress(base + done, total)
+
+            self._eval(tokens[pos:cut], prog if progress else None)
+            pos = cut
+            if on_frontier and frontier_every and cut % frontier_every == 0:
+                on_frontier(self)
+
+    def eval_token(self, token: int) -> np.ndarray:
+        """Decode one token on top of a valid state; returns the new logits."""
+        if not self._valid:
+            raise InvalidSessionError("cannot extend a session without a valid checkpoint")
+        if len(self._tokens) + 1 >= self.ctx:
+            raise ContextOverflowError(len(self._tokens) + 1, self.ctx)
+        self._eval([int(token)])
+        return self.logits
+
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        """Common token prefix with the live state (0 when invalid)."""
+        if not self._valid:
+            return 0
+        return _core.common_token_prefix(self._tokens, [int(t) for t in tokens])
+
+    def rewrite_from_common(self, tokens: Sequence[int]) -> Rewrite:
+        """ds4's rewrite: OK when the common prefix is the whole live state
+        (then extend), or when the engine can rewind to it; REBUILD_NEEDED
+        (session untouched) when it cannot; ERROR on bad input or an invalid
+        session. ``last_error`` says why."""
+        tokens = [int(t) for t in tokens]
+        self.last_error = None
+        if len(tokens) == 0 or len(tokens) >= self.ctx:
+            self.last_error = "prompt exceeds context" if tokens else "prompt is empty"
+            return Rewrite.ERROR
+        if not self._valid:
+            self.last_error = "session has no valid checkpoint"
+            return Rewrite.ERROR
+        common = self.common_prefix(tokens)
+        live = len(self._tokens)
+        if common < live:
+            if common == 0 or not self._ectx.truncate(common):
+                self.last_error = f"rewrite needs rebuild: common={common} live={live} canonical={len(tokens)}"
+                return Rewrite.REBUILD_NEEDED
+            # The engine rewound its KV to `common` and restored its logits.
+            del self._tokens[common:]
+            self._logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
+        try:
+            self.sync(tokens)
+        except Exception as e:
+            self.last_error = str(e)
+            return Rewrite.ERROR
+        return Rewrite.OK
+
+    # -- checkpoints ---------------------------------------------------------
+    def export_arrays(self) -> dict[str, np.ndarray]:
+        """Named arrays for a checkpoint of the live state (valid only)."""
+        if not self._valid or not self._tokens:
+            raise InvalidSessionError("cannot save a session without a valid checkpoint")
+        arrays = dict(self._ectx.export_state())
+        if TOKENS_TENSOR in arrays:
+            raise EngineError(f"engine state uses the reserved tensor name {TOKENS_TENSOR!r}")
+        arrays[TOKENS_TENSOR] = np.asarray(self._tokens, dtype=np.int32)
+        return arrays
+
+    def load_arrays(self, arrays: Mapping[str, np.ndarray], n_tokens: int) -> None:
+        """Replace the live state with a checkpoint's arrays, transactionally:
+        everything is validated before the live state changes; if the engine
+        fails half-way the session is invalid (never half-loaded)."""
+        toks = arrays.get(TOKENS_TENSOR)
+        if toks is None or toks.ndim != 1 or toks.dtype != np.int32:
+            raise EngineStateError("payload has no int32 'tokens' tensor")
+        if toks.shape[0] != n_tokens:
+            raise TokenCountMismatchError(
+                f"payload holds {toks.shape[0]} tokens, the header says {n_tokens}"
+            )
+        if n_tokens <= 0 or n_tokens >= self.ctx:
+            raise ContextOverflowError(n_tokens, self.ctx)
+        if int(toks.min()) < 0 or int(toks.max()) >= self.engine.vocab_size:
+            raise EngineStateError("payload tokens are out of the vocabulary's range")
+        state = {k: v for k, v in arrays.items() if k != TOKENS_TENSOR}
+        if "logits" not in state or state["logits"].shape != (self.engine.vocab_size,):
+            raise EngineStateError("payload has no logits of the vocabulary's size")
+        new_tokens = [int(t) for t in toks]
+        new_logits = np.array(state["logits"], dtype=np.float32)  # own copy
+        try:
+            self._ectx.import_state(state, n_tokens)
+        except EngineStateError:
+            # Engines validate before mutating; invalidate anyway so a
+            # misbehaving engine cannot leave foreign state marked valid.
+            self.invalidate("engine rejected checkpoint")
+            raise
+        except Exception as e:
+            self.invalidate(f"engine failed loading checkpoint: {e}")
+            raise EngineStateError(f"engine failed to load the state: {e}") from e
+        self._tokens = new_tokens
+        self._logits = new_logits
+        self._valid = True
+
+    def load_checkpoint(self, ck) -> None:
+        """Load an opened, verified :class:`ds4.checkpoint.Checkpoint`."""
+        if ck.abi != self._abi:
+            from .errors import AbiMismatchError
+
+            raise AbiMismatchError(f"payload ABI {ck.abi!r} differs from {self._abi!r}", path=str(ck.path))
+        self.load_arrays(ck.arrays(), ck.tokens)
+
+    def generate(self, max_tokens: int, *, stop_tokens: Sequence[int] = (), on_token=None) -> list[int]:
+        """Greedy decode up to ``max_tokens``; stops after a stop token (which
+        is returned but not evaluated, so the state ends at the last decoded
+        token's logits)."""
+        out: list[int] = []
+        stops = set(int(s) for s in stop_tokens)
+        for _ in range(max_tokens):
+            t = self.argmax()
+            out.append(t)
+            if on_token:
+                on_token(t)
+            if t in stops or self.n_past + 1 >= self.ctx:
+                break
+            self.eval_token(t)
+        return out
