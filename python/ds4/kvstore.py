@@ -145,6 +145,8 @@ class KVStore:
         self.mmap = mmap
         self.consume_over_cold_max = consume_over_cold_max
         self._index: dict[str, Entry] = {}
+        # Files rejected while indexing, not yet reported to a ladder run.
+        self._unreported: list[tuple[str, str, str, str]] = []
         self._dir_mtime: Optional[int] = None
         self.stats = {"hits": 0, "misses": 0, "stores": 0, "evictions": 0, "rejected": 0, "removed_corrupt": 0, "scans": 0}
         self.refresh(force=True)
@@ -193,9 +195,11 @@ class KVStore:
                 log.warning("kv cache ignoring %s: %s", name, e.reason)
                 return
             self._discard(path, e, "refresh")
+            self._unreported.append((path, e.stage, e.code, e.reason))
             return
         except CheckpointError as e:
-            log.info("kv cache ignoring %s: %s %s", name, e.code, e.reason)
+            log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", name, e.stage, e.code, e.reason)
+            self._unreported.append((path, e.stage, e.code, e.reason))
             return
         except FileNotFoundError:
             return
@@ -310,7 +314,11 @@ class KVStore:
         the next candidate is tried. Returns None when nothing loaded."""
         pb = prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
         abi = sess.payload_abi
-        for e in self.lookup(pb, ctx=sess.ctx):
+        cands = self.lookup(pb, ctx=sess.ctx)
+        if report is not None:
+            report.rejected.extend(self._unreported)
+        self._unreported.clear()
+        for e in cands:
             t0 = time.perf_counter()
             try:
                 ck = open_checkpoint(

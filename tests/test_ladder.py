@@ -1,0 +1,219 @@
+"""The recovery ladder against every failure kind of DESIGN.md's table.
+
+For each kind: a damaged long checkpoint sits beside a good shorter one; the
+ladder must reject the damaged one (removing it when corrupt, keeping it when
+incompatible), serve the shorter one, leave the session valid at exactly the
+prompt, and generate the same tokens a cold prefill generates. Runs on the
+NumPy reference engine and on SmolLM2 through llama.cpp.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import ds4
+from ds4 import _core
+from ds4.checkpoint import open_checkpoint, write_checkpoint
+from ds4.errors import CheckpointError
+
+GEN = 12
+
+
+def _chat(engine, n_turns):
+    msgs = [{"role": "system", "content": "You are a careful assistant who answers briefly and precisely."}]
+    topics = ["the tides", "bread baking", "prime numbers", "the moon", "bicycles", "rainbows", "volcanoes", "chess openings", "coffee", "glaciers"]
+    for i in range(n_turns):
+        t = topics[i % len(topics)]
+        msgs.append({"role": "user", "content": f"Question {i}: explain {t} in two sentences, then give one surprising fact about {t}."})
+        msgs.append({"role": "assistant", "content": f"Answer {i}: {t} are interesting because of physics and history; one fact is that {t} vary a lot by place."})
+    msgs.append({"role": "user", "content": "Now summarise everything we discussed in one sentence."})
+    return engine.render_chat(msgs)
+
+
+class World:
+    """Engine, prompt, cold reference output and two good checkpoints."""
+
+    def __init__(self, engine, tmp, short, long, min_prompt):
+        self.engine = engine
+        self.ctx = 4096
+        n = 2
+        while True:
+            prompt = _chat(engine, n)
+            toks = engine.tokenize(prompt, special=True)
+            if len(toks) >= min_prompt:
+                break
+            n += 1
+        self.prompt = prompt
+        self.tokens = toks
+        self.short, self.long = short, long
+        cold = ds4.Session(engine, ctx=self.ctx)
+        cold.sync(toks)
+        self.cold_out = cold.generate(GEN)
+        self.template = os.path.join(tmp, "template")
+        store = self.store(self.template)
+        for n_tok in (short, long):
+            s = ds4.Session(engine, ctx=self.ctx)
+            s.sync(toks[:n_tok])
+            path = store.store_live_prefix(s, "cold")
+            assert path is not None
+        self.short_path, self.long_path = [
+            os.path.join(self.template, _core.sha1_hex(b"".join(engine.token_bytes(t) for t in toks[:n])) + ".kv")
+            for n in (short, long)
+        ]
+        assert os.path.exists(self.short_path) and os.path.exists(self.long_path)
+
+    def store(self, d, **kw):
+        return ds4.KVStore(d, budget_mb=1024, min_tokens=16, **kw)
+
+    def fresh_dir(self, tmp_path):
+        d = str(tmp_path / "cache")
+        shutil.copytree(self.template, d)
+        return d
+
+
+@pytest.fixture(scope="module", params=["reference", "llamacpp"])
+def world(request, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp(f"ladder-{request.param}"))
+    if request.param == "reference":
+        eng = ds4.ReferenceEngine()
+        return World(eng, tmp, short=256, long=512, min_prompt=600)
+    eng = ds4.LlamaCppEngine()
+    return World(eng, tmp, short=256, long=512, min_prompt=600)
+
+
+def _damage(world, d, kind):
+    """Damage the long checkpoint in directory ``d``; return its path."""
+    p = os.path.join(d, os.path.basename(world.long_path))
+    b = bytearray(open(p, "rb").read())
+    if kind == "bad_magic":
+        b[0] ^= 0x20
+    elif kind == "bad_version":
+        b[3] = 9
+    elif kind == "header_checksum":
+        b[8] ^= 0x01  # token count, covered by the header checksum
+    elif kind == "text_altered":
+        ck = open_checkpoint(world.long_path, load_payload=False)
+        b[_find_text(world.long_path, ck.text) + 5] ^= 0x04
+    elif kind == "truncated_payload":
+        del b[-100:]
+    elif kind == "payload_bit":
+        b[-200] ^= 0x10
+    elif kind == "trailing_bytes":
+        b += b"\0" * 64
+    elif kind in ("abi", "token_count", "name_mismatch"):
+        os.unlink(p)
+        ck = open_checkpoint(world.long_path)
+        arrays = {k: np.array(v) for k, v in ck.arrays().items()}
+        text, abi, tokens, name = ck.text, ck.abi, ck.tokens, p
+        if kind == "abi":
+            abi = abi + " variant=other"
+        elif kind == "token_count":
+            arrays["tokens"] = arrays["tokens"][:-1]
+        else:
+            # A valid file for other text, under the name of the prompt prefix.
+            text = text[:-1] + (b"X" if text[-1:] != b"X" else b"Y")
+        write_checkpoint(name, text, arrays, abi=abi, tokens=tokens, ctx=world.ctx)
+        return p
+    else:  # pragma: no cover
+        raise AssertionError(kind)
+    with open(p, "wb") as f:
+        f.write(b)
+    return p
+
+
+def _find_text(path, text):
+    data = open(path, "rb").read()
+    i = data.find(text)
+    assert i > 0
+    return i
+
+
+# kind -> (expected stage, expected code, file kept?)
+KINDS = {
+    "bad_magic": ("header", "bad_magic", False),
+    "bad_version": ("header", "unsupported_version", True),
+    "abi": ("header", "abi_mismatch", True),
+    "header_checksum": ("header", "header_checksum", False),
+    "name_mismatch": ("text", "name_mismatch", False),
+    "text_altered": ("text", "text_sha1_mismatch", False),
+    "truncated_payload": ("header", "truncated", False),
+    "payload_bit": ("payload", "payload_checksum", False),
+    "token_count": ("engine", "token_count_mismatch", False),
+    "trailing_bytes": ("header", "trailing_bytes", False),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_ladder_rejects_damaged_and_serves_shorter(world, kind, tmp_path, caplog):
+    d = world.fresh_dir(tmp_path)
+    bad = _damage(world, d, kind)
+    stage, code, kept = KINDS[kind]
+    caplog.set_level("INFO", logger="ds4")
+    store = world.store(d)
+    sess = ds4.Session(world.engine, ctx=world.ctx)
+    # A live session on an unrelated conversation, to be replaced.
+    sess.sync(world.engine.tokenize("unrelated words " * 4, special=True))
+    rep = ds4.recover(sess, store, world.prompt, evict_save=False)
+
+    assert rep.rung == "disk", rep.as_dict()
+    assert rep.loaded_path == os.path.join(d, os.path.basename(world.short_path))
+    assert rep.reused_tokens == world.short
+    assert [(s, c) for (_p, s, c, _r) in rep.rejected] == [(stage, code)], rep.rejected
+    assert os.path.exists(bad) == kept
+    # the good checkpoint is still there and was touched
+    assert open_checkpoint(rep.loaded_path).hits == 1
+    # the session is valid at exactly the prompt's tokens
+    assert sess.checkpoint_valid
+    assert sess.tokens == world.tokens
+    assert sess.generate(GEN) == world.cold_out
+    # every rejection was logged with its stage and code
+    assert any(code in r.getMessage() and stage in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_ladder_all_corrupt_falls_back_to_prefill(world, tmp_path):
+    d = world.fresh_dir(tmp_path)
+    for p in [f for f in os.listdir(d) if f.endswith(".kv")]:
+        fp = os.path.join(d, p)
+        b = bytearray(open(fp, "rb").read())
+        b[-1] ^= 0xFF
+        open(fp, "wb").write(b)
+    store = world.store(d)
+    sess = ds4.Session(world.engine, ctx=world.ctx)
+    rep = ds4.recover(sess, store, world.prompt)
+    assert rep.rung == "prefill" and rep.reused_tokens == 0
+    assert sorted(c for (_p, _s, c, _r) in rep.rejected) == ["payload_checksum", "payload_checksum"]
+    assert [f for f in os.listdir(d) if f.endswith(".kv")] == []
+    assert sess.generate(GEN) == world.cold_out
+
+
+def test_ladder_longest_wins_and_live_rungs(world, tmp_path):
+    d = world.fresh_dir(tmp_path)
+    store = world.store(d)
+    sess = ds4.Session(world.engine, ctx=world.ctx)
+    rep = ds4.recover(sess, store, world.prompt)
+    assert rep.rung == "disk" and rep.reused_tokens == world.long and rep.rejected == []
+    assert sess.generate(GEN) == world.cold_out
+    # Same prompt again: the live session serves it (token prefix).
+    sess2 = ds4.Session(world.engine, ctx=world.ctx)
+    ds4.recover(sess2, store, world.prompt)
+    rep2 = ds4.recover(sess2, store, world.prompt)
+    assert rep2.rung == "live" and rep2.reused_tokens == len(world.tokens)
+    assert sess2.generate(GEN) == world.cold_out
+
+
+def test_resumed_equals_cold_after_restart(world, tmp_path):
+    """A new store object (a restarted process) resumes from disk exactly."""
+    d = world.fresh_dir(tmp_path)
+    sess = ds4.Session(world.engine, ctx=world.ctx)
+    rep = ds4.recover(sess, world.store(d), world.prompt)
+    assert rep.rung == "disk"
+    logits_resumed = np.array(sess.logits)
+    cold = ds4.Session(world.engine, ctx=world.ctx)
+    cold.sync(world.tokens)
+    if isinstance(world.engine, ds4.ReferenceEngine):
+        assert np.array_equal(logits_resumed, cold.logits)
+    assert sess.argmax() == cold.argmax()
