@@ -1,0 +1,214 @@
+"""Session semantics (DESIGN.md "Session"), on the reference engine."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ds4
+from ds4 import Rewrite
+from ds4.errors import (
+    ContextOverflowError,
+    EmptyPromptError,
+    EngineError,
+    EngineStateError,
+    InvalidSessionError,
+    TokenCountMismatchError,
+)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return ds4.ReferenceEngine()
+
+
+def toks(eng, text):
+    return eng.tokenize(text, special=True)
+
+
+def test_new_session_is_invalid(eng):
+    s = ds4.Session(eng, ctx=512)
+    assert not s.checkpoint_valid and s.tokens == [] and s.logits is None
+    with pytest.raises(InvalidSessionError):
+        s.argmax()
+    with pytest.raises(InvalidSessionError):
+        s.eval_token(1)
+    with pytest.raises(InvalidSessionError):
+        s.export_arrays()
+
+
+def test_sync_extends_valid_state_only(eng):
+    s = ds4.Session(eng, ctx=512)
+    a = toks(eng, "hello there, general kenobi")
+    assert s.sync(a[:10]) == 0
+    assert s.sync(a) == 10  # extended: prefix reused
+    assert s.tokens == a
+    assert s.sync(a) == len(a)  # nothing to do
+    b = toks(eng, "a different conversation")
+    assert s.sync(b) == 0  # not an extension: rebuilt
+    assert s.tokens == b
+    s.invalidate()
+    assert s.sync(b) == 0  # invalid state is never extended
+
+
+def test_extend_equals_cold(eng):
+    a = toks(eng, "The quick brown fox jumps over the lazy dog. " * 8)
+    s1 = ds4.Session(eng, ctx=1024)
+    s1.sync(a[:37])
+    s1.sync(a)
+    s2 = ds4.Session(eng, ctx=1024)
+    s2.sync(a)
+    assert np.array_equal(s1.logits, s2.logits)
+    assert s1.generate(8) == s2.generate(8)
+
+
+def test_invalidate_is_total(eng):
+    s = ds4.Session(eng, ctx=512)
+    s.sync(toks(eng, "some text"))
+    s.invalidate()
+    assert not s.checkpoint_valid and s.tokens == [] and s.logits is None and s.n_past == 0
+    with pytest.raises(InvalidSessionError):
+        s.eval_token(5)
+
+
+def test_prompt_errors_leave_session_untouched(eng):
+    s = ds4.Session(eng, ctx=64)
+    a = toks(eng, "short prompt")
+    s.sync(a)
+    with pytest.raises(ContextOverflowError):
+        s.sync(list(range(65)))
+    # check_prompt runs before anything is touched
+    assert s.checkpoint_valid and s.tokens == a
+    with pytest.raises(EmptyPromptError):
+        s.sync([])
+    assert s.checkpoint_valid and s.tokens == a
+
+
+def test_decode_at_context_end(eng):
+    s = ds4.Session(eng, ctx=16)
+    s.sync(list(range(97, 97 + 14)))
+    s.eval_token(100)  # 15 tokens
+    with pytest.raises(ContextOverflowError):
+        s.eval_token(100)
+
+
+def test_engine_error_mid_decode_invalidates(eng, monkeypatch):
+    s = ds4.Session(eng, ctx=256)
+    s.sync(toks(eng, "before the failure"))
+
+    def boom(tokens, progress=None):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(s._ectx, "eval", boom)
+    with pytest.raises(EngineError):
+        s.eval_token(10)
+    assert not s.checkpoint_valid and s.tokens == []
+
+
+def test_rewrite_from_common(eng):
+    s = ds4.Session(eng, ctx=512)
+    a = toks(eng, "shared prefix then branch one")
+    b = toks(eng, "shared prefix then branch two, longer")
+    # invalid session -> ERROR
+    assert s.rewrite_from_common(a) is Rewrite.ERROR
+    s.sync(a)
+    # common == live: extends, OK
+    assert s.rewrite_from_common(a + toks(eng, " more")) is Rewrite.OK
+    assert s.tokens == a + toks(eng, " more")
+    before = (s.tokens, np.array(s.logits))
+    # common < live and the reference engine cannot rewind: untouched
+    assert s.rewrite_from_common(b) is Rewrite.REBUILD_NEEDED
+    assert "rebuild" in s.last_error
+    assert s.checkpoint_valid and s.tokens == before[0] and np.array_equal(s.logits, before[1])
+    assert s.rewrite_from_common([]) is Rewrite.ERROR
+    assert s.rewrite_from_common(list(range(600))) is Rewrite.ERROR
+    assert s.tokens == before[0]
+
+
+def test_export_load_round_trip_is_exact(eng, tmp_path):
+    a = toks(eng, "checkpoint me " * 20)
+    s = ds4.Session(eng, ctx=1024)
+    s.sync(a)
+    p = tmp_path / (ds4._core.sha1_hex(s.text_bytes()) + ".kv")
+    ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=s.n_past, ctx=s.ctx)
+    ck = ds4.open_checkpoint(p, prompt=s.text_bytes(), expected_abi=s.payload_abi)
+    s2 = ds4.Session(eng, ctx=1024)
+    s2.load_checkpoint(ck)
+    assert s2.checkpoint_valid and s2.tokens == a
+    assert np.array_equal(s2.logits, s.logits)
+    assert s2.generate(10) == s.generate(10)
+
+
+def test_failed_load_is_transactional(eng, tmp_path):
+    s = ds4.Session(eng, ctx=1024)
+    a = toks(eng, "the live conversation")
+    s.sync(a)
+    live_logits = np.array(s.logits)
+    donor = ds4.Session(eng, ctx=1024)
+    donor.sync(toks(eng, "another conversation entirely"))
+    arrays = donor.export_arrays()
+    # token count mismatch: rejected before anything changes
+    with pytest.raises(TokenCountMismatchError):
+        s.load_arrays(arrays, donor.n_past + 1)
+    assert s.checkpoint_valid and s.tokens == a and np.array_equal(s.logits, live_logits)
+    # missing logits
+    bad = {k: v for k, v in arrays.items() if k != "logits"}
+    with pytest.raises(EngineStateError):
+        s.load_arrays(bad, donor.n_past)
+    assert s.checkpoint_valid and s.tokens == a
+    # out-of-vocabulary tokens
+    bad = dict(arrays)
+    bad["tokens"] = np.full_like(arrays["tokens"], eng.vocab_size + 5)
+    with pytest.raises(EngineStateError):
+        s.load_arrays(bad, donor.n_past)
+    assert s.checkpoint_valid and s.tokens == a
+    # a wrongly shaped KV tensor: the engine rejects it; never half-loaded
+    bad = dict(arrays)
+    k = next(n for n in arrays if n not in ("tokens", "logits"))
+    bad[k] = arrays[k][:-1]
+    with pytest.raises(EngineStateError):
+        s.load_arrays(bad, donor.n_past)
+    assert not s.checkpoint_valid or (s.tokens == a and np.array_equal(s.logits, live_logits))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=20, max_size=300),
+    cut_frac=st.floats(0.05, 0.95),
+)
+def test_resume_equals_cold_anywhere(eng, tmp_path_factory, text, cut_frac):
+    """Random prompts, random cut points: save at the cut, resume from disk
+    in a new store and session, extend to the full prompt: bit-identical
+    logits and greedy continuation to a cold prefill."""
+    prompt = eng.render_chat([{"role": "user", "content": text}])
+    full = toks(eng, prompt)
+    cut = max(1, int(len(full) * cut_frac))
+    d = str(tmp_path_factory.mktemp("resume"))
+    st_ = ds4.KVStore(d, min_tokens=1)
+    a = ds4.Session(eng, ctx=2048)
+    a.sync(full[:cut])
+    assert st_.store_live_prefix(a, "named") is not None
+    b = ds4.Session(eng, ctx=2048)
+    rep = ds4.recover(b, ds4.KVStore(d, min_tokens=1), prompt)
+    cold = ds4.Session(eng, ctx=2048)
+    cold.sync(full)
+    if rep.rung == "disk":
+        assert rep.reused_tokens == cut
+    else:
+        # only when the cut splits a UTF-8 sequence is the suffix untokenizable
+        assert not _utf8_boundary(a.text_bytes(), len(a.text_bytes()))
+    assert b.tokens == full
+    assert np.array_equal(b.logits, cold.logits)
+    assert b.generate(6) == cold.generate(6)
+
+
+def _utf8_boundary(b: bytes, n: int) -> bool:
+    try:
+        b[:n].decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
