@@ -1,0 +1,199 @@
+"""Session benchmarks (issue #3, item 8): every figure is a ratio against a
+baseline timed in the same run (these machines are shared and noisy).
+
+1. Time to first token, resumed from a disk checkpoint vs a cold prefill,
+   for 1k/4k/16k-token prompts on the reference engine and a 2k-token prompt
+   on SmolLM2 (llama.cpp). The checkpoint holds the conversation up to the
+   last turn; the new turn (~3% of the prompt) is prefilled. Target:
+   resumed <= 10% of cold.
+2. Checkpoint save and load on SmolLM2's state vs llama-cpp-python's own
+   `Llama.save_state`/`load_state` and its `LlamaDiskCache` on the same
+   state. Target: ds4 load (with verification) >= 5x faster than load_state.
+
+    python benches/bench_sessions.py [--quick] [--skip-llama] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import ds4
+
+
+def med(f, n):
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def chat_prompt(engine, n_tokens):
+    """A chat whose rendering has about n_tokens tokens; returns (history
+    prompt, history + next turn prompt)."""
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+    i = 0
+    while True:
+        msgs.append({"role": "user", "content": f"Turn {i}: tell me something about topic number {i}, please, in detail."})
+        msgs.append({"role": "assistant", "content": f"Topic {i} is a fine topic. " * 6})
+        i += 1
+        hist = engine.render_chat(msgs, add_generation_prompt=False)
+        if len(engine.tokenize(hist, special=True)) >= int(n_tokens * 0.97):
+            break
+    nxt = engine.render_chat(msgs + [{"role": "user", "content": "And finally, summarise all the topics we covered so far in a few words."}])
+    return hist, nxt
+
+
+def ttft(engine, n_tokens, repeats, ctx):
+    hist, nxt = chat_prompt(engine, n_tokens)
+    d = tempfile.mkdtemp(prefix="ds4-bench-")
+    try:
+        store = ds4.KVStore(d, budget_mb=8192, min_tokens=16)
+        s = ds4.Session(engine, ctx=ctx)
+        s.sync(engine.tokenize(hist, special=True))
+        store.store_live_prefix(s, "continued")
+        full = engine.tokenize(nxt, special=True)
+
+        def cold():
+            c = ds4.Session(engine, ctx=ctx)
+            c.sync(full)
+            c.argmax()
+
+        def resumed():
+            r = ds4.Session(engine, ctx=ctx)
+            rep = ds4.recover(r, ds4.KVStore(d, budget_mb=8192, min_tokens=16), nxt)
+            assert rep.rung == "disk", rep.as_dict()
+            r.argmax()
+
+        # alternate to spread machine noise over both
+        tc, tr = [], []
+        for _ in range(repeats):
+            tc.append(med(cold, 1))
+            tr.append(med(resumed, 1))
+        return len(full), statistics.median(tc), statistics.median(tr)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def llama_save_load(engine, repeats):
+    """ds4 checkpoint save/load vs llama-cpp-python's save_state/load_state
+    and LlamaDiskCache, on the same SmolLM2 state (2k tokens)."""
+    import llama_cpp
+
+    hist, _ = chat_prompt(engine, 2048)
+    toks = engine.tokenize(hist, special=True)
+    d = tempfile.mkdtemp(prefix="ds4-bench-")
+    try:
+        # ds4
+        store = ds4.KVStore(d, budget_mb=8192, min_tokens=16)
+        s = ds4.Session(engine, ctx=4096)
+        s.sync(toks)
+        path = None
+
+        def save_ds4():
+            nonlocal path
+            if path and os.path.exists(path):
+                os.unlink(path)
+                store.refresh(force=True)
+            path = store.store_live_prefix(s, "continued")
+
+        t_save = med(save_ds4, repeats)
+        size = os.path.getsize(path)
+        text = s.text_bytes()
+
+        def load_ds4():
+            ck = ds4.open_checkpoint(path, prompt=text, expected_abi=s.payload_abi)  # checksum on
+            t = ds4.Session(engine, ctx=4096)
+            t.load_checkpoint(ck)
+
+        t_load = med(load_ds4, repeats)
+
+        # llama-cpp-python's own API on the same model and tokens
+        llm = llama_cpp.Llama(model_path=engine.model_path, n_ctx=4096, n_batch=512, verbose=False, logits_all=False)
+        llm.eval(toks)
+        st_holder = {}
+
+        def save_lcp():
+            st_holder["s"] = llm.save_state()
+
+        t_lsave = med(save_lcp, repeats)
+        state = st_holder["s"]
+
+        def load_lcp():
+            llm.load_state(state)
+
+        t_lload = med(load_lcp, repeats)
+
+        cache = llama_cpp.LlamaDiskCache(cache_dir=os.path.join(d, "lcp-disk"))
+        key = tuple(toks)
+
+        def save_disk():
+            cache[key] = state
+
+        t_dsave = med(save_disk, repeats)
+
+        def load_disk():
+            st = cache[key]  # LlamaDiskCache pops the entry on read...
+            cache[key] = st  # ...so put it back (not timed separately)
+            llm.load_state(st)
+
+        t_dload = med(load_disk, repeats)
+        return {
+            "tokens": len(toks),
+            "ds4_file_mib": size / 2**20,
+            "ds4_save_s": t_save,
+            "ds4_load_verify_s": t_load,
+            "llama_save_state_s": t_lsave,
+            "llama_load_state_s": t_lload,
+            "llama_disk_cache_save_s": t_dsave,
+            "llama_disk_cache_load_s": t_dload,
+        }
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    reps = 2 if a.quick else 5
+    out = {"ttft": [], "save_load": None}
+    ref = ds4.ReferenceEngine()
+    sizes = [1024, 4096] if a.quick else [1024, 4096, 16384]
+    print(f"{'engine':<10} {'prompt':>7} {'cold s':>8} {'resumed s':>10} {'resumed/cold':>13}")
+    for n in sizes:
+        nt, c, r = ttft(ref, n, 1 if n > 8000 else reps, ctx=20000)
+        out["ttft"].append({"engine": "reference", "tokens": nt, "cold_s": c, "resumed_s": r, "ratio": r / c})
+        print(f"{'reference':<10} {nt:>7} {c:>8.3f} {r:>10.3f} {r / c:>12.1%}")
+        sys.stdout.flush()
+    if not a.skip_llama:
+        lc = ds4.LlamaCppEngine()
+        nt, c, r = ttft(lc, 2048, reps, ctx=4096)
+        out["ttft"].append({"engine": "smollm2", "tokens": nt, "cold_s": c, "resumed_s": r, "ratio": r / c})
+        print(f"{'smollm2':<10} {nt:>7} {c:>8.3f} {r:>10.3f} {r / c:>12.1%}")
+        sl = llama_save_load(lc, reps)
+        out["save_load"] = sl
+        print(f"\nSmolLM2 state, {sl['tokens']} tokens, ds4 file {sl['ds4_file_mib']:.1f} MiB")
+        print(f"  save: ds4 {sl['ds4_save_s']*1e3:.1f} ms (durable), Llama.save_state {sl['llama_save_state_s']*1e3:.1f} ms (memory), "
+              f"LlamaDiskCache {sl['llama_disk_cache_save_s']*1e3:.1f} ms")
+        print(f"  load: ds4 {sl['ds4_load_verify_s']*1e3:.1f} ms (verified), Llama.load_state {sl['llama_load_state_s']*1e3:.1f} ms, "
+              f"LlamaDiskCache {sl['llama_disk_cache_load_s']*1e3:.1f} ms")
+        print(f"  load_state / ds4 load = {sl['llama_load_state_s'] / sl['ds4_load_verify_s']:.1f}x; "
+              f"LlamaDiskCache load / ds4 load = {sl['llama_disk_cache_load_s'] / sl['ds4_load_verify_s']:.1f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

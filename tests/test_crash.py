@@ -1,0 +1,93 @@
+"""Real processes killed mid-write: a checkpoint either exists whole and
+verifies, or does not exist; the old file survives a killed rewrite; temp
+files of dead writers are cleaned by the next store that opens the
+directory."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import ds4
+from ds4.errors import CheckpointError
+
+WRITER = r"""
+import os, sys, time
+import numpy as np
+import ds4
+d, seed = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(seed)
+text = ("conversation %d " % seed) * 50
+name = ds4._core.sha1_hex(text.encode()) + ".kv"
+arrays = {f"t{i}": rng.standard_normal(4 * 1024 * 1024 // 4).astype(np.float32) for i in range(8)}  # 32 MiB
+print("ready", flush=True)
+while True:
+    ds4.write_checkpoint(os.path.join(d, name), text, arrays, abi="crash/1", tokens=100, ctx=1000)
+"""
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_writer_killed_mid_write(tmp_path, trial):
+    rnd = random.Random(trial)
+    p = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(trial)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(rnd.uniform(0.05, 1.5))
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    files = os.listdir(tmp_path)
+    finals = [f for f in files if f.endswith(".kv")]
+    # at most one final file, and if present it verifies completely
+    assert len(finals) <= 1
+    for f in finals:
+        ck = ds4.open_checkpoint(tmp_path / f, expected_abi="crash/1")
+        assert ck.tokens == 100 and len(ck.arrays()) == 8
+    # the next store to open the directory removes the dead writer's temp file
+    ds4.KVStore(tmp_path)
+    assert [f for f in os.listdir(tmp_path) if ".tmp." in f] == []
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".kv")) == finals
+
+
+def test_reader_holding_a_map_survives_replacement_and_eviction(tmp_path):
+    """A reader's zero-copy arrays stay valid while another process replaces
+    or deletes the file (rename/unlink never touch mapped pages)."""
+    import numpy as np
+
+    text = "held open " * 20
+    path = tmp_path / (ds4._core.sha1_hex(text.encode()) + ".kv")
+    a = np.arange(1 << 20, dtype=np.float32)
+    ds4.write_checkpoint(path, text, {"a": a}, abi="x/1", tokens=5, ctx=10)
+    ck = ds4.open_checkpoint(path)
+    view = ck.array("a")
+    ds4.write_checkpoint(path, text, {"a": a * 2}, abi="x/1", tokens=5, ctx=10)  # replaced
+    assert np.array_equal(view, a)
+    os.unlink(path)
+    del ck
+    assert np.array_equal(view, a)
+
+
+def test_torn_file_at_every_size_is_rejected(tmp_path):
+    """What a crash without rename could leave (a prefix of the file under
+    the final name): every prefix is rejected with a CheckpointError."""
+    import numpy as np
+
+    text = "torn " * 30
+    name = ds4._core.sha1_hex(text.encode()) + ".kv"
+    src = tmp_path / "src" / name
+    src.parent.mkdir()
+    ds4.write_checkpoint(src, text, {"a": np.ones(300, np.float32), "b": b"blob"}, abi="x/1", tokens=5, ctx=10)
+    data = src.read_bytes()
+    dst = tmp_path / name
+    for n in range(len(data)):
+        dst.write_bytes(data[:n])
+        with pytest.raises(CheckpointError):
+            ds4.open_checkpoint(dst)
+    # a zero-filled tail of the right length (torn write of the last pages)
+    dst.write_bytes(data[: len(data) - 1000] + b"\0" * 1000)
+    with pytest.raises(CheckpointError):
+        ds4.open_checkpoint(dst)
