@@ -74,6 +74,19 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// Fails with `Truncated` if the mapped file shrank under us (another
+    /// process truncated it: see storage.rs on SIGBUS). Consumers call this
+    /// after they have read the payload, before trusting what they read.
+    pub fn check_intact(&self) -> Result<()> {
+        if let Some(s) = &self.storage {
+            if s.faulted() {
+                let actual = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
+                return Err(Error::Truncated { expected: self.file_len, actual });
+            }
+        }
+        Ok(())
+    }
+
     pub fn payload(&self) -> Option<&[u8]> {
         let s = self.storage.as_ref()?;
         s.bytes().get(self.payload_base..self.payload_base + self.header.payload_bytes as usize)
@@ -163,7 +176,8 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
     // Stage: header (corrupt, then incompatible).
     let header = read_header(&file, file_len)?;
     if let Some(abi) = o.expected_abi {
-        if header.abi != abi {
+        // A v1 file never matches: its DSV4 payload is described, not executed.
+        if header.version == VERSION_V1 || header.abi != abi {
             let found = if header.version == VERSION_V1 { "ds4 v1 (DSV4 payload)".to_owned() } else { header.abi.clone() };
             return Err(Error::AbiMismatch { found, expected: abi.to_owned() });
         }
@@ -248,9 +262,11 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
         let payload = ck.payload().ok_or(Error::Truncated { expected: ck.header.total_len, actual: file_len })?;
         let computed = format::payload_checksum(payload);
         if computed != ck.header.payload_checksum {
+            ck.check_intact()?;
             return Err(Error::PayloadChecksum { stored: ck.header.payload_checksum, computed });
         }
     }
+    ck.check_intact()?;
     Ok(ck)
 }
 

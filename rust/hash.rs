@@ -137,7 +137,7 @@ mod tests {
         assert!(is_byte_prefix(b"ab", b"abc"));
         assert!(!is_byte_prefix(b"abcd", b"abc"));
         assert!(!is_byte_prefix(b"abd", b"abc"));
-        assert_eq!(common_prefix_len(b"hello world, long text", b"hello world, long tent"), 19);
+        assert_eq!(common_prefix_len(b"hello world, long text", b"hello world, long tent"), 20);
         assert_eq!(common_prefix_len(b"", b"x"), 0);
         assert_eq!(common_prefix_len(b"same", b"same"), 4);
         assert_eq!(common_prefix_len_u32(&[1, 2, 3], &[1, 2, 4]), 2);

@@ -91,3 +91,48 @@ def test_torn_file_at_every_size_is_rejected(tmp_path):
     dst.write_bytes(data[: len(data) - 1000] + b"\0" * 1000)
     with pytest.raises(CheckpointError):
         ds4.open_checkpoint(dst)
+
+
+SIGBUS_CHILD = r"""
+import os, sys
+import numpy as np
+import ds4
+from ds4.errors import TruncatedCheckpointError
+path = sys.argv[1]
+ck = ds4.open_checkpoint(path)            # verified, mapped
+a = ck.array("a")
+os.truncate(path, 4096)                    # another process truncates it in place
+s = float(a.sum())                         # touches vanished pages: SIGBUS without the guard
+try:
+    ck.check_intact()
+    print("intact?!")
+except TruncatedCheckpointError as e:
+    print("truncated", e.code, s == 0.0 or s != float(np.arange(a.size, dtype=np.float32).sum()))
+# a session loading a file truncated mid-load ends invalid with a typed error
+eng = ds4.ReferenceEngine()
+sess = ds4.Session(eng, ctx=512)
+sess.sync(eng.tokenize("x" * 40, special=True))
+p2 = os.path.join(sys.argv[2], ds4._core.sha1_hex(sess.text_bytes()) + ".kv")
+ds4.write_checkpoint(p2, sess.text_bytes(), sess.export_arrays(), abi=sess.payload_abi, tokens=sess.n_past, ctx=512)
+ck2 = ds4.open_checkpoint(p2)
+os.truncate(p2, 100)
+s2 = ds4.Session(eng, ctx=512)
+try:
+    s2.load_checkpoint(ck2)
+    print("loaded?!")
+except TruncatedCheckpointError:
+    print("session", s2.checkpoint_valid)
+"""
+
+
+def test_file_truncated_while_mapped_does_not_kill_the_process(tmp_path):
+    import numpy as np
+
+    text = "mapped then truncated " * 5
+    path = tmp_path / (ds4._core.sha1_hex(text.encode()) + ".kv")
+    ds4.write_checkpoint(path, text, {"a": np.arange(1 << 20, dtype=np.float32)}, abi="x/1", tokens=5, ctx=10)
+    r = subprocess.run([sys.executable, "-c", SIGBUS_CHILD, str(path), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    lines = r.stdout.split("\n")
+    assert lines[0] == "truncated truncated True", r.stdout
+    assert lines[1] == "session False", r.stdout

@@ -41,9 +41,11 @@ def _tensor_entry(name: str, a: Union[np.ndarray, BytesLike]):
         a = np.frombuffer(a, dtype=np.uint8)
     if a.dtype.byteorder == ">":
         raise ValueError(f"tensor {name!r}: big-endian arrays are not supported")
-    a = np.ascontiguousarray(a)  # no copy when already contiguous
+    shape = list(a.shape)  # taken before any reshaping (0-d arrays keep shape [])
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
     raw = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
-    return (name, a.dtype.str, list(a.shape), raw)
+    return (name, a.dtype.str, shape, raw)
 
 
 def write_checkpoint(
@@ -87,6 +89,8 @@ class Checkpoint:
         self._core = core
 
     def __getattr__(self, name):
+        if name == "_core":  # not yet set (copy/pickle): avoid recursing
+            raise AttributeError(name)
         return getattr(self._core, name)
 
     def __repr__(self) -> str:
@@ -99,19 +103,22 @@ class Checkpoint:
     def tensor_table(self):
         return self._core.tensor_table()
 
+    def _view(self, name, dtype, shape, nbytes) -> np.ndarray:
+        dt = np.dtype(dtype)
+        buf = self._core.tensor_buffer(name)
+        return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize).reshape(shape)
+
     def array(self, name: str) -> np.ndarray:
         """One payload tensor as a read-only numpy array over the map."""
         for n, dtype, shape, _off, nbytes in self._core.tensor_table():
             if n == name:
-                buf = self._core.tensor_buffer(name)
-                dt = np.dtype(dtype)
-                a = np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize) if nbytes else np.empty(0, dt)
-                return a.reshape(shape)
+                return self._view(n, dtype, shape, nbytes)
         raise KeyError(name)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """Every payload tensor, by name, as read-only zero-copy arrays."""
-        return {t[0]: self.array(t[0]) for t in self._core.tensor_table()}
+        """Every payload tensor, by name, as read-only zero-copy arrays (the
+        arrays' base keeps the map alive after this object is gone)."""
+        return {n: self._view(n, dt, shape, nbytes) for n, dt, shape, _off, nbytes in self._core.tensor_table()}
 
 
 def open_checkpoint(

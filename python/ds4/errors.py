@@ -313,7 +313,7 @@ def _all_checkpoint_classes():
     while stack:
         c = stack.pop()
         stack.extend(c.__subclasses__())
-        if c.__dict__.get("code") is not None and "code" in c.__dict__:
+        if "code" in c.__dict__ and c is not CheckpointError:  # concrete classes only
             out[c.code] = c
     return out
 

@@ -152,7 +152,7 @@ def recover(
     if store is not None and cold_save and len(tokens) <= store.cold_max_tokens:
         cold_len = store.cold_store_len(len(tokens))
         if cold_len is not None:
-            sess.sync(tokens[:cold_len], progress=progress)
+            sess.sync(tokens[:cold_len], progress=progress, frontier_every=frontier_every, on_frontier=on_frontier)
             try:
                 rep.cold_saved = store.store_live_prefix(sess, "cold")
             except OSError as e:

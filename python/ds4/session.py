@@ -25,6 +25,7 @@ import numpy as np
 from . import _core
 from .engine import Engine
 from .errors import (
+    CheckpointError,
     ContextOverflowError,
     EmptyPromptError,
     EngineError,
@@ -281,6 +282,13 @@ class Session:
 
             raise AbiMismatchError(f"payload ABI {ck.abi!r} differs from {self._abi!r}", path=str(ck.path))
         self.load_arrays(ck.arrays(), ck.tokens)
+        try:
+            # The engine has read the mapped bytes: if another process
+            # truncated the file meanwhile, what it read is not the file.
+            ck.check_intact()
+        except CheckpointError:
+            self.invalidate("checkpoint truncated while loading")
+            raise
 
     def generate(self, max_tokens: int, *, stop_tokens: Sequence[int] = (), on_token=None) -> list[int]:
         """Greedy decode up to ``max_tokens``; stops after a stop token (which

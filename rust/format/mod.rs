@@ -259,7 +259,7 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
     if stored != computed {
         return Err(Error::HeaderChecksum { stored, computed });
     }
-    for off in [7usize, 76, 77, 78, 79] {
+    for off in [7usize, 52, 53, 54, 55, 76, 77, 78, 79] {
         let v = byte(fixed, off);
         if v != 0 {
             return Err(Error::ReservedNonZero { offset: off as u64, value: v });
@@ -413,7 +413,10 @@ pub fn check_tensor_table(tensors: &[TensorInfo], payload_bytes: u64) -> Result<
                 t.name, t.offset
             )));
         }
-        end = t.offset.checked_add(t.nbytes).ok_or(Error::SizeOverflow)?;
+        end = t
+            .offset
+            .checked_add(t.nbytes)
+            .ok_or_else(|| Error::TensorTable(format!("tensor {:?}: offset + size overflows", t.name)))?;
         if end > payload_bytes {
             return Err(Error::TensorTable(format!(
                 "tensor {:?} ends at {end}, past the {payload_bytes}-byte payload",

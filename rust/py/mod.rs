@@ -118,7 +118,9 @@ fn write_checkpoint(
     let r = py.detach(|| writer::write_checkpoint(&path, &meta, text_b, &srcs));
     match r {
         Ok(w) => Ok((w.file_len, w.payload_checksum)),
-        Err(e) => Err(to_pyerr(py, e, Some(&path))),
+        Err(e @ Error::Io(_)) => Err(to_pyerr(py, e, Some(&path))),
+        // Bad arguments to the writer are the caller's error, not a corrupt file.
+        Err(e) => Err(PyValueError::new_err(format!("cannot write checkpoint: {e}"))),
     }
 }
 
@@ -264,7 +266,12 @@ impl PyCheckpoint {
     }
     #[getter]
     fn mapped(&self) -> bool {
-        matches!(self.inner.storage.as_deref(), Some(Storage::Mmap(_)))
+        matches!(self.inner.storage.as_deref(), Some(Storage::Mmap { .. }))
+    }
+    /// Raise TruncatedCheckpointError if the mapped file was truncated by
+    /// another process while we read it (the bytes read are then untrusted).
+    fn check_intact(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.check_intact().map_err(|e| to_pyerr(py, e, Some(&self.inner.path)))
     }
     #[getter]
     fn payload_loaded(&self) -> bool {

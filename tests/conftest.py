@@ -1,0 +1,35 @@
+"""Shared fixtures for the core tests: nothing but a checkpoint writer."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from ds4.checkpoint import write_checkpoint
+
+#: ABI string of every test checkpoint (short: keeps crafted headers small)
+TEST_ABI = "t/1"
+
+
+def _write(directory, text, arrays=None, *, name=None, **kw):
+    """Write a v2 checkpoint named ``sha1(text).kv`` (or ``name``) into
+    ``directory`` and return its path as a str."""
+    text_b = text.encode() if isinstance(text, str) else bytes(text)
+    if arrays is None:
+        arrays = {"kv": np.arange(48, dtype=np.float32).reshape(4, 12), "logits": np.linspace(-1, 1, 17)}
+    kw.setdefault("abi", TEST_ABI)
+    kw.setdefault("tokens", 7)
+    kw.setdefault("ctx", 4096)
+    kw.setdefault("created", 1_700_000_000)
+    path = os.path.join(os.fspath(directory), name or hashlib.sha1(text_b).hexdigest() + ".kv")
+    write_checkpoint(path, text_b, arrays, **kw)
+    return path
+
+
+@pytest.fixture(scope="session")
+def write_ck():
+    """``write_ck(directory, text, arrays=None, *, name=None, **write_kw) -> path``."""
+    return _write
