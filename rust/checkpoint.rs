@@ -4,9 +4,9 @@
 //! Stages, in order, stopping at the first failure:
 //! 1. open    -- name is `<sha1>.kv` (when asked), a regular file, not a symlink
 //! 2. header  -- length, magic, version, header checksum, sizes vs file length
-//!               (corrupt); then ABI, quantization, context (incompatible)
+//!    (corrupt); then ABI, quantization, context (incompatible)
 //! 3. text    -- SHA-1(text) == header and file name (corrupt); text is a byte
-//!               prefix of the prompt (mismatch, or corrupt on a collision)
+//!    prefix of the prompt (mismatch, or corrupt on a collision)
 //! 4. payload -- tensor table in bounds and exact, payload checksum (corrupt)
 //!
 //! Every size is checked against the real file length (from `fstat`) before

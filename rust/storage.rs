@@ -35,7 +35,8 @@ unsafe impl Sync for AlignedBuf {}
 impl AlignedBuf {
     fn zeroed(len: usize) -> Result<AlignedBuf> {
         if len == 0 {
-            return Ok(AlignedBuf { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(), len: 0 });
+            // A dangling but 64-aligned pointer, so empty views stay aligned.
+            return Ok(AlignedBuf { ptr: std::ptr::without_provenance_mut(64), len: 0 });
         }
         let layout = Layout::from_size_align(len, 64).map_err(|_| Error::SizeOverflow)?;
         // SAFETY: layout has non-zero size.

@@ -50,6 +50,7 @@ while True:
     k = rnd.randrange(40)
     s = ds4.Session(eng, ctx=8192)
     s.sync(eng.tokenize(("crash conversation %d " % k) * (40 + 8 * k), special=True))
+    print("w", flush=True)  # a store starts now: the parent aims its kill here
     st.store_live_prefix(s, "cold")
     i += 1
 """
@@ -73,7 +74,14 @@ def crash(args):
     for trial in range(args.trials):
         p = subprocess.Popen([sys.executable, "-c", WRITER, d, str(trial)], stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "ready"
-        time.sleep(random.Random(trial).uniform(0.0, 0.8))
+        rnd = random.Random(trial)
+        if trial % 2 == 0:
+            # aim inside a store: after the k-th "w", within the write window
+            for _ in range(rnd.randrange(1, 4)):
+                p.stdout.readline()
+            time.sleep(rnd.uniform(0.0, 0.02))
+        else:
+            time.sleep(rnd.uniform(0.0, 0.8))  # anywhere
         p.send_signal(signal.SIGKILL)
         p.wait()
         stats["trials"] += 1
@@ -104,7 +112,7 @@ def crash(args):
 def _worker(d, wid, n_ops, q):
     rnd = random.Random(wid)
     eng = ds4.ReferenceEngine()
-    st = ds4.KVStore(d, budget_mb=1, min_tokens=8)
+    st = ds4.KVStore(d, budget_mb=2, min_tokens=8)
     texts = [f"shared conversation {k} " * (6 + 3 * k) for k in range(16)]
     cold, problems = {}, []
     counts = {"store": 0, "load": 0, "hit": 0, "miss": 0, "touch": 0, "evict": 0}
@@ -154,7 +162,7 @@ def concurrency(args):
     res = [q.get() for _ in ps]
     for p in ps:
         p.join()
-    st = ds4.KVStore(d, budget_mb=1)
+    st = ds4.KVStore(d, budget_mb=2)
     st.evict()
     files = [f for f in os.listdir(d) if f.endswith(".kv")]
     total = sum(os.path.getsize(os.path.join(d, f)) for f in files)
@@ -166,7 +174,7 @@ def concurrency(args):
         "problems": [p for _, ps_, _, _ in res for p in ps_],
         "counts": {k: sum(c[k] for _, _, c, _ in res) for k in res[0][2]},
         "at_rest_bytes": total,
-        "budget_bytes": 2**20,
+        "budget_bytes": 2 * 2**20,
         "files_failing_verification": bad,
         "temp_files": [f for f in os.listdir(d) if ".tmp." in f],
     }

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs each cargo-fuzz target (parse, roundtrip) for SECONDS seconds (default 60).
+#
+#   scripts/fuzz.sh [SECONDS] [extra libFuzzer args...]
+#
+# Needs cargo-fuzz (`cargo install cargo-fuzz --locked`). On a stable
+# toolchain the sanitizer flags are enabled with RUSTC_BOOTSTRAP=1.
+# Seeds live in fuzz/corpus/<target>/seed-*; new corpus entries the fuzzer
+# finds are written next to them (git-ignored), crashes to fuzz/artifacts/.
+set -euo pipefail
+secs="${1:-60}"
+shift || true
+cd "$(dirname "$0")/../fuzz"
+export RUSTC_BOOTSTRAP="${RUSTC_BOOTSTRAP:-1}"
+# The targets write one file per input: give them a tmpfs scratch directory.
+scratch="$(mktemp -d -p /dev/shm ds4-fuzz.XXXXXX 2>/dev/null || mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+export DS4_FUZZ_SCRATCH="$scratch"
+status=0
+for target in parse roundtrip; do
+    echo "== fuzz target $target for ${secs}s"
+    if ! cargo fuzz run "$target" -- -max_total_time="$secs" -print_final_stats=1 "$@"; then
+        echo "!! $target found a failure; see fuzz/artifacts/$target/" >&2
+        status=1
+    fi
+done
+exit "$status"
