@@ -212,3 +212,27 @@ def _utf8_boundary(b: bytes, n: int) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+def test_rewrite_rewinds_when_the_engine_can(eng, monkeypatch):
+    """An engine that can truncate rewinds instead of rebuilding; the result
+    equals a cold prefill of the new tokens."""
+    import types
+
+    a = toks(eng, "shared prefix then branch one")
+    b = toks(eng, "shared prefix then branch two, longer")
+    s = ds4.Session(eng, ctx=512)
+    s.sync(a)
+    common = s.common_prefix(b)
+
+    def truncate(self, n):  # a rewinding engine: rebuild the prefix exactly
+        self.reset()
+        self.eval(a[:n])
+        return True
+
+    monkeypatch.setattr(s._ectx, "truncate", types.MethodType(truncate, s._ectx))
+    assert s.rewrite_from_common(b) is Rewrite.OK
+    cold = ds4.Session(eng, ctx=512)
+    cold.sync(b)
+    assert s.tokens == b and np.array_equal(s.logits, cold.logits)
+    assert 0 < common < len(a)

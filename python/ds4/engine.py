@@ -53,7 +53,12 @@ class EngineContext(Protocol):
         """Replace the state with ``arrays`` (validated first)."""
 
     def truncate(self, n_tokens: int) -> bool:
-        """Drop tokens past ``n_tokens``; False when this engine cannot."""
+        """Drop tokens past ``n_tokens``; False (state unchanged) when this
+        engine cannot. After True, :meth:`last_logits` holds the logits of
+        token ``n_tokens - 1``."""
+
+    def last_logits(self) -> np.ndarray:
+        """Logits after the last evaluated token (a copy)."""
 
 
 @runtime_checkable

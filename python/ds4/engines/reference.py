@@ -758,6 +758,12 @@ class ReferenceContext:
         return out.astype(_F32)
 
     # -- rewinding ---------------------------------------------------------
+    def last_logits(self) -> np.ndarray:
+        """Logits after the last evaluated token (a copy); used after truncate()."""
+        if self._logits is None:
+            raise EngineError("the context is empty")
+        return self._logits.copy()
+
     def truncate(self, n_tokens: int) -> bool:
         """Keep the first ``n_tokens`` tokens. Only ``n == n_past`` (no-op)
         and ``n == 0`` (reset) are possible: a sliding layer's ring has
