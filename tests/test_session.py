@@ -236,3 +236,16 @@ def test_rewrite_rewinds_when_the_engine_can(eng, monkeypatch):
     cold.sync(b)
     assert s.tokens == b and np.array_equal(s.logits, cold.logits)
     assert 0 < common < len(a)
+
+
+def test_recover_bad_prompts_are_typed_and_harmless(eng, tmp_path):
+    store = ds4.KVStore(tmp_path, min_tokens=4)
+    s = ds4.Session(eng, ctx=128)
+    a = toks(eng, "a live conversation to keep")
+    s.sync(a)
+    with pytest.raises(ContextOverflowError):
+        ds4.recover(s, store, "x" * 500)
+    with pytest.raises(EmptyPromptError):
+        ds4.recover(s, store, "")
+    assert s.checkpoint_valid and s.tokens == a  # untouched
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".kv")] == []  # nothing saved or lost
