@@ -378,15 +378,20 @@ class KVStore:
         a = max(1, self.boundary_align_tokens)
         return (self.continued_interval_tokens + a - 1) // a * a
 
-    def store_live_prefix(self, sess, reason: str = "cold", *, name_text: Optional[bytes] = None) -> Optional[str]:
+    def store_live_prefix(
+        self, sess, reason: str = "cold", *, name_text: Optional[bytes] = None, min_tokens: Optional[int] = None
+    ) -> Optional[str]:
         """Save the live session (which must be valid) under the SHA-1 of its
         rendered text. Returns the path, or None when the policy declines
-        (too short, over budget, key held by another engine's file)."""
+        (too short, over budget, key held by another engine's file).
+        ``min_tokens`` overrides the store's minimum (named and system-prompt
+        checkpoints may be short)."""
         if not sess.checkpoint_valid:
             raise InvalidSessionError("cannot store a session without a valid checkpoint")
         n = sess.n_past
-        if n < self.min_tokens:
-            log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, self.min_tokens)
+        floor = self.min_tokens if min_tokens is None else min_tokens
+        if n < max(1, floor):
+            log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, floor)
             return None
         text = name_text if name_text is not None else sess.text_bytes()
         name = _core.sha1_hex(text) + ".kv"

@@ -217,12 +217,22 @@ class Session:
         common = self.common_prefix(tokens)
         live = len(self._tokens)
         if common < live:
-            if common == 0 or not self._ectx.truncate(common):
+            try:
+                rewound = common > 0 and self._ectx.truncate(common)
+                if rewound:
+                    logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
+            except Exception as e:
+                # The engine may have changed its state half-way: never leave
+                # it marked valid.
+                self.invalidate(f"rewind failed: {e}")
+                self.last_error = f"rewind failed: {e}"
+                return Rewrite.ERROR
+            if not rewound:
                 self.last_error = f"rewrite needs rebuild: common={common} live={live} canonical={len(tokens)}"
                 return Rewrite.REBUILD_NEEDED
             # The engine rewound its KV to `common` and restored its logits.
             del self._tokens[common:]
-            self._logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
+            self._logits = logits
         try:
             self.sync(tokens)
         except Exception as e:

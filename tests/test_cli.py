@@ -1,0 +1,413 @@
+"""The ``ds4`` command through subprocesses: ``run``, ``kv`` on v2 and on
+hand-built ds4 v1 directories, ``bench``, and the ``chat`` REPL through a pty."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+
+import pexpect
+
+import ds4
+from ds4.checkpoint import open_checkpoint
+
+KV = ["--kv-cache-min-tokens", "32", "--kv-cache-boundary-align-tokens", "64"]
+PROMPT = ("You are reading a long question about harbours, tides, ships and the people who keep lighthouses; "
+          "please answer it carefully and in order.")
+
+
+def ds4_cmd(*args, check=True, input=None, timeout=120):
+    p = subprocess.run([sys.executable, "-m", "ds4", *map(str, args)], capture_output=True, text=True,
+                       input=input, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"ds4 {' '.join(map(str, args))} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def ds4_json(*args, check=True):
+    p = ds4_cmd(*args, "--json", check=check)
+    return json.loads(p.stdout), p.returncode
+
+
+def _flip_payload_byte(path):
+    ck = open_checkpoint(path)
+    off = ck.payload_offset + ck.payload_bytes // 2
+    del ck
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+# ---------------------------------------------------------------------------
+# ds4 run
+# ---------------------------------------------------------------------------
+def test_run_json_cold_then_from_disk(tmp_path):
+    kv = tmp_path / "kv"
+    a, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--kv-disk-dir", kv, *KV, "--max-tokens", 12)
+    assert set(a) >= {"text", "tokens", "report"}
+    assert len(a["tokens"]) == a["usage"]["completion_tokens"] <= 12
+    rep = a["report"]
+    assert rep["rung"] == "prefill" and rep["reused_tokens"] == 0 and rep["cold_saved"]
+    assert os.path.exists(rep["cold_saved"])
+    n_cold = open_checkpoint(rep["cold_saved"], load_payload=False).tokens
+    assert n_cold % 64 == 0 and n_cold <= rep["prompt_tokens"] - 32
+    # the same prompt in a new process: served from the cold checkpoint
+    b, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--kv-disk-dir", kv, *KV, "--max-tokens", 12)
+    assert b["report"]["rung"] == "disk" and b["report"]["reused_tokens"] == n_cold
+    assert b["report"]["loaded_path"] == rep["cold_saved"]
+    assert (b["text"], b["tokens"]) == (a["text"], a["tokens"])
+    # and without a cache directory: the same output, nothing reused
+    c, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12)
+    assert (c["text"], c["tokens"]) == (a["text"], a["tokens"]) and c["report"]["rung"] == "prefill"
+    # --raw: no chat template; prompt from stdin; typed failure on overflow
+    p = ds4_cmd("run", "-p", "-", "--raw", "--engine", "reference", "--max-tokens", 4, "--json", input="Once upon a time")
+    r = json.loads(p.stdout)
+    assert r["report"]["prompt_tokens"] == len("Once upon a time")
+    p = ds4_cmd("run", "-p", "x" * 300, "--engine", "reference", "--ctx", 128, check=False)
+    assert p.returncode == 1 and "does not fit context" in p.stderr
+    # seeded sampling is reproducible, and differs from greedy
+    s1, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12, "--temperature", "1.5", "--seed", 7)
+    s2, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12, "--temperature", "1.5", "--seed", 7)
+    assert s1["tokens"] == s2["tokens"] != a["tokens"]
+
+
+def test_run_progress_bar_only_on_a_tty():
+    # The bar appears once a prefill has run for 1.5 s; DS4_PROGRESS_DELAY=0
+    # shows it at once, so a short prefill (a few 256-token chunks) will do.
+    long_prompt = "The tide comes in and the tide goes out. " * 40  # ~1600 tokens
+    env = dict(os.environ, DS4_PROGRESS_DELAY="0")
+    p = subprocess.run([sys.executable, "-m", "ds4", "run", "-p", long_prompt, "--engine", "reference", "--max-tokens", "1"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and p.stderr == ""  # stderr is not a TTY: quiet
+    c = pexpect.spawn(sys.executable, ["-m", "ds4", "run", "-p", long_prompt, "--engine", "reference",
+                                       "--max-tokens", "1"], encoding="utf-8", codec_errors="replace", timeout=60, env=env)
+    try:
+        c.expect(r"prefill \[#*\.*\] (\d+)/(\d+) tok")
+        assert 0 < int(c.match.group(1)) <= int(c.match.group(2))
+        c.expect(pexpect.EOF)
+    finally:
+        c.close()
+    assert c.exitstatus == 0
+
+
+# ---------------------------------------------------------------------------
+# ds4 kv on a v2 directory
+# ---------------------------------------------------------------------------
+def _v2_dir(tmp_path):
+    """Three checkpoints of one conversation (cold, continued, evict-like)."""
+    d = tmp_path / "v2"
+    eng = ds4.ReferenceEngine()
+    store = ds4.KVStore(d, min_tokens=16)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    toks = eng.tokenize(eng.render_chat(msgs), special=True)
+    paths = []
+    for n in (64, 128, len(toks)):
+        s = ds4.Session(eng, ctx=1024)
+        s.sync(toks[:n])
+        paths.append(store.store_live_prefix(s, "cold" if n == 64 else "continued"))
+    return str(d), paths
+
+
+def test_kv_commands_on_a_v2_directory(tmp_path):
+    d, paths = _v2_dir(tmp_path)
+    names = [os.path.basename(p) for p in paths]
+    # ls
+    out = ds4_cmd("kv", "ls", d).stdout
+    for n in names:
+        assert n[:12] in out
+    assert "3 files" in out and "v2" in out
+    ls, _ = ds4_json("kv", "ls", d)
+    assert sorted(f["name"] for f in ls["files"]) == sorted(names)
+    assert all(f["status"] == "ok" and f["version"] == 2 for f in ls["files"])
+    assert {f["tokens"] for f in ls["files"]} >= {64, 128}
+    # show by unique prefix
+    show, _ = ds4_json("kv", "show", d, names[1][:10])
+    assert show["name"] == names[1] and show["tokens"] == 128 and show["reason"] == "continued"
+    assert {t["name"] for t in show["tensors"]} >= {"tokens", "logits", "layer0.k"}
+    assert show["text"].startswith("<|im_start|>system\nBe brief.")
+    assert "tensors:" in ds4_cmd("kv", "show", d, names[1]).stdout
+    # verify: all good
+    v, rc = ds4_json("kv", "verify", d)
+    assert rc == 0 and v["ok"] == 3 and v["failed"] == 0
+    # stats
+    st, _ = ds4_json("kv", "stats", d)
+    assert st["files"] == 3 and st["by_version"] == {"2": 3} and st["by_reason"] == {"cold": 1, "continued": 2}
+    assert "reasons" in ds4_cmd("kv", "stats", d).stdout
+
+    # damage one file's payload, add orphaned temp files and a stranger
+    _flip_payload_byte(paths[1])
+    tmp_ours = os.path.join(d, f".{'a' * 40}.kv.tmp.{_dead_pid()}.deadbeef")
+    tmp_ds4 = os.path.join(d, f"{'b' * 40}.kv.tmp.12345")
+    tmp_live = os.path.join(d, f".{'c' * 40}.kv.tmp.{os.getpid()}.beef")
+    for t in (tmp_ours, tmp_ds4, tmp_live):
+        with open(t, "wb") as f:
+            f.write(b"partial")
+    old = time.time() - 7200
+    os.utime(tmp_ds4, (old, old))
+    with open(os.path.join(d, "notes.txt"), "w") as f:
+        f.write("not a checkpoint")
+
+    p = ds4_cmd("kv", "verify", d, check=False)
+    assert p.returncode == 1
+    assert f"FAIL  {names[1]}" in p.stdout and "payload_checksum" in p.stdout
+    v, rc = ds4_json("kv", "verify", d, check=False)
+    assert rc == 1 and v["failed"] == 1 and v["files"][[f["name"] for f in v["files"]].index(names[1])]["code"] == "payload_checksum"
+    assert ds4_cmd("kv", "verify", d, names[0], names[2]).returncode == 0
+    ls, _ = ds4_json("kv", "ls", d)  # ls reads headers only: the payload damage is found by verify
+    assert len(ls["temp_files"]) == 3
+    # gc: dry run changes nothing
+    g, _ = ds4_json("kv", "gc", d, "--dry-run")
+    assert [r["name"] for r in g["removed_corrupt"]] == [names[1]] and os.path.exists(paths[1])
+    # gc: corrupt file and dead/stale temp files go; the live writer's temp file and strangers stay
+    g, _ = ds4_json("kv", "gc", d)
+    assert [r["name"] for r in g["removed_corrupt"]] == [names[1]] and g["removed_corrupt"][0]["code"] == "payload_checksum"
+    assert sorted(g["removed_temp"]) == sorted(os.path.basename(t) for t in (tmp_ours, tmp_ds4))
+    assert not os.path.exists(paths[1]) and not os.path.exists(tmp_ours) and not os.path.exists(tmp_ds4)
+    assert os.path.exists(tmp_live) and os.path.exists(os.path.join(d, "notes.txt"))
+    assert ds4_cmd("kv", "verify", d).returncode == 0
+    # gc to a budget smaller than one file: eviction by ds4's score
+    sizes = {n: os.path.getsize(os.path.join(d, n)) for n in (names[0], names[2])}
+    budget = (max(sizes.values()) + 100) / 2**20
+    g, _ = ds4_json("kv", "gc", d, "--budget-mb", f"{budget:.6f}")
+    left = sorted(f for f in os.listdir(d) if f.endswith(".kv") and not f.startswith("."))
+    assert len(g["evicted"]) == 1 and len(left) == 1 and g["bytes_after"] <= budget * 2**20
+    # rm: by prefix, unknown names fail
+    p = ds4_cmd("kv", "rm", d, "ffffffff", check=False)
+    assert p.returncode == 1 and "no checkpoint matches" in p.stderr
+    r, rc = ds4_json("kv", "rm", d, left[0][:8])
+    assert rc == 0 and r["removed"] == [left[0]] and not os.path.exists(os.path.join(d, left[0]))
+    assert not any(f.endswith(".kv") and not f.startswith(".") for f in os.listdir(d))
+    st, _ = ds4_json("kv", "stats", d)
+    assert st["files"] == 0 and st["temp_files"] == 1
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+# ---------------------------------------------------------------------------
+# ds4 kv on ds4-server's own v1 files, built byte by byte
+# ---------------------------------------------------------------------------
+def _v1_bytes(text: bytes, tokens: int, *, ctx=4096, quant=4, reason=1, hits=3, created=1_700_000_000,
+              last_used=1_700_000_600, magic=0x34565344, payload_tokens=None, extra=b"", cut=0) -> bytes:
+    raw_window = 256
+    fields = [magic, 1, ctx, 2048, raw_window, raw_window, 1024,
+              tokens if payload_tokens is None else payload_tokens, 43, 512, 128, 129280, min(raw_window, tokens)]
+    payload = struct.pack("<13I", *fields) + struct.pack(f"<{tokens}I", *range(100, 100 + tokens)) + extra
+    hdr = b"KVC" + bytes([1, quant, reason, 0, 0])
+    hdr += struct.pack("<III4sQQQ", tokens, hits, ctx, b"\0" * 4, created, last_used, len(payload))
+    assert len(hdr) == 48
+    data = hdr + struct.pack("<I", len(text)) + text + payload
+    return data[: len(data) - cut] if cut else data
+
+
+def _v1_dir(tmp_path):
+    d = tmp_path / "v1"
+    d.mkdir()
+    files = {}
+
+    def put(key, text, **kw):
+        p = d / (hashlib.sha1(text).hexdigest() + ".kv")
+        p.write_bytes(_v1_bytes(text, **kw))
+        files[key] = str(p)
+
+    put("good1", b"<\xef\xbd\x9cUser\xef\xbd\x9c>Hello from ds4-server, a v1 file.", tokens=12)
+    put("good2", b"<\xef\xbd\x9cUser\xef\xbd\x9c>Another conversation, longer: " + b"lorem ipsum " * 20, tokens=64,
+        reason=2, hits=0)
+    put("bad_magic", b"a v1 file whose payload is not DSV4", tokens=8, magic=0x12345678)
+    put("bad_count", b"a v1 file whose DSV4 token count differs", tokens=8, payload_tokens=9)
+    put("truncated", b"a truncated v1 file", tokens=8, cut=5)
+    return str(d), files
+
+
+def test_kv_commands_on_a_v1_directory(tmp_path):
+    d, files = _v1_dir(tmp_path)
+    name = {k: os.path.basename(p) for k, p in files.items()}
+    ls, _ = ds4_json("kv", "ls", d)
+    by = {f["name"]: f for f in ls["files"]}
+    assert len(by) == 5
+    g1 = by[name["good1"]]
+    assert g1["status"] == "ok" and g1["version"] == 1 and g1["tokens"] == 12 and g1["quant_bits"] == 4
+    assert g1["hits"] == 3 and g1["ctx"] == 4096 and g1["last_used"] == 1_700_000_600 and g1["reason"] == "cold"
+    assert "Hello from ds4-server" in g1["preview"]
+    assert by[name["truncated"]]["status"] == "corrupt" and by[name["truncated"]]["error"]["code"] == "truncated"
+    out = ds4_cmd("kv", "ls", d).stdout
+    assert name["good1"][:12] in out and "v1" in out and "corrupt:truncated" in out
+    # show: header, DSV4 fields and text
+    show, rc = ds4_json("kv", "show", d, name["good2"])
+    assert rc == 0 and show["version"] == 1 and show["tokens"] == 64 and show["reason"] == "continued"
+    assert show["dsv4"]["magic"] == 0x34565344 and show["dsv4"]["layers"] == 43 and show["dsv4"]["tokens"] == 64
+    assert show["dsv4"]["vocab"] == 129280 and show["dsv4"]["raw_live"] == 64
+    assert show["text"].startswith("<｜User｜>Another conversation")
+    txt = ds4_cmd("kv", "show", os.path.join(d, name["good1"])).stdout
+    assert "DSV4 payload header" in txt and "0x34565344" in txt and "Hello from ds4-server" in txt
+    # verify: the full pipeline (DSV4 decode) finds the bad payloads
+    v, rc = ds4_json("kv", "verify", d, check=False)
+    assert rc == 1 and v["ok"] == 2 and v["failed"] == 3
+    codes = {f["name"]: f.get("code") for f in v["files"]}
+    assert codes[name["bad_magic"]] == "bad_v1_payload" and codes[name["bad_count"]] == "bad_v1_payload"
+    assert codes[name["truncated"]] == "truncated"
+    assert ds4_cmd("kv", "verify", d, name["good1"], name["good2"]).returncode == 0
+    # stats
+    st, _ = ds4_json("kv", "stats", d)
+    assert st["files"] == 5 and st["ok"] == 4 and st["by_version"] == {"1": 4} and st["unusable"] == {"corrupt": 1}
+    # the text hash is the v1 file's only text check: a renamed file is a mismatch
+    os.rename(files["good1"], os.path.join(d, "0" * 40 + ".kv"))
+    v, rc = ds4_json("kv", "verify", d, check=False)
+    assert rc == 1 and {f["code"] for f in v["files"] if not f["ok"]} >= {"name_mismatch"}
+    os.rename(os.path.join(d, "0" * 40 + ".kv"), files["good1"])
+    # gc removes the three damaged files, keeps the good ones
+    g, _ = ds4_json("kv", "gc", d)
+    assert sorted(r["name"] for r in g["removed_corrupt"]) == sorted([name["bad_magic"], name["bad_count"], name["truncated"]])
+    assert sorted(os.listdir(d)) == sorted([name["good1"], name["good2"]])
+    v, rc = ds4_json("kv", "verify", d)
+    assert rc == 0 and v["ok"] == 2
+    # rm
+    r, rc = ds4_json("kv", "rm", d, "--all")
+    assert rc == 0 and sorted(r["removed"]) == sorted([name["good1"], name["good2"]]) and os.listdir(d) == []
+
+
+def test_kv_usage_errors(tmp_path):
+    p = ds4_cmd("kv", "ls", tmp_path / "missing", check=False)
+    assert p.returncode == 2 and "not a directory" in p.stderr
+    assert ds4_cmd("kv", "show", tmp_path, check=False).returncode == 2
+
+
+def test_bench_quick():
+    rows = json.loads(ds4_cmd("bench", "--tokens", 512, "--sha-mb", 4, "--json").stdout)
+    names = " | ".join(r["name"] for r in rows)
+    for key in ("TTFT cold", "TTFT resumed", "checkpoint save", "verify + load", "SHA-1 ds4 core", "SHA-1 hashlib"):
+        assert key in names
+    resumed = next(r for r in rows if r["name"].startswith("TTFT resumed"))
+    assert "rung=disk" in resumed["name"] and all(r["value"] > 0 for r in rows)
+
+
+# ---------------------------------------------------------------------------
+# ds4 chat, through a pty
+# ---------------------------------------------------------------------------
+PROMPT_RE = ">>> "
+
+
+def _spawn_chat(kv, *extra, max_tokens=8):
+    c = pexpect.spawn(sys.executable, ["-m", "ds4", "chat", "--engine", "reference", "--kv-disk-dir", str(kv),
+                                       "--max-tokens", str(max_tokens), *KV, *extra],
+                      encoding="utf-8", codec_errors="replace", timeout=60, dimensions=(40, 200))
+    return c
+
+
+def _turn(c, text):
+    c.sendline(text)
+    c.expect(r"\[(live|disk|prefill|rewrite)/\S+ cached=(\d+) prompt=(\d+) gen=(\d+)")
+    rung, cached = c.match.group(1), int(c.match.group(2))
+    c.expect(PROMPT_RE)
+    return rung, cached
+
+
+def test_chat_repl_save_list_switch_clear(tmp_path):
+    kv = tmp_path / "kv"
+    c = _spawn_chat(kv)
+    try:
+        c.expect("Updating system prompt cache")  # first start: prefill and store the system prompt
+        c.expect(PROMPT_RE)
+        rung, cached = _turn(c, "Hello there, tell me about the sea and its tides.")
+        assert rung == "live" and cached > 0  # on top of the system prompt checkpoint
+        c.sendline("/save sea")
+        c.expect(r"\[saved sea: (\d+) tokens -> ([0-9a-f]{40})\.kv\]")
+        saved_tokens, sha = int(c.match.group(1)), c.match.group(2)
+        c.expect(PROMPT_RE)
+        _turn(c, "And what about the moon?")
+        c.sendline("/list")
+        c.expect(r"\*\s+sea\s+" + str(saved_tokens) + r"\s+\S+ ago\s+ok")
+        c.expect(PROMPT_RE)
+        c.sendline("/new")
+        c.expect(r"\[system prompt: \d+ tokens loaded from checkpoint")
+        c.expect(r"\[new conversation\]")
+        c.expect(PROMPT_RE)
+        _turn(c, "Something else entirely.")
+        c.sendline("/switch sea")
+        c.expect(r"\[switched to sea: (\d+) tokens loaded from disk in [\d.]+ ms, no prefill\]")
+        assert int(c.match.group(1)) == saved_tokens
+        c.expect(PROMPT_RE)
+        rung, cached = _turn(c, "Continue, please.")
+        assert rung == "live" and cached == saved_tokens  # nothing of the saved conversation prefilled
+        c.sendline("/switch nope")
+        c.expect(r"\[no saved session 'nope'\]")
+        c.expect(PROMPT_RE)
+        c.sendline("/clear")
+        c.expect(r"\[history cleared; session invalidated\]")
+        c.expect(PROMPT_RE)
+        rung, cached = _turn(c, "Fresh start.")
+        assert rung in ("prefill", "disk")
+        c.sendline("/bogus")
+        c.expect(r"unknown command")
+        c.expect(PROMPT_RE)
+        c.sendline("/quit")
+        c.expect(pexpect.EOF)
+    finally:
+        c.close()
+    assert c.exitstatus == 0
+    idx = json.loads((kv / "ds4-chat.json").read_text())
+    assert idx["sessions"]["sea"]["sha"] == sha and (kv / f"{sha}.kv").exists()
+    assert [m["role"] for m in idx["sessions"]["sea"]["messages"]] == ["system", "user", "assistant"]
+    ck = open_checkpoint(kv / f"{sha}.kv")
+    assert ck.reason_name == "named" and ck.tokens == saved_tokens
+
+    # a new process: the system prompt checkpoint and the named session are reused
+    c = _spawn_chat(kv)
+    try:
+        c.expect(r"\[system prompt: \d+ tokens loaded from checkpoint")
+        c.expect(PROMPT_RE)
+        c.sendline("/list")
+        c.expect(r"sea\s+" + str(saved_tokens))
+        c.expect(PROMPT_RE)
+        c.sendline("/switch se")  # a unique prefix
+        c.expect(r"\[switched to sea: \d+ tokens loaded from disk")
+        c.expect(PROMPT_RE)
+        rung, cached = _turn(c, "One more thing.")
+        assert rung == "live" and cached == saved_tokens
+        c.sendeof()
+        c.expect(pexpect.EOF)
+    finally:
+        c.close()
+    assert c.exitstatus == 0
+
+
+def test_chat_ctrl_c_stops_generation_cleanly(tmp_path):
+    from ds4.cli import DEFAULT_SYSTEM, _printable
+    from ds4.server import Generator, GenParams
+
+    question = "Write a very long story."
+    eng = ds4.ReferenceEngine()
+    prompt = eng.render_chat([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": question}])
+    full = Generator(eng, 8192).generate(prompt, GenParams(max_tokens=2000))
+    assert full.finish_reason == "stop" and full.completion_tokens > 300  # the model's own end of turn
+    first = _printable(Generator(eng, 8192).generate(prompt, GenParams(max_tokens=3)).text)
+    kv = tmp_path / "kv"
+    c = _spawn_chat(kv, "--ctx", "8192", max_tokens=6000)
+    try:
+        c.expect(PROMPT_RE)
+        c.sendline(question)
+        c.expect(re.escape(question) + r"\r\n" + re.escape(first))  # generation is under way
+        c.sendintr()
+        c.expect(r"gen=(\d+) \(interrupted\)")
+        assert 0 < int(c.match.group(1)) < full.completion_tokens
+        c.expect(PROMPT_RE)
+        # the session is still usable: a normal turn, then a clean exit
+        c.sendline("/save story")
+        c.expect(r"\[saved story: \d+ tokens")
+        c.expect(PROMPT_RE)
+        c.sendline("/quit")
+        c.expect(pexpect.EOF)
+    finally:
+        c.close()
+    assert c.exitstatus == 0
