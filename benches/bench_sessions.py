@@ -16,6 +16,8 @@ baseline timed in the same run (these machines are shared and noisy).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -109,10 +111,11 @@ def llama_save_load(engine, repeats):
         size = os.path.getsize(path)
         text = s.text_bytes()
 
+        target = ds4.Session(engine, ctx=4096)  # an existing session, as load_state has an existing context
+
         def load_ds4():
-            ck = ds4.open_checkpoint(path, prompt=text, expected_abi=s.payload_abi)  # checksum on
-            t = ds4.Session(engine, ctx=4096)
-            t.load_checkpoint(ck)
+            ck = ds4.open_checkpoint(path, prompt=text, expected_abi=s.payload_abi)  # verification on, checksum incl.
+            target.load_checkpoint(ck)
 
         t_load = med(load_ds4, repeats)
 
@@ -135,14 +138,18 @@ def llama_save_load(engine, repeats):
         cache = llama_cpp.LlamaDiskCache(cache_dir=os.path.join(d, "lcp-disk"))
         key = tuple(toks)
 
+        quiet = contextlib.redirect_stderr(io.StringIO())  # LlamaDiskCache prints on every set
+
         def save_disk():
-            cache[key] = state
+            with quiet:
+                cache[key] = state
 
         t_dsave = med(save_disk, repeats)
 
         def load_disk():
-            st = cache[key]  # LlamaDiskCache pops the entry on read...
-            cache[key] = st  # ...so put it back (not timed separately)
+            with quiet:
+                st = cache[key]  # LlamaDiskCache pops the entry on read...
+                cache[key] = st  # ...so put it back (not timed separately)
             llm.load_state(st)
 
         t_dload = med(load_disk, repeats)
