@@ -217,3 +217,18 @@ def test_resumed_equals_cold_after_restart(world, tmp_path):
     if isinstance(world.engine, ds4.ReferenceEngine):
         assert np.array_equal(logits_resumed, cold.logits)
     assert sess.argmax() == cold.argmax()
+
+
+def test_longer_disk_prefix_beats_a_short_rewind(world, tmp_path):
+    """The live session shares only a short prefix with the prompt; a rewind
+    would keep it, but disk holds a much longer verified prefix: the ladder
+    loads from disk (reusing more), and the output still equals cold."""
+    d = world.fresh_dir(tmp_path)
+    store = world.store(d)
+    sess = ds4.Session(world.engine, ctx=world.ctx)
+    diverged = world.tokens[:100] + world.engine.tokenize(" a different branch of this conversation", special=False)
+    sess.sync(diverged)
+    rep = ds4.recover(sess, store, world.prompt, evict_save=False)
+    assert rep.rung == "disk" and rep.reused_tokens == world.long, rep.as_dict()
+    assert any("rewrite skipped" in e for e in rep.events)
+    assert sess.generate(GEN) == world.cold_out

@@ -116,6 +116,15 @@ def recover(
                 return finish("live", "memory-text", live + rest, len(live))
         # 2. rewrite to the common prefix
         common = sess.common_prefix(tokens)
+        if 0 < common < len(live) and store is not None:
+            # A rewind keeps only `common` tokens; a longer verified prefix on
+            # disk reuses more (ds4 never rewinds, so it never has to choose).
+            # The lookup is one pass over the prompt against the index.
+            cands = store.lookup(prompt_b, ctx=sess.ctx)
+            common_bytes = len(sess.text_bytes(common))
+            if cands and cands[0].text_bytes > common_bytes:
+                rep._event("ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", cands[0].text_bytes, common_bytes)
+                common = -1
         if common > 0:
             t = time.perf_counter()
             r = sess.rewrite_from_common(tokens)
@@ -126,7 +135,7 @@ def recover(
                 rep._event("ds4 ladder rung=rewrite reused=%d prompt=%d", common, len(tokens))
                 return rep
             rep._event("ds4 live kv cache miss live=%d prompt=%d common=%d reason=%s", len(live), len(tokens), common, sess.last_error or r.value)
-        else:
+        elif common == 0:
             rep._event("ds4 live kv cache miss live=%d prompt=%d common=0 reason=token-mismatch", len(live), len(tokens))
         # The live state is about to be replaced: save it first.
         if store is not None and evict_save and sess.n_past >= store.min_tokens:
