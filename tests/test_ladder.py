@@ -232,3 +232,20 @@ def test_longer_disk_prefix_beats_a_short_rewind(world, tmp_path):
     assert rep.rung == "disk" and rep.reused_tokens == world.long, rep.as_dict()
     assert any("rewrite skipped" in e for e in rep.events)
     assert sess.generate(GEN) == world.cold_out
+
+
+def test_rewind_saves_the_discarded_branch_first(world, tmp_path):
+    """Interleaved conversations: before the live state is rewound to a shared
+    prefix, it is evict-saved, so returning to it later resumes from disk."""
+    d = str(tmp_path / "c")
+    store = world.store(d)
+    eng = world.engine
+    sess = ds4.Session(eng, ctx=world.ctx)
+    a = world.tokens
+    b = world.tokens[:100] + eng.tokenize(" another user's question, quite different", special=False)
+    sess.sync(a)
+    rep_b = ds4.recover(sess, store, eng.detokenize(b))
+    assert rep_b.evict_saved is not None  # the A branch went to disk first
+    rep_a = ds4.recover(sess, store, world.prompt)
+    assert rep_a.rung == "disk" and rep_a.reused_tokens == len(a)
+    assert sess.generate(GEN) == world.cold_out

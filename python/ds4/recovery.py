@@ -126,6 +126,14 @@ def recover(
                 rep._event("ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", cands[0].text_bytes, common_bytes)
                 common = -1
         if common > 0:
+            if common < len(live) and store is not None and evict_save and sess.n_past >= store.min_tokens:
+                # A rewind discards the live tokens past `common`: save them
+                # first, as ds4 does before any live state is replaced (ds4
+                # cannot rewind, so for it this case is a plain miss).
+                try:
+                    rep.evict_saved = store.store_live_prefix(sess, "evict")
+                except (OSError, InvalidSessionError) as e:
+                    rep._event("ds4 evict save failed: %s", e)
             t = time.perf_counter()
             r = sess.rewrite_from_common(tokens)
             rep.timings["rewrite_ms"] = (time.perf_counter() - t) * 1000
@@ -138,7 +146,7 @@ def recover(
         elif common == 0:
             rep._event("ds4 live kv cache miss live=%d prompt=%d common=0 reason=token-mismatch", len(live), len(tokens))
         # The live state is about to be replaced: save it first.
-        if store is not None and evict_save and sess.n_past >= store.min_tokens:
+        if store is not None and evict_save and rep.evict_saved is None and sess.n_past >= store.min_tokens:
             try:
                 rep.evict_saved = store.store_live_prefix(sess, "evict")
             except (OSError, InvalidSessionError) as e:
