@@ -284,3 +284,20 @@ def test_quarantine_dir(eng, tmp_path):
     assert rep.rung == "prefill" and rep.rejected[0][2] == "payload_checksum"
     assert not os.path.exists(p)
     assert len(os.listdir(qd)) == 1 and os.listdir(qd)[0].endswith(".payload_checksum")
+
+
+def test_ds4_server_and_agent_temp_files_are_cleaned_too(tmp_path):
+    """ds4-server leaves `<sha>.kv.tmp.<pid>` and ds4-agent `<sha>.kv.tmp.XXXXXX`
+    (mkstemp) behind when they crash: a dead pid, or an hour of age, removes them."""
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    server_tmp = tmp_path / ("a" * 40 + f".kv.tmp.{dead}")
+    server_tmp.write_bytes(b"x")
+    agent_tmp = tmp_path / ("b" * 40 + ".kv.tmp.Xy12Zq")
+    agent_tmp.write_bytes(b"x")
+    fresh_agent_tmp = tmp_path / ("c" * 40 + ".kv.tmp.Ab34Cd")
+    fresh_agent_tmp.write_bytes(b"x")
+    old = time.time() - 2 * 3600
+    os.utime(agent_tmp, (old, old))
+    KVStore(tmp_path)
+    assert not server_tmp.exists() and not agent_tmp.exists()
+    assert fresh_agent_tmp.exists()  # no pid, young: may still be written

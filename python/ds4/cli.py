@@ -27,6 +27,9 @@ import tempfile
 import time
 from typing import Callable, Optional, TextIO
 
+from . import kvstore as _kvstore
+from .kvstore import temp_is_orphaned
+
 __all__ = ["main", "ProgressBar"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -576,32 +579,8 @@ def cmd_chat(args) -> int:
 # ds4 kv
 # ---------------------------------------------------------------------------
 _SHA_NAME = re.compile(r"^[0-9a-f]{40}\.kv$")
-# ours: .<sha>.kv.tmp.<pid>.<hex>; ds4-server: <sha>.kv.tmp.<pid>; ds4-agent: <sha>.kv.tmp.XXXXXX
-_TMP_NAME = re.compile(r"^\.?[0-9a-f]{40}\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
-
-
-def _tmp_pid(name: str) -> Optional[int]:
-    """The writer's pid encoded in a temp file name, when there is one."""
-    m = _TMP_NAME.match(name)
-    if not m:
-        return None
-    tail = m.group("tail")
-    if name.startswith("."):  # ours: .<sha>.kv.tmp.<pid>.<hex>
-        head = tail.split(".")[0]
-        return int(head) if head.isdigit() else None
-    return int(tail) if tail.isdigit() else None  # ds4-server: <pid>; ds4-agent's mkstemp suffix: none
-
-
-def _pid_dead(pid: Optional[int]) -> bool:
-    if pid is None or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+# temp names (ours, ds4-server's, ds4-agent's) are defined once, in kvstore
+_TMP_NAME = _kvstore._TMP_RE
 
 
 def _scan(d: str) -> tuple[list[str], list[str], list[str]]:
@@ -846,8 +825,7 @@ def kv_gc(args) -> int:
             age = now - os.stat(t, follow_symlinks=False).st_mtime
         except FileNotFoundError:
             continue
-        pid = _tmp_pid(name)
-        if _pid_dead(pid) or age > args.tmp_age:
+        if temp_is_orphaned(name, now - age, now, args.tmp_age):
             if not args.dry_run:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(t)
@@ -885,22 +863,15 @@ def kv_gc(args) -> int:
 
 
 def _simulate_evict(d: str, budget_mb: float) -> list[str]:
-    from .kvstore import Entry
+    from .kvstore import Entry, plan_eviction
 
-    now = time.time()
     ents = []
     for p in _scan(d)[0]:
         i = inspect_file(p)
         if i["status"] == "ok":
             ents.append(Entry(i["name"], p, i["version"], i["tokens"], i["text_bytes"], i["hits"], i["created"],
                               i["last_used"], i["size"], i["abi"], i["reason"], i["ctx"], ()))
-    total, limit, out = sum(e.size for e in ents), int(budget_mb * 1024 * 1024), []
-    while total > limit and ents:
-        v = min(ents, key=lambda e: (e.score(now), e.last_used or e.created))
-        ents.remove(v)
-        out.append(v.name)
-        total -= v.size
-    return out
+    return [e.name for e in plan_eviction(ents, int(budget_mb * 1024 * 1024), time.time())]
 
 
 def kv_rm(args) -> int:

@@ -28,7 +28,6 @@ import fcntl
 import logging
 import os
 import re
-import shutil
 import time
 from typing import Optional, Union
 
@@ -45,10 +44,12 @@ from .errors import (
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["KVStore", "Entry", "LoadResult"]
+__all__ = ["KVStore", "Entry", "LoadResult", "plan_eviction", "temp_is_orphaned", "temp_writer_pid"]
 
 _NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
-_TMP_RE = re.compile(r"^\.(?P<name>[0-9a-f]{40}\.kv)\.tmp\.(?P<pid>\d+)\.[0-9a-f]+$")
+# Temp files of writers: ours `.<sha>.kv.tmp.<pid>.<hex>`, ds4-server's
+# `<sha>.kv.tmp.<pid>`, ds4-agent's `<sha>.kv.tmp.XXXXXX` (mkstemp).
+_TMP_RE = re.compile(r"^\.?[0-9a-f]{40}\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
 LOCK_NAME = ".ds4.lock"
 HALF_LIFE_S = 6 * 3600
 TMP_MAX_AGE_S = 3600
@@ -86,6 +87,47 @@ class LoadResult:
     path: str
     tokens: int
     text_bytes: int
+
+
+def temp_writer_pid(name: str) -> Optional[int]:
+    """The writer's pid encoded in a temp file name, when there is one."""
+    m = _TMP_RE.match(name)
+    if not m:
+        return None
+    tail = m.group("tail")
+    if name.startswith("."):  # ours: .<sha>.kv.tmp.<pid>.<hex>
+        head = tail.split(".")[0]
+        return int(head) if head.isdigit() else None
+    return int(tail) if tail.isdigit() else None  # ds4-server: <pid>; ds4-agent (mkstemp): none
+
+
+def temp_is_orphaned(name: str, mtime: float, now: float, max_age: float = TMP_MAX_AGE_S) -> bool:
+    """A temp file whose writer is gone (its pid no longer exists), or that
+    is older than ``max_age`` seconds (pid unknown, reused, or on another host)."""
+    pid = temp_writer_pid(name)
+    if pid is not None and pid > 0 and pid != os.getpid():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+    return now - mtime > max_age
+
+
+def plan_eviction(entries: list, limit: int, now: float, protect: Optional[str] = None) -> list:
+    """ds4's eviction order: while the total is over ``limit``, the entry
+    with the lowest score goes (ties: least recently used); ``protect`` (the
+    newest file) never does."""
+    total = sum(e.size for e in entries)
+    pool = [e for e in entries if e.name != protect]
+    out = []
+    while total > limit and pool:
+        victim = min(pool, key=lambda e: (e.score(now), e.last_used or e.created))
+        pool.remove(victim)
+        out.append(victim)
+        total -= victim.size
+    return out
 
 
 class _DirLock:
@@ -223,24 +265,14 @@ class KVStore:
         )
 
     def _maybe_clean_tmp(self, de: os.DirEntry, now: float) -> None:
-        m = _TMP_RE.match(de.name)
-        pid = int(m.group("pid"))
         try:
             st = de.stat(follow_symlinks=False)
         except FileNotFoundError:
             return
-        dead = False
-        if pid != os.getpid():
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                dead = True
-            except PermissionError:
-                pass
-        if dead or now - st.st_mtime > TMP_MAX_AGE_S:
+        if temp_is_orphaned(de.name, st.st_mtime, now):
             try:
                 os.unlink(de.path)
-                log.info("kv cache removed orphaned temp file %s (writer pid %d %s)", de.name, pid, "dead" if dead else "stale")
+                log.info("kv cache removed orphaned temp file %s (writer pid %s)", de.name, temp_writer_pid(de.name))
             except FileNotFoundError:
                 pass
 
@@ -456,15 +488,10 @@ class KVStore:
 
     def _evict_locked(self, protect: Optional[str]) -> int:
         self.refresh(force=True)
-        total = self.total_bytes()
         limit = self.budget_bytes
         removed = 0
         now = time.time()
-        while total > limit:
-            cands = [e for e in self._index.values() if e.name != protect]
-            if not cands:
-                break
-            victim = min(cands, key=lambda e: (e.score(now), e.last_used or e.created))
+        for victim in plan_eviction(list(self._index.values()), limit, now, protect):
             try:
                 os.unlink(victim.path)
                 log.info("kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB file=%s", victim.tokens, victim.hits, victim.size / 2**20, victim.name)
@@ -475,7 +502,6 @@ class KVStore:
             except OSError as e:
                 log.error("kv cache eviction could not remove %s: %s (continuing)", victim.name, e)
             self._index.pop(victim.name, None)
-            total -= victim.size
         if removed:
             _core.sync_dir(self.dir)
             self._dir_mtime = None
