@@ -411,3 +411,18 @@ def test_chat_ctrl_c_stops_generation_cleanly(tmp_path):
     finally:
         c.close()
     assert c.exitstatus == 0
+
+
+def test_demo_main_job_end_to_end(tmp_path):
+    """The README's main job (on the reference engine here; the default is
+    SmolLM2): three processes, cold + save, resume from disk, corruption."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ds4", "demo", "--engine", "reference", "--tokens", "1500",
+                        "--dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "rung=disk" in out and "output identical to a cold prefill: True" in out
+    assert "code=payload_checksum" in out and "corrupt file removed: True" in out
+    assert out.rstrip().endswith("ds4 demo: OK")

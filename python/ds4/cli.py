@@ -1125,10 +1125,19 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--sha-mb", type=int, default=64, help="MiB hashed for the SHA-1 figures (default 64)")
     bp.add_argument("--kv-disk-dir", default=None, help="directory for the checkpoint (default: a temp dir)")
     bp.add_argument("--json", action="store_true")
+
+    dp = sub.add_parser("demo", help="the end-to-end demo: cold prefill + save, restart + resume, corruption + recovery",
+                        add_help=False)
+    dp.add_argument("demo_args", nargs=argparse.REMAINDER)
     return p
 
 
 def main(argv: Optional[list] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # its own argument parser (python -m ds4.demo)
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
