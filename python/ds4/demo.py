@@ -99,7 +99,7 @@ def phase(args) -> dict:
         "reused_tokens": rep.reused_tokens,
         "rejected": [{"file": os.path.basename(p), "stage": s, "code": c, "reason": r} for (p, s, c, r) in rep.rejected],
         "ttft_s": ttft,
-        "text": engine.detokenize(out),
+        "text": engine.detokenize([t for t in out if t != engine.eos_token_id]),
         "tokens": out,
         "cold_saved": os.path.basename(rep.cold_saved) if rep.cold_saved else None,
     }
