@@ -81,7 +81,10 @@ impl Checkpoint {
         if let Some(s) = &self.storage {
             if s.faulted() {
                 let actual = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
-                return Err(Error::Truncated { expected: self.file_len, actual });
+                return Err(Error::Truncated {
+                    expected: self.file_len,
+                    actual,
+                });
             }
         }
         Ok(())
@@ -89,7 +92,8 @@ impl Checkpoint {
 
     pub fn payload(&self) -> Option<&[u8]> {
         let s = self.storage.as_ref()?;
-        s.bytes().get(self.payload_base..self.payload_base + self.header.payload_bytes as usize)
+        s.bytes()
+            .get(self.payload_base..self.payload_base + self.header.payload_bytes as usize)
     }
 }
 
@@ -98,7 +102,9 @@ pub fn digest_from_name(path: &Path) -> Result<Sha1Digest> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     name.strip_suffix(".kv")
         .and_then(hash::parse_hex_digest)
-        .ok_or_else(|| Error::BadName { name: name.to_owned() })
+        .ok_or_else(|| Error::BadName {
+            name: name.to_owned(),
+        })
 }
 
 /// Opens a file for reading without following a final symlink, and checks
@@ -113,7 +119,9 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, u64)> {
         return Err(Error::NotRegularFile { what: "directory" });
     }
     if !ft.is_file() {
-        return Err(Error::NotRegularFile { what: "special file" });
+        return Err(Error::NotRegularFile {
+            what: "special file",
+        });
     }
     let file = OpenOptions::new()
         .read(true)
@@ -129,7 +137,9 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, u64)> {
         })?;
     let md = file.metadata()?; // the file we actually hold (no TOCTOU)
     if !md.file_type().is_file() {
-        return Err(Error::NotRegularFile { what: "special file" });
+        return Err(Error::NotRegularFile {
+            what: "special file",
+        });
     }
     Ok((file, md.len()))
 }
@@ -138,13 +148,19 @@ fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8
     // Callers have checked offset+len <= file_len; re-check to be safe.
     let end = offset.checked_add(len).ok_or(Error::SizeOverflow)?;
     if end > file_len {
-        return Err(Error::Truncated { expected: end, actual: file_len });
+        return Err(Error::Truncated {
+            expected: end,
+            actual: file_len,
+        });
     }
     let mut v = vec![0u8; len as usize];
     file.read_exact_at(&mut v, offset).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             // The file shrank under us.
-            Error::Truncated { expected: end, actual: file_len }
+            Error::Truncated {
+                expected: end,
+                actual: file_len,
+            }
         } else {
             Error::Io(e)
         }
@@ -170,7 +186,11 @@ pub fn read_header(file: &File, file_len: u64) -> Result<Header> {
 /// Runs the whole verification pipeline on `path`.
 pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
     // Stage: open.
-    let name_digest = if o.check_name { Some(digest_from_name(path)?) } else { None };
+    let name_digest = if o.check_name {
+        Some(digest_from_name(path)?)
+    } else {
+        None
+    };
     let (file, file_len) = open_regular(path, false)?;
 
     // Stage: header (corrupt, then incompatible).
@@ -178,42 +198,71 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
     if let Some(abi) = o.expected_abi {
         // A v1 file never matches: its DSV4 payload is described, not executed.
         if header.version == VERSION_V1 || header.abi != abi {
-            let found = if header.version == VERSION_V1 { "ds4 v1 (DSV4 payload)".to_owned() } else { header.abi.clone() };
-            return Err(Error::AbiMismatch { found, expected: abi.to_owned() });
+            let found = if header.version == VERSION_V1 {
+                "ds4 v1 (DSV4 payload)".to_owned()
+            } else {
+                header.abi.clone()
+            };
+            return Err(Error::AbiMismatch {
+                found,
+                expected: abi.to_owned(),
+            });
         }
     }
     if let Some(q) = o.quant_bits {
         if header.quant_bits != q {
-            return Err(Error::QuantMismatch { found: header.quant_bits, expected: q });
+            return Err(Error::QuantMismatch {
+                found: header.quant_bits,
+                expected: q,
+            });
         }
     }
     if let Some(ctx) = o.ctx {
         if header.tokens as u64 > ctx {
-            return Err(Error::CtxTooSmall { tokens: header.tokens as u64, ctx });
+            return Err(Error::CtxTooSmall {
+                tokens: header.tokens as u64,
+                ctx,
+            });
         }
     }
 
     // Stage: text.
-    let text = pread_vec(&file, header.text_offset, header.text_bytes as u64, file_len)?;
+    let text = pread_vec(
+        &file,
+        header.text_offset,
+        header.text_bytes as u64,
+        file_len,
+    )?;
     let digest = hash::sha1(&text);
     if let Some(stored) = header.text_sha1 {
         if stored != digest {
-            return Err(Error::TextHashMismatch { stored: hash::to_hex(&stored), computed: hash::to_hex(&digest) });
+            return Err(Error::TextHashMismatch {
+                stored: hash::to_hex(&stored),
+                computed: hash::to_hex(&digest),
+            });
         }
     }
     if let Some(nd) = name_digest {
         if nd != digest {
-            return Err(Error::NameMismatch { name: hash::to_hex(&nd), computed: hash::to_hex(&digest) });
+            return Err(Error::NameMismatch {
+                name: hash::to_hex(&nd),
+                computed: hash::to_hex(&digest),
+            });
         }
     }
     if let Some(prompt) = o.prompt {
         if !hash::is_byte_prefix(&text, prompt) {
             let len = text.len() as u64;
-            if text.len() <= prompt.len() && prompt.get(..text.len()).map(hash::sha1) == Some(digest) {
+            if text.len() <= prompt.len()
+                && prompt.get(..text.len()).map(hash::sha1) == Some(digest)
+            {
                 let at = hash::common_prefix_len(&text, prompt) as u64;
                 return Err(Error::PrefixCollision { len, at });
             }
-            return Err(Error::NotPrefix { len, prompt_len: prompt.len() as u64 });
+            return Err(Error::NotPrefix {
+                len,
+                prompt_len: prompt.len() as u64,
+            });
         }
     }
     if header.version == VERSION_V2 {
@@ -221,7 +270,9 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
         let text_end = header.text_offset + header.text_bytes as u64;
         let pad = pread_vec(&file, text_end, header.payload_offset - text_end, file_len)?;
         if let Some(i) = pad.iter().position(|&b| b != 0) {
-            return Err(Error::BadPadding { offset: text_end + i as u64 });
+            return Err(Error::BadPadding {
+                offset: text_end + i as u64,
+            });
         }
     }
 
@@ -252,18 +303,35 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
         format::check_tensor_table(&ck.header.tensors, ck.header.payload_bytes)?;
     }
     let (storage, base) = if o.mmap {
-        (Storage::map(&file, file_len)?, ck.header.payload_offset as usize)
+        (
+            Storage::map(&file, file_len)?,
+            ck.header.payload_offset as usize,
+        )
     } else {
-        (Storage::pread(&file, ck.header.payload_offset, ck.header.payload_bytes, file_len)?, 0)
+        (
+            Storage::pread(
+                &file,
+                ck.header.payload_offset,
+                ck.header.payload_bytes,
+                file_len,
+            )?,
+            0,
+        )
     };
     ck.storage = Some(Arc::new(storage));
     ck.payload_base = base;
     if o.verify_checksum && ck.header.version == VERSION_V2 {
-        let payload = ck.payload().ok_or(Error::Truncated { expected: ck.header.total_len, actual: file_len })?;
+        let payload = ck.payload().ok_or(Error::Truncated {
+            expected: ck.header.total_len,
+            actual: file_len,
+        })?;
         let computed = format::payload_checksum(payload);
         if computed != ck.header.payload_checksum {
             ck.check_intact()?;
-            return Err(Error::PayloadChecksum { stored: ck.header.payload_checksum, computed });
+            return Err(Error::PayloadChecksum {
+                stored: ck.header.payload_checksum,
+                computed,
+            });
         }
     }
     ck.check_intact()?;
@@ -282,7 +350,10 @@ pub fn touch(path: &Path, now: u64) -> Result<u32> {
         return Err(Error::UnsupportedVersion { found: v });
     }
     if file_len < 40 {
-        return Err(Error::TooShort { need: 40, have: file_len });
+        return Err(Error::TooShort {
+            need: 40,
+            have: file_len,
+        });
     }
     let hits = format::le_u32(&head, format::HITS_OFFSET as usize).saturating_add(1);
     file.write_all_at(&hits.to_le_bytes(), format::HITS_OFFSET)?;

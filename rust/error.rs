@@ -51,7 +51,11 @@ pub enum Error {
     #[error("declared section sizes overflow 64-bit arithmetic")]
     SizeOverflow,
     #[error("{what} is {len} bytes, more than the {max} the format allows")]
-    HeaderTooLarge { what: &'static str, len: u64, max: u64 },
+    HeaderTooLarge {
+        what: &'static str,
+        len: u64,
+        max: u64,
+    },
     #[error("bad metadata: {0}")]
     BadMetadata(String),
     #[error("file is truncated: its header declares {expected} bytes, the file has {actual}")]

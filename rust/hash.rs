@@ -114,7 +114,10 @@ mod tests {
             "84983e441c3bd26ebaae4aa1f95129e5e54670f1"
         );
         let million_a = vec![b'a'; 1_000_000];
-        assert_eq!(sha1_hex(&million_a), "34aa973cd4c4daa4f61eeb2bdbad27316534016f");
+        assert_eq!(
+            sha1_hex(&million_a),
+            "34aa973cd4c4daa4f61eeb2bdbad27316534016f"
+        );
     }
 
     #[test]
@@ -137,7 +140,10 @@ mod tests {
         assert!(is_byte_prefix(b"ab", b"abc"));
         assert!(!is_byte_prefix(b"abcd", b"abc"));
         assert!(!is_byte_prefix(b"abd", b"abc"));
-        assert_eq!(common_prefix_len(b"hello world, long text", b"hello world, long tent"), 20);
+        assert_eq!(
+            common_prefix_len(b"hello world, long text", b"hello world, long tent"),
+            20
+        );
         assert_eq!(common_prefix_len(b"", b"x"), 0);
         assert_eq!(common_prefix_len(b"same", b"same"), 4);
         assert_eq!(common_prefix_len_u32(&[1, 2, 3], &[1, 2, 4]), 2);

@@ -36,13 +36,19 @@ impl AlignedBuf {
     fn zeroed(len: usize) -> Result<AlignedBuf> {
         if len == 0 {
             // A dangling but 64-aligned pointer, so empty views stay aligned.
-            return Ok(AlignedBuf { ptr: std::ptr::without_provenance_mut(64), len: 0 });
+            return Ok(AlignedBuf {
+                ptr: std::ptr::without_provenance_mut(64),
+                len: 0,
+            });
         }
         let layout = Layout::from_size_align(len, 64).map_err(|_| Error::SizeOverflow)?;
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) };
         if ptr.is_null() {
-            return Err(Error::Io(std::io::Error::new(std::io::ErrorKind::OutOfMemory, "cannot allocate payload buffer")));
+            return Err(Error::Io(std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                "cannot allocate payload buffer",
+            )));
         }
         Ok(AlignedBuf { ptr, len })
     }
@@ -66,7 +72,10 @@ impl Drop for AlignedBuf {
 }
 
 pub enum Storage {
-    Mmap { map: memmap2::Mmap, slot: Option<usize> },
+    Mmap {
+        map: memmap2::Mmap,
+        slot: Option<usize>,
+    },
     Heap(AlignedBuf),
 }
 
@@ -93,7 +102,11 @@ impl Storage {
         // file in place may show through: checkpoints are only ever replaced
         // by rename (the hit fields excepted, which are outside the payload).
         // Truncation by another process is caught by the SIGBUS guard.
-        let map = unsafe { memmap2::MmapOptions::new().len(len).map_copy_read_only(file)? };
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .len(len)
+                .map_copy_read_only(file)?
+        };
         let _ = map.advise(memmap2::Advice::Sequential);
         let slot = sigbus::register(map.as_ptr() as usize, map.len());
         Ok(Storage::Mmap { map, slot })
@@ -103,17 +116,24 @@ impl Storage {
     pub fn pread(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Storage> {
         let end = offset.checked_add(len).ok_or(Error::SizeOverflow)?;
         if end > file_len {
-            return Err(Error::Truncated { expected: end, actual: file_len });
+            return Err(Error::Truncated {
+                expected: end,
+                actual: file_len,
+            });
         }
         let len = usize::try_from(len).map_err(|_| Error::SizeOverflow)?;
         let mut buf = AlignedBuf::zeroed(len)?;
-        file.read_exact_at(buf.as_mut_slice(), offset).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                Error::Truncated { expected: end, actual: file_len }
-            } else {
-                Error::Io(e)
-            }
-        })?;
+        file.read_exact_at(buf.as_mut_slice(), offset)
+            .map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    Error::Truncated {
+                        expected: end,
+                        actual: file_len,
+                    }
+                } else {
+                    Error::Io(e)
+                }
+            })?;
         Ok(Storage::Heap(buf))
     }
 
@@ -181,7 +201,10 @@ mod sigbus {
             if START[i].load(Ordering::Relaxed) == 0 {
                 LEN[i].store(len, Ordering::SeqCst);
                 FAULTED[i].store(false, Ordering::SeqCst);
-                if START[i].compare_exchange(0, start, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+                if START[i]
+                    .compare_exchange(0, start, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+                {
                     return Some(i);
                 }
             }
@@ -235,7 +258,8 @@ mod sigbus {
                     return; // the fault repeats and takes the default action
                 }
                 if prev.sa_flags & libc::SA_SIGINFO != 0 {
-                    let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) = std::mem::transmute(h);
+                    let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                        std::mem::transmute(h);
                     f(sig, info, ctx);
                 } else {
                     let f: extern "C" fn(libc::c_int) = std::mem::transmute(h);

@@ -194,7 +194,10 @@ pub(crate) fn byte(b: &[u8], at: usize) -> u8 {
 /// The first check of any file: length and magic; returns the version byte.
 pub fn sniff(head: &[u8], file_len: u64) -> Result<u8> {
     if file_len < 4 || head.len() < 4 {
-        return Err(Error::TooShort { need: 4, have: file_len });
+        return Err(Error::TooShort {
+            need: 4,
+            have: file_len,
+        });
     }
     let found = [byte(head, 0), byte(head, 1), byte(head, 2)];
     if found != MAGIC {
@@ -232,15 +235,25 @@ pub struct V2Fixed {
 /// and that the metadata lies inside the file. Returns the metadata length.
 pub fn v2_meta_len(fixed: &[u8], file_len: u64) -> Result<u64> {
     if file_len < V2_FIXED as u64 || fixed.len() < V2_FIXED {
-        return Err(Error::TooShort { need: V2_FIXED as u64, have: file_len });
+        return Err(Error::TooShort {
+            need: V2_FIXED as u64,
+            have: file_len,
+        });
     }
     let meta = le_u32(fixed, 20) as u64;
     if meta > MAX_META {
-        return Err(Error::HeaderTooLarge { what: "metadata", len: meta, max: MAX_META });
+        return Err(Error::HeaderTooLarge {
+            what: "metadata",
+            len: meta,
+            max: MAX_META,
+        });
     }
     let need = V2_FIXED as u64 + meta;
     if need > file_len {
-        return Err(Error::Truncated { expected: need, actual: file_len });
+        return Err(Error::Truncated {
+            expected: need,
+            actual: file_len,
+        });
     }
     Ok(meta)
 }
@@ -252,7 +265,10 @@ pub fn v2_meta_len(fixed: &[u8], file_len: u64) -> Result<u64> {
 pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
     let meta_len = v2_meta_len(fixed, file_len)?;
     if meta.len() as u64 != meta_len {
-        return Err(Error::Truncated { expected: V2_FIXED as u64 + meta_len, actual: file_len });
+        return Err(Error::Truncated {
+            expected: V2_FIXED as u64 + meta_len,
+            actual: file_len,
+        });
     }
     let stored = le_u64(fixed, 88);
     let computed = header_checksum(fixed, meta);
@@ -262,7 +278,10 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
     for off in [7usize, 52, 53, 54, 55, 76, 77, 78, 79] {
         let v = byte(fixed, off);
         if v != 0 {
-            return Err(Error::ReservedNonZero { offset: off as u64, value: v });
+            return Err(Error::ReservedNonZero {
+                offset: off as u64,
+                value: v,
+            });
         }
     }
     let text_bytes = le_u32(fixed, 48);
@@ -272,7 +291,9 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
         .checked_add(text_bytes as u64)
         .and_then(align_up)
         .ok_or(Error::SizeOverflow)?;
-    let total = payload_offset.checked_add(payload_bytes).ok_or(Error::SizeOverflow)?;
+    let total = payload_offset
+        .checked_add(payload_bytes)
+        .ok_or(Error::SizeOverflow)?;
     check_total(total, file_len)?;
     let mut sha = [0u8; 20];
     if let Some(s) = fixed.get(56..76) {
@@ -305,10 +326,16 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
 
 pub(crate) fn check_total(total: u64, file_len: u64) -> Result<()> {
     if total > file_len {
-        return Err(Error::Truncated { expected: total, actual: file_len });
+        return Err(Error::Truncated {
+            expected: total,
+            actual: file_len,
+        });
     }
     if total < file_len {
-        return Err(Error::TrailingBytes { expected: total, extra: file_len - total });
+        return Err(Error::TrailingBytes {
+            expected: total,
+            extra: file_len - total,
+        });
     }
     Ok(())
 }
@@ -345,14 +372,22 @@ pub fn decode_meta(meta: &[u8]) -> Result<(String, Vec<TensorInfo>)> {
     let mut c = Cursor { b: meta, at: 0 };
     let abi_len = c.u16("abi length")? as usize;
     if abi_len > MAX_ABI {
-        return Err(Error::HeaderTooLarge { what: "ABI string", len: abi_len as u64, max: MAX_ABI as u64 });
+        return Err(Error::HeaderTooLarge {
+            what: "ABI string",
+            len: abi_len as u64,
+            max: MAX_ABI as u64,
+        });
     }
     let abi = std::str::from_utf8(c.take(abi_len, "abi")?)
         .map_err(|_| Error::BadMetadata("ABI string is not UTF-8".into()))?
         .to_owned();
     let n = c.u16("tensor count")? as usize;
     if n > MAX_TENSORS {
-        return Err(Error::HeaderTooLarge { what: "tensor table", len: n as u64, max: MAX_TENSORS as u64 });
+        return Err(Error::HeaderTooLarge {
+            what: "tensor table",
+            len: n as u64,
+            max: MAX_TENSORS as u64,
+        });
     }
     let mut tensors = Vec::with_capacity(n);
     for i in 0..n {
@@ -361,11 +396,14 @@ pub fn decode_meta(meta: &[u8]) -> Result<(String, Vec<TensorInfo>)> {
             .map_err(|_| Error::BadMetadata(format!("tensor {i} name is not UTF-8")))?
             .to_owned();
         let code = c.u8("dtype")?;
-        let dtype = Dtype::from_code(code)
-            .ok_or_else(|| Error::BadMetadata(format!("tensor {name:?} has unknown dtype {code}")))?;
+        let dtype = Dtype::from_code(code).ok_or_else(|| {
+            Error::BadMetadata(format!("tensor {name:?} has unknown dtype {code}"))
+        })?;
         let ndim = c.u8("ndim")? as usize;
         if ndim > MAX_NDIM {
-            return Err(Error::BadMetadata(format!("tensor {name:?} has {ndim} dimensions (max {MAX_NDIM})")));
+            return Err(Error::BadMetadata(format!(
+                "tensor {name:?} has {ndim} dimensions (max {MAX_NDIM})"
+            )));
         }
         let mut shape = Vec::with_capacity(ndim);
         for _ in 0..ndim {
@@ -373,10 +411,19 @@ pub fn decode_meta(meta: &[u8]) -> Result<(String, Vec<TensorInfo>)> {
         }
         let offset = c.u64("offset")?;
         let nbytes = c.u64("nbytes")?;
-        tensors.push(TensorInfo { name, dtype, shape, offset, nbytes });
+        tensors.push(TensorInfo {
+            name,
+            dtype,
+            shape,
+            offset,
+            nbytes,
+        });
     }
     if c.at != meta.len() {
-        return Err(Error::BadMetadata(format!("{} unused metadata bytes", meta.len() - c.at)));
+        return Err(Error::BadMetadata(format!(
+            "{} unused metadata bytes",
+            meta.len() - c.at
+        )));
     }
     Ok((abi, tensors))
 }
@@ -391,16 +438,24 @@ pub fn check_tensor_table(tensors: &[TensorInfo], payload_bytes: u64) -> Result<
     let mut names = std::collections::HashSet::with_capacity(tensors.len());
     for t in tensors {
         if t.name.is_empty() || t.name.len() > MAX_NAME {
-            return Err(Error::TensorTable(format!("tensor name {:?} is empty or too long", t.name)));
+            return Err(Error::TensorTable(format!(
+                "tensor name {:?} is empty or too long",
+                t.name
+            )));
         }
         if !names.insert(t.name.as_str()) {
-            return Err(Error::TensorTable(format!("duplicate tensor name {:?}", t.name)));
+            return Err(Error::TensorTable(format!(
+                "duplicate tensor name {:?}",
+                t.name
+            )));
         }
         let want = t
             .shape
             .iter()
             .try_fold(t.dtype.itemsize(), |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| Error::TensorTable(format!("tensor {:?}: shape size overflows", t.name)))?;
+            .ok_or_else(|| {
+                Error::TensorTable(format!("tensor {:?}: shape size overflows", t.name))
+            })?;
         if want != t.nbytes {
             return Err(Error::TensorTable(format!(
                 "tensor {:?}: {} bytes for shape {:?} of {:?}, expected {want}",
@@ -413,10 +468,9 @@ pub fn check_tensor_table(tensors: &[TensorInfo], payload_bytes: u64) -> Result<
                 t.name, t.offset
             )));
         }
-        end = t
-            .offset
-            .checked_add(t.nbytes)
-            .ok_or_else(|| Error::TensorTable(format!("tensor {:?}: offset + size overflows", t.name)))?;
+        end = t.offset.checked_add(t.nbytes).ok_or_else(|| {
+            Error::TensorTable(format!("tensor {:?}: offset + size overflows", t.name))
+        })?;
         if end > payload_bytes {
             return Err(Error::TensorTable(format!(
                 "tensor {:?} ends at {end}, past the {payload_bytes}-byte payload",

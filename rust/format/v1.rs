@@ -32,14 +32,21 @@ pub const EXT_TOOL_MAP: u8 = 1;
 /// reported as `trailer_bytes`; otherwise they are `TrailingBytes`.
 pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
     if file_len < V1_FIXED as u64 || head.len() < V1_FIXED {
-        return Err(Error::TooShort { need: V1_FIXED as u64, have: file_len });
+        return Err(Error::TooShort {
+            need: V1_FIXED as u64,
+            have: file_len,
+        });
     }
     let flags = byte(head, 6);
     let text_bytes = le_u32(head, 48);
     let payload_bytes = le_u64(head, 40);
     let text_offset = V1_FIXED as u64;
-    let payload_offset = text_offset.checked_add(text_bytes as u64).ok_or(Error::SizeOverflow)?;
-    let end = payload_offset.checked_add(payload_bytes).ok_or(Error::SizeOverflow)?;
+    let payload_offset = text_offset
+        .checked_add(text_bytes as u64)
+        .ok_or(Error::SizeOverflow)?;
+    let end = payload_offset
+        .checked_add(payload_bytes)
+        .ok_or(Error::SizeOverflow)?;
     let mut trailer = 0;
     if flags & EXT_TOOL_MAP != 0 && end <= file_len {
         trailer = file_len - end;
@@ -84,10 +91,16 @@ pub fn decode_dsv4(payload_head: &[u8], header_tokens: u32) -> Result<[u32; 13]>
         *v = le_u32(payload_head, 4 * i);
     }
     if f[0] != DSV4_MAGIC {
-        return Err(Error::BadV1Payload(format!("magic {:#010x} is not DSV4", f[0])));
+        return Err(Error::BadV1Payload(format!(
+            "magic {:#010x} is not DSV4",
+            f[0]
+        )));
     }
     if f[1] != 1 {
-        return Err(Error::BadV1Payload(format!("DSV4 version {} is not 1", f[1])));
+        return Err(Error::BadV1Payload(format!(
+            "DSV4 version {} is not 1",
+            f[1]
+        )));
     }
     if f[7] != header_tokens {
         return Err(Error::BadV1Payload(format!(

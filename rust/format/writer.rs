@@ -7,7 +7,10 @@
 // 96-byte header it allocates, `zeros[..n]` with `n < ALIGN`).
 #![allow(clippy::indexing_slicing)]
 
-use super::{align_up, header_checksum, Dtype, TensorInfo, ALIGN, MAX_ABI, MAX_NAME, MAX_NDIM, MAX_TENSORS, V2_FIXED, VERSION_V2};
+use super::{
+    align_up, header_checksum, Dtype, TensorInfo, ALIGN, MAX_ABI, MAX_NAME, MAX_NDIM, MAX_TENSORS,
+    V2_FIXED, VERSION_V2,
+};
 use crate::error::{Error, Result};
 use crate::hash::sha1;
 use std::fs::{self, File, OpenOptions};
@@ -59,25 +62,45 @@ pub fn temp_name(final_name: &str) -> String {
 }
 
 /// Builds the header and metadata bytes for `text` and `tensors`.
-pub fn encode_header(meta: &WriteMeta, text: &[u8], tensors: &[TensorSrc<'_>]) -> Result<(Vec<u8>, Vec<TensorInfo>, u64)> {
+pub fn encode_header(
+    meta: &WriteMeta,
+    text: &[u8],
+    tensors: &[TensorSrc<'_>],
+) -> Result<(Vec<u8>, Vec<TensorInfo>, u64)> {
     if meta.abi.len() > MAX_ABI {
-        return Err(Error::HeaderTooLarge { what: "ABI string", len: meta.abi.len() as u64, max: MAX_ABI as u64 });
+        return Err(Error::HeaderTooLarge {
+            what: "ABI string",
+            len: meta.abi.len() as u64,
+            max: MAX_ABI as u64,
+        });
     }
     if tensors.len() > MAX_TENSORS {
-        return Err(Error::HeaderTooLarge { what: "tensor table", len: tensors.len() as u64, max: MAX_TENSORS as u64 });
+        return Err(Error::HeaderTooLarge {
+            what: "tensor table",
+            len: tensors.len() as u64,
+            max: MAX_TENSORS as u64,
+        });
     }
-    let text_len: u32 = text
-        .len()
-        .try_into()
-        .map_err(|_| Error::HeaderTooLarge { what: "text", len: text.len() as u64, max: u32::MAX as u64 })?;
+    let text_len: u32 = text.len().try_into().map_err(|_| Error::HeaderTooLarge {
+        what: "text",
+        len: text.len() as u64,
+        max: u32::MAX as u64,
+    })?;
     let mut infos = Vec::with_capacity(tensors.len());
     let mut off = 0u64;
     let mut payload_len = 0u64;
     for t in tensors {
         if t.name.is_empty() || t.name.len() > MAX_NAME || t.shape.len() > MAX_NDIM {
-            return Err(Error::TensorTable(format!("cannot write tensor {:?}: bad name or too many dimensions", t.name)));
+            return Err(Error::TensorTable(format!(
+                "cannot write tensor {:?}: bad name or too many dimensions",
+                t.name
+            )));
         }
-        let want = t.shape.iter().try_fold(t.dtype.itemsize(), |a, &d| a.checked_mul(d)).ok_or(Error::SizeOverflow)?;
+        let want = t
+            .shape
+            .iter()
+            .try_fold(t.dtype.itemsize(), |a, &d| a.checked_mul(d))
+            .ok_or(Error::SizeOverflow)?;
         if want != t.data.len() as u64 {
             return Err(Error::TensorTable(format!(
                 "cannot write tensor {:?}: {} data bytes for shape {:?}, expected {want}",
@@ -86,7 +109,13 @@ pub fn encode_header(meta: &WriteMeta, text: &[u8], tensors: &[TensorSrc<'_>]) -
                 t.shape
             )));
         }
-        infos.push(TensorInfo { name: t.name.to_owned(), dtype: t.dtype, shape: t.shape.to_vec(), offset: off, nbytes: want });
+        infos.push(TensorInfo {
+            name: t.name.to_owned(),
+            dtype: t.dtype,
+            shape: t.shape.to_vec(),
+            offset: off,
+            nbytes: want,
+        });
         payload_len = off + want;
         off = align_up(payload_len).ok_or(Error::SizeOverflow)?;
     }
@@ -108,7 +137,11 @@ pub fn encode_header(meta: &WriteMeta, text: &[u8], tensors: &[TensorSrc<'_>]) -
         m.extend_from_slice(&t.nbytes.to_le_bytes());
     }
     if m.len() as u64 > super::MAX_META {
-        return Err(Error::HeaderTooLarge { what: "metadata", len: m.len() as u64, max: super::MAX_META });
+        return Err(Error::HeaderTooLarge {
+            what: "metadata",
+            len: m.len() as u64,
+            max: super::MAX_META,
+        });
     }
 
     let mut f = vec![0u8; V2_FIXED];
@@ -150,7 +183,12 @@ pub fn checksum_tensors(tensors: &[TensorSrc<'_>]) -> u64 {
 /// Writes a v2 checkpoint durably to `path`: a 0600 temp file in the same
 /// directory, fsync, rename, fsync of the directory. On any error the temp
 /// file is removed and `path` is untouched.
-pub fn write_checkpoint(path: &Path, meta: &WriteMeta, text: &[u8], tensors: &[TensorSrc<'_>]) -> Result<Written> {
+pub fn write_checkpoint(
+    path: &Path,
+    meta: &WriteMeta,
+    text: &[u8],
+    tensors: &[TensorSrc<'_>],
+) -> Result<Written> {
     let (mut head, _infos, payload_len) = encode_header(meta, text, tensors)?;
     let sum = checksum_tensors(tensors);
     head[80..88].copy_from_slice(&sum.to_le_bytes());
@@ -165,13 +203,20 @@ pub fn write_checkpoint(path: &Path, meta: &WriteMeta, text: &[u8], tensors: &[T
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or_else(|| Error::Io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "checkpoint path has no file name")))?;
+    let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+        Error::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "checkpoint path has no file name",
+        ))
+    })?;
     let tmp = dir.join(temp_name(name));
     let res = (|| -> Result<()> {
-        let file = OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_CLOEXEC).open(&tmp)?;
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&tmp)?;
         let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
         w.write_all(&head)?;
         w.write_all(text)?;
@@ -201,7 +246,12 @@ pub fn write_checkpoint(path: &Path, meta: &WriteMeta, text: &[u8], tensors: &[T
         let _ = fs::remove_file(&tmp);
         return Err(e);
     }
-    Ok(Written { path: path.to_path_buf(), file_len: total, payload_checksum: sum, header_checksum: hsum })
+    Ok(Written {
+        path: path.to_path_buf(),
+        file_len: total,
+        payload_checksum: sum,
+        header_checksum: hsum,
+    })
 }
 
 /// fsync a directory so a rename or unlink in it survives a crash.

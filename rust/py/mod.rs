@@ -27,7 +27,9 @@ fn to_pyerr(py: Python<'_>, e: Error, path: Option<&std::path::Path>) -> PyErr {
                 let kind = io.raw_os_error();
                 let msg = format!("{io}");
                 match kind {
-                    Some(errno) => pyo3::exceptions::PyOSError::new_err((errno, msg, p.display().to_string())),
+                    Some(errno) => {
+                        pyo3::exceptions::PyOSError::new_err((errno, msg, p.display().to_string()))
+                    }
                     None => PyErr::from(io),
                 }
             }
@@ -37,7 +39,11 @@ fn to_pyerr(py: Python<'_>, e: Error, path: Option<&std::path::Path>) -> PyErr {
     let code = e.code();
     let msg = e.to_string();
     let p = path.map(|p| p.display().to_string());
-    match py.import("ds4.errors").and_then(|m| m.getattr("from_core")).and_then(|f| f.call1((code, msg.clone(), p))) {
+    match py
+        .import("ds4.errors")
+        .and_then(|m| m.getattr("from_core"))
+        .and_then(|f| f.call1((code, msg.clone(), p)))
+    {
         Ok(exc) => PyErr::from_value(exc),
         Err(err) => err,
     }
@@ -59,13 +65,21 @@ fn bytes_of<'a>(buf: &'a PyBuffer<u8>) -> PyResult<&'a [u8]> {
 #[pyfunction]
 fn sha1_hex(py: Python<'_>, data: PyBuffer<u8>) -> PyResult<String> {
     let d = bytes_of(&data)?;
-    Ok(if d.len() > 1 << 16 { py.detach(|| hash::sha1_hex(d)) } else { hash::sha1_hex(d) })
+    Ok(if d.len() > 1 << 16 {
+        py.detach(|| hash::sha1_hex(d))
+    } else {
+        hash::sha1_hex(d)
+    })
 }
 
 /// Hex SHA-1 of `data[:n]` for every `n` in `lengths`, in one pass over
 /// `data`; `None` where `n > len(data)`.
 #[pyfunction]
-fn sha1_prefixes(py: Python<'_>, data: PyBuffer<u8>, lengths: Vec<usize>) -> PyResult<Vec<Option<String>>> {
+fn sha1_prefixes(
+    py: Python<'_>,
+    data: PyBuffer<u8>,
+    lengths: Vec<usize>,
+) -> PyResult<Vec<Option<String>>> {
     let d = bytes_of(&data)?;
     let r = py.detach(|| hash::sha1_prefixes(d, &lengths));
     Ok(r.into_iter().map(|o| o.map(|x| hash::to_hex(&x))).collect())
@@ -74,13 +88,21 @@ fn sha1_prefixes(py: Python<'_>, data: PyBuffer<u8>, lengths: Vec<usize>) -> PyR
 #[pyfunction]
 fn is_byte_prefix(py: Python<'_>, prefix: PyBuffer<u8>, text: PyBuffer<u8>) -> PyResult<bool> {
     let (p, t) = (bytes_of(&prefix)?, bytes_of(&text)?);
-    Ok(if p.len() > 1 << 16 { py.detach(|| hash::is_byte_prefix(p, t)) } else { hash::is_byte_prefix(p, t) })
+    Ok(if p.len() > 1 << 16 {
+        py.detach(|| hash::is_byte_prefix(p, t))
+    } else {
+        hash::is_byte_prefix(p, t)
+    })
 }
 
 #[pyfunction]
 fn common_prefix_len(py: Python<'_>, a: PyBuffer<u8>, b: PyBuffer<u8>) -> PyResult<usize> {
     let (a, b) = (bytes_of(&a)?, bytes_of(&b)?);
-    Ok(if a.len().min(b.len()) > 1 << 16 { py.detach(|| hash::common_prefix_len(a, b)) } else { hash::common_prefix_len(a, b) })
+    Ok(if a.len().min(b.len()) > 1 << 16 {
+        py.detach(|| hash::common_prefix_len(a, b))
+    } else {
+        hash::common_prefix_len(a, b)
+    })
 }
 
 /// Length of the common prefix of two token lists.
@@ -111,16 +133,33 @@ fn write_checkpoint(
     let text_b = bytes_of(&text)?;
     let mut srcs = Vec::with_capacity(tensors.len());
     for (name, dt, shape, buf) in &tensors {
-        let dtype = Dtype::from_numpy(dt).ok_or_else(|| PyValueError::new_err(format!("unsupported dtype {dt:?} for tensor {name:?}")))?;
-        srcs.push(writer::TensorSrc { name, dtype, shape, data: bytes_of(buf)? });
+        let dtype = Dtype::from_numpy(dt).ok_or_else(|| {
+            PyValueError::new_err(format!("unsupported dtype {dt:?} for tensor {name:?}"))
+        })?;
+        srcs.push(writer::TensorSrc {
+            name,
+            dtype,
+            shape,
+            data: bytes_of(buf)?,
+        });
     }
-    let meta = writer::WriteMeta { quant_bits, reason, flags, tokens, ctx, created, abi };
+    let meta = writer::WriteMeta {
+        quant_bits,
+        reason,
+        flags,
+        tokens,
+        ctx,
+        created,
+        abi,
+    };
     let r = py.detach(|| writer::write_checkpoint(&path, &meta, text_b, &srcs));
     match r {
         Ok(w) => Ok((w.file_len, w.payload_checksum)),
         Err(e @ Error::Io(_)) => Err(to_pyerr(py, e, Some(&path))),
         // Bad arguments to the writer are the caller's error, not a corrupt file.
-        Err(e) => Err(PyValueError::new_err(format!("cannot write checkpoint: {e}"))),
+        Err(e) => Err(PyValueError::new_err(format!(
+            "cannot write checkpoint: {e}"
+        ))),
     }
 }
 
@@ -155,7 +194,9 @@ fn open_checkpoint(
         mmap,
     };
     match py.detach(|| checkpoint::open(&path, &opts)) {
-        Ok(ck) => Ok(PyCheckpoint { inner: Arc::new(ck) }),
+        Ok(ck) => Ok(PyCheckpoint {
+            inner: Arc::new(ck),
+        }),
         Err(e) => Err(to_pyerr(py, e, Some(&path))),
     }
 }
@@ -163,13 +204,15 @@ fn open_checkpoint(
 /// Records a hit (hits+1, last_used=now) under an exclusive file lock.
 #[pyfunction]
 fn touch(py: Python<'_>, path: PathBuf, now: u64) -> PyResult<u32> {
-    py.detach(|| checkpoint::touch(&path, now)).map_err(|e| to_pyerr(py, e, Some(&path)))
+    py.detach(|| checkpoint::touch(&path, now))
+        .map_err(|e| to_pyerr(py, e, Some(&path)))
 }
 
 /// fsync a directory.
 #[pyfunction]
 fn sync_dir(py: Python<'_>, path: PathBuf) -> PyResult<()> {
-    py.detach(|| writer::sync_dir(&path)).map_err(|e| to_pyerr(py, e, Some(&path)))
+    py.detach(|| writer::sync_dir(&path))
+        .map_err(|e| to_pyerr(py, e, Some(&path)))
 }
 
 /// An open, verified checkpoint.
@@ -271,7 +314,9 @@ impl PyCheckpoint {
     /// Raise TruncatedCheckpointError if the mapped file was truncated by
     /// another process while we read it (the bytes read are then untrusted).
     fn check_intact(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.check_intact().map_err(|e| to_pyerr(py, e, Some(&self.inner.path)))
+        self.inner
+            .check_intact()
+            .map_err(|e| to_pyerr(py, e, Some(&self.inner.path)))
     }
     #[getter]
     fn payload_loaded(&self) -> bool {
@@ -295,7 +340,13 @@ impl PyCheckpoint {
     fn tensor_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let l = PyList::empty(py);
         for t in &self.inner.header.tensors {
-            l.append((t.name.clone(), t.dtype.numpy(), t.shape.clone(), t.offset, t.nbytes))?;
+            l.append((
+                t.name.clone(),
+                t.dtype.numpy(),
+                t.shape.clone(),
+                t.offset,
+                t.nbytes,
+            ))?;
         }
         Ok(l)
     }
@@ -330,17 +381,20 @@ impl PyCheckpoint {
 
 impl PyCheckpoint {
     fn view(&self, offset: u64, len: u64) -> PyResult<PayloadView> {
-        let storage = self
-            .inner
-            .storage
-            .clone()
-            .ok_or_else(|| PyValueError::new_err("checkpoint was opened without its payload"))?;
+        let storage =
+            self.inner.storage.clone().ok_or_else(|| {
+                PyValueError::new_err("checkpoint was opened without its payload")
+            })?;
         let start = self.inner.payload_base as u64 + offset;
         let end = start + len;
         if end as usize > storage.bytes().len() {
             return Err(PyValueError::new_err("tensor out of bounds"));
         }
-        Ok(PayloadView { storage, start: start as usize, len: len as ffi::Py_ssize_t })
+        Ok(PayloadView {
+            storage,
+            start: start as usize,
+            len: len as ffi::Py_ssize_t,
+        })
     }
 }
 
@@ -366,7 +420,11 @@ impl PayloadView {
         self.storage.bytes().as_ptr() as usize + self.start
     }
 
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
         if view.is_null() {
             return Err(PyBufferError::new_err("view is null"));
         }
