@@ -428,19 +428,21 @@ class KVStore:
         text = name_text if name_text is not None else sess.text_bytes()
         name = _core.sha1_hex(text) + ".kv"
         path = os.path.join(self.dir, name)
-        arrays = sess.export_arrays()
-        est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
-        if est + est // 100 > self.budget_bytes:
-            log.warning("kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB", reason, est / 2**20, self.budget_bytes / 2**20)
-            return None
         t0 = time.perf_counter()
         with _DirLock(self.dir):
+            # Cheap checks first: an existing file for this key needs no
+            # export of the (possibly large) engine state.
             existing = self._existing(path, sess, text)
             if existing == "same":
                 log.info("kv cache store reason=%s: %s already stored", reason, name[:12])
                 return path
             if existing == "foreign":
                 log.info("kv cache store skipped reason=%s: key %s is held by another engine's file (kept)", reason, name[:12])
+                return None
+            arrays = sess.export_arrays()
+            est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
+            if est + est // 100 > self.budget_bytes:
+                log.warning("kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB", reason, est / 2**20, self.budget_bytes / 2**20)
                 return None
             try:
                 size = write_checkpoint(
@@ -465,13 +467,14 @@ class KVStore:
         return path
 
     def _existing(self, path: str, sess, text: bytes) -> Optional[str]:
-        """'same' if a valid file for this engine and text exists, 'foreign'
-        if a valid file of another engine holds the key, None otherwise
-        (missing, or corrupt: then it is removed and rewritten)."""
+        """'same' if a file for this engine and text exists (header and text
+        verified; its payload is verified when it is loaded, and removed then
+        if corrupt), 'foreign' if a valid file of another engine holds the
+        key, None otherwise (missing, or corrupt: then it is removed)."""
         if not os.path.lexists(path):
             return None
         try:
-            ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, verify_checksum=self.verify_checksum)
+            ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, load_payload=False)
         except IncompatibleCheckpointError:
             return "foreign"
         except CorruptCheckpointError as e:
