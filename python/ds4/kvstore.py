@@ -357,6 +357,7 @@ class KVStore:
                     e.path,
                     prompt=pb,
                     expected_abi=abi,
+                    quant_bits=getattr(sess.engine, "quant_bits", 0) if self.reject_different_quant else None,
                     ctx=sess.ctx - 1,
                     verify_checksum=self.verify_checksum,
                     mmap=self.mmap,
