@@ -301,3 +301,18 @@ def test_ds4_server_and_agent_temp_files_are_cleaned_too(tmp_path):
     KVStore(tmp_path)
     assert not server_tmp.exists() and not agent_tmp.exists()
     assert fresh_agent_tmp.exists()  # no pid, young: may still be written
+
+
+def test_reject_different_quant(eng, tmp_path):
+    """A checkpoint of another quantization is skipped and kept when the store
+    rejects other quantizations, and used when it does not."""
+    text = "quantized elsewhere, same engine otherwise " * 2
+    s = _sess(eng, text)
+    p = tmp_path / (_core.sha1_hex(s.text_bytes()) + ".kv")
+    ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=s.n_past, ctx=s.ctx, quant_bits=4)
+    s2 = ds4.Session(eng, ctx=4096)
+    rep = ds4.recover(s2, KVStore(tmp_path, min_tokens=8, reject_different_quant=True), text + "?")
+    assert rep.rung == "prefill" and [r[2] for r in rep.rejected] == ["quant_mismatch"] and p.exists()
+    s3 = ds4.Session(eng, ctx=4096)
+    rep = ds4.recover(s3, KVStore(tmp_path, min_tokens=8, reject_different_quant=False), text + "?")
+    assert rep.rung == "disk"
