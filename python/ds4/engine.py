@@ -80,3 +80,20 @@ class Engine(Protocol):
     def token_bytes(self, token: int) -> bytes: ...
 
     def detokenize(self, tokens: Sequence[int]) -> str: ...
+
+
+def as_token_array(tokens: Sequence[int], vocab_size: int, dtype=np.int32) -> np.ndarray:
+    """Validate token ids for ``EngineContext.eval`` before anything changes:
+    a non-empty 1-D integer sequence, every id in ``[0, vocab_size)``.
+    Raises ValueError otherwise."""
+    try:
+        arr = np.asarray(tokens)
+    except Exception:
+        raise ValueError("tokens must be a 1-D sequence of token ids") from None
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError("tokens must be a non-empty 1-D sequence of token ids")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
+        raise ValueError(f"token id out of range [0, {vocab_size})")
+    return arr.astype(dtype, copy=False)

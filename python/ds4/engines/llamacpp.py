@@ -64,6 +64,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
 
 __all__ = ["LlamaCppEngine", "LlamaCppContext", "default_model_path", "GGUF_NAME"]
@@ -570,15 +571,7 @@ class LlamaCppContext:
 
     # -- evaluation --------------------------------------------------------
     def _as_tokens(self, tokens: Sequence[int]) -> np.ndarray:
-        arr = np.asarray(tokens)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError("tokens must be a non-empty 1-D sequence of token ids")
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got {arr.dtype}")
-        V = self._engine.vocab_size
-        if int(arr.min()) < 0 or int(arr.max()) >= V:
-            raise ValueError(f"token id out of range [0, {V})")
-        return arr.astype(np.int32, copy=False)
+        return as_token_array(tokens, self._engine.vocab_size, np.int32)
 
     def _decode(self, toks: np.ndarray, pos0: int) -> None:
         """One llama_decode of 1..n_batch tokens, logits for the last one.

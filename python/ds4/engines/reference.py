@@ -91,6 +91,7 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
 
 __all__ = ["ReferenceEngine", "ReferenceContext", "SPECIAL_TOKENS", "PAYLOAD_LAYOUT"]
@@ -568,18 +569,7 @@ class ReferenceContext:
 
     # -- evaluation --------------------------------------------------------
     def _as_tokens(self, tokens: Sequence[int]) -> np.ndarray:
-        try:
-            arr = np.asarray(tokens)
-        except Exception:
-            raise ValueError("tokens must be a 1-D sequence of token ids") from None
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError("tokens must be a non-empty 1-D sequence of token ids")
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got {arr.dtype}")
-        V = self._engine.vocab_size
-        if int(arr.min()) < 0 or int(arr.max()) >= V:
-            raise ValueError(f"token id out of range [0, {V})")
-        return arr.astype(np.int64, copy=False)
+        return as_token_array(tokens, self._engine.vocab_size, np.int64)
 
     def eval(self, tokens: Sequence[int], progress=None) -> np.ndarray:
         """Append ``tokens`` (chunks aligned to absolute multiples of
