@@ -664,17 +664,17 @@ def _resolve(d: str, name: str) -> tuple[Optional[str], Optional[str]]:
     return None, ("no checkpoint matches" if not hits else f"ambiguous ({len(hits)} files match)") + f" {name!r}"
 
 
-def _need_dir(d: str) -> Optional[str]:
-    if not os.path.isdir(d):
-        return f"{d}: not a directory"
-    return None
+def _not_a_dir(d: str) -> bool:
+    """True (after saying so on stderr) when ``d`` is not a directory."""
+    if os.path.isdir(d):
+        return False
+    print(f"ds4 kv: {d}: not a directory", file=sys.stderr)
+    return True
 
 
 def kv_ls(args) -> int:
     d = args.dir
-    e = _need_dir(d)
-    if e:
-        print(f"ds4 kv: {e}", file=sys.stderr)
+    if _not_a_dir(d):
         return EXIT_USAGE
     cks, tmps, other = _scan(d)
     infos = [inspect_file(p) for p in cks + other]
@@ -704,9 +704,7 @@ def kv_show(args) -> int:
     if os.path.isfile(d) and not args.name:
         path, why = d, None
     else:
-        e = _need_dir(d)
-        if e:
-            print(f"ds4 kv: {e}", file=sys.stderr)
+        if _not_a_dir(d):
             return EXIT_USAGE
         if not args.name:
             print("ds4 kv show: give a checkpoint name (or a unique prefix)", file=sys.stderr)
@@ -755,9 +753,7 @@ def kv_show(args) -> int:
 
 def kv_verify(args) -> int:
     d = args.dir
-    e = _need_dir(d)
-    if e:
-        print(f"ds4 kv: {e}", file=sys.stderr)
+    if _not_a_dir(d):
         return EXIT_USAGE
     if args.names:
         paths = []
@@ -795,9 +791,7 @@ def kv_gc(args) -> int:
     from . import _core
 
     d = args.dir
-    e = _need_dir(d)
-    if e:
-        print(f"ds4 kv: {e}", file=sys.stderr)
+    if _not_a_dir(d):
         return EXIT_USAGE
     cks, tmps, _ = _scan(d)
     before = sum(os.path.getsize(p) for p in cks if os.path.exists(p))
@@ -878,9 +872,7 @@ def kv_rm(args) -> int:
     from . import _core
 
     d = args.dir
-    e = _need_dir(d)
-    if e:
-        print(f"ds4 kv: {e}", file=sys.stderr)
+    if _not_a_dir(d):
         return EXIT_USAGE
     if args.all:
         targets, errors = _scan(d)[0], []
@@ -916,9 +908,7 @@ def kv_rm(args) -> int:
 
 def kv_stats(args) -> int:
     d = args.dir
-    e = _need_dir(d)
-    if e:
-        print(f"ds4 kv: {e}", file=sys.stderr)
+    if _not_a_dir(d):
         return EXIT_USAGE
     cks, tmps, other = _scan(d)
     infos = [inspect_file(p) for p in cks + other]

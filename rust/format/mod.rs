@@ -79,6 +79,12 @@ impl Dtype {
             _ => return None,
         })
     }
+    /// Bytes of a C-contiguous array of this dtype and `shape`; None on overflow.
+    pub fn nbytes(self, shape: &[u64]) -> Option<u64> {
+        shape
+            .iter()
+            .try_fold(self.itemsize(), |acc, &d| acc.checked_mul(d))
+    }
     pub fn itemsize(self) -> u64 {
         use Dtype::*;
         match self {
@@ -449,13 +455,9 @@ pub fn check_tensor_table(tensors: &[TensorInfo], payload_bytes: u64) -> Result<
                 t.name
             )));
         }
-        let want = t
-            .shape
-            .iter()
-            .try_fold(t.dtype.itemsize(), |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| {
-                Error::TensorTable(format!("tensor {:?}: shape size overflows", t.name))
-            })?;
+        let want = t.dtype.nbytes(&t.shape).ok_or_else(|| {
+            Error::TensorTable(format!("tensor {:?}: shape size overflows", t.name))
+        })?;
         if want != t.nbytes {
             return Err(Error::TensorTable(format!(
                 "tensor {:?}: {} bytes for shape {:?} of {:?}, expected {want}",

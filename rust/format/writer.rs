@@ -96,11 +96,7 @@ pub fn encode_header(
                 t.name
             )));
         }
-        let want = t
-            .shape
-            .iter()
-            .try_fold(t.dtype.itemsize(), |a, &d| a.checked_mul(d))
-            .ok_or(Error::SizeOverflow)?;
+        let want = t.dtype.nbytes(t.shape).ok_or(Error::SizeOverflow)?;
         if want != t.data.len() as u64 {
             return Err(Error::TensorTable(format!(
                 "cannot write tensor {:?}: {} data bytes for shape {:?}, expected {want}",
@@ -170,8 +166,7 @@ pub fn checksum_tensors(tensors: &[TensorSrc<'_>]) -> u64 {
     let zeros = [0u8; ALIGN as usize];
     let mut h = Xxh3::new();
     let mut pos = 0u64;
-    for (i, t) in tensors.iter().enumerate() {
-        let _ = i;
+    for t in tensors {
         let aligned = align_up(pos).unwrap_or(pos);
         h.update(&zeros[..(aligned - pos) as usize]);
         h.update(t.data);
