@@ -1,7 +1,8 @@
 //! Property tests: write -> open returns exactly what was written (every
 //! tensor 64-byte aligned in the file and in memory), and no single bit flip
 //! or truncation of a valid v2 file ever loads, except flips in the mutable
-//! `hits`/`last_used` fields, which load with identical content.
+//! `hits`/`last_used` fields, which load with identical content. The stored
+//! checksums are compared with an independent XXH3 (rust/tests/common).
 
 mod common;
 
@@ -124,6 +125,21 @@ fn check_roundtrip(inp: &Input) -> Result<(), TestCaseError> {
     let d = tempfile::tempdir().unwrap();
     let p = write(d.path(), inp);
     let file = std::fs::read(&p).unwrap();
+    // The stored checksums are the documented ones, recomputed with an XXH3
+    // independent of the crate's: a wrong checksum that the writer stores and
+    // the reader accepts would pass every other check here.
+    let le_u64 = |at: usize| u64::from_le_bytes(file[at..at + 8].try_into().unwrap());
+    let meta_len = u32::from_le_bytes(file[20..24].try_into().unwrap()) as usize;
+    prop_assert_eq!(
+        le_u64(88),
+        common::independent_header_checksum(&file[..96], &file[96..96 + meta_len]),
+        "header checksum"
+    );
+    prop_assert_eq!(
+        le_u64(80),
+        common::independent_payload_checksum(&file[common::payload_offset(&file)..]),
+        "payload checksum"
+    );
     for mmap in [true, false] {
         let ck = open(
             &p,

@@ -1,7 +1,12 @@
 //! The test vectors of docs/FORMAT.md, read from the document itself: the
 //! writer must produce exactly the v2 bytes, and the reader must return the
 //! listed fields for both vectors. Editing the format without the document
-//! (or the document without the format) fails here.
+//! (or the document without the format) fails here. The documented checksums
+//! are recomputed with an XXH3 independent of the crate's (see
+//! `common::xxh3_64`), so the crate's checksum functions are checked, not
+//! trusted.
+
+mod common;
 
 use ds4::format::v1::DSV4_FIELDS;
 use ds4::{open, Dtype, Header, TensorSrc, VerifyOptions, WriteMeta};
@@ -210,24 +215,30 @@ fn v2_vector_writer_produces_the_documented_bytes() {
         field(&fields, "payload_checksum")
     );
 
-    // The checksums follow from their documented definitions.
-    let meta_len =
-        ds4::format::v2_meta_len(&expected[..96], expected.len() as u64).unwrap() as usize;
+    // The checksums follow from their documented definitions (§1.3, §1.6),
+    // computed with the independent XXH3 over the documented bytes: the
+    // listed values, the stored fields and the crate's functions all agree.
+    let meta_len = u32::from_le_bytes(expected[20..24].try_into().unwrap()) as usize;
+    let payload_len = u64::from_le_bytes(expected[40..48].try_into().unwrap()) as usize;
+    let po = common::payload_offset(&expected);
+    assert_eq!(po + payload_len, expected.len());
+    let hsum = common::independent_header_checksum(&expected[..96], &expected[96..96 + meta_len]);
+    let psum = common::independent_payload_checksum(&expected[po..]);
+    assert_eq!(format!("{hsum:#018x}"), field(&fields, "header_checksum"));
+    assert_eq!(format!("{psum:#018x}"), field(&fields, "payload_checksum"));
     assert_eq!(
-        ds4::format::header_checksum(&expected[..96], &expected[96..96 + meta_len]),
+        hsum,
         u64::from_le_bytes(expected[88..96].try_into().unwrap())
     );
-    let h = ds4::format::parse_v2(
-        &expected[..96],
-        &expected[96..96 + meta_len],
-        expected.len() as u64,
-    )
-    .unwrap();
-    let po = h.payload_offset as usize;
     assert_eq!(
-        ds4::format::payload_checksum(&expected[po..]),
-        h.payload_checksum
+        psum,
+        u64::from_le_bytes(expected[80..88].try_into().unwrap())
     );
+    assert_eq!(
+        ds4::format::header_checksum(&expected[..96], &expected[96..96 + meta_len]),
+        hsum
+    );
+    assert_eq!(ds4::format::payload_checksum(&expected[po..]), psum);
 
     // The reader, from the documented bytes (both modes), yields the listed fields.
     for mmap in [true, false] {
@@ -307,6 +318,78 @@ fn v1_vector_reads_as_documented() {
     )
     .unwrap_err();
     assert_eq!(e.code(), "abi_mismatch");
+}
+
+/// Inputs of every length class XXH3-64 treats differently (0, 1-3, 4-8,
+/// 9-16, 17-128, 129-240, and longer: one stripe, several, several blocks).
+fn xxh3_inputs() -> Vec<Vec<u8>> {
+    let lens = [
+        0usize, 1, 3, 4, 8, 9, 16, 17, 64, 128, 129, 200, 240, 241, 1023, 1024, 1025, 4096, 100_003,
+    ];
+    lens.iter()
+        .map(|&n| {
+            (0..n)
+                .map(|i| (i.wrapping_mul(131) ^ (i >> 7)) as u8)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn independent_xxh3_agrees_with_the_crate() {
+    // A published answer: XXH3_64bits("") with seed 0.
+    assert_eq!(common::xxh3_64(b""), 0x2d06_8005_38d3_94c2);
+    for data in xxh3_inputs() {
+        assert_eq!(
+            ds4::format::payload_checksum(&data),
+            common::independent_payload_checksum(&data),
+            "payload checksum of {} bytes",
+            data.len()
+        );
+    }
+    // The writer's streaming payload checksum: tensors of those lengths, each
+    // at the next 64-byte boundary, with the zero padding in between.
+    let inputs = xxh3_inputs();
+    let srcs: Vec<TensorSrc<'_>> = inputs
+        .iter()
+        .map(|d| TensorSrc {
+            name: "t",
+            dtype: Dtype::U8,
+            shape: &[],
+            data: d,
+        })
+        .collect();
+    for n in 0..=srcs.len() {
+        let mut payload = Vec::new();
+        for t in &srcs[..n] {
+            payload.resize(payload.len().div_ceil(64) * 64, 0);
+            payload.extend_from_slice(t.data);
+        }
+        assert_eq!(
+            ds4::format::writer::checksum_tensors(&srcs[..n]),
+            common::independent_payload_checksum(&payload),
+            "writer payload checksum of the first {n} tensors"
+        );
+    }
+    // The header checksum, including non-zero mutable fields and a stored
+    // checksum (both read as zero) and metadata of several lengths.
+    let fixed: Vec<u8> = (0..96u8)
+        .map(|i| i.wrapping_mul(37).wrapping_add(1))
+        .collect();
+    for meta in xxh3_inputs().iter().take(14) {
+        assert_eq!(
+            ds4::format::header_checksum(&fixed, meta),
+            common::independent_header_checksum(&fixed, meta),
+            "header checksum with {} metadata bytes",
+            meta.len()
+        );
+    }
+    let f = common::default_file();
+    let meta_len = u32::from_le_bytes(f[20..24].try_into().unwrap()) as usize;
+    assert_eq!(
+        ds4::format::header_checksum(&f[..96], &f[96..96 + meta_len]),
+        u64::from_le_bytes(f[88..96].try_into().unwrap())
+    );
 }
 
 #[test]

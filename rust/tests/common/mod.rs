@@ -1,10 +1,39 @@
 //! Helpers shared by the integration tests: an independent v2 encoder (so
 //! the tests do not trust the writer they check), field patching with
 //! re-sealed header checksums, and "open in both modes" assertions.
+//!
+//! The encoder's checksums come from `twox-hash`, an XXH3 implementation
+//! independent of the one the crate uses (`xxhash-rust`), and follow
+//! docs/FORMAT.md §1.3 and §1.6 rather than calling `ds4::format`. A wrong
+//! checksum in the crate therefore fails the tests instead of sealing the
+//! files they compare against.
 #![allow(dead_code)]
 
 use ds4::{open, Class, Error, VerifyOptions};
 use std::path::{Path, PathBuf};
+
+/// XXH3-64 with seed 0 (`XXH3_64bits`), from `twox-hash`, not from the crate.
+pub fn xxh3_64(data: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(data)
+}
+
+/// FORMAT.md §1.3: xxh3-64 of the 96-byte fixed header with bytes 12..16
+/// (hits), 32..40 (last_used) and 88..96 (the checksum) read as zero,
+/// followed by the metadata.
+pub fn independent_header_checksum(fixed: &[u8], meta: &[u8]) -> u64 {
+    assert_eq!(fixed.len(), 96, "the fixed v2 header is 96 bytes");
+    let mut covered = fixed.to_vec();
+    for r in [12..16usize, 32..40, 88..96] {
+        covered[r].fill(0);
+    }
+    covered.extend_from_slice(meta);
+    xxh3_64(&covered)
+}
+
+/// FORMAT.md §1.6: xxh3-64 of the whole payload section, padding included.
+pub fn independent_payload_checksum(payload: &[u8]) -> u64 {
+    xxh3_64(payload)
+}
 
 pub struct RawTensor<'a> {
     pub name: &'a [u8],
@@ -89,7 +118,7 @@ pub fn assemble(meta: &[u8], text: &[u8], payload: &[u8]) -> Vec<u8> {
     f[40..48].copy_from_slice(&(payload.len() as u64).to_le_bytes());
     f[48..52].copy_from_slice(&(text.len() as u32).to_le_bytes());
     f[56..76].copy_from_slice(&ds4::hash::sha1(text));
-    f[80..88].copy_from_slice(&ds4::format::payload_checksum(payload).to_le_bytes());
+    f[80..88].copy_from_slice(&independent_payload_checksum(payload).to_le_bytes());
     f.extend_from_slice(meta);
     f.extend_from_slice(text);
     while f.len() % 64 != 0 {
@@ -112,7 +141,7 @@ pub fn default_file() -> Vec<u8> {
 pub fn reseal(f: &mut [u8]) {
     let meta = u32::from_le_bytes(f[20..24].try_into().unwrap()) as usize;
     let end = (96 + meta).min(f.len());
-    let sum = ds4::format::header_checksum(&f[..96], &f[96..end]);
+    let sum = independent_header_checksum(&f[..96], &f[96..end]);
     f[88..96].copy_from_slice(&sum.to_le_bytes());
 }
 
