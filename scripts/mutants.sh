@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Mutation testing of the safety mechanism (outside CI: it takes hours of CPU
+# on two cores). Two maintained tools, one per language:
+#
+#   cargo-mutants  over the Rust verification pipeline (format readers,
+#                  checks, checksums, SHA-1 and prefix, payload reads)
+#   mutmut 3       over session, kvstore, recovery, checkpoint and the
+#                  engines' state-import paths
+#
+# usage: bash scripts/mutants.sh [rust|python|all] [OUT] [cargo-mutants args, with rust]
+#   OUT defaults to target/mutants; each tool leaves its raw results there and
+#   scripts/mutants_report.py prints the killed/total table per module that
+#   docs/RELIABILITY.md quotes.
+#
+# Environment: DS4_MUTANTS_JOBS (cargo-mutants -j, default 1),
+# DS4_MUTMUT_CHILDREN (mutmut --max-children, default nproc),
+# DS4_MUTANTS_FUNCS (mutmut: a glob of mangled names to restrict the run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+WHAT=${1:-all}
+OUT=$(realpath -m "${2:-target/mutants}")
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+
+# The files whose every mutant must be killed (or argued equivalent).
+RUST_FILES=(rust/checkpoint.rs rust/format/mod.rs rust/format/v1.rs rust/format/writer.rs rust/hash.rs rust/storage.rs rust/error.rs)
+PY_MODULES=(session kvstore recovery checkpoint)
+# The engines are mutated only where a checkpoint's arrays enter them. Only
+# the reference engine: llama.cpp dies with SIGILL inside llama_decode in
+# mutmut's forked workers (with either process_isolation), so the llama.cpp
+# tests and its import path are left out of the mutation run (they stay in
+# the suite).
+PY_ENGINE_FUNCS=(
+  'ds4.engines.reference.xǁReferenceContextǁimport_state__mutmut_*'
+)
+# The tests that exercise those paths (the HTTP, CLI and crash suites run
+# subprocesses, which import the unmutated package and cannot kill anything).
+PY_TESTS=(tests/test_invalidation.py tests/test_session.py tests/test_kvstore.py tests/test_ladder.py
+          tests/test_errors.py tests/test_core_format.py tests/test_engine_reference.py tests/test_reliability.py)
+
+need_tool() {
+  if ! command -v "$1" >/dev/null 2>&1; then
+    echo "== installing $1 ($2)"
+    eval "$2"
+  fi
+}
+
+run_rust() {
+  need_tool cargo-mutants "cargo install --locked cargo-mutants@27.1.0"
+  local args=()
+  for f in "${RUST_FILES[@]}"; do args+=(--file "$f"); done
+  echo "== cargo-mutants over ${RUST_FILES[*]}"
+  # Exit codes 2 (missed) and 3 (timeouts) are results, not failures.
+  # nextest runs each test in its own process and skips doctests: faster.
+  mkdir -p "$OUT/rust"
+  cargo mutants --no-shuffle -j "${DS4_MUTANTS_JOBS:-1}" --test-tool nextest --timeout 240 --build-timeout 600 \
+    --output "$OUT/rust" "${args[@]}" "$@" || [ $? -le 3 ]
+}
+
+run_python() {
+  "$PY" -m pip install -q -r requirements-dev.txt
+  "$PY" -m pip install -q "mutmut==3.8.1"
+  # mutmut copies the sources to mutants/ and imports them from there; it
+  # knows the ./, src/ and source/ layouts, so stage python/ds4 as src/ds4
+  # (with the built extension module) beside the tests.
+  local core
+  core=$("$PY" -c 'import ds4._core as c; print(c.__file__)')
+  local work="$OUT/python"
+  rm -rf "$work"
+  mkdir -p "$work/src"
+  cp -r python/ds4 "$work/src/ds4"
+  find "$work/src" -name __pycache__ -prune -exec rm -rf {} +
+  [ -e "$work/src/ds4/$(basename "$core")" ] || cp "$core" "$work/src/ds4/"
+  cp -r tests "$work/tests"
+  cp -r docs "$work/docs"
+  cp -r rust "$work/rust"
+  local only="" t sel=""
+  for m in "${PY_MODULES[@]}"; do only+="\"src/ds4/$m.py\", "; done
+  for t in "${PY_TESTS[@]}"; do [ -e "$t" ] && sel+="\"$t\", "; done
+  cat > "$work/pyproject.toml" <<EOF
+[tool.mutmut]
+source_paths = ["src/ds4"]
+only_mutate = [${only}"src/ds4/engines/reference.py"]
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-W", "ignore::DeprecationWarning", "-k", "not llamacpp"]
+pytest_add_cli_args_test_selection = [${sel%, }]
+also_copy = ["docs", "rust"]
+
+[tool.pytest.ini_options]
+timeout = 600
+xfail_strict = true
+EOF
+  local pats=()
+  if [ -n "${DS4_MUTANTS_FUNCS:-}" ]; then
+    pats=("$DS4_MUTANTS_FUNCS")
+  else
+    for m in "${PY_MODULES[@]}"; do pats+=("ds4.$m.*"); done
+    pats+=("${PY_ENGINE_FUNCS[@]}")
+  fi
+  echo "== mutmut over ${PY_MODULES[*]} and the engines' import paths"
+  (cd "$work" && "$PY" -m mutmut run --max-children "${DS4_MUTMUT_CHILDREN:-$(nproc)}" "${pats[@]}") || true
+}
+
+case "$WHAT" in
+  rust) run_rust "${@:3}" ;;
+  python) run_python ;;
+  all) run_rust; run_python ;;
+  *) echo "usage: $0 [rust|python|all] [OUT]" >&2; exit 2 ;;
+esac
+"$PY" "$ROOT/scripts/mutants_report.py" "$OUT"
