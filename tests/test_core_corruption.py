@@ -188,16 +188,35 @@ def test_random_overwrites(originals, scratch, key, data):
 @given(a=which, b=which, data=st.data())
 def test_splices(originals, scratch, a, b, data):
     """prefix of one valid file + suffix of another, opened under the first's
-    name and prompt: loads one of the two originals exactly, or is rejected."""
+    name and prompt: loads the first's content exactly, or is rejected with a
+    CheckpointError. The second's content may load only when it holds the
+    very same text (C and D hold A's): a file of another text (B under A's
+    name) must never load."""
     ra, ta, sa = originals[a]
-    rb, _tb, sb = originals[b]
+    rb, tb, sb = originals[b]
     i = data.draw(st.integers(0, len(ra)), label="cut a")
     aligned = data.draw(st.booleans(), label="same cut in b")
     j = min(i, len(rb)) if aligned else data.draw(st.integers(0, len(rb)), label="cut b")
     spliced = ra[:i] + rb[j:]
+    allowed = (sa, sb) if tb == ta else (sa,)
     for mmap in (True, False):
         r = try_open(scratch, spliced, ta, mmap)
-        assert_loaded_one_of(r, (sa, sb), f"{a}[:{i}] + {b}[{j}:]")
+        assert_loaded_one_of(r, allowed, f"{a}[:{i}] + {b}[{j}:]")
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_splice_of_another_text_never_loads(originals, scratch, mmap):
+    """The splices that matter most, deterministically (every 7th aligned
+    cut): A's head with B's tail (B holds another text), opened under A's
+    name and prompt, loads A's content exactly or is rejected -- never B's;
+    B whole under A's name is rejected."""
+    ra, ta, sa = originals["A"]
+    rb, tb, sb = originals["B"]
+    assert tb != ta and sb != sa
+    assert isinstance(try_open(scratch, rb, ta, mmap), E.CheckpointError)
+    for i in range(0, len(ra) + 1, 7):
+        r = try_open(scratch, ra[:i] + rb[min(i, len(rb)) :], ta, mmap)
+        assert isinstance(r, E.CheckpointError) or r == sa, f"A[:{i}] + B[{min(i, len(rb))}:] loaded B's content"
 
 
 @SETTINGS

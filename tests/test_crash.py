@@ -32,25 +32,53 @@ while True:
 """
 
 
-@pytest.mark.parametrize("trial", range(6))
-def test_writer_killed_mid_write(tmp_path, trial):
+TRIALS = 8
+
+
+def _kill_one_writer(d, trial):
+    """Start a writer, kill it with SIGKILL, return whether a temp file was
+    caught (present after the kill: the writer died mid-write). Even trials
+    wait until a temp file appears, then kill within a few ms (aimed at the
+    write); odd trials kill at a random time (anywhere in the write loop)."""
     rnd = random.Random(trial)
-    p = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(trial)], stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "ready"
-    time.sleep(rnd.uniform(0.05, 1.5))
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    files = os.listdir(tmp_path)
-    finals = [f for f in files if f.endswith(".kv")]
-    # at most one final file, and if present it verifies completely
-    assert len(finals) <= 1
-    for f in finals:
-        ck = ds4.open_checkpoint(tmp_path / f, expected_abi="crash/1")
-        assert ck.tokens == 100 and len(ck.arrays()) == 8
-    # the next store to open the directory removes the dead writer's temp file
-    ds4.KVStore(tmp_path)
-    assert [f for f in os.listdir(tmp_path) if ".tmp." in f] == []
-    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".kv")) == finals
+    p = subprocess.Popen([sys.executable, "-c", WRITER, str(d), str(trial)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        if trial % 2 == 0:
+            deadline = time.monotonic() + 30
+            while not any(".tmp." in f for f in os.listdir(d)) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(rnd.uniform(0, 0.005))
+        else:
+            time.sleep(rnd.uniform(0.05, 1.5))
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        p.stdout.close()
+    return any(".tmp." in f for f in os.listdir(d))
+
+
+def test_writer_killed_mid_write(tmp_path):
+    caught = 0
+    for trial in range(TRIALS):
+        d = tmp_path / f"trial{trial}"
+        d.mkdir()
+        caught += _kill_one_writer(d, trial)
+        files = os.listdir(d)
+        finals = [f for f in files if f.endswith(".kv")]
+        # at most one final file, and if present it verifies completely
+        assert len(finals) <= 1, (trial, files)
+        for f in finals:
+            ck = ds4.open_checkpoint(d / f, expected_abi="crash/1")
+            assert ck.tokens == 100 and len(ck.arrays()) == 8
+            del ck
+        # the next store to open the directory removes the dead writer's temp file
+        ds4.KVStore(d)
+        assert [f for f in os.listdir(d) if ".tmp." in f] == [], trial
+        assert sorted(f for f in os.listdir(d) if f.endswith(".kv")) == finals, trial
+    # Without this, every kill could miss the write (between two writes, or
+    # before the first) and the checks above would pass trivially.
+    assert caught > 0, f"no kill caught a writer mid-write in {TRIALS} trials"
 
 
 def test_reader_holding_a_map_survives_replacement_and_eviction(tmp_path):

@@ -316,3 +316,59 @@ def test_reject_different_quant(eng, tmp_path):
     s3 = ds4.Session(eng, ctx=4096)
     rep = ds4.recover(s3, KVStore(tmp_path, min_tokens=8, reject_different_quant=False), text + "?")
     assert rep.rung == "disk"
+
+
+# The SHAttered identical-prefix SHA-1 collision (Stevens et al., 2017), the
+# pair rust/tests/errors.rs uses: two different 320-byte messages with the
+# same SHA-1 (and the same internal state, so any common suffix keeps them
+# colliding).
+SHATTERED_PREFIX = bytes.fromhex(
+    "255044462d312e330a25e2e3cfd30a0a0a312030206f626a0a3c3c2f57696474682032203020522f4865696768742033203020522f547970652034203020522f537562747970652035203020522f46696c7465722036203020522f436f6c6f7253706163652037203020522f4c656e6774682038203020522f42697473506572436f6d706f6e656e7420383e3e0a73747265616d0affd8fffe00245348412d3120697320646561642121212121852fec092339759c39b1a1c63c4c97e1fffe01"
+)
+SHATTERED_1 = SHATTERED_PREFIX + bytes.fromhex(
+    "7f46dc93a6b67e013b029aaa1db2560b45ca67d688c7f84b8c4c791fe02b3df614f86db1690901c56b45c1530afedfb76038e972722fe7ad728f0e4904e046c230570fe9d41398abe12ef5bc942be33542a4802d98b5d70f2a332ec37fac3514e74ddc0f2cc1a874cd0c78305a21566461309789606bd0bf3f98cda8044629a1"
+)
+SHATTERED_2 = SHATTERED_PREFIX + bytes.fromhex(
+    "7346dc9166b67e118f029ab621b2560ff9ca67cca8c7f85ba84c79030c2b3de218f86db3a90901d5df45c14f26fedfb3dc38e96ac22fe7bd728f0e45bce046d23c570feb141398bb552ef5a0a82be331fea48037b8b5d71f0e332edf93ac3500eb4ddc0decc1a864790c782c76215660dd309791d06bd0af3f98cda4bc4629b1"
+)
+
+
+def test_real_sha1_collision_is_caught_by_the_byte_prefix_check(eng, tmp_path, write_ck):
+    """A checkpoint of text A (named sha1(A)) and a prompt starting with B,
+    where sha1(A) == sha1(B) but A != B: the hash-only index lookup picks the
+    file, and the byte-prefix check rejects it with PrefixCollisionError --
+    through ds4.open_checkpoint and through the store's load."""
+    import hashlib
+
+    from ds4.errors import CorruptCheckpointError, PrefixCollisionError
+    from ds4.recovery import RecoveryReport
+
+    a, b = SHATTERED_1, SHATTERED_2
+    assert len(a) == len(b) == 320 and a != b
+    assert hashlib.sha1(a).digest() == hashlib.sha1(b).digest() == bytes.fromhex(_core.sha1_hex(b))
+    first_diff = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    prompt = b + b" and the rest of the prompt"
+    honest = a + b" and the rest of the prompt"
+    sess = ds4.Session(eng, ctx=4096)
+    path = write_ck(tmp_path, a, abi=sess.payload_abi, tokens=320, quant_bits=getattr(eng, "quant_bits", 0))
+    assert os.path.basename(path) == hashlib.sha1(b).hexdigest() + ".kv"
+
+    # directly
+    for mmap in (True, False):
+        with pytest.raises(PrefixCollisionError) as ei:
+            ds4.open_checkpoint(path, prompt=prompt, mmap=mmap)
+        e = ei.value
+        assert isinstance(e, CorruptCheckpointError)
+        assert (e.code, e.stage, e.path) == ("prefix_collision", "text", path)
+        assert ds4.open_checkpoint(path, prompt=honest, mmap=mmap).text == a
+    assert ds4.open_checkpoint(path, prompt=a).text == a
+
+    # through the store: the index matches by hash, the load refuses the bytes
+    store = KVStore(tmp_path, min_tokens=16)
+    assert [e.path for e in store.lookup(prompt)] == [path]
+    assert [e.path for e in store.lookup(honest)] == [path]
+    rep = RecoveryReport()
+    assert store.try_load_text(sess, prompt, report=rep) is None
+    assert [(p, s, c) for (p, s, c, _r) in rep.rejected] == [(path, "text", "prefix_collision")], rep.rejected
+    assert f"differ at {first_diff}" in rep.rejected[0][3], rep.rejected
+    assert not sess.checkpoint_valid and store.stats["hits"] == 0 and store.stats["rejected"] == 1

@@ -85,10 +85,9 @@ def world(request, tmp_path_factory):
     return World(eng, tmp, short=256, long=512, min_prompt=600)
 
 
-def _damage(world, d, kind):
-    """Damage the long checkpoint in directory ``d``; return its path."""
-    p = os.path.join(d, os.path.basename(world.long_path))
-    b = bytearray(open(p, "rb").read())
+def _damaged_bytes(world, kind, scratch):
+    """The bytes of the long checkpoint damaged by ``kind``."""
+    b = bytearray(open(world.long_path, "rb").read())
     if kind == "bad_magic":
         b[0] ^= 0x20
     elif kind == "bad_version":
@@ -105,10 +104,9 @@ def _damage(world, d, kind):
     elif kind == "trailing_bytes":
         b += b"\0" * 64
     elif kind in ("abi", "token_count", "name_mismatch"):
-        os.unlink(p)
         ck = open_checkpoint(world.long_path)
         arrays = {k: np.array(v) for k, v in ck.arrays().items()}
-        text, abi, tokens, name = ck.text, ck.abi, ck.tokens, p
+        text, abi, tokens = ck.text, ck.abi, ck.tokens
         if kind == "abi":
             abi = abi + " variant=other"
         elif kind == "token_count":
@@ -116,13 +114,42 @@ def _damage(world, d, kind):
         else:
             # A valid file for other text, under the name of the prompt prefix.
             text = text[:-1] + (b"X" if text[-1:] != b"X" else b"Y")
-        write_checkpoint(name, text, arrays, abi=abi, tokens=tokens, ctx=world.ctx)
-        return p
+        os.makedirs(scratch, exist_ok=True)
+        out = os.path.join(scratch, os.path.basename(world.long_path))
+        write_checkpoint(out, text, arrays, abi=abi, tokens=tokens, ctx=world.ctx)
+        b = bytearray(open(out, "rb").read())
+        os.unlink(out)
     else:  # pragma: no cover
         raise AssertionError(kind)
+    return bytes(b)
+
+
+def _damage(world, d, kind, scratch):
+    """Replace the long checkpoint in directory ``d`` by a damaged file (a new
+    file under the same name); return its path."""
+    p = os.path.join(d, os.path.basename(world.long_path))
+    data = _damaged_bytes(world, kind, scratch)
+    os.unlink(p)
     with open(p, "wb") as f:
-        f.write(b)
+        f.write(data)
     return p
+
+
+def _damage_in_place(world, d, kind, scratch):
+    """Damage the long checkpoint in ``d`` in place, as bit rot or another
+    process would after this store indexed it: same inode, mtime restored,
+    and the directory untouched (no entry added, renamed or removed), so the
+    store's index keeps the file as an unchanged candidate. Returns the path
+    and whether the file's (inode, size, mtime) stat key is unchanged."""
+    p = os.path.join(d, os.path.basename(world.long_path))
+    data = _damaged_bytes(world, kind, scratch)
+    st = os.stat(p)
+    with open(p, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    st2 = os.stat(p)
+    return p, (st2.st_ino, st2.st_size, st2.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _find_text(path, text):
@@ -149,8 +176,11 @@ KINDS = {
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_ladder_rejects_damaged_and_serves_shorter(world, kind, tmp_path, caplog):
+    """The damage is there before the store opens the directory: most kinds
+    are then found while indexing (the header is read), before the ladder's
+    fallback loop; test_ladder_damage_found_at_load covers the loop."""
     d = world.fresh_dir(tmp_path)
-    bad = _damage(world, d, kind)
+    bad = _damage(world, d, kind, str(tmp_path / "scratch"))
     stage, code, kept = KINDS[kind]
     caplog.set_level("INFO", logger="ds4")
     store = world.store(d)
@@ -172,6 +202,63 @@ def test_ladder_rejects_damaged_and_serves_shorter(world, kind, tmp_path, caplog
     assert sess.generate(GEN) == world.cold_out
     # every rejection was logged with its stage and code
     assert any(code in r.getMessage() and stage in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_ladder_damage_found_at_load(world, kind, tmp_path, caplog):
+    """Every kind reaches the fallback loop of KVStore.try_load_text: the
+    store indexes the good files first, then the long one is damaged in
+    place, so the index still offers it as the longest candidate and only
+    the load can find the damage. The load rejects it (reported with its
+    stage and code; corrupt files removed, incompatible ones kept) and the
+    ladder falls back to the shorter checkpoint, with cold output.
+
+    Kinds that change the file's size (truncated_payload, trailing_bytes, and
+    the rewritten abi/token_count files when their size differs) change its
+    stat key: a rescan of the directory would re-read them and catch them at
+    indexing (the other test). They reach the loop here because in-place
+    damage leaves the directory's mtime alone, which is what gates a rescan.
+    Same-size kinds keep the whole stat key: even a rescan would not re-read
+    them."""
+    d = world.fresh_dir(tmp_path)
+    short = os.path.join(d, os.path.basename(world.short_path))
+    long = os.path.join(d, os.path.basename(world.long_path))
+    stage, code, kept = KINDS[kind]
+    caplog.set_level("INFO", logger="ds4")
+    store = world.store(d)
+    assert [e.path for e in store.lookup(world.prompt)] == [long, short]
+    assert store.stats["scans"] == 1
+    dir_mtime = os.stat(d).st_mtime_ns
+    bad, same_key = _damage_in_place(world, d, kind, str(tmp_path / "scratch"))
+    assert bad == long
+    assert os.stat(d).st_mtime_ns == dir_mtime
+    if kind in ("truncated_payload", "trailing_bytes"):
+        assert not same_key
+    elif kind not in ("abi", "token_count"):
+        assert same_key, kind
+    # the index still offers the damaged file first: the damage is unknown
+    assert [e.path for e in store.lookup(world.prompt)] == [bad, short]
+    sess = ds4.Session(world.engine, ctx=world.ctx)
+    sess.sync(world.engine.tokenize("unrelated words " * 4, special=True))
+    rep = ds4.recover(sess, store, world.prompt, evict_save=False)
+
+    assert rep.rung == "disk", rep.as_dict()
+    assert rep.loaded_path == short
+    assert rep.reused_tokens == world.short
+    assert [(p, s, c) for (p, s, c, _r) in rep.rejected] == [(bad, stage, code)], rep.rejected
+    # reported from the load: the store never rescanned (a rejection while
+    # indexing needs a scan), and only the load loop counts rejections
+    assert store.stats["scans"] == 1
+    assert store.stats["rejected"] == 1 and store.stats["hits"] == 1
+    msgs = [r.getMessage() for r in caplog.records]
+    assert not any("(refresh)" in m for m in msgs), msgs
+    if not kept:
+        assert any(f"code={code}" in m and f"stage={stage}" in m and m.endswith("(load)") for m in msgs), msgs
+    assert os.path.exists(bad) == kept
+    assert open_checkpoint(short).hits == 1
+    assert sess.checkpoint_valid
+    assert sess.tokens == world.tokens
+    assert sess.generate(GEN) == world.cold_out
 
 
 def test_ladder_all_corrupt_falls_back_to_prefill(world, tmp_path):
