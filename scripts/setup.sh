@@ -11,8 +11,21 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo (Rust) is required to build the ds4 core" >&2
   exit 1
 fi
+# llama.cpp builds for the build machine's CPU by default (GGML_NATIVE). On
+# these VMs the CPU reports AMX, which the VM cannot execute: such a build dies
+# with SIGILL in the first llama_decode. Build for the generic x86-64 target.
+export CMAKE_ARGS=${CMAKE_ARGS:--DGGML_NATIVE=OFF}
 echo "== setup: Python dependencies (requirements-dev.txt)"
 "$PY" -m pip install -q -r requirements-dev.txt
+# A wheel cached by an earlier native build is reused by pip whatever
+# CMAKE_ARGS says: decode one token in a child process, and rebuild when the
+# installed llama.cpp cannot run here.
+if ! "$PY" scripts/llama_probe.py; then
+  echo "== setup: the installed llama.cpp cannot run on this CPU; rebuilding it (CMAKE_ARGS=$CMAKE_ARGS, several minutes)"
+  "$PY" -m pip install -q --no-cache-dir --force-reinstall --no-deps \
+    "$(grep -E '^llama-cpp-python==' requirements-dev.txt)"
+  "$PY" scripts/llama_probe.py
+fi
 echo "== setup: building and installing ds4 (Rust core + Python package)"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 "$PY" -c "import ds4, ds4._core; print('ds4', ds4.__version__, 'installed')"
