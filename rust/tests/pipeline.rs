@@ -1067,7 +1067,7 @@ fn child_dir() -> Option<std::path::PathBuf> {
             rlim_max: 0,
         };
         libc::setrlimit(libc::RLIMIT_CORE, &no_core);
-        libc::alarm(20);
+        libc::alarm(10);
     }
     Some(d.into())
 }
