@@ -112,7 +112,7 @@ EOF
 }
 
 py_patterns() {
-  if [ -n "${DS4_MUTANTS_FUNCS:-}" ]; then tr ' ' '\n' <<<"$DS4_MUTANTS_FUNCS"; else printf '%s\n' "${PY_FUNCS[@]}" "${PY_ENGINE_FUNCS[@]}"; fi
+  if [ -n "${DS4_MUTANTS_FUNCS:-}" ]; then tr -s ' ' '\n' <<<"$DS4_MUTANTS_FUNCS" | sed '/^$/d'; else printf '%s\n' "${PY_FUNCS[@]}" "${PY_ENGINE_FUNCS[@]}"; fi
 }
 
 case "$WHAT" in

@@ -6,6 +6,7 @@ usage: python scripts/mutants_report.py [OUT]   (OUT defaults to target/mutants)
 
 from __future__ import annotations
 
+import ast
 import collections
 import os
 import re
@@ -44,16 +45,58 @@ def python_rows(out: str) -> tuple[dict, list[str]]:
     r = subprocess.run(
         [sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=work, capture_output=True, text=True, check=False
     )
+    cache: dict = {}
     for ln in r.stdout.splitlines():
         m = _RESULT.match(ln)
         if not m:
             continue
         key, status = m["key"], m["status"]
         module = re.split(r"\.(?:x_|xǁ)", key, maxsplit=1)[0]
+        if status == "survived" and log_only(work, key, cache):
+            status = "survived (log text)"
         rows[module][status] += 1
-        if status not in ("killed", "not checked", "timeout", "caught by type check"):
+        if status not in ("killed", "not checked", "timeout", "caught by type check", "survived (log text)"):
             survivors.append(f"{key}: {status}")
     return rows, survivors
+
+
+_LOG_CALLS = {"debug", "info", "warning", "error", "exception", "_event"}
+
+
+def _is_log_call(stmt) -> bool:
+    """A statement that only emits a log line or a report event."""
+    if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Call):
+        return False
+    f = stmt.value.func
+    return isinstance(f, ast.Attribute) and f.attr in _LOG_CALLS and (
+        f.attr == "_event" or (isinstance(f.value, ast.Name) and f.value.id == "log")
+    )
+
+
+def log_only(work: str, key: str, cache: dict) -> bool:
+    """True when the mutant changes nothing but the text or arguments of a
+    log call (found by comparing the mutant's function with mutmut's copy of
+    the original, statement by statement)."""
+    module, _, fname = key.partition(".x")
+    fname = "x" + fname
+    path = os.path.join(work, "mutants", "src", *module.split(".")) + ".py"
+    if path not in cache:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        cache[path] = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defs = cache[path]
+    mut, orig = defs.get(fname), defs.get(fname.rpartition("__mutmut_")[0] + "__mutmut_orig")
+    if mut is None or orig is None:
+        return False
+    ms = [n for n in ast.walk(mut) if isinstance(n, ast.stmt)][1:]
+    os_ = [n for n in ast.walk(orig) if isinstance(n, ast.stmt)][1:]
+    if len(ms) != len(os_):
+        return False
+    diff = [m for m, o in zip(ms, os_, strict=True) if ast.dump(m) != ast.dump(o)]
+    if not diff:
+        return False
+    inner = min(diff, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)
+    return _is_log_call(inner)
 
 
 def table(title: str, rows: dict, killed: tuple[str, ...], counted: tuple[str, ...]) -> str:
@@ -82,7 +125,7 @@ def main() -> int:
         print()
     if pr:
         print(table("Python (mutmut)", pr, ("killed", "timeout"),
-                    ("killed", "timeout", "survived", "no tests", "suspicious", "segfault")))
+                    ("killed", "timeout", "survived", "survived (log text)", "no tests", "suspicious", "segfault")))
         print("not checked (outside the run's function patterns, not counted):", sum(c["not checked"] for c in pr.values()))
         print()
     for s in rs + ps:
