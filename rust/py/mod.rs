@@ -50,7 +50,7 @@ fn to_pyerr(py: Python<'_>, e: Error, path: Option<&std::path::Path>) -> PyErr {
 }
 
 /// A contiguous byte view of any buffer-protocol object.
-fn bytes_of<'a>(buf: &'a PyBuffer<u8>) -> PyResult<&'a [u8]> {
+fn bytes_of(buf: &PyBuffer<u8>) -> PyResult<&[u8]> {
     if !buf.is_c_contiguous() {
         return Err(PyValueError::new_err("buffer must be C-contiguous"));
     }
