@@ -48,7 +48,7 @@ PY_ENGINE_FUNCS=(
 )
 # The tests that exercise those paths (the HTTP, CLI and crash suites run
 # subprocesses, which import the unmutated package and cannot kill anything).
-PY_TESTS=(tests/test_invalidation.py tests/test_session.py tests/test_kvstore.py tests/test_ladder.py
+PY_TESTS=(tests/test_invalidation.py tests/test_session.py tests/test_recovery_report.py tests/test_kvstore.py tests/test_kvstore_policy.py tests/test_ladder.py
           tests/test_errors.py tests/test_core_format.py tests/test_engine_reference.py tests/test_reliability.py)
 
 need_tool() {

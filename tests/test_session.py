@@ -251,3 +251,217 @@ def test_recover_bad_prompts_are_typed_and_harmless(eng, tmp_path):
         ds4.recover(s, store, "")
     assert s.checkpoint_valid and s.tokens == a  # untouched
     assert [f for f in os.listdir(tmp_path) if f.endswith(".kv")] == []  # nothing saved or lost
+
+
+# -- generate against a hand-computed greedy chain --------------------------------
+
+
+def _greedy_chain(eng, prompt_tokens, n, ctx):
+    """The greedy continuation computed step by step through eval_token, with
+    the logits after each evaluated token."""
+    s = ds4.Session(eng, ctx=ctx)
+    s.sync(prompt_tokens)
+    chain, states = [], [np.array(s.logits)]
+    for _ in range(n):
+        t = int(np.argmax(s.logits))
+        chain.append(t)
+        s.eval_token(t)
+        states.append(np.array(s.logits))
+    return chain, states
+
+
+def test_generate_is_the_greedy_chain(eng):
+    a = toks(eng, "Once upon a time, ")
+    chain, states = _greedy_chain(eng, a, 6, 256)
+    s = ds4.Session(eng, ctx=256)
+    s.sync(a)
+    seen = []
+    out = s.generate(6, on_token=seen.append)
+    assert out == chain and seen == chain
+    assert all(type(t) is int for t in out)
+    # every generated token, the last one included, was evaluated
+    assert s.tokens == a + chain and np.array_equal(s.logits, states[6])
+    assert s.generate(0) == [] and s.tokens == a + chain
+
+
+def test_generate_stops_after_a_stop_token_without_evaluating_it(eng):
+    a = toks(eng, "Once upon a time, ")
+    chain, states = _greedy_chain(eng, a, 8, 256)
+    # the first position whose token did not occur before it
+    k = next(i for i in range(1, len(chain)) if chain[i] not in chain[:i])
+    s = ds4.Session(eng, ctx=256)
+    s.sync(a)
+    seen = []
+    out = s.generate(20, stop_tokens=[np.int64(chain[k]), eng.vocab_size + 7], on_token=seen.append)
+    assert out == chain[: k + 1] and seen == chain[: k + 1]
+    assert s.tokens == a + chain[:k] and np.array_equal(s.logits, states[k])
+
+
+def test_generate_stops_at_the_context_end(eng):
+    """With ctx=16 and 10 prompt tokens, decoding may fill positions up to 15:
+    six tokens come out (the sixth is returned but not evaluated), no error."""
+    a = list(range(97, 107))
+    chain, states = _greedy_chain(eng, a, 5, 16)
+    s = ds4.Session(eng, ctx=16)
+    s.sync(a)
+    t6 = int(np.argmax(states[5]))
+    out = s.generate(20)
+    assert out == chain + [t6]
+    assert s.n_past == 15 and s.tokens == a + chain and np.array_equal(s.logits, states[5])
+    # at the end already: one token comes out, nothing is evaluated
+    assert s.generate(3) == [t6] and s.n_past == 15
+
+
+# -- common_prefix / rewrite_from_common -----------------------------------------
+
+
+def test_common_prefix_of_an_invalid_session_is_zero(eng):
+    s = ds4.Session(eng, ctx=64)
+    a = toks(eng, "abc")
+    assert s.common_prefix(a) == 0
+    s.sync(a)
+    assert s.common_prefix(a + [1]) == 3 and s.common_prefix([7]) == 0
+    s.invalidate()
+    assert s.common_prefix(a) == 0
+
+
+def test_rewrite_errors_say_why(eng):
+    s = ds4.Session(eng, ctx=32)
+    a = toks(eng, "shared prefix")
+    assert s.rewrite_from_common(a) is Rewrite.ERROR
+    assert s.last_error == "session has no valid checkpoint"
+    s.sync(a)
+    assert s.rewrite_from_common([]) is Rewrite.ERROR
+    assert s.last_error == "prompt is empty"
+    # exactly ctx tokens (an extension of the live ones): no room left
+    full = a + list(range(97, 97 + 32 - len(a)))
+    assert len(full) == s.ctx
+    assert s.rewrite_from_common(full) is Rewrite.ERROR
+    assert s.last_error == "prompt exceeds context"
+    assert s.checkpoint_valid and s.tokens == a
+    # one below: fits; a success clears the previous error
+    assert s.rewrite_from_common(full[:-1]) is Rewrite.OK
+    assert s.last_error is None and s.tokens == full[:-1]
+
+
+def test_rewrite_with_nothing_in_common_needs_rebuild(eng):
+    s = ds4.Session(eng, ctx=128)
+    a = toks(eng, "apples and pears")
+    s.sync(a)
+    before = np.array(s.logits)
+    b = toks(eng, "zebras")
+    assert s.rewrite_from_common(b) is Rewrite.REBUILD_NEEDED
+    assert s.last_error == f"rewrite needs rebuild: common=0 live={len(a)} canonical={len(b)}"
+    assert s.checkpoint_valid and s.tokens == a and np.array_equal(s.logits, before)
+
+
+def test_rewrite_extension_never_asks_the_engine_to_rewind(eng, monkeypatch):
+    """An engine that cannot rewind at all still extends: when the live state
+    is a prefix of the new tokens no truncate is needed."""
+    import types
+
+    s = ds4.Session(eng, ctx=128)
+    a = toks(eng, "a live conversation")
+    s.sync(a)
+    calls = []
+
+    def truncate(self, n):
+        calls.append(n)
+        return False
+
+    monkeypatch.setattr(s._ectx, "truncate", types.MethodType(truncate, s._ectx))
+    b = a + toks(eng, " goes on")
+    assert s.rewrite_from_common(b) is Rewrite.OK and s.last_error is None
+    assert calls == [] and s.tokens == b
+
+
+def _rewinding(monkeypatch, s, logits_dtype=None):
+    """Give s's engine context an exact rewind (re-prefill of the kept prefix);
+    optionally its last_logits returns another dtype."""
+    import types
+
+    ectx = s._ectx
+
+    def truncate(self, n):
+        keep = list(s._tokens[:n])
+        self.reset()
+        if keep:
+            self.eval(keep)
+        return True
+
+    monkeypatch.setattr(ectx, "truncate", types.MethodType(truncate, ectx))
+    if logits_dtype is not None:
+        real = ectx.last_logits
+        monkeypatch.setattr(ectx, "last_logits", lambda: real().astype(logits_dtype))
+
+
+def _cold(eng, tokens, ctx):
+    c = ds4.Session(eng, ctx=ctx)
+    c.sync(tokens)
+    return np.array(c.logits)
+
+
+@pytest.mark.parametrize("dtype", [None, np.float64])
+def test_rewind_to_a_strict_prefix_restores_the_engine_logits(eng, monkeypatch, dtype):
+    """The new tokens are a prefix of the live ones: nothing is evaluated after
+    the rewind, so the logits are the engine's restored ones (as float32)."""
+    s = ds4.Session(eng, ctx=128)
+    a = toks(eng, "a conversation to cut short")
+    s.sync(a)
+    _rewinding(monkeypatch, s, dtype)
+    k = 9
+    assert s.rewrite_from_common(a[:k]) is Rewrite.OK and s.last_error is None
+    assert s.checkpoint_valid and s.tokens == a[:k]
+    assert s.logits.dtype == np.float32 and np.array_equal(s.logits, _cold(eng, a[:k], 128))
+
+
+def test_rewind_to_one_common_token(eng, monkeypatch):
+    s = ds4.Session(eng, ctx=128)
+    a, b = toks(eng, "sXYZ one"), toks(eng, "sABC two")
+    s.sync(a)
+    _rewinding(monkeypatch, s)
+    assert s.common_prefix(b) == 1
+    assert s.rewrite_from_common(b) is Rewrite.OK
+    assert s.tokens == b and np.array_equal(s.logits, _cold(eng, b, 128))
+
+
+def test_rewind_failure_invalidates_and_says_why(eng, monkeypatch):
+    s = ds4.Session(eng, ctx=128)
+    a, b = toks(eng, "shared prefix then branch one"), toks(eng, "shared prefix then branch two")
+    s.sync(a)
+
+    def truncate(n):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(s._ectx, "truncate", truncate)
+    assert s.rewrite_from_common(b) is Rewrite.ERROR
+    assert s.last_error == "rewind failed: device lost"
+    assert not s.checkpoint_valid and s.tokens == [] and s.logits is None
+
+
+def test_rewrite_reports_a_failed_prefill(eng, monkeypatch):
+    s = ds4.Session(eng, ctx=128)
+    a = toks(eng, "a live conversation")
+    s.sync(a)
+
+    def boom(tokens, progress=None):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(s._ectx, "eval", boom)
+    assert s.rewrite_from_common(a + toks(eng, " goes on")) is Rewrite.ERROR
+    assert s.last_error == "engine failed during prefill/decode: device lost"
+    assert not s.checkpoint_valid
+
+
+def test_checkpoint_array_by_name(eng, tmp_path):
+    a = toks(eng, "checkpoint me")
+    s = ds4.Session(eng, ctx=128)
+    s.sync(a)
+    p = tmp_path / (ds4._core.sha1_hex(s.text_bytes()) + ".kv")
+    ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=s.n_past, ctx=s.ctx)
+    ck = ds4.open_checkpoint(p, prompt=s.text_bytes())
+    assert ck.array("tokens").tolist() == a
+    assert np.array_equal(ck.array("logits"), s.logits)
+    with pytest.raises(KeyError) as ei:
+        ck.array("no-such-tensor")
+    assert ei.value.args == ("no-such-tensor",)

@@ -1,0 +1,431 @@
+"""The recovery report, field by field, on every rung of the ladder.
+
+Each test checks the report ``recover`` returns against an independent
+expectation: which rung and source served, how many tokens were reused and
+prefilled, what was saved and loaded, which events were recorded, and where
+the time went. Timings are made exact with a fake ``perf_counter`` in
+``ds4.recovery`` that advances by a fixed step per call.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import numpy as np
+import pytest
+
+import ds4
+from ds4 import _core, recovery
+from ds4.checkpoint import open_checkpoint
+from ds4.recovery import RecoveryReport, _tokenize_suffix
+
+STEP = 0.25  # seconds per perf_counter call: every interval is 250 ms
+MS = STEP * 1000
+IM_START = "<|im_start|>"
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return ds4.ReferenceEngine()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake perf_counter for ds4.recovery only (the store and the engines
+    keep the real one): 100.25, 100.5, ... one step per call."""
+    calls = []
+
+    def perf_counter():
+        calls.append(None)
+        return 100.0 + STEP * len(calls)
+
+    monkeypatch.setattr(recovery, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    return calls
+
+
+def toks(eng, text):
+    return eng.tokenize(text, special=True)
+
+
+def byte_toks(eng, text):
+    """The tokens of ``text`` with the special markers spelled out in bytes:
+    the same rendered text, a different tokenization."""
+    return eng.tokenize(text, special=False)
+
+
+def cold_logits(eng, tokens, ctx):
+    c = ds4.Session(eng, ctx=ctx)
+    c.sync(tokens)
+    return np.array(c.logits)
+
+
+def rewindable(monkeypatch, sess):
+    """Give ``sess``'s engine context an exact rewind (re-prefill of the kept
+    prefix), as an engine without sliding layers could do natively."""
+    ectx = sess._ectx
+
+    def truncate(self, n):
+        keep = list(sess._tokens[:n])  # the session trims its tokens after this returns
+        self.reset()
+        if keep:
+            self.eval(keep)
+        return True
+
+    monkeypatch.setattr(ectx, "truncate", types.MethodType(truncate, ectx))
+
+
+def kv_files(d):
+    return sorted(f for f in os.listdir(d) if f.endswith(".kv"))
+
+
+def ladder_event(rung, source, reused, prompt, rejected, total_ms):
+    return (
+        f"ds4 ladder rung={rung} source={source} reused={reused} prompt={prompt} "
+        f"prefill={prompt - reused} rejected={rejected} total={total_ms:.1f} ms"
+    )
+
+
+# -- RecoveryReport itself -------------------------------------------------------
+
+
+def test_as_dict_spells_out_every_field():
+    rep = RecoveryReport(
+        rung="disk",
+        source="disk-text",
+        reused_tokens=7,
+        prompt_tokens=9,
+        loaded_path="/c/x.kv",
+        rejected=[("/c/y.kv", "payload", "payload_checksum", "checksum differs"), ("/c/z.kv", "header", "abi", "other engine")],
+        timings={"tokenize_ms": 1.5},
+        evict_saved="/c/e.kv",
+        cold_saved=None,
+        events=["one"],
+    )
+    assert rep.as_dict() == {
+        "rung": "disk",
+        "source": "disk-text",
+        "reused_tokens": 7,
+        "prompt_tokens": 9,
+        "loaded_path": "/c/x.kv",
+        "rejected": [
+            {"path": "/c/y.kv", "stage": "payload", "code": "payload_checksum", "reason": "checksum differs"},
+            {"path": "/c/z.kv", "stage": "header", "code": "abi", "reason": "other engine"},
+        ],
+        "timings": {"tokenize_ms": 1.5},
+        "evict_saved": "/c/e.kv",
+        "cold_saved": None,
+        "events": ["one"],
+    }
+    assert RecoveryReport().as_dict()["rejected"] == []
+
+
+def test_event_formats_only_with_arguments():
+    rep = RecoveryReport()
+    rep._event("reused=%d of %s", 3, "ten")
+    rep._event("a literal 100% and %d, no arguments")
+    assert rep.events == ["reused=3 of ten", "a literal 100% and %d, no arguments"]
+
+
+def test_tokenize_suffix():
+    class Tok:
+        def __init__(self):
+            self.calls = []
+
+        def tokenize(self, text, special=False):
+            self.calls.append((text, special))
+            return [1] if text == "" else [ord(c) for c in text]  # a tokenizer that adds BOS to nothing
+
+    t = Tok()
+    assert _tokenize_suffix(t, b"abc", 3) == [] and t.calls == []  # nothing left: no tokenizer call
+    assert _tokenize_suffix(t, b"abcde", 3) == [ord("d"), ord("e")] and t.calls == [("de", True)]
+    assert _tokenize_suffix(t, "xé".encode(), 2) is None  # the cut splits "é"
+
+
+# -- rung 4: full prefill --------------------------------------------------------
+
+
+def test_prefill_report_progress_and_frontiers(eng, clock):
+    prompt = "The quick brown fox jumps over the lazy d"  # 41 tokens
+    tokens = toks(eng, prompt)
+    assert len(tokens) == 41
+    s = ds4.Session(eng, ctx=128)
+    progress, frontiers = [], []
+    rep = ds4.recover(
+        s, None, prompt,
+        progress=lambda done, total: progress.append((done, total)),
+        frontier_every=16, on_frontier=lambda sess: frontiers.append((sess.n_past, sess.checkpoint_valid)),
+    )
+    assert progress == [(16, 41), (32, 41), (41, 41)]
+    assert frontiers == [(16, True), (32, True)]
+    assert s.tokens == tokens and np.array_equal(s.logits, cold_logits(eng, tokens, 128))
+    # clock calls: start, tokenize start/end, prefill start/end, total
+    assert len(clock) == 6
+    assert rep.timings == {"tokenize_ms": MS, "prefill_ms": MS, "total_ms": 5 * MS}
+    assert rep.as_dict() == {
+        "rung": "prefill",
+        "source": "full",
+        "reused_tokens": 0,
+        "prompt_tokens": 41,
+        "loaded_path": None,
+        "rejected": [],
+        "timings": {"tokenize_ms": MS, "prefill_ms": MS, "total_ms": 5 * MS},
+        "evict_saved": None,
+        "cold_saved": None,
+        "events": [ladder_event("prefill", "full", 0, 41, 0, 5 * MS)],
+    }
+
+
+def test_bytes_prompt_equals_str_prompt(eng):
+    prompt = "<|im_start|>user\nsmörgåsbord, naïve café<|im_end|>\n"
+    tokens = toks(eng, prompt)
+    a = ds4.Session(eng, ctx=256)
+    rep = ds4.recover(a, None, prompt.encode("utf-8"))
+    assert (rep.rung, rep.source, rep.prompt_tokens) == ("prefill", "full", len(tokens))
+    assert a.tokens == tokens
+    rep = ds4.recover(a, None, bytearray((prompt + "more").encode("utf-8")))
+    assert (rep.rung, rep.source, rep.reused_tokens) == ("live", "memory-token", len(tokens))
+    assert a.tokens == toks(eng, prompt + "more")
+
+
+# -- rung 1: the live session ----------------------------------------------------
+
+
+def test_live_token_prefix_same_and_longer_prompt(eng, clock):
+    prompt = "<|im_start|>user\nthe same prompt twice"
+    tokens = toks(eng, prompt)
+    s = ds4.Session(eng, ctx=128)
+    s.sync(tokens)
+    rep = ds4.recover(s, None, prompt)  # exactly the live tokens
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("live", "memory-token", len(tokens), len(tokens))
+    assert rep.timings == {"tokenize_ms": MS, "prefill_ms": MS, "total_ms": 5 * MS}
+    assert rep.events == [ladder_event("live", "memory-token", len(tokens), len(tokens), 0, 5 * MS)]
+    assert s.tokens == tokens
+    longer = toks(eng, prompt + ", and more")
+    rep = ds4.recover(s, None, prompt + ", and more")
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("live", "memory-token", len(tokens), len(longer))
+    assert s.tokens == longer and np.array_equal(s.logits, cold_logits(eng, longer, 128))
+
+
+def test_live_text_prefix_extends_the_live_tokens(eng):
+    """The live tokens spell the markers in bytes: not a token prefix of the
+    prompt, but a byte prefix. The suffix is tokenized on its own and
+    appended to the live tokens (which are kept, not re-tokenized)."""
+    live_text = IM_START + "user\nhi"
+    live = byte_toks(eng, live_text)
+    s = ds4.Session(eng, ctx=128)
+    s.sync(live)
+    rep = ds4.recover(s, None, live_text + " there")
+    effective = live + toks(eng, " there")
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("live", "memory-text", len(live), len(effective))
+    assert rep.prompt_tokens != len(toks(eng, live_text + " there"))
+    assert s.tokens == effective and np.array_equal(s.logits, cold_logits(eng, effective, 128))
+
+
+def test_live_text_equal_to_the_prompt(eng):
+    live_text = IM_START + "user\nhi"
+    live = byte_toks(eng, live_text)
+    s = ds4.Session(eng, ctx=128)
+    s.sync(live)
+    before = np.array(s.logits)
+    rep = ds4.recover(s, None, live_text)
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("live", "memory-text", len(live), len(live))
+    assert s.tokens == live and np.array_equal(s.logits, before)
+
+
+@pytest.mark.parametrize("room", [0, 1])
+def test_live_text_at_the_context_end(eng, room):
+    """Live tokens plus suffix must stay below ctx; at exactly ctx the text
+    rung declines and the prompt's own tokens are prefilled."""
+    live_text = IM_START + "user\nhi"
+    live = byte_toks(eng, live_text)
+    rest = toks(eng, " there")
+    ctx = len(live) + len(rest) + room
+    s = ds4.Session(eng, ctx=ctx)
+    s.sync(live)
+    rep = ds4.recover(s, None, live_text + " there")
+    if room:
+        assert (rep.rung, rep.source, rep.reused_tokens) == ("live", "memory-text", len(live))
+        assert s.tokens == live + rest
+    else:
+        prompt_tokens = toks(eng, live_text + " there")
+        assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("prefill", "full", 0, len(prompt_tokens))
+        assert s.tokens == prompt_tokens
+
+
+def test_live_text_cut_inside_utf8_prefills(eng):
+    """The live text ends inside a UTF-8 sequence of the prompt: the suffix
+    cannot be tokenized alone, so the live rung declines."""
+    prompt = IM_START + "user\ncafé"
+    live_b = (IM_START + "user\ncaf").encode() + "é".encode()[:1]
+    live = list(live_b)  # byte tokens
+    s = ds4.Session(eng, ctx=128)
+    s.sync(live)
+    rep = ds4.recover(s, None, prompt)
+    assert (rep.rung, rep.source, rep.reused_tokens) == ("prefill", "full", 0)
+    assert s.tokens == toks(eng, prompt)
+
+
+# -- rung 2: rewrite (rewind) -----------------------------------------------------
+
+
+A = "shared prefix then branch one"
+B = "shared prefix then branch two, longer"
+
+
+def test_rewind_report(eng, clock, monkeypatch):
+    a, b = toks(eng, A), toks(eng, B)
+    s = ds4.Session(eng, ctx=128)
+    s.sync(a)
+    common = s.common_prefix(b)
+    assert 0 < common < len(a)
+    rewindable(monkeypatch, s)
+    rep = ds4.recover(s, None, B)
+    # start, tokenize start/end, rewrite start/end, total
+    assert len(clock) == 6
+    assert rep.as_dict() == {
+        "rung": "rewrite",
+        "source": "memory-rewind",
+        "reused_tokens": common,
+        "prompt_tokens": len(b),
+        "loaded_path": None,
+        "rejected": [],
+        "timings": {"tokenize_ms": MS, "rewrite_ms": MS, "total_ms": 5 * MS},
+        "evict_saved": None,
+        "cold_saved": None,
+        "events": [f"ds4 ladder rung=rewrite reused={common} prompt={len(b)}"],
+    }
+    assert s.tokens == b and np.array_equal(s.logits, cold_logits(eng, b, 128))
+
+
+def test_rewind_to_a_single_common_token(eng, monkeypatch):
+    a, b = toks(eng, "sXYZ one"), toks(eng, "sABC two")
+    s = ds4.Session(eng, ctx=128)
+    s.sync(a)
+    assert s.common_prefix(b) == 1
+    rewindable(monkeypatch, s)
+    rep = ds4.recover(s, None, "sABC two")
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("rewrite", "memory-rewind", 1, len(b))
+    assert s.tokens == b and np.array_equal(s.logits, cold_logits(eng, b, 128))
+
+
+@pytest.mark.parametrize("extra_min", [0, 1])
+def test_rewind_evict_saves_the_discarded_branch(eng, tmp_path, monkeypatch, extra_min):
+    """Before a rewind, the live state is saved (reason "evict") when it has
+    at least ``min_tokens`` tokens: exactly at the minimum it is saved."""
+    a, b = toks(eng, A), toks(eng, B)
+    store = ds4.KVStore(str(tmp_path), min_tokens=len(a) + extra_min)
+    s = ds4.Session(eng, ctx=128)
+    s.sync(a)
+    common = s.common_prefix(b)
+    a_text = s.text_bytes()
+    rewindable(monkeypatch, s)
+    rep = ds4.recover(s, store, B)
+    assert (rep.rung, rep.source, rep.reused_tokens) == ("rewrite", "memory-rewind", common)
+    assert s.tokens == b
+    if extra_min:
+        assert rep.evict_saved is None and kv_files(tmp_path) == []
+        return
+    expected = os.path.join(str(tmp_path), _core.sha1_hex(a_text) + ".kv")
+    assert rep.evict_saved == expected and kv_files(tmp_path) == [os.path.basename(expected)]
+    ck = open_checkpoint(expected, prompt=a_text)
+    assert ck.reason_name == "evict" and ck.tokens == len(a)
+    # the saved branch is what the live session held before the rewind
+    back = ds4.Session(eng, ctx=128)
+    back.load_checkpoint(ck)
+    assert back.tokens == a and np.array_equal(back.logits, cold_logits(eng, a, 128))
+
+
+def test_rewind_without_evict_save_saves_nothing(eng, tmp_path, monkeypatch):
+    a, b = toks(eng, A), toks(eng, B)
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    s = ds4.Session(eng, ctx=128)
+    s.sync(a)
+    rewindable(monkeypatch, s)
+    rep = ds4.recover(s, store, B, evict_save=False)
+    assert rep.rung == "rewrite" and rep.evict_saved is None
+    assert kv_files(tmp_path) == []
+
+
+def _store_prefix(eng, store, tokens, ctx=512):
+    d = ds4.Session(eng, ctx=ctx)
+    d.sync(tokens)
+    path = store.store_live_prefix(d, "cold")
+    assert path is not None
+    return path
+
+
+def test_longer_disk_prefix_beats_a_one_token_rewind(eng, tmp_path, monkeypatch):
+    """Even when the engine can rewind, a longer verified prefix on disk wins
+    (here the live session shares a single token with the prompt)."""
+    prompt = "sABC a prompt whose long prefix is on disk"
+    tokens = toks(eng, prompt)
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    path = _store_prefix(eng, store, tokens[:20])
+    s = ds4.Session(eng, ctx=128)
+    s.sync(toks(eng, "sXYZ another conversation"))
+    assert s.common_prefix(tokens) == 1
+    rewindable(monkeypatch, s)
+    rep = ds4.recover(s, store, prompt, evict_save=False)
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.loaded_path) == ("disk", "disk-text", 20, path)
+    assert rep.prompt_tokens == len(tokens)
+    assert any("rewrite skipped" in e for e in rep.events)
+    assert "rewrite_ms" not in rep.timings
+    assert s.tokens == tokens and np.array_equal(s.logits, cold_logits(eng, tokens, 128))
+
+
+def test_disk_prefix_of_equal_length_does_not_beat_the_rewind(eng, tmp_path, monkeypatch):
+    b = toks(eng, B)
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    s = ds4.Session(eng, ctx=128)
+    s.sync(toks(eng, A))
+    common = s.common_prefix(b)
+    _store_prefix(eng, store, b[:common])  # disk holds exactly the common prefix
+    rewindable(monkeypatch, s)
+    rep = ds4.recover(s, store, B, evict_save=False)
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.loaded_path) == ("rewrite", "memory-rewind", common, None)
+    assert s.tokens == b
+
+
+def test_disk_prefix_too_long_for_ctx_does_not_block_the_rewind(eng, tmp_path, monkeypatch):
+    """A stored prefix with more tokens than the session's ctx cannot be
+    loaded, so it must not make the ladder skip the rewind. (The markers
+    spelled in bytes make a long file for a short special-token prompt.)"""
+    ctx = 64
+    head = IM_START * 10
+    prompt = head + "xyz"
+    tokens = toks(eng, prompt)
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    _store_prefix(eng, store, byte_toks(eng, head))  # 120 tokens >= ctx
+    assert len(store.lookup(prompt)) == 1 and store.lookup(prompt, ctx=ctx) == []
+    s = ds4.Session(eng, ctx=ctx)
+    s.sync(toks(eng, IM_START * 5 + "abc"))
+    assert s.common_prefix(tokens) == 5
+    rewindable(monkeypatch, s)
+    rep = ds4.recover(s, store, prompt, evict_save=False)
+    assert (rep.rung, rep.source, rep.reused_tokens) == ("rewrite", "memory-rewind", 5)
+    assert s.tokens == tokens and np.array_equal(s.logits, cold_logits(eng, tokens, ctx))
+
+
+def test_nothing_in_common_skips_the_rewrite(eng, tmp_path, clock):
+    """No common token: no rewrite is tried and no lookup is made for it; the
+    miss is reported as a token mismatch and disk serves."""
+    prompt = "Zebra stripes: a prompt stored on disk in part"
+    tokens = toks(eng, prompt)
+    store = ds4.KVStore(str(tmp_path), min_tokens=4)
+    path = _store_prefix(eng, store, tokens[:24])
+    s = ds4.Session(eng, ctx=128)
+    live = toks(eng, "apples and pears")
+    s.sync(live)
+    assert s.common_prefix(tokens) == 0
+    rep = ds4.recover(s, store, prompt)
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.loaded_path) == ("disk", "disk-text", 24, path)
+    assert rep.prompt_tokens == len(tokens)
+    # the live state was evict-saved before it was replaced
+    assert rep.evict_saved == os.path.join(str(tmp_path), _core.sha1_hex(b"apples and pears") + ".kv")
+    miss = f"ds4 live kv cache miss live={len(live)} prompt={len(tokens)} common=0 reason=token-mismatch"
+    # start, tokenize start/end, disk start/end, prefill start/end, total
+    assert len(clock) == 8
+    assert rep.timings == {"tokenize_ms": MS, "disk_ms": MS, "prefill_ms": MS, "total_ms": 7 * MS}
+    assert rep.events == [miss, ladder_event("disk", "disk-text", 24, len(tokens), 0, 7 * MS)]
+    assert s.tokens == tokens and np.array_equal(s.logits, cold_logits(eng, tokens, 128))
