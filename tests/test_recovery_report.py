@@ -96,7 +96,10 @@ def test_as_dict_spells_out_every_field():
         reused_tokens=7,
         prompt_tokens=9,
         loaded_path="/c/x.kv",
-        rejected=[("/c/y.kv", "payload", "payload_checksum", "checksum differs"), ("/c/z.kv", "header", "abi", "other engine")],
+        rejected=[
+            ("/c/y.kv", "payload", "payload_checksum", "checksum differs"),
+            ("/c/z.kv", "header", "abi", "other engine"),
+        ],
         timings={"tokenize_ms": 1.5},
         evict_saved="/c/e.kv",
         cold_saved=None,
@@ -152,9 +155,12 @@ def test_prefill_report_progress_and_frontiers(eng, clock):
     s = ds4.Session(eng, ctx=128)
     progress, frontiers = [], []
     rep = ds4.recover(
-        s, None, prompt,
+        s,
+        None,
+        prompt,
         progress=lambda done, total: progress.append((done, total)),
-        frontier_every=16, on_frontier=lambda sess: frontiers.append((sess.n_past, sess.checkpoint_valid)),
+        frontier_every=16,
+        on_frontier=lambda sess: frontiers.append((sess.n_past, sess.checkpoint_valid)),
     )
     assert progress == [(16, 41), (32, 41), (41, 41)]
     assert frontiers == [(16, True), (32, True)]
@@ -197,13 +203,23 @@ def test_live_token_prefix_same_and_longer_prompt(eng, clock):
     s = ds4.Session(eng, ctx=128)
     s.sync(tokens)
     rep = ds4.recover(s, None, prompt)  # exactly the live tokens
-    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("live", "memory-token", len(tokens), len(tokens))
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == (
+        "live",
+        "memory-token",
+        len(tokens),
+        len(tokens),
+    )
     assert rep.timings == {"tokenize_ms": MS, "prefill_ms": MS, "total_ms": 5 * MS}
     assert rep.events == [ladder_event("live", "memory-token", len(tokens), len(tokens), 0, 5 * MS)]
     assert s.tokens == tokens
     longer = toks(eng, prompt + ", and more")
     rep = ds4.recover(s, None, prompt + ", and more")
-    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("live", "memory-token", len(tokens), len(longer))
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == (
+        "live",
+        "memory-token",
+        len(tokens),
+        len(longer),
+    )
     assert s.tokens == longer and np.array_equal(s.logits, cold_logits(eng, longer, 128))
 
 
@@ -217,7 +233,12 @@ def test_live_text_prefix_extends_the_live_tokens(eng):
     s.sync(live)
     rep = ds4.recover(s, None, live_text + " there")
     effective = live + toks(eng, " there")
-    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("live", "memory-text", len(live), len(effective))
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == (
+        "live",
+        "memory-text",
+        len(live),
+        len(effective),
+    )
     assert rep.prompt_tokens != len(toks(eng, live_text + " there"))
     assert s.tokens == effective and np.array_equal(s.logits, cold_logits(eng, effective, 128))
 
@@ -249,7 +270,12 @@ def test_live_text_at_the_context_end(eng, room):
         assert s.tokens == live + rest
     else:
         prompt_tokens = toks(eng, live_text + " there")
-        assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("prefill", "full", 0, len(prompt_tokens))
+        assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == (
+            "prefill",
+            "full",
+            0,
+            len(prompt_tokens),
+        )
         assert s.tokens == prompt_tokens
 
 
@@ -337,7 +363,7 @@ def test_rewind_evict_saves_the_discarded_branch(eng, tmp_path, monkeypatch, ext
 
 
 def test_rewind_without_evict_save_saves_nothing(eng, tmp_path, monkeypatch):
-    a, b = toks(eng, A), toks(eng, B)
+    a, _b = toks(eng, A), toks(eng, B)
     store = ds4.KVStore(str(tmp_path), min_tokens=1)
     s = ds4.Session(eng, ctx=128)
     s.sync(a)
@@ -429,3 +455,48 @@ def test_nothing_in_common_skips_the_rewrite(eng, tmp_path, clock):
     assert rep.timings == {"tokenize_ms": MS, "disk_ms": MS, "prefill_ms": MS, "total_ms": 7 * MS}
     assert rep.events == [miss, ladder_event("disk", "disk-text", 24, len(tokens), 0, 7 * MS)]
     assert s.tokens == tokens and np.array_equal(s.logits, cold_logits(eng, tokens, 128))
+
+
+@pytest.mark.parametrize("extra_min", [0, 1])
+def test_unrelated_prompt_evict_saves_the_live_state_at_exactly_min_tokens(eng, tmp_path, extra_min):
+    """The live state an unrelated prompt replaces is saved with reason
+    "evict" when it holds at least ``min_tokens`` tokens (not one fewer)."""
+    live = toks(eng, "apples and pears, a live state to be replaced")
+    store = ds4.KVStore(str(tmp_path), min_tokens=len(live) + extra_min)
+    s = ds4.Session(eng, ctx=128)
+    s.sync(live)
+    live_text = s.text_bytes()
+    prompt = "Zebra stripes: nothing in common with the live state"
+    assert s.common_prefix(toks(eng, prompt)) == 0
+    rep = ds4.recover(s, store, prompt)
+    assert rep.rung == "prefill"
+    if extra_min:
+        assert rep.evict_saved is None and kv_files(tmp_path) == []
+        return
+    expected = os.path.join(str(tmp_path), _core.sha1_hex(live_text) + ".kv")
+    assert rep.evict_saved == expected
+    ck = open_checkpoint(expected, prompt=live_text)
+    assert ck.reason_name == "evict" and ck.tokens == len(live)
+
+
+def test_disk_load_whose_suffix_overflows_the_context_prefills(eng, tmp_path):
+    """A checkpoint holding a longer (non-canonical) tokenization of a prefix:
+    loaded tokens plus the suffix's tokens reach ``ctx`` although the prompt's
+    own tokens fit, so the disk rung gives way to a clean full prefill."""
+    prompt = eng.render_chat([{"role": "user", "content": "spelled out byte by byte, then more"}])
+    canonical = toks(eng, prompt)
+    head = prompt[: len(prompt) // 2]
+    spelled = byte_toks(eng, head)  # the same bytes, more tokens
+    assert len(spelled) > len(toks(eng, head))
+    rest = _tokenize_suffix(eng, prompt.encode(), len(head.encode()))
+    ctx = len(spelled) + len(rest)  # disk rung would need exactly ctx tokens
+    assert len(canonical) < ctx
+    donor = ds4.Session(eng, ctx=ctx)
+    donor.sync(spelled)
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    assert store.store_live_prefix(donor, "named") is not None
+    s = ds4.Session(eng, ctx=ctx)
+    rep = ds4.recover(s, store, prompt)
+    assert store.stats["hits"] == 1  # it loaded, then could not extend within ctx
+    assert (rep.rung, rep.reused_tokens, rep.loaded_path) == ("prefill", 0, None)
+    assert s.tokens == canonical and np.array_equal(s.logits, cold_logits(eng, canonical, ctx))
