@@ -79,12 +79,14 @@ def bench_prefix_lookup(size, n_candidates, repeats):
     lengths = sorted(set(int(x) for x in rng.integers(1, size + 1, n_candidates * 2)))[:n_candidates]
     lengths[-1] = size  # the longest candidate is the whole prompt
     # the store holds a few of the candidates (and unrelated keys)
-    stored = {hashlib.sha1(prompt[:n]).hexdigest() for n in lengths[::97]} | {hashlib.sha1(str(i).encode()).hexdigest() for i in range(5000)}
+    stored = {hashlib.sha1(prompt[:n]).hexdigest() for n in lengths[::97]} | {
+        hashlib.sha1(str(i).encode()).hexdigest() for i in range(5000)
+    }
     mv = memoryview(prompt)
 
     def ds4_lookup():
         best = 0
-        for n, h in zip(lengths, _core.sha1_prefixes(prompt, lengths)):
+        for n, h in zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True):
             if h in stored and n > best:
                 best = n
         return best
@@ -269,12 +271,25 @@ def main(argv=None):
         rows += bench_write(d, arrays, repeats)
 
     w = max(len(r["name"]) for r in rows)
-    print(f"ds4 {_core.__version__}  python {platform.python_version()}  {platform.machine()}  cpus={os.cpu_count()}  repeats={repeats}{'  (quick)' if args.quick else ''}")
+    print(
+        f"ds4 {_core.__version__}  python {platform.python_version()}  {platform.machine()}  cpus={os.cpu_count()}  repeats={repeats}{'  (quick)' if args.quick else ''}"
+    )
     print(f"{'benchmark':<{w}}  {'ds4 ms':>9}  {'base ms':>9}  {'ratio':>8}  {'target':>13}  result")
     for r in rows:
         res = "info" if r["ok"] is None else ("PASS" if r["ok"] else "MISS")
-        print(f"{r['name']:<{w}}  {r['ds4_s'] * 1e3:9.2f}  {r['base_s'] * 1e3:9.2f}  {r['ratio']:8.2f}  {r['target']:>13}  {res}  {r['extra']}")
-    print("BENCH_JSON " + json.dumps({"quick": args.quick, "repeats": repeats, "rows": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}))
+        print(
+            f"{r['name']:<{w}}  {r['ds4_s'] * 1e3:9.2f}  {r['base_s'] * 1e3:9.2f}  {r['ratio']:8.2f}  {r['target']:>13}  {res}  {r['extra']}"
+        )
+    print(
+        "BENCH_JSON "
+        + json.dumps(
+            {
+                "quick": args.quick,
+                "repeats": repeats,
+                "rows": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
+            }
+        )
+    )
     return 0 if all(r["ok"] is not False for r in rows) else 1
 
 

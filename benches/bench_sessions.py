@@ -44,13 +44,17 @@ def chat_prompt(engine, n_tokens):
     msgs = [{"role": "system", "content": "You are a helpful assistant."}]
     i = 0
     while True:
-        msgs.append({"role": "user", "content": f"Turn {i}: tell me something about topic number {i}, please, in detail."})
+        msgs.append(
+            {"role": "user", "content": f"Turn {i}: tell me something about topic number {i}, please, in detail."}
+        )
         msgs.append({"role": "assistant", "content": f"Topic {i} is a fine topic. " * 6})
         i += 1
         hist = engine.render_chat(msgs, add_generation_prompt=False)
         if len(engine.tokenize(hist, special=True)) >= int(n_tokens * 0.97):
             break
-    nxt = engine.render_chat(msgs + [{"role": "user", "content": "And finally, summarise all the topics we covered so far in a few words."}])
+    nxt = engine.render_chat(
+        [*msgs, {"role": "user", "content": "And finally, summarise all the topics we covered so far in a few words."}]
+    )
     return hist, nxt
 
 
@@ -191,12 +195,18 @@ def main():
         sl = llama_save_load(lc, reps)
         out["save_load"] = sl
         print(f"\nSmolLM2 state, {sl['tokens']} tokens, ds4 file {sl['ds4_file_mib']:.1f} MiB")
-        print(f"  save: ds4 {sl['ds4_save_s']*1e3:.1f} ms (durable), Llama.save_state {sl['llama_save_state_s']*1e3:.1f} ms (memory), "
-              f"LlamaDiskCache {sl['llama_disk_cache_save_s']*1e3:.1f} ms")
-        print(f"  load: ds4 {sl['ds4_load_verify_s']*1e3:.1f} ms (verified), Llama.load_state {sl['llama_load_state_s']*1e3:.1f} ms, "
-              f"LlamaDiskCache {sl['llama_disk_cache_load_s']*1e3:.1f} ms")
-        print(f"  load_state / ds4 load = {sl['llama_load_state_s'] / sl['ds4_load_verify_s']:.1f}x; "
-              f"LlamaDiskCache load / ds4 load = {sl['llama_disk_cache_load_s'] / sl['ds4_load_verify_s']:.1f}x")
+        print(
+            f"  save: ds4 {sl['ds4_save_s'] * 1e3:.1f} ms (durable), Llama.save_state {sl['llama_save_state_s'] * 1e3:.1f} ms (memory), "
+            f"LlamaDiskCache {sl['llama_disk_cache_save_s'] * 1e3:.1f} ms"
+        )
+        print(
+            f"  load: ds4 {sl['ds4_load_verify_s'] * 1e3:.1f} ms (verified), Llama.load_state {sl['llama_load_state_s'] * 1e3:.1f} ms, "
+            f"LlamaDiskCache {sl['llama_disk_cache_load_s'] * 1e3:.1f} ms"
+        )
+        print(
+            f"  load_state / ds4 load = {sl['llama_load_state_s'] / sl['ds4_load_verify_s']:.1f}x; "
+            f"LlamaDiskCache load / ds4 load = {sl['llama_disk_cache_load_s'] / sl['ds4_load_verify_s']:.1f}x"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -67,7 +67,11 @@ def _cold(eng, text, cache):
 def crash(args):
     eng = ds4.ReferenceEngine()
     cold = {}
-    texts = {ds4._core.sha1_hex((("crash conversation %d " % k) * (40 + 8 * k)).encode()): ("crash conversation %d " % k) * (40 + 8 * k) for k in range(40)}
+    texts = {
+        ds4._core.sha1_hex((f"crash conversation {k} " * (40 + 8 * k)).encode()): f"crash conversation {k} "
+        * (40 + 8 * k)
+        for k in range(40)
+    }
     d = tempfile.mkdtemp(prefix="ds4-crash-")
     stats = {"trials": 0, "files_checked": 0, "temp_files_cleaned": 0, "bad": []}
     t0 = time.time()
@@ -214,14 +218,14 @@ def corrupt(args):
             pos = rnd.randrange(len(b))
             b[pos] ^= 1 << rnd.randrange(8)
         elif kind == "truncate":
-            del b[rnd.randrange(len(b)):]
+            del b[rnd.randrange(len(b)) :]
         elif kind == "splice":
             o = blobs[rnd.randrange(len(blobs))]
             cut = rnd.randrange(min(len(b), len(o)))
             b = b[:cut] + o[cut:]
         elif kind == "overwrite":
             pos = rnd.randrange(len(b))
-            b[pos:pos + 16] = bytes(rnd.randrange(256) for _ in range(16))
+            b[pos : pos + 16] = bytes(rnd.randrange(256) for _ in range(16))
         elif kind == "append":
             b += bytes(rnd.randrange(256) for _ in range(rnd.randrange(1, 200)))
         else:
@@ -245,7 +249,7 @@ def corrupt(args):
             stats["failures"].append(f"{kind}: WRONG state after rung {rep.rung}")
         elif rep.rung == "disk":
             stats["served_exact"] += 1
-        for (_p, _s, code, _r) in rep.rejected:
+        for _p, _s, code, _r in rep.rejected:
             stats["rejected"][code] = stats["rejected"].get(code, 0) + 1
     shutil.rmtree(base, ignore_errors=True)
     return stats
@@ -268,7 +272,13 @@ def main():
     a = ap.parse_args()
     out = {"crash": crash, "concurrency": concurrency, "corrupt": corrupt}[a.cmd](a)
     print(json.dumps(out, indent=2))
-    ok = not (out.get("bad") or out.get("problems") or out.get("failures") or out.get("files_failing_verification") or out.get("temp_files"))
+    ok = not (
+        out.get("bad")
+        or out.get("problems")
+        or out.get("failures")
+        or out.get("files_failing_verification")
+        or out.get("temp_files")
+    )
     return 0 if ok else 1
 
 

@@ -43,7 +43,11 @@ def python_rows(out: str) -> tuple[dict, list[str]]:
     if not os.path.isdir(os.path.join(work, "mutants")):
         return rows, survivors
     r = subprocess.run(
-        [sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=work, capture_output=True, text=True, check=False
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     cache: dict = {}
     for ln in r.stdout.splitlines():
@@ -68,8 +72,10 @@ def _is_log_call(stmt) -> bool:
     if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Call):
         return False
     f = stmt.value.func
-    return isinstance(f, ast.Attribute) and f.attr in _LOG_CALLS and (
-        f.attr == "_event" or (isinstance(f.value, ast.Name) and f.value.id == "log")
+    return (
+        isinstance(f, ast.Attribute)
+        and f.attr in _LOG_CALLS
+        and (f.attr == "_event" or (isinstance(f.value, ast.Name) and f.value.id == "log"))
     )
 
 
@@ -100,8 +106,12 @@ def log_only(work: str, key: str, cache: dict) -> bool:
 
 
 def table(title: str, rows: dict, killed: tuple[str, ...], counted: tuple[str, ...]) -> str:
-    lines = [f"### {title}", "", "| module | killed / total | " + " | ".join(counted) + " |",
-             "|---|---|" + "---|" * len(counted)]
+    lines = [
+        f"### {title}",
+        "",
+        "| module | killed / total | " + " | ".join(counted) + " |",
+        "|---|---|" + "---|" * len(counted),
+    ]
     tk = tt = 0
     for mod in sorted(rows):
         c = rows[mod]
@@ -124,9 +134,18 @@ def main() -> int:
         print("unviable (do not compile, not counted):", sum(c["unviable"] for c in rr.values()))
         print()
     if pr:
-        print(table("Python (mutmut)", pr, ("killed", "timeout"),
-                    ("killed", "timeout", "survived", "survived (log text)", "no tests", "suspicious", "segfault")))
-        print("not checked (outside the run's function patterns, not counted):", sum(c["not checked"] for c in pr.values()))
+        print(
+            table(
+                "Python (mutmut)",
+                pr,
+                ("killed", "timeout"),
+                ("killed", "timeout", "survived", "survived (log text)", "no tests", "suspicious", "segfault"),
+            )
+        )
+        print(
+            "not checked (outside the run's function patterns, not counted):",
+            sum(c["not checked"] for c in pr.values()),
+        )
         print()
     for s in rs + ps:
         print("survivor:", s)

@@ -35,10 +35,40 @@ def free_port():
 
 def start(args, kv_dir=None):
     port = free_port()
-    cmd = [sys.executable, "-m", "ds4", "serve", "--engine", "reference", "--host", "127.0.0.1", "--port", str(port),
-           "--ctx", "4096", "--default-max-tokens", "8", "--max-queue", "1000"]
-    cmd += (["--kv-disk-dir", kv_dir, "--kv-cache-min-tokens", "32", "--kv-cache-boundary-align-tokens", "64",
-             "--kv-cache-continued-interval-tokens", "256", "--kv-disk-space-mb", "64"] if kv_dir else ["--no-kv-cache"])
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds4",
+        "serve",
+        "--engine",
+        "reference",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ctx",
+        "4096",
+        "--default-max-tokens",
+        "8",
+        "--max-queue",
+        "1000",
+    ]
+    cmd += (
+        [
+            "--kv-disk-dir",
+            kv_dir,
+            "--kv-cache-min-tokens",
+            "32",
+            "--kv-cache-boundary-align-tokens",
+            "64",
+            "--kv-cache-continued-interval-tokens",
+            "256",
+            "--kv-disk-space-mb",
+            "64",
+        ]
+        if kv_dir
+        else ["--no-kv-cache"]
+    )
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     for _ in range(300):
@@ -53,8 +83,10 @@ def start(args, kv_dir=None):
 
 
 CONVERSATIONS = [
-    [{"role": "system", "content": f"You are assistant number {k}. " * 4},
-     {"role": "user", "content": f"Tell me about subject {k}, please. " * (3 + k)}]
+    [
+        {"role": "system", "content": f"You are assistant number {k}. " * 4},
+        {"role": "user", "content": f"Tell me about subject {k}, please. " * (3 + k)},
+    ]
     for k in range(6)
 ]
 
@@ -62,9 +94,20 @@ MALFORMED = [
     (b"{not json", "application/json"),
     (json.dumps({"model": "ds4-reference", "messages": "nope"}).encode(), "application/json"),
     (json.dumps({"messages": [{"role": "user"}]}).encode(), "application/json"),
-    (json.dumps({"model": "ds4-reference", "messages": [{"role": "user", "content": "x" * 50000}]}).encode(), "application/json"),
-    (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(), "application/json"),
-    (json.dumps({"model": "ds4-reference", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}).encode(), "application/json"),
+    (
+        json.dumps({"model": "ds4-reference", "messages": [{"role": "user", "content": "x" * 50000}]}).encode(),
+        "application/json",
+    ),
+    (
+        json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        "application/json",
+    ),
+    (
+        json.dumps(
+            {"model": "ds4-reference", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}
+        ).encode(),
+        "application/json",
+    ),
     (b"\xff\xfe\x00garbage", "application/octet-stream"),
 ]
 
@@ -81,7 +124,11 @@ def main():
     expected = {}
     try:
         for k, msgs in enumerate(CONVERSATIONS):
-            r = httpx.post(cbase + "/v1/chat/completions", json={"model": "ds4-reference", "messages": msgs, "max_tokens": 8}, timeout=120)
+            r = httpx.post(
+                cbase + "/v1/chat/completions",
+                json={"model": "ds4-reference", "messages": msgs, "max_tokens": 8},
+                timeout=120,
+            )
             expected[k] = r.json()["choices"][0]["message"]["content"]
     finally:
         cold.send_signal(signal.SIGTERM)
@@ -89,7 +136,16 @@ def main():
 
     kv = tempfile.mkdtemp(prefix="ds4-load-")
     srv, base = start(a, kv)
-    stats = {"ok": 0, "4xx": 0, "5xx": 0, "transport_errors": 0, "wrong_answers": 0, "health_ok": 0, "health_fail": 0, "cached_tokens": 0}
+    stats = {
+        "ok": 0,
+        "4xx": 0,
+        "5xx": 0,
+        "transport_errors": 0,
+        "wrong_answers": 0,
+        "health_ok": 0,
+        "health_fail": 0,
+        "cached_tokens": 0,
+    }
     lock = threading.Lock()
     stop = time.monotonic() + a.seconds
 
@@ -107,7 +163,10 @@ def main():
                         r = c.post(base + "/v1/chat/completions", content=body, headers={"content-type": ctype})
                     else:
                         k = rnd.randrange(len(CONVERSATIONS))
-                        r = c.post(base + "/v1/chat/completions", json={"model": "ds4-reference", "messages": CONVERSATIONS[k], "max_tokens": 8})
+                        r = c.post(
+                            base + "/v1/chat/completions",
+                            json={"model": "ds4-reference", "messages": CONVERSATIONS[k], "max_tokens": 8},
+                        )
                         if r.status_code == 200:
                             j = r.json()
                             if j["choices"][0]["message"]["content"] != expected[k]:
@@ -152,8 +211,15 @@ def main():
     stats["temp_files"] = [f for f in os.listdir(kv) if ".tmp." in f]
     stats["clients"] = a.clients
     print(json.dumps(stats, indent=2))
-    ok = stats["5xx"] == 0 and stats["transport_errors"] == 0 and stats["wrong_answers"] == 0 and not bad \
-        and stats["health_fail"] == 0 and stats["ok"] > 0 and not stats["temp_files"]
+    ok = (
+        stats["5xx"] == 0
+        and stats["transport_errors"] == 0
+        and stats["wrong_answers"] == 0
+        and not bad
+        and stats["health_fail"] == 0
+        and stats["ok"] > 0
+        and not stats["temp_files"]
+    )
     return 0 if ok else 1
 
 

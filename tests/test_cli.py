@@ -19,13 +19,16 @@ import ds4
 from ds4.checkpoint import open_checkpoint
 
 KV = ["--kv-cache-min-tokens", "32", "--kv-cache-boundary-align-tokens", "64"]
-PROMPT = ("You are reading a long question about harbours, tides, ships and the people who keep lighthouses; "
-          "please answer it carefully and in order.")
+PROMPT = (
+    "You are reading a long question about harbours, tides, ships and the people who keep lighthouses; "
+    "please answer it carefully and in order."
+)
 
 
 def ds4_cmd(*args, check=True, input=None, timeout=120):
-    p = subprocess.run([sys.executable, "-m", "ds4", *map(str, args)], capture_output=True, text=True,
-                       input=input, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "ds4", *map(str, args)], capture_output=True, text=True, input=input, timeout=timeout
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"ds4 {' '.join(map(str, args))} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
     return p
@@ -69,14 +72,20 @@ def test_run_json_cold_then_from_disk(tmp_path):
     c, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12)
     assert (c["text"], c["tokens"]) == (a["text"], a["tokens"]) and c["report"]["rung"] == "prefill"
     # --raw: no chat template; prompt from stdin; typed failure on overflow
-    p = ds4_cmd("run", "-p", "-", "--raw", "--engine", "reference", "--max-tokens", 4, "--json", input="Once upon a time")
+    p = ds4_cmd(
+        "run", "-p", "-", "--raw", "--engine", "reference", "--max-tokens", 4, "--json", input="Once upon a time"
+    )
     r = json.loads(p.stdout)
     assert r["report"]["prompt_tokens"] == len("Once upon a time")
     p = ds4_cmd("run", "-p", "x" * 300, "--engine", "reference", "--ctx", 128, check=False)
     assert p.returncode == 1 and "does not fit context" in p.stderr
     # seeded sampling is reproducible, and differs from greedy
-    s1, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12, "--temperature", "1.5", "--seed", 7)
-    s2, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12, "--temperature", "1.5", "--seed", 7)
+    s1, _ = ds4_json(
+        "run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12, "--temperature", "1.5", "--seed", 7
+    )
+    s2, _ = ds4_json(
+        "run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12, "--temperature", "1.5", "--seed", 7
+    )
     assert s1["tokens"] == s2["tokens"] != a["tokens"]
 
 
@@ -85,11 +94,22 @@ def test_run_progress_bar_only_on_a_tty():
     # shows it at once, so a short prefill (a few 256-token chunks) will do.
     long_prompt = "The tide comes in and the tide goes out. " * 40  # ~1600 tokens
     env = dict(os.environ, DS4_PROGRESS_DELAY="0")
-    p = subprocess.run([sys.executable, "-m", "ds4", "run", "-p", long_prompt, "--engine", "reference", "--max-tokens", "1"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "ds4", "run", "-p", long_prompt, "--engine", "reference", "--max-tokens", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 0 and p.stderr == ""  # stderr is not a TTY: quiet
-    c = pexpect.spawn(sys.executable, ["-m", "ds4", "run", "-p", long_prompt, "--engine", "reference",
-                                       "--max-tokens", "1"], encoding="utf-8", codec_errors="replace", timeout=60, env=env)
+    c = pexpect.spawn(
+        sys.executable,
+        ["-m", "ds4", "run", "-p", long_prompt, "--engine", "reference", "--max-tokens", "1"],
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=60,
+        env=env,
+    )
     try:
         c.expect(r"prefill \[#*\.*\] (\d+)/(\d+) tok")
         assert 0 < int(c.match.group(1)) <= int(c.match.group(2))
@@ -160,7 +180,11 @@ def test_kv_commands_on_a_v2_directory(tmp_path):
     assert p.returncode == 1
     assert f"FAIL  {names[1]}" in p.stdout and "payload_checksum" in p.stdout
     v, rc = ds4_json("kv", "verify", d, check=False)
-    assert rc == 1 and v["failed"] == 1 and v["files"][[f["name"] for f in v["files"]].index(names[1])]["code"] == "payload_checksum"
+    assert (
+        rc == 1
+        and v["failed"] == 1
+        and v["files"][[f["name"] for f in v["files"]].index(names[1])]["code"] == "payload_checksum"
+    )
     assert ds4_cmd("kv", "verify", d, names[0], names[2]).returncode == 0
     ls, _ = ds4_json("kv", "ls", d)  # ls reads headers only: the payload damage is found by verify
     assert len(ls["temp_files"]) == 3
@@ -169,7 +193,9 @@ def test_kv_commands_on_a_v2_directory(tmp_path):
     assert [r["name"] for r in g["removed_corrupt"]] == [names[1]] and os.path.exists(paths[1])
     # gc: corrupt file and dead/stale temp files go; the live writer's temp file and strangers stay
     g, _ = ds4_json("kv", "gc", d)
-    assert [r["name"] for r in g["removed_corrupt"]] == [names[1]] and g["removed_corrupt"][0]["code"] == "payload_checksum"
+    assert [r["name"] for r in g["removed_corrupt"]] == [names[1]] and g["removed_corrupt"][0][
+        "code"
+    ] == "payload_checksum"
     assert sorted(g["removed_temp"]) == sorted(os.path.basename(t) for t in (tmp_ours, tmp_ds4))
     assert not os.path.exists(paths[1]) and not os.path.exists(tmp_ours) and not os.path.exists(tmp_ds4)
     assert os.path.exists(tmp_live) and os.path.exists(os.path.join(d, "notes.txt"))
@@ -199,11 +225,37 @@ def _dead_pid() -> int:
 # ---------------------------------------------------------------------------
 # ds4 kv on ds4-server's own v1 files, built byte by byte
 # ---------------------------------------------------------------------------
-def _v1_bytes(text: bytes, tokens: int, *, ctx=4096, quant=4, reason=1, hits=3, created=1_700_000_000,
-              last_used=1_700_000_600, magic=0x34565344, payload_tokens=None, extra=b"", cut=0) -> bytes:
+def _v1_bytes(
+    text: bytes,
+    tokens: int,
+    *,
+    ctx=4096,
+    quant=4,
+    reason=1,
+    hits=3,
+    created=1_700_000_000,
+    last_used=1_700_000_600,
+    magic=0x34565344,
+    payload_tokens=None,
+    extra=b"",
+    cut=0,
+) -> bytes:
     raw_window = 256
-    fields = [magic, 1, ctx, 2048, raw_window, raw_window, 1024,
-              tokens if payload_tokens is None else payload_tokens, 43, 512, 128, 129280, min(raw_window, tokens)]
+    fields = [
+        magic,
+        1,
+        ctx,
+        2048,
+        raw_window,
+        raw_window,
+        1024,
+        tokens if payload_tokens is None else payload_tokens,
+        43,
+        512,
+        128,
+        129280,
+        min(raw_window, tokens),
+    ]
     payload = struct.pack("<13I", *fields) + struct.pack(f"<{tokens}I", *range(100, 100 + tokens)) + extra
     hdr = b"KVC" + bytes([1, quant, reason, 0, 0])
     hdr += struct.pack("<III4sQQQ", tokens, hits, ctx, b"\0" * 4, created, last_used, len(payload))
@@ -223,8 +275,13 @@ def _v1_dir(tmp_path):
         files[key] = str(p)
 
     put("good1", b"<\xef\xbd\x9cUser\xef\xbd\x9c>Hello from ds4-server, a v1 file.", tokens=12)
-    put("good2", b"<\xef\xbd\x9cUser\xef\xbd\x9c>Another conversation, longer: " + b"lorem ipsum " * 20, tokens=64,
-        reason=2, hits=0)
+    put(
+        "good2",
+        b"<\xef\xbd\x9cUser\xef\xbd\x9c>Another conversation, longer: " + b"lorem ipsum " * 20,
+        tokens=64,
+        reason=2,
+        hits=0,
+    )
     put("bad_magic", b"a v1 file whose payload is not DSV4", tokens=8, magic=0x12345678)
     put("bad_count", b"a v1 file whose DSV4 token count differs", tokens=8, payload_tokens=9)
     put("truncated", b"a truncated v1 file", tokens=8, cut=5)
@@ -249,7 +306,7 @@ def test_kv_commands_on_a_v1_directory(tmp_path):
     assert rc == 0 and show["version"] == 1 and show["tokens"] == 64 and show["reason"] == "continued"
     assert show["dsv4"]["magic"] == 0x34565344 and show["dsv4"]["layers"] == 43 and show["dsv4"]["tokens"] == 64
     assert show["dsv4"]["vocab"] == 129280 and show["dsv4"]["raw_live"] == 64
-    assert show["text"].startswith("<｜User｜>Another conversation")
+    assert show["text"].startswith("<｜User｜>Another conversation")  # noqa: RUF001 (ds4's own markers)
     txt = ds4_cmd("kv", "show", os.path.join(d, name["good1"])).stdout
     assert "DSV4 payload header" in txt and "0x34565344" in txt and "Hello from ds4-server" in txt
     # verify: the full pipeline (DSV4 decode) finds the bad payloads
@@ -269,7 +326,9 @@ def test_kv_commands_on_a_v1_directory(tmp_path):
     os.rename(os.path.join(d, "0" * 40 + ".kv"), files["good1"])
     # gc removes the three damaged files, keeps the good ones
     g, _ = ds4_json("kv", "gc", d)
-    assert sorted(r["name"] for r in g["removed_corrupt"]) == sorted([name["bad_magic"], name["bad_count"], name["truncated"]])
+    assert sorted(r["name"] for r in g["removed_corrupt"]) == sorted(
+        [name["bad_magic"], name["bad_count"], name["truncated"]]
+    )
     assert sorted(os.listdir(d)) == sorted([name["good1"], name["good2"]])
     v, rc = ds4_json("kv", "verify", d)
     assert rc == 0 and v["ok"] == 2
@@ -339,9 +398,26 @@ PROMPT_RE = ">>> "
 
 
 def _spawn_chat(kv, *extra, max_tokens=8):
-    c = pexpect.spawn(sys.executable, ["-m", "ds4", "chat", "--engine", "reference", "--kv-disk-dir", str(kv),
-                                       "--max-tokens", str(max_tokens), *KV, *extra],
-                      encoding="utf-8", codec_errors="replace", timeout=60, dimensions=(40, 200))
+    c = pexpect.spawn(
+        sys.executable,
+        [
+            "-m",
+            "ds4",
+            "chat",
+            "--engine",
+            "reference",
+            "--kv-disk-dir",
+            str(kv),
+            "--max-tokens",
+            str(max_tokens),
+            *KV,
+            *extra,
+        ],
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=60,
+        dimensions=(40, 200),
+    )
     return c
 
 
@@ -482,8 +558,25 @@ def test_demo_main_job_end_to_end(tmp_path):
 
     from ds4 import demo
 
-    r = subprocess.run([sys.executable, "-m", "ds4", "demo", "--engine", "reference", "--tokens", "1500",
-                        "--align", "512", "--dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds4",
+            "demo",
+            "--engine",
+            "reference",
+            "--tokens",
+            "1500",
+            "--align",
+            "512",
+            "--dir",
+            str(tmp_path / "demo"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "rung=disk" in out and "output identical to a cold prefill: True" in out
@@ -499,7 +592,9 @@ def test_demo_main_job_end_to_end(tmp_path):
     nxt = demo._prompt(eng, 1500, extra_turn=True)
     assert nxt.startswith(first)  # the next turn extends the saved conversation's bytes
     assert replies[0] == _greedy_cold(eng, first, demo.GEN_TOKENS)
-    assert replies[1] == _greedy_cold(eng, nxt, demo.GEN_TOKENS), "the reply resumed from disk differs from a cold prefill"
+    assert replies[1] == _greedy_cold(eng, nxt, demo.GEN_TOKENS), (
+        "the reply resumed from disk differs from a cold prefill"
+    )
     assert replies[1] != replies[0]
 
     # token counts: phase 2 reuses the whole first conversation (saved at

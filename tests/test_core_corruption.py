@@ -27,7 +27,9 @@ from ds4.checkpoint import open_checkpoint
 
 MUTABLE = set(range(12, 16)) | set(range(32, 40))  # hits, last_used: outside the checksums
 VERSION_BYTE = 3
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 
 def _arrays(seed, layout):
@@ -39,14 +41,32 @@ def _arrays(seed, layout):
     return out
 
 
-LAYOUT = [("kv", "<f4", (3, 5)), ("blob", "|u1", (37,)), ("pos", "<i8", (4,)), ("half", "<f2", (2, 2, 3)), ("empty", "<f8", (0, 2))]
+LAYOUT = [
+    ("kv", "<f4", (3, 5)),
+    ("blob", "|u1", (37,)),
+    ("pos", "<i8", (4,)),
+    ("half", "<f2", (2, 2, 3)),
+    ("empty", "<f8", (0, 2)),
+]
 LAYOUT2 = [("logits", "<f4", (19,)), ("kv", "<f2", (4, 9)), ("state", "|u1", (70,))]
 
 
 def signature(ck):
     """Everything a load yields except the mutable hits/last_used."""
     tensors = tuple((n, dt, tuple(shape), ck.array(n).tobytes()) for n, dt, shape, _o, _b in ck.tensor_table())
-    return (ck.version, ck.text, ck.abi, ck.tokens, ck.ctx, ck.quant_bits, ck.reason, ck.flags, ck.created, ck.payload_bytes, tensors)
+    return (
+        ck.version,
+        ck.text,
+        ck.abi,
+        ck.tokens,
+        ck.ctx,
+        ck.quant_bits,
+        ck.reason,
+        ck.flags,
+        ck.created,
+        ck.payload_bytes,
+        tensors,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +111,11 @@ def try_open(scratch, data: bytes, text: bytes, mmap: bool):
     try:
         ck = open_checkpoint(path, prompt=text + b" and the continuation", check_name=True, mmap=mmap)
         return signature(ck)
-    except BaseException as e:  # noqa: BLE001 -- the point of the test
+    except BaseException as e:
         if not isinstance(e, E.CheckpointError):
-            raise AssertionError(f"open raised {type(e).__module__}.{type(e).__name__} (not a CheckpointError): {e!r}") from e
+            raise AssertionError(
+                f"open raised {type(e).__module__}.{type(e).__name__} (not a CheckpointError): {e!r}"
+            ) from e
         assert e.code in E.ERROR_CODES and e.path == path
         return e
 
@@ -172,7 +194,7 @@ def test_random_overwrites(originals, scratch, key, data):
     k = data.draw(st.integers(1, 16), label="bytes")
     positions = data.draw(st.lists(st.integers(0, hi), min_size=k, max_size=k), label="positions")
     values = data.draw(st.binary(min_size=k, max_size=k), label="values")
-    for p, v in zip(positions, values):
+    for p, v in zip(positions, values, strict=False):
         b[p] = v
     changed = {i for i in range(len(raw)) if b[i] != raw[i]}
     for mmap in (True, False):
@@ -231,7 +253,9 @@ def test_multi_flips_truncation_and_garbage(originals, scratch, key, data):
     mutated = bytes(b[:cut]) + tail
     for mmap in (True, False):
         r = try_open(scratch, mutated, text, mmap)
-        if mutated == raw or (len(mutated) == len(raw) and {i for i in range(len(raw)) if mutated[i] != raw[i]} <= MUTABLE):
+        if mutated == raw or (
+            len(mutated) == len(raw) and {i for i in range(len(raw)) if mutated[i] != raw[i]} <= MUTABLE
+        ):
             assert r == sig
         else:
             assert isinstance(r, E.CheckpointError), "a damaged file loaded"

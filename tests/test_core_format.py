@@ -156,7 +156,17 @@ def test_header_fields(tmp_path):
     text = b"x" * 1000
     arrays = {"a": np.zeros(10, np.float32), "b": b"\x01\x02\x03"}
     path = str(tmp_path / sha1_name(text))
-    size = write_checkpoint(path, text, arrays, abi="ref-llama/1 model=sha256:ab layout=1", tokens=99, ctx=512, reason="evict", quant_bits=2, created=1234)
+    size = write_checkpoint(
+        path,
+        text,
+        arrays,
+        abi="ref-llama/1 model=sha256:ab layout=1",
+        tokens=99,
+        ctx=512,
+        reason="evict",
+        quant_bits=2,
+        created=1234,
+    )
     ck = open_checkpoint(path)
     assert size == os.path.getsize(path) == ck.file_size
     assert (ck.version, ck.tokens, ck.ctx, ck.hits, ck.created, ck.last_used) == (2, 99, 512, 0, 1234, 1234)
@@ -205,7 +215,14 @@ def test_bytes_blobs_and_non_contiguous_inputs(tmp_path, write_ck):
 
 
 @pytest.mark.parametrize(
-    "bad", [np.zeros(3, bool), np.zeros(3, np.complex64), np.zeros(3, ">f4"), np.array([1, "a"], dtype=object), np.zeros(2, "U3")],
+    "bad",
+    [
+        np.zeros(3, bool),
+        np.zeros(3, np.complex64),
+        np.zeros(3, ">f4"),
+        np.array([1, "a"], dtype=object),
+        np.zeros(2, "U3"),
+    ],
     ids=["bool", "complex", "big-endian", "object", "unicode"],
 )
 def test_unsupported_dtypes_rejected_without_leftovers(tmp_path, bad):
@@ -256,7 +273,12 @@ def test_roundtrip_property(text, tensors, mmap):
 @pytest.mark.parametrize("mmap", [True, False])
 def test_arrays_read_only_zero_copy_aligned(tmp_path, write_ck, mmap):
     rng = np.random.default_rng(2)
-    arrays = {"a": rand_array(rng, "<f4", (5, 7)), "b": rand_array(rng, "|u1", (3,)), "c": rand_array(rng, "<i8", (4, 4)), "d": rand_array(rng, "<f2", (129,))}
+    arrays = {
+        "a": rand_array(rng, "<f4", (5, 7)),
+        "b": rand_array(rng, "|u1", (3,)),
+        "c": rand_array(rng, "<i8", (4, 4)),
+        "d": rand_array(rng, "<f2", (129,)),
+    }
     ck = open_checkpoint(write_ck(tmp_path, b"views" * 7, arrays), mmap=mmap)
     payload = ck.payload_buffer()
     base, plen = payload.address, len(payload)
@@ -503,7 +525,7 @@ def test_concurrent_writers_and_readers(tmp_path, write_ck):
         try:
             for i in range(25):
                 write_ck(tmp_path, text, {"a": versions[(k + i) % 4]})
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     def reader():
@@ -513,7 +535,7 @@ def test_concurrent_writers_and_readers(tmp_path, write_ck):
                 a = ck.array("a")
                 assert a.shape == (64, 64) and (a == a[0, 0]).all() and a[0, 0] in (0.0, 1.0, 2.0, 3.0)
                 opened[0] += 1
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     def toucher():
@@ -523,7 +545,7 @@ def test_concurrent_writers_and_readers(tmp_path, write_ck):
             while not stop.is_set():
                 core.touch(path, 42)
                 touched[0] += 1
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     ws = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
@@ -544,7 +566,9 @@ def test_concurrent_writers_and_readers(tmp_path, write_ck):
 
 
 def test_xxh3_helper_matches_core(tmp_path, write_ck):
-    for i, arrays in enumerate([{}, {"a": np.zeros(3, np.uint8)}, {"a": np.zeros(2), "bb": np.zeros((2, 2))}, {"n" * 40: np.zeros((1,) * 5)}]):
+    for i, arrays in enumerate(
+        [{}, {"a": np.zeros(3, np.uint8)}, {"a": np.zeros(2), "bb": np.zeros((2, 2))}, {"n" * 40: np.zeros((1,) * 5)}]
+    ):
         b = open(write_ck(tmp_path, f"x{i}", arrays), "rb").read()
         assert header_checksum(b) == struct.unpack_from("<Q", b, 88)[0]
 
@@ -639,7 +663,13 @@ def test_payload_and_text_and_padding_damage(tmp_path, write_ck):
     poff = open_checkpoint(path).payload_offset
     text_off = 96 + struct.unpack_from("<I", good, 20)[0]
     assert good[text_off : text_off + 3] == text and poff > text_off + 4
-    cases = [(text_off + 1, E.TextHashMismatchError), (text_off + 3, E.BadPaddingError), (poff - 1, E.BadPaddingError), (poff, E.PayloadChecksumError), (len(good) - 1, E.PayloadChecksumError)]
+    cases = [
+        (text_off + 1, E.TextHashMismatchError),
+        (text_off + 3, E.BadPaddingError),
+        (poff - 1, E.BadPaddingError),
+        (poff, E.PayloadChecksumError),
+        (len(good) - 1, E.PayloadChecksumError),
+    ]
     for off, cls in cases:
         b = bytearray(good)
         b[off] ^= 0x10
@@ -789,7 +819,14 @@ def test_incompatible_checks(tmp_path, write_ck):
 def test_prompt_prefix(tmp_path, write_ck):
     text = b"The quick brown fox"
     path = write_ck(tmp_path, text)
-    for prompt in (text, text + b" jumps", text.decode() + " \u00e9", bytearray(text + b"!"), memoryview(text + b"!"), np.frombuffer(text + b"?", np.uint8)):
+    for prompt in (
+        text,
+        text + b" jumps",
+        text.decode() + " \u00e9",
+        bytearray(text + b"!"),
+        memoryview(text + b"!"),
+        np.frombuffer(text + b"?", np.uint8),
+    ):
         assert open_checkpoint(path, prompt=prompt).text == text
     for prompt in (b"", text[:-1], b"The quick brown cat jumps", b"x" + text, text.upper()):
         with pytest.raises(E.NotPrefixError) as ei:
@@ -846,7 +883,12 @@ def test_touch_errors(tmp_path, write_ck):
     with pytest.raises(FileNotFoundError):
         core.touch(str(tmp_path / "missing.kv"), 1)
     p = tmp_path / "short.kv"
-    for content, cls in [(b"", E.TooShortError), (b"KVC\x02" + bytes(20), E.TooShortError), (b"XYZ\x02" + bytes(60), E.BadMagicError), (b"KVC\x07" + bytes(60), E.UnsupportedVersionError)]:
+    for content, cls in [
+        (b"", E.TooShortError),
+        (b"KVC\x02" + bytes(20), E.TooShortError),
+        (b"XYZ\x02" + bytes(60), E.BadMagicError),
+        (b"KVC\x07" + bytes(60), E.UnsupportedVersionError),
+    ]:
         p.write_bytes(content)
         with pytest.raises(cls):
             core.touch(str(p), 1)

@@ -22,7 +22,7 @@ PROPS = settings(max_examples=300, deadline=None)
 
 def py_common_prefix_len(a: bytes, b: bytes) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -48,14 +48,28 @@ def test_sha1_hex_matches_hashlib(data):
 def test_sha1_hex_sizes_and_buffer_types(n):
     data = os.urandom(n)
     want = hashlib.sha1(data).hexdigest()
-    for obj in (data, bytearray(data), memoryview(data), np.frombuffer(data, np.uint8), np.frombuffer(data, np.uint8).copy(), memoryview(bytearray(data))):
+    for obj in (
+        data,
+        bytearray(data),
+        memoryview(data),
+        np.frombuffer(data, np.uint8),
+        np.frombuffer(data, np.uint8).copy(),
+        memoryview(bytearray(data)),
+    ):
         assert core.sha1_hex(obj) == want, type(obj)
     assert core.sha1_hex(memoryview(data)[1:]) == hashlib.sha1(data[1:]).hexdigest()
 
 
 def test_sha1_hex_empty_buffers():
     want = hashlib.sha1(b"").hexdigest()
-    for obj in (b"", bytearray(), memoryview(b""), np.empty(0, np.uint8), np.zeros(10, np.uint8)[5:5], memoryview(bytearray(b"ab"))[1:1]):
+    for obj in (
+        b"",
+        bytearray(),
+        memoryview(b""),
+        np.empty(0, np.uint8),
+        np.zeros(10, np.uint8)[5:5],
+        memoryview(bytearray(b"ab"))[1:1],
+    ):
         assert core.sha1_hex(obj) == want, type(obj)
     assert core.sha1_prefixes(bytearray(), [0]) == [want]
     assert core.common_prefix_len(bytearray(), b"") == 0 and core.is_byte_prefix(np.empty(0, np.uint8), bytearray())
@@ -84,7 +98,7 @@ def test_sha1_prefixes_match_hashlib(data, extra):
     lengths += extra.draw(st.lists(st.sampled_from(lengths), max_size=5)) if lengths else []  # duplicates
     got = core.sha1_prefixes(data, lengths)
     assert len(got) == len(lengths)
-    for n, h in zip(lengths, got):
+    for n, h in zip(lengths, got, strict=True):
         assert h == (hashlib.sha1(data[:n]).hexdigest() if n <= len(data) else None), n
 
 
@@ -92,7 +106,7 @@ def test_sha1_prefixes_edge_cases():
     data = os.urandom(1 << 20)
     lengths = [len(data), 0, 64, 63, 65, 1 << 19, len(data) + 1, 10**12, 64, 1 << 19]
     got = core.sha1_prefixes(np.frombuffer(data, np.uint8), lengths)
-    for n, h in zip(lengths, got):
+    for n, h in zip(lengths, got, strict=True):
         assert h == (hashlib.sha1(data[:n]).hexdigest() if n <= len(data) else None)
     assert core.sha1_prefixes(data, []) == []
     assert core.sha1_prefixes(b"", [0, 1]) == [hashlib.sha1(b"").hexdigest(), None]
@@ -109,7 +123,12 @@ pairs = st.one_of(
     st.tuples(st.binary(max_size=300), st.binary(max_size=300)),
     st.builds(lambda p, a, b: (p + a, p + b), st.binary(max_size=600), st.binary(max_size=40), st.binary(max_size=40)),
     st.builds(lambda p, a: (p, p + a), st.binary(max_size=600), st.binary(max_size=40)),
-    st.builds(lambda p, i, v: (p, p[:i] + bytes([v]) + p[i + 1 :]), st.binary(min_size=1, max_size=600), st.integers(0, 599), st.integers(0, 255)),
+    st.builds(
+        lambda p, i, v: (p, p[:i] + bytes([v]) + p[i + 1 :]),
+        st.binary(min_size=1, max_size=600),
+        st.integers(0, 599),
+        st.integers(0, 255),
+    ),
 )
 
 
@@ -139,11 +158,15 @@ def test_prefix_helpers_large():
 
 
 @PROPS
-@given(st.lists(st.integers(0, 2**32 - 1), max_size=60), st.lists(st.integers(0, 2**32 - 1), max_size=60), st.lists(st.integers(0, 2**32 - 1), max_size=60))
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=60),
+    st.lists(st.integers(0, 2**32 - 1), max_size=60),
+    st.lists(st.integers(0, 2**32 - 1), max_size=60),
+)
 def test_common_token_prefix(p, a, b):
     x, y = p + a, p + b
     want = 0
-    for s, t in zip(x, y):
+    for s, t in zip(x, y, strict=False):
         if s != t:
             break
         want += 1

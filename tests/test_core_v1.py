@@ -18,7 +18,21 @@ from ds4 import errors as E
 from ds4.checkpoint import open_checkpoint
 
 DSV4_MAGIC = 0x34565344
-DSV4_KEYS = ["magic", "version", "ctx", "prefill_cap", "raw_cap", "raw_window", "comp_cap", "tokens", "layers", "head_dim", "indexer_dim", "vocab", "raw_live"]
+DSV4_KEYS = [
+    "magic",
+    "version",
+    "ctx",
+    "prefill_cap",
+    "raw_cap",
+    "raw_window",
+    "comp_cap",
+    "tokens",
+    "layers",
+    "head_dim",
+    "indexer_dim",
+    "vocab",
+    "raw_live",
+]
 
 
 def dsv4_fields(*, ctx=32768, tokens=100, magic=DSV4_MAGIC, version=1, raw_window=128):
@@ -73,7 +87,9 @@ def put(d, data: bytes, text: bytes = TEXT) -> str:
 @pytest.mark.parametrize("quant,reason", [(2, 0), (4, 1), (4, 6), (2, 3)])
 def test_v1_fields(tmp_path, load_payload, mmap, quant, reason):
     body = bytes(range(256)) * 3
-    data = v1_file(TEXT, quant=quant, reason=reason, tokens=777, hits=9, ctx=65536, created=111, last_used=222, body=body)
+    data = v1_file(
+        TEXT, quant=quant, reason=reason, tokens=777, hits=9, ctx=65536, created=111, last_used=222, body=body
+    )
     path = put(tmp_path, data)
     ck = open_checkpoint(path, prompt=TEXT + b"<|User|>hi", load_payload=load_payload, mmap=mmap)
     assert (ck.version, ck.quant_bits, ck.reason, ck.flags) == (1, quant, reason, 0)
@@ -82,7 +98,7 @@ def test_v1_fields(tmp_path, load_payload, mmap, quant, reason):
     assert ck.payload_bytes == 52 + len(body) and ck.payload_offset == 52 + len(TEXT)
     assert ck.file_size == len(data) and ck.trailer_bytes == 0
     assert ck.abi == "" and ck.tensor_table() == []
-    assert ck.dsv4 == dict(zip(DSV4_KEYS, dsv4_fields(ctx=65536, tokens=777)))
+    assert ck.dsv4 == dict(zip(DSV4_KEYS, dsv4_fields(ctx=65536, tokens=777), strict=True))
     assert ck.payload_loaded is load_payload
     if load_payload:
         assert ck.mapped is mmap
@@ -129,7 +145,11 @@ def test_v1_truncated(tmp_path, ext):
 
 @pytest.mark.parametrize("mmap", [True, False])
 def test_v1_huge_sizes(tmp_path, mmap):
-    for pb, cls in [(1 << 60, E.TruncatedCheckpointError), ((1 << 64) - 1, E.SizeOverflowError), ((1 << 64) - 52, E.SizeOverflowError)]:
+    for pb, cls in [
+        (1 << 60, E.TruncatedCheckpointError),
+        ((1 << 64) - 1, E.SizeOverflowError),
+        ((1 << 64) - 52, E.SizeOverflowError),
+    ]:
         for ext in (0, 1):
             with pytest.raises(cls):
                 open_checkpoint(put(tmp_path, v1_file(TEXT, payload_bytes=pb, ext=ext)), mmap=mmap)
@@ -222,7 +242,9 @@ def test_v1_mutations_never_crash(tmp_path, data, ext, trailer):
     """v1 has no checksums: a damaged v1 file may load, but opening never
     raises anything but a CheckpointError, and what loads is self-consistent."""
     raw = bytearray(v1_file(TEXT, ext=ext, trailer=trailer if ext else b""))
-    for p, v in data.draw(st.lists(st.tuples(st.integers(0, len(raw) - 1), st.integers(0, 255)), max_size=12), label="overwrites"):
+    for p, v in data.draw(
+        st.lists(st.tuples(st.integers(0, len(raw) - 1), st.integers(0, 255)), max_size=12), label="overwrites"
+    ):
         raw[p] = v
     cut = data.draw(st.integers(0, len(raw)), label="keep")
     blob = bytes(raw[:cut]) + data.draw(st.binary(max_size=40), label="append")
@@ -230,7 +252,7 @@ def test_v1_mutations_never_crash(tmp_path, data, ext, trailer):
         for load_payload in (True, False):
             try:
                 ck = open_checkpoint(put(tmp_path, blob), prompt=TEXT + b"!", mmap=mmap, load_payload=load_payload)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 assert isinstance(e, E.CheckpointError), f"{type(e).__name__}: {e!r}"
                 continue
             assert ck.text == TEXT

@@ -159,7 +159,9 @@ def test_file_truncated_while_mapped_does_not_kill_the_process(tmp_path):
     text = "mapped then truncated " * 5
     path = tmp_path / (ds4._core.sha1_hex(text.encode()) + ".kv")
     ds4.write_checkpoint(path, text, {"a": np.arange(1 << 20, dtype=np.float32)}, abi="x/1", tokens=5, ctx=10)
-    r = subprocess.run([sys.executable, "-c", SIGBUS_CHILD, str(path), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", SIGBUS_CHILD, str(path), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     lines = r.stdout.split("\n")
     assert lines[0] == "truncated truncated True", r.stdout

@@ -155,9 +155,7 @@ def test_missing_model_is_a_clear_error(monkeypatch, tmp_path):
 
 def test_abi_stable_across_instances(engine):
     abi = engine.payload_abi()
-    assert re.fullmatch(
-        r"llamacpp/\S+ model=sha256:[0-9a-f]{16} layout=1 arch=llama kv=f16/f16 fa=off", abi
-    ), abi
+    assert re.fullmatch(r"llamacpp/\S+ model=sha256:[0-9a-f]{16} layout=1 arch=llama kv=f16/f16 fa=off", abi), abi
     other = LlamaCppEngine(model_path=engine.model_path)
     try:
         assert other.payload_abi() == abi

@@ -3,6 +3,7 @@ imports, the byte-level tokenizer and the payload ABI."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -52,7 +53,7 @@ def _split_run(engine, toks, cuts, reload, n_ctx=4096):
     ctx = engine.new_context(n_ctx)
     bounds = [0, *cuts, len(toks)]
     logits = None
-    for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for j, (a, b) in enumerate(itertools.pairwise(bounds)):
         if j and reload[j - 1]:
             st_ = ctx.export_state()
             ctx = engine.new_context(n_ctx)
@@ -512,7 +513,7 @@ def test_tokenize_round_trip(text, special):
 
 
 _PIECES = st.lists(
-    st.one_of(st.sampled_from(MARKERS + ["<|", "|>", "<", "|", ">", "im_", "end", "start"]), st.text(max_size=4)),
+    st.one_of(st.sampled_from([*MARKERS, "<|", "|>", "<", "|", ">", "im_", "end", "start"]), st.text(max_size=4)),
     max_size=6,
 ).map("".join)
 

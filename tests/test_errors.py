@@ -15,10 +15,16 @@ import ds4.errors as E
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KINDS = (E.CorruptCheckpointError, E.IncompatibleCheckpointError, E.CheckpointMismatchError)
-KIND_NAME = {E.CorruptCheckpointError: "corrupt", E.IncompatibleCheckpointError: "incompatible", E.CheckpointMismatchError: "mismatch"}
+KIND_NAME = {
+    E.CorruptCheckpointError: "corrupt",
+    E.IncompatibleCheckpointError: "incompatible",
+    E.CheckpointMismatchError: "mismatch",
+}
 
 BASE_CHECKPOINT_CLASSES = [E.CheckpointError, *KINDS]
-CHECKPOINT_CLASSES = sorted((c for c in E.ERROR_CODES.values() if c not in BASE_CHECKPOINT_CLASSES), key=lambda c: c.code)
+CHECKPOINT_CLASSES = sorted(
+    (c for c in E.ERROR_CODES.values() if c not in BASE_CHECKPOINT_CLASSES), key=lambda c: c.code
+)
 OTHER_CLASSES = [
     E.Ds4Error,
     E.SessionError,
@@ -95,11 +101,17 @@ def test_context_overflow_pickle(proto):
 def test_store_error_keeps_errno(proto):
     e = E.StoreError(28, "No space left on device", "/cache/x.kv")
     r = pickle.loads(pickle.dumps(e, protocol=proto))
-    assert type(r) is E.StoreError and (r.errno, r.strerror, r.filename) == (28, "No space left on device", "/cache/x.kv")
+    assert type(r) is E.StoreError and (r.errno, r.strerror, r.filename) == (
+        28,
+        "No space left on device",
+        "/cache/x.kv",
+    )
 
 
 @pytest.mark.parametrize(
-    "cls", CHECKPOINT_CLASSES + BASE_CHECKPOINT_CLASSES + OTHER_CLASSES + [E.ContextOverflowError], ids=lambda c: c.__name__
+    "cls",
+    CHECKPOINT_CLASSES + BASE_CHECKPOINT_CLASSES + OTHER_CLASSES + [E.ContextOverflowError],
+    ids=lambda c: c.__name__,
 )
 def test_importable_from_its_module(cls):
     mod = importlib.import_module(cls.__module__)

@@ -242,8 +242,16 @@ def test_python_writer_reproduces_the_v2_dump(tmp_path):
     path = tmp_path / (hashlib.sha1(text).hexdigest() + ".kv")
     assert path.name == fields["name"]
     size = ds4.write_checkpoint(
-        path, text, arrays, abi="test/1", tokens=3, ctx=4096, reason="cold",
-        quant_bits=0, flags=0, created=1_700_000_000,
+        path,
+        text,
+        arrays,
+        abi="test/1",
+        tokens=3,
+        ctx=4096,
+        reason="cold",
+        quant_bits=0,
+        flags=0,
+        created=1_700_000_000,
     )
     written = path.read_bytes()
     assert size == len(expected)
@@ -322,7 +330,6 @@ def test_a_wrong_documented_value_fails(what):
     assert wrong != doc, f"the edit for {what!r} no longer applies to FORMAT.md"
     with pytest.raises(AssertionError, match=re.escape(caught_by)):
         check_v2(wrong)
-
 
 
 def test_the_mutable_fields_are_outside_the_header_checksum():

@@ -71,7 +71,9 @@ def saved_checkpoint(eng, directory, text):
     t = toks(eng, text)
     donor.sync(t)
     path = os.path.join(os.fspath(directory), ds4._core.sha1_hex(donor.text_bytes()) + ".kv")
-    ds4.write_checkpoint(path, donor.text_bytes(), donor.export_arrays(), abi=donor.payload_abi, tokens=donor.n_past, ctx=CTX)
+    ds4.write_checkpoint(
+        path, donor.text_bytes(), donor.export_arrays(), abi=donor.payload_abi, tokens=donor.n_past, ctx=CTX
+    )
     return path, t
 
 
@@ -177,7 +179,9 @@ def test_truncation_during_load_invalidates(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", TRUNCATE_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines() == ["raised truncated", "state False 0 True 0", "rebuild 0", "equal True"], r.stdout
 
@@ -224,7 +228,9 @@ def test_incompatible_candidate_is_kept_and_does_not_touch_the_session(eng, tmp_
     donor = ds4.Session(eng, ctx=CTX)
     donor.sync(t)
     path = os.path.join(tmp_path, ds4._core.sha1_hex(donor.text_bytes()) + ".kv")
-    ds4.write_checkpoint(path, donor.text_bytes(), donor.export_arrays(), abi="other-engine/9", tokens=donor.n_past, ctx=CTX)
+    ds4.write_checkpoint(
+        path, donor.text_bytes(), donor.export_arrays(), abi="other-engine/9", tokens=donor.n_past, ctx=CTX
+    )
     store = ds4.KVStore(tmp_path, min_tokens=1)
     s = live_session(eng)
     before = s.tokens
@@ -272,7 +278,7 @@ def test_eval_rejecting_its_input_invalidates(eng):
     engine's state is not guaranteed untouched."""
     s = live_session(eng)
     with pytest.raises(ValueError):
-        s.sync(s.tokens + [eng.vocab_size + 3])
+        s.sync([*s.tokens, eng.vocab_size + 3])
     assert_invalid_and_empty(s)
 
 
@@ -453,7 +459,9 @@ def test_chat_new_with_system_prompt_holds_only_the_system_prompt(eng):
     r = _repl(eng, system)
     r.reset_to_system()
     r.turn("hello there")
-    assert r.sess.n_past > len(toks(eng, eng.render_chat([{"role": "system", "content": system}], add_generation_prompt=False)))
+    assert r.sess.n_past > len(
+        toks(eng, eng.render_chat([{"role": "system", "content": system}], add_generation_prompt=False))
+    )
     r.handle("/new")
     sys_toks = toks(eng, eng.render_chat([{"role": "system", "content": system}], add_generation_prompt=False))
     cold = ds4.Session(eng, ctx=CTX)

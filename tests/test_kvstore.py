@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import ds4
@@ -35,7 +34,14 @@ def test_ds4_defaults():
 
     sig = inspect.signature(KVStore)
     d = {k: v.default for k, v in sig.parameters.items()}
-    assert (d["budget_mb"], d["min_tokens"], d["cold_max_tokens"], d["continued_interval_tokens"], d["boundary_trim_tokens"], d["boundary_align_tokens"]) == (4096, 512, 30000, 10000, 32, 2048)
+    assert (
+        d["budget_mb"],
+        d["min_tokens"],
+        d["cold_max_tokens"],
+        d["continued_interval_tokens"],
+        d["boundary_trim_tokens"],
+        d["boundary_align_tokens"],
+    ) == (4096, 512, 30000, 10000, 32, 2048)
 
 
 def test_cold_store_len_policy(tmp_path):
@@ -89,7 +95,9 @@ def test_index_is_kept_and_notices_other_processes(eng, tmp_path):
     s2 = _sess(eng, "nine ten eleven twelve thirteen")
     other.store_live_prefix(s2)
     time.sleep(0.01)
-    assert [e.text_bytes for e in st.lookup("nine ten eleven twelve thirteen fourteen")] == [len("nine ten eleven twelve thirteen")]
+    assert [e.text_bytes for e in st.lookup("nine ten eleven twelve thirteen fourteen")] == [
+        len("nine ten eleven twelve thirteen")
+    ]
     other.remove(os.path.basename(st.lookup("nine ten eleven twelve thirteen fourteen")[0].path))
     assert st.lookup("nine ten eleven twelve thirteen fourteen") == []
 
@@ -120,7 +128,21 @@ def test_eviction_policy(eng, tmp_path):
 
 
 def test_score_formula():
-    e = ds4.kvstore.Entry("x", "x", 2, tokens=1000, text_bytes=10, hits=4, created=0, last_used=1000, size=500, abi="", reason="cold", ctx=0, stat_key=())
+    e = ds4.kvstore.Entry(
+        "x",
+        "x",
+        2,
+        tokens=1000,
+        text_bytes=10,
+        hits=4,
+        created=0,
+        last_used=1000,
+        size=500,
+        abi="",
+        reason="cold",
+        ctx=0,
+        stat_key=(),
+    )
     now = 1000 + 6 * 3600  # one half-life later
     assert e.score(now) == pytest.approx((4 * 0.5 + 1) * 1000 / 500)
 
@@ -221,7 +243,9 @@ print(json.dumps(out))
 
 
 def test_full_disk_gives_typed_error_and_loses_nothing(tmp_path):
-    r = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["error"] in ("StoreError", "StoreFullError"), out
@@ -289,7 +313,9 @@ def test_quarantine_dir(eng, tmp_path):
 def test_ds4_server_and_agent_temp_files_are_cleaned_too(tmp_path):
     """ds4-server leaves `<sha>.kv.tmp.<pid>` and ds4-agent `<sha>.kv.tmp.XXXXXX`
     (mkstemp) behind when they crash: a dead pid, or an hour of age, removes them."""
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    dead = int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )
     server_tmp = tmp_path / ("a" * 40 + f".kv.tmp.{dead}")
     server_tmp.write_bytes(b"x")
     agent_tmp = tmp_path / ("b" * 40 + ".kv.tmp.Xy12Zq")
@@ -309,7 +335,9 @@ def test_reject_different_quant(eng, tmp_path):
     text = "quantized elsewhere, same engine otherwise " * 2
     s = _sess(eng, text)
     p = tmp_path / (_core.sha1_hex(s.text_bytes()) + ".kv")
-    ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=s.n_past, ctx=s.ctx, quant_bits=4)
+    ds4.write_checkpoint(
+        p, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=s.n_past, ctx=s.ctx, quant_bits=4
+    )
     s2 = ds4.Session(eng, ctx=4096)
     rep = ds4.recover(s2, KVStore(tmp_path, min_tokens=8, reject_different_quant=True), text + "?")
     assert rep.rung == "prefill" and [r[2] for r in rep.rejected] == ["quant_mismatch"] and p.exists()
@@ -346,7 +374,7 @@ def test_real_sha1_collision_is_caught_by_the_byte_prefix_check(eng, tmp_path, w
     a, b = SHATTERED_1, SHATTERED_2
     assert len(a) == len(b) == 320 and a != b
     assert hashlib.sha1(a).digest() == hashlib.sha1(b).digest() == bytes.fromhex(_core.sha1_hex(b))
-    first_diff = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    first_diff = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     prompt = b + b" and the rest of the prompt"
     honest = a + b" and the rest of the prompt"
     sess = ds4.Session(eng, ctx=4096)

@@ -11,7 +11,6 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 import time
 import types
 
@@ -67,7 +66,21 @@ def _codes(rep):
 
 
 def _entry(**kw):
-    base = dict(name="x", path="x", version=2, tokens=1000, text_bytes=10, hits=0, created=0, last_used=0, size=500, abi="", reason="cold", ctx=0, stat_key=())
+    base = dict(
+        name="x",
+        path="x",
+        version=2,
+        tokens=1000,
+        text_bytes=10,
+        hits=0,
+        created=0,
+        last_used=0,
+        size=500,
+        abi="",
+        reason="cold",
+        ctx=0,
+        stat_key=(),
+    )
     base.update(kw)
     return Entry(**base)
 

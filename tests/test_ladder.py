@@ -18,18 +18,38 @@ import pytest
 import ds4
 from ds4 import _core
 from ds4.checkpoint import open_checkpoint, write_checkpoint
-from ds4.errors import CheckpointError
 
 GEN = 12
 
 
 def _chat(engine, n_turns):
     msgs = [{"role": "system", "content": "You are a careful assistant who answers briefly and precisely."}]
-    topics = ["the tides", "bread baking", "prime numbers", "the moon", "bicycles", "rainbows", "volcanoes", "chess openings", "coffee", "glaciers"]
+    topics = [
+        "the tides",
+        "bread baking",
+        "prime numbers",
+        "the moon",
+        "bicycles",
+        "rainbows",
+        "volcanoes",
+        "chess openings",
+        "coffee",
+        "glaciers",
+    ]
     for i in range(n_turns):
         t = topics[i % len(topics)]
-        msgs.append({"role": "user", "content": f"Question {i}: explain {t} in two sentences, then give one surprising fact about {t}."})
-        msgs.append({"role": "assistant", "content": f"Answer {i}: {t} are interesting because of physics and history; one fact is that {t} vary a lot by place."})
+        msgs.append(
+            {
+                "role": "user",
+                "content": f"Question {i}: explain {t} in two sentences, then give one surprising fact about {t}.",
+            }
+        )
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": f"Answer {i}: {t} are interesting because of physics and history; one fact is that {t} vary a lot by place.",
+            }
+        )
     msgs.append({"role": "user", "content": "Now summarise everything we discussed in one sentence."})
     return engine.render_chat(msgs)
 
@@ -201,7 +221,9 @@ def test_ladder_rejects_damaged_and_serves_shorter(world, kind, tmp_path, caplog
     assert sess.tokens == world.tokens
     assert sess.generate(GEN) == world.cold_out
     # every rejection was logged with its stage and code
-    assert any(code in r.getMessage() and stage in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(code in r.getMessage() and stage in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -178,7 +178,9 @@ def test_unreadable_checkpoint_is_skipped_not_crashed(tmp_path):
     s.sync(eng.tokenize(text, special=True))
     p = ds4.KVStore(d, min_tokens=8).store_live_prefix(s)
     os.chmod(d, 0o755)  # the directory is listable by the other user; the 0600 file is not readable
-    r = subprocess.run([sys.executable, "-c", UNREADABLE_CHILD, str(d), text + " more"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", UNREADABLE_CHILD, str(d), text + " more"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["prefill", "True"]
     assert os.path.exists(p)  # not deleted: unreadable is not corrupt

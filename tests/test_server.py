@@ -30,9 +30,12 @@ ALIGN = 64
 INTERVAL = 128
 CTX = 2048
 KV_FLAGS = [
-    "--kv-cache-min-tokens", str(MIN_TOKENS),
-    "--kv-cache-boundary-align-tokens", str(ALIGN),
-    "--kv-cache-continued-interval-tokens", str(INTERVAL),
+    "--kv-cache-min-tokens",
+    str(MIN_TOKENS),
+    "--kv-cache-boundary-align-tokens",
+    str(ALIGN),
+    "--kv-cache-continued-interval-tokens",
+    str(INTERVAL),
 ]
 SYSTEM = "You are a careful assistant who answers briefly, precisely and politely."
 
@@ -49,14 +52,31 @@ class Server:
     def __init__(self, tmp, name, *args, engine="reference", ctx=CTX):
         self.port = _free_port()
         self.log_path = os.path.join(tmp, f"{name}.log")
-        self.args = [sys.executable, "-m", "ds4", "serve", "--engine", engine, "--host", "127.0.0.1",
-                     "--port", str(self.port), "--ctx", str(ctx), "--default-max-tokens", "16", *args]
+        self.args = [
+            sys.executable,
+            "-m",
+            "ds4",
+            "serve",
+            "--engine",
+            engine,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--ctx",
+            str(ctx),
+            "--default-max-tokens",
+            "16",
+            *args,
+        ]
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = None
 
     def start(self, timeout=90.0):
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=os.path.dirname(self.log_path))
+        self.proc = subprocess.Popen(
+            self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=os.path.dirname(self.log_path)
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -78,7 +98,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"server did not stop on {sig}:\n{self.text_log()}")
+            raise AssertionError(f"server did not stop on {sig}:\n{self.text_log()}") from None
         self.log.close()
         return rc
 
@@ -106,8 +126,9 @@ def cold(tmp_path_factory):
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("warm")
-    srv = Server(str(tmp), "warm", "--kv-disk-dir", str(tmp / "kv"), "--kv-quarantine-dir", str(tmp / "quarantine"),
-                 *KV_FLAGS).start()
+    srv = Server(
+        str(tmp), "warm", "--kv-disk-dir", str(tmp / "kv"), "--kv-quarantine-dir", str(tmp / "quarantine"), *KV_FLAGS
+    ).start()
     srv.kv_dir = str(tmp / "kv")
     srv.quarantine = str(tmp / "quarantine")
     yield srv
@@ -185,7 +206,7 @@ def test_multi_turn_reports_cached_tokens(warm, cold):
                 assert x["rung"] == "live", x
             else:  # the echo differs from the live bytes: a checkpoint serves it
                 assert x["rung"] in ("disk", "rewrite"), x
-        msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": f"And then, part {turn}?"}]
+        msgs = [*msgs, {"role": "assistant", "content": text}, {"role": "user", "content": f"And then, part {turn}?"}]
     assert rungs[0] in ("prefill", "disk") and "live" in rungs[1:] and "disk" in rungs[1:]
 
 
@@ -193,8 +214,9 @@ def test_streaming_chunks_concatenate_to_the_text(warm, cold):
     c, model = warm.client(), warm.model()
     msgs = _conv("streams")
     full = c.chat.completions.create(model=model, messages=msgs, max_tokens=20)
-    stream = c.chat.completions.create(model=model, messages=msgs, max_tokens=20, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = c.chat.completions.create(
+        model=model, messages=msgs, max_tokens=20, stream=True, stream_options={"include_usage": True}
+    )
     parts, finish, usage, roles = [], None, None, []
     for ch in stream:
         if ch.usage is not None:
@@ -227,7 +249,9 @@ def test_stop_sequence_leaves_no_tokens_past_the_stop(warm, cold):
     msgs = _conv("stops")
     ref = cold_chat(cold, msgs, max_tokens=24).choices[0].message.content
     # a two-character ASCII stop inside the answer (ASCII bytes map 1:1 to text)
-    stop = next(ref[i:i + 2] for i in range(3, len(ref) - 1) if ref[i:i + 2].isascii() and ref[i:i + 2].isprintable())
+    stop = next(
+        ref[i : i + 2] for i in range(3, len(ref) - 1) if ref[i : i + 2].isascii() and ref[i : i + 2].isprintable()
+    )
     before = warm.health()["counters"]
     r = c.chat.completions.create(model=model, messages=msgs, max_tokens=24, stop=[stop, "never-seen"])
     assert r.choices[0].finish_reason == "stop"
@@ -241,7 +265,7 @@ def test_stop_sequence_leaves_no_tokens_past_the_stop(warm, cold):
     s = c.chat.completions.create(model=model, messages=msgs, max_tokens=24, stop=stop, stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices) == ref[: ref.index(stop)]
     # and the conversation goes on exactly as a cold run
-    msgs2 = msgs + [{"role": "assistant", "content": ref[: ref.index(stop)]}, {"role": "user", "content": "go on"}]
+    msgs2 = [*msgs, {"role": "assistant", "content": ref[: ref.index(stop)]}, {"role": "user", "content": "go on"}]
     r2 = c.chat.completions.create(model=model, messages=msgs2, max_tokens=12)
     assert _cached(r2) > 0
     assert r2.choices[0].message.content == cold_chat(cold, msgs2, max_tokens=12).choices[0].message.content
@@ -256,7 +280,11 @@ def test_continued_saves_during_prefill_and_generation(warm, cold):
     before = warm.health()["counters"]["continued_saves"]
     r = c.chat.completions.create(model=model, messages=msgs, max_tokens=160)
     assert r.usage.completion_tokens == 160 and r.usage.prompt_tokens == n_prompt
-    cont = {n: t for p, (t, reason, n) in _stored_texts(warm.kv_dir).items() if reason == "continued" and (prompt.startswith(t) or t.startswith(prompt))}
+    cont = {
+        n: t
+        for p, (t, reason, n) in _stored_texts(warm.kv_dir).items()
+        if reason == "continued" and (prompt.startswith(t) or t.startswith(prompt))
+    }
     # during prefill: the aligned prefix of the prompt
     assert 128 in cont and prompt.startswith(cont[128])
     # during generation: the prompt and the tokens generated up to the frontier
@@ -272,9 +300,15 @@ def test_corrupt_checkpoint_between_requests(warm, cold):
     r1 = c.chat.completions.create(model=model, messages=msgs, max_tokens=2)
     # an unrelated request replaces the live session (evict save of this one)
     c.chat.completions.create(model=model, messages=_conv("volcanoes"), max_tokens=2)
-    msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "More?"}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "More?"},
+    ]
     prompt = ds4.ReferenceEngine().render_chat(msgs2).encode()
-    cands = sorted(((len(t), p) for p, (t, _, _) in _stored_texts(warm.kv_dir).items() if prompt.startswith(t)), reverse=True)
+    cands = sorted(
+        ((len(t), p) for p, (t, _, _) in _stored_texts(warm.kv_dir).items() if prompt.startswith(t)), reverse=True
+    )
     assert len(cands) >= 2, cands  # evict, continued and cold saves of this conversation
     target = cands[0][1]
     ck = open_checkpoint(target)
@@ -290,7 +324,9 @@ def test_corrupt_checkpoint_between_requests(warm, cold):
     assert not os.path.exists(target), "the corrupt checkpoint was not removed"
     assert [q.split(".")[0] for q in os.listdir(warm.quarantine)] == [os.path.basename(target)[:-3]]
     assert os.listdir(warm.quarantine)[0].endswith(".payload_checksum")
-    assert [(os.path.basename(j["path"]), j["code"]) for j in x["rejected"]] == [(os.path.basename(target), "payload_checksum")]
+    assert [(os.path.basename(j["path"]), j["code"]) for j in x["rejected"]] == [
+        (os.path.basename(target), "payload_checksum")
+    ]
     assert x["rung"] == "disk" and x["loaded_path"] == cands[1][1]
     assert _cached(r2) == open_checkpoint(cands[1][1], load_payload=False).tokens
     assert r2.choices[0].message.content == cold_chat(cold, msgs2, max_tokens=10).choices[0].message.content
@@ -307,7 +343,11 @@ def test_concurrent_clients(warm, cold):
             c = warm.client()
             msgs = _conv(topic, n_words=4)
             r1 = c.chat.completions.create(model=model, messages=msgs, max_tokens=8)
-            msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+            msgs2 = [
+                *msgs,
+                {"role": "assistant", "content": r1.choices[0].message.content},
+                {"role": "user", "content": "Why?"},
+            ]
             r2 = c.chat.completions.create(model=model, messages=msgs2, max_tokens=8, stream=topic == "chess")
             if topic == "chess":
                 t2 = "".join(ch.choices[0].delta.content or "" for ch in r2 if ch.choices)
@@ -362,7 +402,11 @@ def test_bad_requests_get_4xx_and_leave_the_server_intact(warm, cold):
     _assert_error(_post(warm, chat, {"messages": msgs}), 400, param="model")
     _assert_error(_post(warm, chat, {"model": model, "messages": "hi"}), 400, param="messages")
     _assert_error(_post(warm, chat, {"model": model, "messages": [{"role": "user"}]}), 400, param="messages[0].content")
-    _assert_error(_post(warm, chat, {"model": model, "messages": [{"role": "wizard", "content": "x"}]}), 400, param="messages[0].role")
+    _assert_error(
+        _post(warm, chat, {"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
+        400,
+        param="messages[0].role",
+    )
     _assert_error(_post(warm, chat, {"model": model, "messages": msgs, "max_tokens": "ten"}), 400, param="max_tokens")
     _assert_error(_post(warm, chat, {"model": model, "messages": msgs, "max_tokens": 0}), 400, param="max_tokens")
     _assert_error(_post(warm, chat, {"model": model, "messages": msgs, "temperature": "hot"}), 400, param="temperature")
@@ -372,7 +416,9 @@ def test_bad_requests_get_4xx_and_leave_the_server_intact(warm, cold):
     _assert_error(_post(warm, chat, {"model": "gpt-4o", "messages": msgs}), 404, param="model", code="model_not_found")
     too_long = [{"role": "user", "content": "x" * (CTX + 100)}]
     _assert_error(_post(warm, chat, {"model": model, "messages": too_long}), 400, code="context_length_exceeded")
-    _assert_error(_post(warm, chat, {"model": model, "messages": too_long, "stream": True}), 400, code="context_length_exceeded")
+    _assert_error(
+        _post(warm, chat, {"model": model, "messages": too_long, "stream": True}), 400, code="context_length_exceeded"
+    )
     _assert_error(_post(warm, "/v1/completions", {"model": model}), 400, param="prompt")
     _assert_error(_post(warm, "/v1/completions", {"model": model, "prompt": 7}), 400, param="prompt")
     _assert_error(httpx.get(warm.base + "/v1/nothing-here"), 404)
@@ -394,7 +440,11 @@ def test_bad_requests_get_4xx_and_leave_the_server_intact(warm, cold):
     assert h1["counters"]["rejected"] - h0["counters"]["rejected"] == 3
     assert h1["counters"]["errors"] == h0["counters"]["errors"]
     # and it keeps serving from its cache
-    msgs2 = msgs + [{"role": "assistant", "content": r0.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": r0.choices[0].message.content},
+        {"role": "user", "content": "Go on."},
+    ]
     r = c.chat.completions.create(model=model, messages=msgs2, max_tokens=6)
     assert _extra(r)["rung"] == "live" and _cached(r) == h0["session"]["n_past"]
     assert r.choices[0].message.content == cold_chat(cold, msgs2, max_tokens=6).choices[0].message.content
@@ -404,8 +454,12 @@ def test_client_disconnect_mid_stream(warm, cold):
     model = warm.model()
     msgs = _conv("disconnects")
     c0 = warm.health()["counters"]
-    with httpx.stream("POST", warm.base + "/v1/chat/completions", timeout=60,
-                      json={"model": model, "messages": msgs, "max_tokens": 1500, "stream": True}) as resp:
+    with httpx.stream(
+        "POST",
+        warm.base + "/v1/chat/completions",
+        timeout=60,
+        json={"model": model, "messages": msgs, "max_tokens": 1500, "stream": True},
+    ) as resp:
         assert resp.status_code == 200
         n = 0
         for line in resp.iter_lines():
@@ -416,7 +470,11 @@ def test_client_disconnect_mid_stream(warm, cold):
     deadline = time.monotonic() + 30
     while True:
         h = warm.health()
-        if h["counters"]["requests"] > c0["requests"] and not h["busy"] and h["counters"]["cancelled"] > c0["cancelled"]:
+        if (
+            h["counters"]["requests"] > c0["requests"]
+            and not h["busy"]
+            and h["counters"]["cancelled"] > c0["cancelled"]
+        ):
             break
         assert time.monotonic() < deadline, h
         time.sleep(0.05)
@@ -444,7 +502,11 @@ def test_shutdown_save_and_restart_resume_from_disk(tmp_path, cold):
     assert f"persisting current KV cache before shutdown tokens={live_n}" in log, log
     shut = [p for p, (t, reason, n) in _stored_texts(kv).items() if reason == "shutdown"]
     assert len(shut) == 1 and open_checkpoint(shut[0], load_payload=False).tokens == live_n
-    msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "Tell me more."}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Tell me more."},
+    ]
     srv2 = Server(str(tmp_path), "second", "--kv-disk-dir", kv, *KV_FLAGS).start()
     try:
         r2 = srv2.client().chat.completions.create(model=model, messages=msgs2, max_tokens=12)
@@ -460,8 +522,16 @@ def test_shutdown_save_and_restart_resume_from_disk(tmp_path, cold):
 def test_llamacpp_two_turns_match_a_cold_server(tmp_path):
     import llama_cpp  # noqa: F401  (CI installs it; this test must not be skipped)
 
-    warm = Server(str(tmp_path), "llama-warm", "--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS, "--threads", "2",
-                  engine="llamacpp").start()
+    warm = Server(
+        str(tmp_path),
+        "llama-warm",
+        "--kv-disk-dir",
+        str(tmp_path / "kv"),
+        *KV_FLAGS,
+        "--threads",
+        "2",
+        engine="llamacpp",
+    ).start()
     cold = Server(str(tmp_path), "llama-cold", "--no-kv-cache", "--threads", "2", engine="llamacpp").start()
     try:
         model = warm.model()
@@ -472,8 +542,11 @@ def test_llamacpp_two_turns_match_a_cold_server(tmp_path):
         b1 = cc.chat.completions.create(model=model, messages=msgs, max_tokens=16)
         assert a1.choices[0].message.content == b1.choices[0].message.content
         assert "Paris" in a1.choices[0].message.content
-        msgs2 = msgs + [{"role": "assistant", "content": a1.choices[0].message.content},
-                        {"role": "user", "content": "And of Italy?"}]
+        msgs2 = [
+            *msgs,
+            {"role": "assistant", "content": a1.choices[0].message.content},
+            {"role": "user", "content": "And of Italy?"},
+        ]
         # the cold server's live session is replaced first, so its turn 2 is a full prefill
         cc.completions.create(model=model, prompt="Hello", max_tokens=1)
         b2 = cc.chat.completions.create(model=model, messages=msgs2, max_tokens=16)

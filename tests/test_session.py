@@ -306,7 +306,7 @@ def test_generate_stops_at_the_context_end(eng):
     s.sync(a)
     t6 = int(np.argmax(states[5]))
     out = s.generate(20)
-    assert out == chain + [t6]
+    assert out == [*chain, t6]
     assert s.n_past == 15 and s.tokens == a + chain and np.array_equal(s.logits, states[5])
     # at the end already: one token comes out, nothing is evaluated
     assert s.generate(3) == [t6] and s.n_past == 15
@@ -320,7 +320,7 @@ def test_common_prefix_of_an_invalid_session_is_zero(eng):
     a = toks(eng, "abc")
     assert s.common_prefix(a) == 0
     s.sync(a)
-    assert s.common_prefix(a + [1]) == 3 and s.common_prefix([7]) == 0
+    assert s.common_prefix([*a, 1]) == 3 and s.common_prefix([7]) == 0
     s.invalidate()
     assert s.common_prefix(a) == 0
 

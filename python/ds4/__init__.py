@@ -21,20 +21,20 @@ from .session import Rewrite, Session
 __version__ = _core_version
 
 __all__ = [
-    "errors",
+    "Checkpoint",
     "Engine",
     "EngineContext",
-    "Checkpoint",
-    "open_checkpoint",
-    "write_checkpoint",
     "KVStore",
-    "Session",
-    "Rewrite",
-    "recover",
+    "LlamaCppEngine",
     "RecoveryReport",
     "ReferenceEngine",
-    "LlamaCppEngine",
+    "Rewrite",
+    "Session",
     "default_engine",
+    "errors",
+    "open_checkpoint",
+    "recover",
+    "write_checkpoint",
 ]
 
 

@@ -1,7 +1,7 @@
 """Type stubs for ds4._core, the Rust extension (rust/py/mod.rs)."""
 
+from collections.abc import Sequence
 from os import PathLike
-from typing import Optional, Sequence, Union
 
 from typing_extensions import Buffer
 
@@ -10,10 +10,10 @@ FORMAT_VERSION: int
 ALIGN: int
 REASONS: list[str]
 
-_Path = Union[str, PathLike[str]]
+_Path = str | PathLike[str]
 
 def sha1_hex(data: Buffer) -> str: ...
-def sha1_prefixes(data: Buffer, lengths: Sequence[int]) -> list[Optional[str]]: ...
+def sha1_prefixes(data: Buffer, lengths: Sequence[int]) -> list[str | None]: ...
 def is_byte_prefix(prefix: Buffer, text: Buffer) -> bool: ...
 def common_prefix_len(a: Buffer, b: Buffer) -> int: ...
 def common_token_prefix(a: Sequence[int], b: Sequence[int]) -> int: ...
@@ -33,11 +33,11 @@ def write_checkpoint(
 def open_checkpoint(
     path: _Path,
     *,
-    expected_abi: Optional[str] = None,
-    quant_bits: Optional[int] = None,
-    ctx: Optional[int] = None,
+    expected_abi: str | None = None,
+    quant_bits: int | None = None,
+    ctx: int | None = None,
     check_name: bool = True,
-    prompt: Optional[Buffer] = None,
+    prompt: Buffer | None = None,
     load_payload: bool = True,
     verify_checksum: bool = True,
     mmap: bool = True,
@@ -101,7 +101,7 @@ class Checkpoint:
     @property
     def payload_loaded(self) -> bool: ...
     @property
-    def dsv4(self) -> Optional[dict[str, int]]: ...
+    def dsv4(self) -> dict[str, int] | None: ...
     def check_intact(self) -> None: ...
     def tensor_table(self) -> list[tuple[str, str, list[int], int, int]]: ...
     def tensor_buffer(self, name: str) -> PayloadView: ...

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Mapping, Optional, Union
+from collections.abc import Mapping
 
 import numpy as np
 
 from . import _core
 
-__all__ = ["Checkpoint", "write_checkpoint", "open_checkpoint", "REASONS", "reason_code"]
+__all__ = ["REASONS", "Checkpoint", "open_checkpoint", "reason_code", "write_checkpoint"]
 
 REASONS: tuple[str, ...] = tuple(_core.REASONS)
 
-BytesLike = Union[bytes, bytearray, memoryview, np.ndarray]
+BytesLike = bytes | bytearray | memoryview | np.ndarray
 
 
-def reason_code(reason: Union[str, int]) -> int:
+def reason_code(reason: str | int) -> int:
     if isinstance(reason, int):
         return reason
     try:
@@ -32,11 +32,11 @@ def reason_code(reason: Union[str, int]) -> int:
         return REASONS.index("named")
 
 
-def _as_text(text: Union[str, BytesLike]) -> BytesLike:
+def _as_text(text: str | BytesLike) -> BytesLike:
     return text.encode("utf-8") if isinstance(text, str) else text
 
 
-def _tensor_entry(name: str, a: Union[np.ndarray, BytesLike]):
+def _tensor_entry(name: str, a: np.ndarray | BytesLike):
     if not isinstance(a, np.ndarray):
         a = np.frombuffer(a, dtype=np.uint8)
     if a.dtype.byteorder == ">":
@@ -49,17 +49,17 @@ def _tensor_entry(name: str, a: Union[np.ndarray, BytesLike]):
 
 
 def write_checkpoint(
-    path: Union[str, os.PathLike],
-    text: Union[str, BytesLike],
-    arrays: Mapping[str, Union[np.ndarray, BytesLike]],
+    path: str | os.PathLike,
+    text: str | BytesLike,
+    arrays: Mapping[str, np.ndarray | BytesLike],
     *,
     abi: str,
     tokens: int,
     ctx: int,
-    reason: Union[str, int] = "cold",
+    reason: str | int = "cold",
     quant_bits: int = 0,
     flags: int = 0,
-    created: Optional[int] = None,
+    created: int | None = None,
 ) -> int:
     """Write a v2 checkpoint durably (temp file, fsync, rename, fsync dir).
 
@@ -85,7 +85,7 @@ def write_checkpoint(
 class Checkpoint:
     """A verified checkpoint (v2, or ds4's v1) opened through the Rust core."""
 
-    def __init__(self, core: "_core.Checkpoint"):
+    def __init__(self, core: _core.Checkpoint):
         self._core = core
 
     def __getattr__(self, name):
@@ -122,12 +122,12 @@ class Checkpoint:
 
 
 def open_checkpoint(
-    path: Union[str, os.PathLike],
+    path: str | os.PathLike,
     *,
-    prompt: Union[str, BytesLike, None] = None,
-    expected_abi: Optional[str] = None,
-    quant_bits: Optional[int] = None,
-    ctx: Optional[int] = None,
+    prompt: str | BytesLike | None = None,
+    expected_abi: str | None = None,
+    quant_bits: int | None = None,
+    ctx: int | None = None,
     check_name: bool = True,
     load_payload: bool = True,
     verify_checksum: bool = True,

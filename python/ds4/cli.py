@@ -25,12 +25,13 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Callable, Optional, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from . import kvstore as _kvstore
 from .kvstore import temp_is_orphaned
 
-__all__ = ["main", "ProgressBar"]
+__all__ = ["ProgressBar", "main"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -46,7 +47,7 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def _age(ts: int, now: Optional[float] = None) -> str:
+def _age(ts: int, now: float | None = None) -> str:
     if not ts:
         return "-"
     d = max(0, int((now or time.time()) - ts))
@@ -56,7 +57,7 @@ def _age(ts: int, now: Optional[float] = None) -> str:
     return f"{d}s ago"
 
 
-_CTRL = {c: "\ufffd" for c in list(range(0, 32)) + [127] + list(range(0x80, 0xA0)) if c not in (9, 10)}
+_CTRL = {c: "\ufffd" for c in [*list(range(0, 32)), 127, *list(range(128, 160))] if c not in (9, 10)}
 
 
 def _printable(s: str) -> str:
@@ -72,10 +73,10 @@ def _preview(text: bytes, n: int = 48) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str], out: TextIO) -> None:
-    cols = [header] + rows
+    cols = [header, *rows]
     widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
     for r in cols:
-        out.write("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
+        out.write("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() + "\n")
 
 
 def _atomic_write_json(path: str, obj) -> None:
@@ -101,8 +102,14 @@ class ProgressBar:
     ``delay`` seconds; silent when the stream is not a TTY. ``check`` runs on
     every update (it may raise, e.g. KeyboardInterrupt)."""
 
-    def __init__(self, label: str = "prefill", stream: Optional[TextIO] = None, delay: Optional[float] = None,
-                 check: Optional[Callable[[], None]] = None, width: int = 30):
+    def __init__(
+        self,
+        label: str = "prefill",
+        stream: TextIO | None = None,
+        delay: float | None = None,
+        check: Callable[[], None] | None = None,
+        width: int = 30,
+    ):
         if delay is None:  # DS4_PROGRESS_DELAY overrides the 1.5 s (tests set 0)
             try:
                 delay = float(os.environ.get("DS4_PROGRESS_DELAY", "1.5"))
@@ -129,8 +136,10 @@ class ProgressBar:
         fill = int(frac * self.width)
         rate = done / max(el, 1e-9)
         eta = (total - done) / rate if rate > 0 else 0.0
-        self.stream.write(f"\r\x1b[K{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {done}/{total} tok "
-                          f"{rate:.0f} tok/s eta {eta:.0f}s")
+        self.stream.write(
+            f"\r\x1b[K{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {done}/{total} tok "
+            f"{rate:.0f} tok/s eta {eta:.0f}s"
+        )
         self.stream.flush()
         self.drawn = True
 
@@ -169,9 +178,13 @@ def cmd_run(args) -> int:
     if args.raw:
         prompt = text
     else:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": text}
+        ]
         prompt = engine.render_chat(msgs)
-    params = GenParams(max_tokens=args.max_tokens, stop=tuple(args.stop or ()), temperature=args.temperature, seed=args.seed)
+    params = GenParams(
+        max_tokens=args.max_tokens, stop=tuple(args.stop or ()), temperature=args.temperature, seed=args.seed
+    )
     bar = ProgressBar()
     streaming = not args.json
 
@@ -205,9 +218,11 @@ def cmd_run(args) -> int:
         if args.verbose:
             r = res.report
             tps = res.completion_tokens / res.decode_s if res.decode_s > 0 else 0.0
-            print(f"[rung={r.rung} source={r.source} cached={r.reused_tokens} prompt={res.prompt_tokens} "
-                  f"gen={res.completion_tokens} finish={res.finish_reason} ttft={res.ttft_s * 1000:.0f} ms {tps:.1f} tok/s]",
-                  file=sys.stderr)
+            print(
+                f"[rung={r.rung} source={r.source} cached={r.reused_tokens} prompt={res.prompt_tokens} "
+                f"gen={res.completion_tokens} finish={res.finish_reason} ttft={res.ttft_s * 1000:.0f} ms {tps:.1f} tok/s]",
+                file=sys.stderr,
+            )
     return EXIT_OK
 
 
@@ -226,7 +241,9 @@ def write_session(store, sess, reason: str) -> str:
 
     path = store.store_live_prefix(sess, reason, min_tokens=1)
     if path is None:
-        raise StoreError(f"the store declined to save this session ({reason}): over budget or key held by another engine")
+        raise StoreError(
+            f"the store declined to save this session ({reason}): over budget or key held by another engine"
+        )
     return path
 
 
@@ -247,8 +264,16 @@ class ChatREPL:
       prefill).
     """
 
-    def __init__(self, gen, system: str, max_tokens: int, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
-                 temperature: float = 0.0, seed: Optional[int] = None):
+    def __init__(
+        self,
+        gen,
+        system: str,
+        max_tokens: int,
+        out: TextIO = sys.stdout,
+        err: TextIO = sys.stderr,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ):
         self.gen = gen
         self.engine = gen.engine
         self.sess = gen.sess
@@ -258,7 +283,7 @@ class ChatREPL:
         self.temperature, self.seed = temperature, seed
         self.out, self.err = out, err
         self.messages: list[dict] = []
-        self.current: Optional[str] = None
+        self.current: str | None = None
         self._intr = False
 
     # -- output ----------------------------------------------------------------
@@ -314,8 +339,10 @@ class ChatREPL:
                 if ck.text != tb:
                     raise FileNotFoundError(path)  # a longer checkpoint cannot be a system prompt
                 self.sess.load_checkpoint(ck)
-                self.say(f"[system prompt: {ck.tokens} tokens loaded from checkpoint in "
-                         f"{(time.perf_counter() - t0) * 1000:.1f} ms]")
+                self.say(
+                    f"[system prompt: {ck.tokens} tokens loaded from checkpoint in "
+                    f"{(time.perf_counter() - t0) * 1000:.1f} ms]"
+                )
                 return
             except FileNotFoundError:
                 pass
@@ -366,8 +393,14 @@ class ChatREPL:
         path = write_session(self.store, self.sess, "named")
         sha = os.path.basename(path)[:-3]
         first_user = next((m["content"] for m in self.messages if m["role"] == "user"), "")
-        entry = {"sha": sha, "tokens": self.sess.n_past, "saved": int(time.time()),
-                 "title": first_user[:60], "abi": self.sess.payload_abi, "messages": self.messages}
+        entry = {
+            "sha": sha,
+            "tokens": self.sess.n_past,
+            "saved": int(time.time()),
+            "title": first_user[:60],
+            "abi": self.sess.payload_abi,
+            "messages": self.messages,
+        }
         with self._index_lock():
             sessions = self.load_index()
             sessions[name] = entry
@@ -384,8 +417,16 @@ class ChatREPL:
         rows = []
         for name, e in sorted(sessions.items(), key=lambda kv: -int(kv[1].get("saved", 0))):
             path = os.path.join(self.store.dir, f"{e.get('sha', '')}.kv")
-            rows.append(["*" if name == self.current else " ", name, str(e.get("tokens", "?")), _age(e.get("saved", 0)),
-                         "ok" if os.path.exists(path) else "gone", _printable(str(e.get("title", "")))[:40]])
+            rows.append(
+                [
+                    "*" if name == self.current else " ",
+                    name,
+                    str(e.get("tokens", "?")),
+                    _age(e.get("saved", 0)),
+                    "ok" if os.path.exists(path) else "gone",
+                    _printable(str(e.get("title", "")))[:40],
+                ]
+            )
         import io
 
         buf = io.StringIO()
@@ -423,7 +464,9 @@ class ChatREPL:
             self.sess.invalidate("switch: corrupt checkpoint")
             with contextlib.suppress(OSError):
                 os.unlink(path)
-            self.say(f"[switched to {name}: checkpoint rejected ({ex.stage}/{ex.code}) and removed; the next turn prefills]")
+            self.say(
+                f"[switched to {name}: checkpoint rejected ({ex.stage}/{ex.code}) and removed; the next turn prefills]"
+            )
         except CheckpointError as ex:
             self.sess.invalidate("switch: unusable checkpoint")
             self.say(f"[switched to {name}: checkpoint unusable ({ex.code}); the next turn prefills]")
@@ -468,13 +511,16 @@ class ChatREPL:
 
         old = signal.signal(signal.SIGINT, self._on_sigint)
         try:
-            res = self.gen.generate(prompt, params, on_start=on_start, on_text=on_text,
-                                    cancel=lambda: self._intr, progress=bar)
+            res = self.gen.generate(
+                prompt, params, on_start=on_start, on_text=on_text, cancel=lambda: self._intr, progress=bar
+            )
         except KeyboardInterrupt:
             bar.close()
             self.messages.pop()
-            self.say(f"\n[interrupted during prefill; turn rolled back; session "
-                     f"{'valid' if self.sess.checkpoint_valid else 'invalidated'}]")
+            self.say(
+                f"\n[interrupted during prefill; turn rolled back; session "
+                f"{'valid' if self.sess.checkpoint_valid else 'invalidated'}]"
+            )
             return
         except ContextOverflowError as e:
             bar.close()
@@ -498,12 +544,15 @@ class ChatREPL:
         r = res.report
         tps = res.completion_tokens / res.decode_s if res.decode_s > 0 else 0.0
         extra = " (interrupted)" if res.finish_reason == "cancelled" else ""
-        self.say(f"[{r.rung}/{r.source} cached={r.reused_tokens} prompt={res.prompt_tokens} gen={res.completion_tokens}"
-                 f"{extra} ttft={res.ttft_s * 1000:.0f} ms {tps:.0f} tok/s]")
+        self.say(
+            f"[{r.rung}/{r.source} cached={r.reused_tokens} prompt={res.prompt_tokens} gen={res.completion_tokens}"
+            f"{extra} ttft={res.ttft_s * 1000:.0f} ms {tps:.0f} tok/s]"
+        )
 
     # -- the loop ----------------------------------------------------------------
-    HELP = ("commands: /save NAME  /list  /switch NAME  /new  /clear  /quit\n"
-            "Ctrl+C stops generation; Ctrl+D or /quit exits")
+    HELP = (
+        "commands: /save NAME  /list  /switch NAME  /new  /clear  /quit\nCtrl+C stops generation; Ctrl+D or /quit exits"
+    )
 
     def handle(self, line: str) -> bool:
         """Run one input line; False means quit."""
@@ -541,7 +590,9 @@ class ChatREPL:
         if interactive:
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401  (line editing for input())
-        self.say(f"ds4 chat: {self.engine.name} ctx={self.sess.ctx} kv={self.store.dir if self.store else 'off'}; /help")
+        self.say(
+            f"ds4 chat: {self.engine.name} ctx={self.sess.ctx} kv={self.store.dir if self.store else 'off'}; /help"
+        )
         self.reset_to_system()
         while True:
             try:
@@ -570,7 +621,7 @@ def cmd_chat(args) -> int:
         print(f"ds4 chat: {msg}", file=sys.stderr)
         return EXIT_USAGE
     store = make_store(args)
-    engine, gen = _engine_and_generator(args, store)
+    _engine, gen = _engine_and_generator(args, store)
     repl = ChatREPL(gen, args.system, args.max_tokens, temperature=args.temperature, seed=args.seed)
     return repl.loop()
 
@@ -637,7 +688,8 @@ def inspect_file(path: str, full: bool = False) -> dict:
     )
     if ck.version >= 2:
         info["tensors"] = [
-            {"name": n, "dtype": dt, "shape": list(sh), "offset": off, "bytes": nb} for (n, dt, sh, off, nb) in ck.tensor_table()
+            {"name": n, "dtype": dt, "shape": list(sh), "offset": off, "bytes": nb}
+            for (n, dt, sh, off, nb) in ck.tensor_table()
         ]
         info["payload_checksum"] = f"{ck.payload_checksum:016x}"
         info["header_checksum"] = f"{ck.header_checksum:016x}"
@@ -651,7 +703,7 @@ def _public(info: dict) -> dict:
     return {k: v for k, v in info.items() if not k.startswith("_")}
 
 
-def _resolve(d: str, name: str) -> tuple[Optional[str], Optional[str]]:
+def _resolve(d: str, name: str) -> tuple[str | None, str | None]:
     """A checkpoint path in ``d`` by file name or unique hex prefix."""
     if os.sep in name and os.path.exists(name):
         return name, None
@@ -680,19 +732,49 @@ def kv_ls(args) -> int:
     infos = [inspect_file(p) for p in cks + other]
     infos.sort(key=lambda i: (-(i.get("last_used") or 0), i["name"]))
     if args.json:
-        print(json.dumps({"dir": os.path.abspath(d), "files": [_public(i) for i in infos],
-                          "temp_files": [os.path.basename(t) for t in tmps]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "dir": os.path.abspath(d),
+                    "files": [_public(i) for i in infos],
+                    "temp_files": [os.path.basename(t) for t in tmps],
+                },
+                indent=1,
+            )
+        )
         return EXIT_OK
     now = time.time()
     rows = []
     for i in infos:
         if i["status"] == "ok":
-            rows.append([i["name"][:12], f"v{i['version']}", i["reason"], str(i["tokens"]), _human_bytes(i["size"]),
-                         str(i["hits"]), _age(i["last_used"] or i["created"], now), "ok", i["preview"]])
+            rows.append(
+                [
+                    i["name"][:12],
+                    f"v{i['version']}",
+                    i["reason"],
+                    str(i["tokens"]),
+                    _human_bytes(i["size"]),
+                    str(i["hits"]),
+                    _age(i["last_used"] or i["created"], now),
+                    "ok",
+                    i["preview"],
+                ]
+            )
         else:
             err = i["error"]
-            rows.append([i["name"][:12], "?", "?", "?", _human_bytes(i.get("size", 0)), "?", "?",
-                         f"{i['status']}:{err['code']}", _printable(err["reason"])[:48]])
+            rows.append(
+                [
+                    i["name"][:12],
+                    "?",
+                    "?",
+                    "?",
+                    _human_bytes(i.get("size", 0)),
+                    "?",
+                    "?",
+                    f"{i['status']}:{err['code']}",
+                    _printable(err["reason"])[:48],
+                ]
+            )
     _table(rows, ["NAME", "VER", "REASON", "TOKENS", "SIZE", "HITS", "LAST USED", "STATUS", "TEXT"], sys.stdout)
     total = sum(i.get("size", 0) for i in infos)
     print(f"{len(infos)} files, {_human_bytes(total)}" + (f", {len(tmps)} temp files" if tmps else ""))
@@ -721,9 +803,27 @@ def kv_show(args) -> int:
             out["text"] = text.decode("utf-8", "replace")
         print(json.dumps(out, indent=1, ensure_ascii=False))
         return EXIT_OK if info["status"] == "ok" else EXIT_FAIL
-    for k in ("name", "path", "status", "version", "reason", "tokens", "text_bytes", "size", "hits", "ctx",
-              "quant_bits", "flags", "created", "last_used", "payload_bytes", "trailer_bytes", "abi",
-              "header_checksum", "payload_checksum"):
+    for k in (
+        "name",
+        "path",
+        "status",
+        "version",
+        "reason",
+        "tokens",
+        "text_bytes",
+        "size",
+        "hits",
+        "ctx",
+        "quant_bits",
+        "flags",
+        "created",
+        "last_used",
+        "payload_bytes",
+        "trailer_bytes",
+        "abi",
+        "header_checksum",
+        "payload_checksum",
+    ):
         if k in info:
             v = info[k]
             if k in ("created", "last_used") and v:
@@ -740,8 +840,20 @@ def kv_show(args) -> int:
             print(f"  {k:14} {hex(v) if k == 'magic' else v}")
     if info.get("tensors"):
         print("tensors:")
-        _table([["  " + t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(t["offset"]), _human_bytes(t["bytes"])]
-                for t in info["tensors"]], ["  NAME", "DTYPE", "SHAPE", "OFFSET", "BYTES"], sys.stdout)
+        _table(
+            [
+                [
+                    "  " + t["name"],
+                    t["dtype"],
+                    "x".join(map(str, t["shape"])) or "()",
+                    str(t["offset"]),
+                    _human_bytes(t["bytes"]),
+                ]
+                for t in info["tensors"]
+            ],
+            ["  NAME", "DTYPE", "SHAPE", "OFFSET", "BYTES"],
+            sys.stdout,
+        )
     if text is not None:
         s = text.decode("utf-8", "replace")
         if not args.text and len(s) > 400:
@@ -770,13 +882,31 @@ def kv_verify(args) -> int:
     results = []
     for p in paths:
         i = inspect_file(p, full=True)
-        results.append({"name": i["name"], "ok": i["status"] == "ok", "version": i.get("version"), "tokens": i.get("tokens"),
-                        "size": i.get("size"), **({"status": i["status"], **i["error"]} if i["status"] != "ok" else {})})
+        results.append(
+            {
+                "name": i["name"],
+                "ok": i["status"] == "ok",
+                "version": i.get("version"),
+                "tokens": i.get("tokens"),
+                "size": i.get("size"),
+                **({"status": i["status"], **i["error"]} if i["status"] != "ok" else {}),
+            }
+        )
     bad = [r for r in results if not r["ok"]]
     secs = time.perf_counter() - t0
     if args.json:
-        print(json.dumps({"dir": os.path.abspath(d), "files": results, "ok": len(results) - len(bad), "failed": len(bad),
-                          "seconds": secs}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "dir": os.path.abspath(d),
+                    "files": results,
+                    "ok": len(results) - len(bad),
+                    "failed": len(bad),
+                    "seconds": secs,
+                },
+                indent=1,
+            )
+        )
     else:
         for r in results:
             if r["ok"]:
@@ -837,8 +967,17 @@ def kv_gc(args) -> int:
             store.evict()
             evicted = sorted(names_before - set(os.path.basename(p) for p in _scan(d)[0]))
     after = sum(os.path.getsize(p) for p in _scan(d)[0] if os.path.exists(p))
-    out = {"dir": os.path.abspath(d), "dry_run": args.dry_run, "removed_corrupt": removed, "quarantined": quarantined,
-           "removed_temp": tmp_removed, "evicted": evicted, "kept_unusable": kept, "bytes_before": before, "bytes_after": after}
+    out = {
+        "dir": os.path.abspath(d),
+        "dry_run": args.dry_run,
+        "removed_corrupt": removed,
+        "quarantined": quarantined,
+        "removed_temp": tmp_removed,
+        "evicted": evicted,
+        "kept_unusable": kept,
+        "bytes_before": before,
+        "bytes_after": after,
+    }
     if args.json:
         print(json.dumps(out, indent=1))
         return EXIT_OK
@@ -851,8 +990,10 @@ def kv_gc(args) -> int:
         print(f"{'would evict' if args.dry_run else 'evicted'} {n}")
     for k in kept:
         print(f"kept {k['name']} ({k['status']}: {k['code']})")
-    print(f"{len(removed)} corrupt, {len(tmp_removed)} temp, {len(evicted)} evicted; "
-          f"{_human_bytes(before)} -> {_human_bytes(after)}")
+    print(
+        f"{len(removed)} corrupt, {len(tmp_removed)} temp, {len(evicted)} evicted; "
+        f"{_human_bytes(before)} -> {_human_bytes(after)}"
+    )
     return EXIT_OK
 
 
@@ -863,8 +1004,23 @@ def _simulate_evict(d: str, budget_mb: float) -> list[str]:
     for p in _scan(d)[0]:
         i = inspect_file(p)
         if i["status"] == "ok":
-            ents.append(Entry(i["name"], p, i["version"], i["tokens"], i["text_bytes"], i["hits"], i["created"],
-                              i["last_used"], i["size"], i["abi"], i["reason"], i["ctx"], ()))
+            ents.append(
+                Entry(
+                    i["name"],
+                    p,
+                    i["version"],
+                    i["tokens"],
+                    i["text_bytes"],
+                    i["hits"],
+                    i["created"],
+                    i["last_used"],
+                    i["size"],
+                    i["abi"],
+                    i["reason"],
+                    i["ctx"],
+                    (),
+                )
+            )
     return [e.name for e in plan_eviction(ents, int(budget_mb * 1024 * 1024), time.time())]
 
 
@@ -918,7 +1074,10 @@ def kv_stats(args) -> int:
         "dir": os.path.abspath(d),
         "files": len(infos),
         "ok": len(ok),
-        "unusable": {s: sum(1 for i in infos if i["status"] == s) for s in sorted({i["status"] for i in infos if i["status"] != "ok"})},
+        "unusable": {
+            s: sum(1 for i in infos if i["status"] == s)
+            for s in sorted({i["status"] for i in infos if i["status"] != "ok"})
+        },
         "bytes": sum(i.get("size", 0) for i in infos),
         "tokens": sum(i["tokens"] for i in ok),
         "by_version": by("version"),
@@ -934,12 +1093,14 @@ def kv_stats(args) -> int:
         print(json.dumps(st, indent=1))
         return EXIT_OK
     print(f"directory      {st['dir']}")
-    print(f"files          {st['files']} ({st['ok']} ok" + "".join(f", {n} {s}" for s, n in st["unusable"].items()) + ")")
+    print(
+        f"files          {st['files']} ({st['ok']} ok" + "".join(f", {n} {s}" for s, n in st["unusable"].items()) + ")"
+    )
     print(f"size           {_human_bytes(st['bytes'])}")
     print(f"tokens         {st['tokens']}")
     print(f"hits           {st['hits']}")
-    print(f"versions       " + ", ".join(f"v{k}: {n}" for k, n in st["by_version"].items()))
-    print(f"reasons        " + ", ".join(f"{k}: {n}" for k, n in st["by_reason"].items()))
+    print("versions       " + ", ".join(f"v{k}: {n}" for k, n in st["by_version"].items()))
+    print("reasons        " + ", ".join(f"{k}: {n}" for k, n in st["by_reason"].items()))
     for abi, n in st["by_abi"].items():
         print(f"abi            {n} x {abi}")
     if st["newest_used"]:
@@ -955,13 +1116,14 @@ def cmd_bench(args) -> int:
     import numpy as np
 
     import ds4
+
     from . import _core
     from .checkpoint import open_checkpoint
 
     rows: list[tuple[str, float, str]] = []
     eng = ds4.ReferenceEngine()
     ctx = max(8192, args.tokens * 2)
-    body = ("The quick brown fox jumps over the lazy dog. " * (args.tokens // 40 + 2))
+    body = "The quick brown fox jumps over the lazy dog. " * (args.tokens // 40 + 2)
     msgs = [{"role": "system", "content": "You are a benchmark."}, {"role": "user", "content": body}]
     prompt = eng.render_chat(msgs)
     toks = eng.tokenize(prompt, special=True)
@@ -1000,8 +1162,13 @@ def cmd_bench(args) -> int:
         rep = ds4.recover(s3, store, follow)
         s3.argmax()
         resumed = time.perf_counter() - t0
-        rows.append((f"TTFT resumed from disk (+{rep.prompt_tokens - rep.reused_tokens} new tokens, rung={rep.rung})",
-                     resumed * 1000, "ms"))
+        rows.append(
+            (
+                f"TTFT resumed from disk (+{rep.prompt_tokens - rep.reused_tokens} new tokens, rung={rep.rung})",
+                resumed * 1000,
+                "ms",
+            )
+        )
         s4 = ds4.Session(eng, ctx=ctx)
         t0 = time.perf_counter()
         s4.sync(eng.tokenize(follow, special=True))
@@ -1057,7 +1224,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(sp)
 
     def gen_args(q, max_tokens: int):
-        q.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N", help=f"tokens to generate (default {max_tokens})")
+        q.add_argument(
+            "--max-tokens", type=int, default=max_tokens, metavar="N", help=f"tokens to generate (default {max_tokens})"
+        )
         q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
         q.add_argument("--seed", type=int, default=None, help="sampling seed")
 
@@ -1097,7 +1266,9 @@ def build_parser() -> argparse.ArgumentParser:
     k = ksub.add_parser("gc", help="remove corrupt and orphaned temp files; evict to a budget")
     k.add_argument("dir")
     k.add_argument("--budget-mb", type=float, default=None, help="evict (ds4's score) until the directory fits")
-    k.add_argument("--tmp-age", type=float, default=3600, help="temp files older than this (s) are orphans (default 3600)")
+    k.add_argument(
+        "--tmp-age", type=float, default=3600, help="temp files older than this (s) are orphans (default 3600)"
+    )
     k.add_argument("--quarantine-dir", default=None, help="move corrupt files here instead of deleting")
     k.add_argument("--dry-run", action="store_true")
     k.add_argument("--json", action="store_true")
@@ -1116,13 +1287,14 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--kv-disk-dir", default=None, help="directory for the checkpoint (default: a temp dir)")
     bp.add_argument("--json", action="store_true")
 
-    dp = sub.add_parser("demo", help="the end-to-end demo: cold prefill + save, restart + resume, corruption + recovery",
-                        add_help=False)
+    dp = sub.add_parser(
+        "demo", help="the end-to-end demo: cold prefill + save, restart + resume, corruption + recovery", add_help=False
+    )
     dp.add_argument("demo_args", nargs=argparse.REMAINDER)
     return p
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:  # its own argument parser (python -m ds4.demo)
         from .demo import main as demo_main
@@ -1150,7 +1322,9 @@ def main(argv: Optional[list] = None) -> int:
         if args.cmd == "bench":
             return cmd_bench(args)
         if args.cmd == "kv":
-            fn = {"ls": kv_ls, "show": kv_show, "verify": kv_verify, "gc": kv_gc, "rm": kv_rm, "stats": kv_stats}.get(args.kvcmd)
+            fn = {"ls": kv_ls, "show": kv_show, "verify": kv_verify, "gc": kv_gc, "rm": kv_rm, "stats": kv_stats}.get(
+                args.kvcmd
+            )
             if fn is None:
                 parser.parse_args(["kv", "--help"])
                 return EXIT_USAGE

@@ -26,9 +26,18 @@ import time
 
 GEN_TOKENS = 24
 TOPICS = [
-    "how tides work", "why bread rises", "what prime numbers are", "how the moon formed",
-    "how bicycles stay upright", "why rainbows are curved", "how volcanoes erupt", "how glaciers move",
-    "why the sky is blue", "how bees make honey", "how compasses work", "why leaves change colour",
+    "how tides work",
+    "why bread rises",
+    "what prime numbers are",
+    "how the moon formed",
+    "how bicycles stay upright",
+    "why rainbows are curved",
+    "how volcanoes erupt",
+    "how glaciers move",
+    "why the sky is blue",
+    "how bees make honey",
+    "how compasses work",
+    "why leaves change colour",
 ]
 
 
@@ -37,9 +46,14 @@ def conversation(turns: int) -> list[dict]:
     for i in range(turns):
         t = TOPICS[i % len(TOPICS)]
         msgs.append({"role": "user", "content": f"Can you explain {t}? Please keep it short but accurate."})
-        msgs.append({"role": "assistant", "content": f"Sure. In short, {t} comes down to a few simple ideas from physics, chemistry or biology, "
-                     "which together explain what we see. The details vary, but the core mechanism is well understood "
-                     "and has been studied for a long time by scientists around the world."})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": f"Sure. In short, {t} comes down to a few simple ideas from physics, chemistry or biology, "
+                "which together explain what we see. The details vary, but the core mechanism is well understood "
+                "and has been studied for a long time by scientists around the world.",
+            }
+        )
     return msgs
 
 
@@ -57,12 +71,15 @@ def _prompt(engine, target_tokens: int, extra_turn: bool) -> str:
     turns = 1
     while True:
         msgs = conversation(turns)
-        text = engine.render_chat(msgs + [{"role": "user", "content": "Thanks! Which of these topics is your favourite?"}])
+        text = engine.render_chat(
+            [*msgs, {"role": "user", "content": "Thanks! Which of these topics is your favourite?"}]
+        )
         if len(engine.tokenize(text, special=True)) >= target_tokens:
             break
         turns += 1
     if extra_turn:
-        msgs = msgs + [
+        msgs = [
+            *msgs,
             {"role": "user", "content": "Thanks! Which of these topics is your favourite?"},
             {"role": "assistant", "content": "I like them all, but tides are a favourite."},
             {"role": "user", "content": "Why tides, in one sentence?"},
@@ -97,7 +114,9 @@ def phase(args) -> dict:
         "prompt_tokens": rep.prompt_tokens,
         "rung": rep.rung,
         "reused_tokens": rep.reused_tokens,
-        "rejected": [{"file": os.path.basename(p), "stage": s, "code": c, "reason": r} for (p, s, c, r) in rep.rejected],
+        "rejected": [
+            {"file": os.path.basename(p), "stage": s, "code": c, "reason": r} for (p, s, c, r) in rep.rejected
+        ],
         "ttft_s": ttft,
         "text": engine.detokenize([t for t in out if t != engine.eos_token_id]),
         "tokens": out,
@@ -117,8 +136,21 @@ def phase(args) -> dict:
 
 
 def _run_phase(n: int, args) -> dict:
-    cmd = [sys.executable, "-m", "ds4.demo", "--phase", str(n), "--dir", args.dir, "--engine", args.engine,
-           "--tokens", str(args.tokens), "--align", str(args.align)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds4.demo",
+        "--phase",
+        str(n),
+        "--dir",
+        args.dir,
+        "--engine",
+        args.engine,
+        "--tokens",
+        str(args.tokens),
+        "--align",
+        str(args.align),
+    ]
     if args.verbose:
         cmd.append("--verbose")
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -143,7 +175,9 @@ def _corrupt_longest(d: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ds4 demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="ds4 demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--engine", default="auto", choices=["auto", "reference", "llamacpp"])
     ap.add_argument("--dir", default=os.path.join(os.getcwd(), ".ds4-demo-cache"))
     ap.add_argument("--tokens", type=int, default=2200, help="approximate conversation length in tokens")
@@ -168,8 +202,10 @@ def main(argv=None) -> int:
     r2 = _run_phase(2, args)
     saved = r2["cold_ttft_s"] - r2["ttft_s"]
     print(f"   rung={r2['rung']}, reused {r2['reused_tokens']} of {r2['prompt_tokens']} tokens")
-    print(f"   time to first token {r2['ttft_s']:.2f} s resumed vs {r2['cold_ttft_s']:.2f} s cold: saved {saved:.2f} s "
-          f"({r2['cold_ttft_s'] / max(r2['ttft_s'], 1e-9):.1f}x faster)")
+    print(
+        f"   time to first token {r2['ttft_s']:.2f} s resumed vs {r2['cold_ttft_s']:.2f} s cold: saved {saved:.2f} s "
+        f"({r2['cold_ttft_s'] / max(r2['ttft_s'], 1e-9):.1f}x faster)"
+    )
     print(f"   output identical to a cold prefill: {r2['identical_to_cold']}")
     print(f"   reply: {r2['text']!r}\n")
 
@@ -181,8 +217,11 @@ def main(argv=None) -> int:
     print(f"   rung={r3['rung']}, reused {r3['reused_tokens']} tokens; corrupt file removed: {bad not in r3['files']}")
     print(f"   output identical to a cold prefill: {r3['identical_to_cold']}")
     ok = (
-        r2["rung"] == "disk" and r2["identical_to_cold"] and r3["identical_to_cold"]
-        and any(x["code"] == "payload_checksum" for x in r3["rejected"]) and bad not in r3["files"]
+        r2["rung"] == "disk"
+        and r2["identical_to_cold"]
+        and r3["identical_to_cold"]
+        and any(x["code"] == "payload_checksum" for x in r3["rejected"])
+        and bad not in r3["files"]
     )
     print("\nds4 demo:", "OK" if ok else "FAILED")
     return 0 if ok else 1

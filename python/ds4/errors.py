@@ -21,48 +21,46 @@ Every class pickles (``__reduce__``) and is importable from this module.
 
 from __future__ import annotations
 
-from typing import Optional
-
 __all__ = [
-    "Ds4Error",
-    "CheckpointError",
-    "CorruptCheckpointError",
-    "IncompatibleCheckpointError",
-    "CheckpointMismatchError",
-    "NotRegularFileError",
-    "TooShortError",
-    "BadMagicError",
-    "UnsupportedVersionError",
-    "ReservedBytesError",
-    "HeaderChecksumError",
-    "SizeOverflowError",
-    "HeaderTooLargeError",
-    "BadMetadataError",
-    "TruncatedCheckpointError",
-    "TrailingBytesError",
-    "BadPaddingError",
+    "ERROR_CODES",
     "AbiMismatchError",
-    "QuantMismatchError",
-    "ContextTooSmallError",
+    "BadMagicError",
+    "BadMetadataError",
     "BadNameError",
-    "TextHashMismatchError",
-    "NameMismatchError",
-    "NotPrefixError",
-    "PrefixCollisionError",
-    "TensorTableError",
-    "PayloadChecksumError",
-    "TokenCountMismatchError",
-    "EngineStateError",
+    "BadPaddingError",
     "BadV1PayloadError",
-    "SessionError",
-    "InvalidSessionError",
+    "CheckpointError",
+    "CheckpointMismatchError",
     "ContextOverflowError",
+    "ContextTooSmallError",
+    "CorruptCheckpointError",
+    "Ds4Error",
     "EmptyPromptError",
     "EngineError",
+    "EngineStateError",
+    "HeaderChecksumError",
+    "HeaderTooLargeError",
+    "IncompatibleCheckpointError",
+    "InvalidSessionError",
+    "NameMismatchError",
+    "NotPrefixError",
+    "NotRegularFileError",
+    "PayloadChecksumError",
+    "PrefixCollisionError",
+    "QuantMismatchError",
+    "ReservedBytesError",
+    "SessionError",
+    "SizeOverflowError",
     "StoreError",
     "StoreFullError",
+    "TensorTableError",
+    "TextHashMismatchError",
+    "TokenCountMismatchError",
+    "TooShortError",
+    "TrailingBytesError",
+    "TruncatedCheckpointError",
+    "UnsupportedVersionError",
     "from_core",
-    "ERROR_CODES",
 ]
 
 
@@ -81,7 +79,7 @@ class CheckpointError(Ds4Error, ValueError):
     stage: str = "open"
     kind: str = "corrupt"
 
-    def __init__(self, reason: str = "", *, path: Optional[str] = None, stage: Optional[str] = None):
+    def __init__(self, reason: str = "", *, path: str | None = None, stage: str | None = None):
         self.reason = reason or self.__class__.__doc__.strip().splitlines()[0]
         self.path = path
         if stage is not None:
@@ -322,7 +320,7 @@ def _all_checkpoint_classes():
 ERROR_CODES = _all_checkpoint_classes()
 
 
-def from_core(code: str, message: str, path: Optional[str] = None) -> CheckpointError:
+def from_core(code: str, message: str, path: str | None = None) -> CheckpointError:
     """Build the exception for an error ``code`` reported by the Rust core."""
     cls = ERROR_CODES.get(code, CorruptCheckpointError)
     return cls(message, path=path)

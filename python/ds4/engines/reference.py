@@ -87,14 +87,14 @@ import json
 import math
 import re
 import threading
-from typing import Iterator, Mapping, Optional, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
 
-__all__ = ["ReferenceEngine", "ReferenceContext", "SPECIAL_TOKENS", "PAYLOAD_LAYOUT"]
+__all__ = ["PAYLOAD_LAYOUT", "SPECIAL_TOKENS", "ReferenceContext", "ReferenceEngine"]
 
 #: bump when the meaning of the exported arrays changes
 PAYLOAD_LAYOUT = 1
@@ -147,7 +147,7 @@ def _find_openblas():
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for gname, sname in zip(_GET_NAMES, _SET_NAMES):
+        for gname, sname in zip(_GET_NAMES, _SET_NAMES, strict=True):
             get, set_ = getattr(lib, gname, None), getattr(lib, sname, None)
             if get is not None and set_ is not None:
                 get.restype, get.argtypes = ctypes.c_int, []
@@ -172,7 +172,7 @@ def _blas_api():
 
 
 @contextlib.contextmanager
-def _blas_threads(n: Optional[int]) -> Iterator[None]:
+def _blas_threads(n: int | None) -> Iterator[None]:
     """Cap the BLAS threads at ``n`` for the duration (no-op for None)."""
     if n is None:
         yield
@@ -215,7 +215,7 @@ def _tree_sum_last(x: np.ndarray) -> np.ndarray:
     w = x.shape[-1]
     p = 1 << max(0, (w - 1).bit_length())
     if p != w:
-        pad = np.zeros(x.shape[:-1] + (p - w,), dtype=x.dtype)
+        pad = np.zeros((*x.shape[:-1], p - w), dtype=x.dtype)
         x = np.concatenate([x, pad], axis=-1)
     while p > 1:
         p //= 2
@@ -226,7 +226,7 @@ def _tree_sum_last(x: np.ndarray) -> np.ndarray:
 class _QLinear:
     """An integer-grid weight matrix with a float32 scale per output column."""
 
-    __slots__ = ("w", "scale", "dtype")
+    __slots__ = ("dtype", "scale", "w")
 
     def __init__(self, rng: np.random.Generator, d_in: int, d_out: int, gain: float):
         w = np.clip(np.rint(rng.standard_normal((d_in, d_out)) * _WEIGHT_GRID), -_QMAX, _QMAX)
@@ -255,7 +255,7 @@ class _QLinear:
 
 
 class _Layer:
-    __slots__ = ("attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wd", "sliding")
+    __slots__ = ("attn_norm", "mlp_norm", "sliding", "wd", "wgu", "wo", "wqkv")
 
 
 class ReferenceEngine:
@@ -270,15 +270,15 @@ class ReferenceEngine:
         d_model: int = 64,
         n_heads: int = 4,
         n_kv_heads: int = 2,
-        head_dim: Optional[int] = None,
-        d_ff: Optional[int] = None,
+        head_dim: int | None = None,
+        d_ff: int | None = None,
         window: int = 128,
         sliding_layers: Sequence[int] = (1, 3),
         max_ctx: int = 65536,
         chunk: int = 256,
         rope_base: float = 10000.0,
         attn_temperature: float = 2.0,
-        blas_threads: Optional[int] = 1,
+        blas_threads: int | None = 1,
     ):
         head_dim = d_model // n_heads if head_dim is None else int(head_dim)
         d_ff = 2 * d_model if d_ff is None else int(d_ff)
@@ -337,7 +337,7 @@ class ReferenceEngine:
 
         self._build_weights()
         self._rope_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._abi: Optional[str] = None
+        self._abi: str | None = None
 
     # -- weights -----------------------------------------------------------
     def _build_weights(self) -> None:
@@ -486,7 +486,7 @@ class ReferenceEngine:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
     # -- contexts ----------------------------------------------------------
-    def new_context(self, n_ctx: int) -> "ReferenceContext":
+    def new_context(self, n_ctx: int) -> ReferenceContext:
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)):
             raise TypeError("n_ctx must be an int")
         n_ctx = int(n_ctx)
@@ -538,9 +538,9 @@ class ReferenceContext:
     def reset(self) -> None:
         e = self._engine
         self._n = 0
-        self._logits: Optional[np.ndarray] = None
+        self._logits: np.ndarray | None = None
         self._cap = 0
-        self._kv: list[Optional[list[np.ndarray]]] = []
+        self._kv: list[list[np.ndarray] | None] = []
         for L in e._layers:
             if L.sliding:
                 shape = (e.n_kv_heads, e.window, e.head_dim)
@@ -562,7 +562,7 @@ class ReferenceContext:
             new = [np.zeros((e.n_kv_heads, cap, e.head_dim + 1), _F32) for _ in range(2)]
             old = self._kv[i]
             if old is not None:
-                for a, b in zip(new, old):
+                for a, b in zip(new, old, strict=False):
                     a[:, : self._n] = b[:, : self._n]
             self._kv[i] = new
         self._cap = cap
@@ -821,9 +821,7 @@ class ReferenceContext:
             if name == "logits":
                 if not np.all(np.isfinite(a)):
                     raise EngineStateError("logits contain NaN or infinity")
-            elif a.size and (
-                not np.all(np.abs(a) <= _QMAX) or not np.array_equal(np.rint(a), a)
-            ):
+            elif a.size and (not np.all(np.abs(a) <= _QMAX) or not np.array_equal(np.rint(a), a)):
                 raise EngineStateError(f"{name} holds values off the int8 grid")
         # -- stage the new state (nothing live changes if this fails) ------
         hd, W = e.head_dim, e.window
