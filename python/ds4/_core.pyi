@@ -2,8 +2,28 @@
 
 from collections.abc import Sequence
 from os import PathLike
+from pathlib import Path
+from typing import final
 
 from typing_extensions import Buffer
+
+__all__ = [
+    "ALIGN",
+    "FORMAT_VERSION",
+    "REASONS",
+    "Checkpoint",
+    "PayloadView",
+    "__version__",
+    "common_prefix_len",
+    "common_token_prefix",
+    "is_byte_prefix",
+    "open_checkpoint",
+    "sha1_hex",
+    "sha1_prefixes",
+    "sync_dir",
+    "touch",
+    "write_checkpoint",
+]
 
 __version__: str
 FORMAT_VERSION: int
@@ -45,6 +65,7 @@ def open_checkpoint(
 def touch(path: _Path, now: int) -> int: ...
 def sync_dir(path: _Path) -> None: ...
 
+@final
 class PayloadView:
     """Read-only 1-D byte buffer over part of a payload (keeps the map alive)."""
 
@@ -53,9 +74,10 @@ class PayloadView:
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
+@final
 class Checkpoint:
     @property
-    def path(self) -> str: ...
+    def path(self) -> Path: ...
     @property
     def version(self) -> int: ...
     @property
