@@ -500,3 +500,69 @@ def test_disk_load_whose_suffix_overflows_the_context_prefills(eng, tmp_path):
     assert store.stats["hits"] == 1  # it loaded, then could not extend within ctx
     assert (rep.rung, rep.reused_tokens, rep.loaded_path) == ("prefill", 0, None)
     assert s.tokens == canonical and np.array_equal(s.logits, cold_logits(eng, canonical, ctx))
+
+
+def _cold_store(tmp_path, **kw):
+    kw.setdefault("min_tokens", 8)
+    kw.setdefault("boundary_trim_tokens", 3)
+    kw.setdefault("boundary_align_tokens", 8)
+    return ds4.KVStore(str(tmp_path), **kw)
+
+
+def test_cold_save_stores_the_trimmed_aligned_prefix_on_the_way(eng, tmp_path):
+    """A full prefill with ``cold_save`` stores ds4's cold prefix (trimmed,
+    aligned; reason "cold") and reports it; progress and frontier callbacks
+    see both parts of the prefill; the result equals a cold prefill."""
+    prompt = eng.render_chat([{"role": "user", "content": "a cold prompt long enough to be stored on the way"}])
+    tokens = toks(eng, prompt)
+    store = _cold_store(tmp_path)
+    cold_len = store.cold_store_len(len(tokens))
+    assert cold_len is not None and 0 < cold_len < len(tokens) and cold_len % 8 == 0
+    prog, fronts = [], []
+    s = ds4.Session(eng, ctx=256)
+    rep = ds4.recover(
+        s,
+        store,
+        prompt,
+        cold_save=True,
+        progress=lambda d, t: prog.append((d, t)),
+        frontier_every=8,
+        on_frontier=lambda sess: fronts.append(sess.n_past),
+    )
+    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("prefill", "full", 0, len(tokens))
+    cold_text = eng.detokenize(tokens[:cold_len]).encode()
+    expected = os.path.join(str(tmp_path), _core.sha1_hex(cold_text) + ".kv")
+    assert rep.cold_saved == expected and kv_files(tmp_path) == [os.path.basename(expected)]
+    ck = open_checkpoint(expected, prompt=cold_text)
+    assert ck.reason_name == "cold" and ck.tokens == cold_len
+    assert fronts == list(range(8, len(tokens), 8))  # frontiers in the cold part and after it
+    assert prog and prog[-1] == (len(tokens) - cold_len, len(tokens) - cold_len)  # the second part's progress
+    assert (cold_len, cold_len) in prog  # the first part's progress ends at the cold length
+    assert s.tokens == tokens and np.array_equal(s.logits, cold_logits(eng, tokens, 256))
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_cold_save_up_to_exactly_cold_max_tokens(eng, tmp_path, over):
+    prompt = eng.render_chat([{"role": "user", "content": "a prompt at the cold-save limit"}])
+    tokens = toks(eng, prompt)
+    store = _cold_store(tmp_path, cold_max_tokens=len(tokens) - over)
+    s = ds4.Session(eng, ctx=256)
+    rep = ds4.recover(s, store, prompt, cold_save=True)
+    assert (rep.cold_saved is None) == bool(over)
+    assert len(kv_files(tmp_path)) == (0 if over else 1)
+    assert s.tokens == tokens
+
+
+def test_cold_save_declined_for_a_prompt_too_short_to_store(eng, tmp_path):
+    prompt = "short"
+    store = _cold_store(tmp_path, min_tokens=64)
+    s = ds4.Session(eng, ctx=256)
+    rep = ds4.recover(s, store, prompt, cold_save=True)
+    assert rep.cold_saved is None and kv_files(tmp_path) == [] and s.tokens == toks(eng, prompt)
+
+
+def test_cold_save_without_a_store_is_a_plain_prefill(eng):
+    prompt = "no store at all"
+    s = ds4.Session(eng, ctx=256)
+    rep = ds4.recover(s, None, prompt, cold_save=True)
+    assert (rep.rung, rep.cold_saved) == ("prefill", None) and s.tokens == toks(eng, prompt)

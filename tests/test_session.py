@@ -465,3 +465,26 @@ def test_checkpoint_array_by_name(eng, tmp_path):
     with pytest.raises(KeyError) as ei:
         ck.array("no-such-tensor")
     assert ei.value.args == ("no-such-tensor",)
+
+
+def test_argmax_on_an_invalid_session_says_why(eng):
+    s = ds4.Session(eng, ctx=64)
+    with pytest.raises(InvalidSessionError, match=r"^argmax on a session without a valid checkpoint$"):
+        s.argmax()
+
+
+def test_load_checkpoint_of_another_abi_names_both_and_the_file(eng, tmp_path):
+    from ds4.errors import AbiMismatchError
+
+    d = ds4.Session(eng, ctx=256)
+    d.sync(toks(eng, "another engine's state"))
+    p = tmp_path / (ds4._core.sha1_hex(d.text_bytes()) + ".kv")
+    ds4.write_checkpoint(p, d.text_bytes(), d.export_arrays(), abi="other/1", tokens=d.n_past, ctx=256)
+    ck = ds4.open_checkpoint(p)  # no expected ABI: the session is the one to refuse it
+    s = ds4.Session(eng, ctx=256)
+    s.sync(toks(eng, "the live conversation"))
+    with pytest.raises(AbiMismatchError) as ei:
+        s.load_checkpoint(ck)
+    assert ei.value.path == str(p)
+    assert ei.value.reason == f"payload ABI 'other/1' differs from {s.payload_abi!r}"
+    assert s.checkpoint_valid  # refused before anything changed
