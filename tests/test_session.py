@@ -488,3 +488,391 @@ def test_load_checkpoint_of_another_abi_names_both_and_the_file(eng, tmp_path):
     assert ei.value.path == str(p)
     assert ei.value.reason == f"payload ABI 'other/1' differs from {s.payload_abi!r}"
     assert s.checkpoint_valid  # refused before anything changed
+
+
+# -- load_arrays: every check runs before the live state changes ------------------
+
+
+def _live(eng, ctx=64, text="the live conversation"):
+    s = ds4.Session(eng, ctx=ctx)
+    s.sync(toks(eng, text))
+    return s
+
+
+def _snapshot(s):
+    """Everything observable about a session, engine state included."""
+    if not s.checkpoint_valid:
+        return (False, s.tokens, s.logits, None)
+    state = {k: np.array(v) for k, v in s.export_arrays().items()}
+    return (True, s.tokens, np.array(s.logits), state)
+
+
+def _assert_same(s, snap):
+    now = _snapshot(s)
+    assert now[:2] == snap[:2]
+    if snap[0]:
+        assert np.array_equal(now[2], snap[2])
+        assert now[3].keys() == snap[3].keys()
+        assert all(np.array_equal(now[3][k], snap[3][k]) for k in snap[3])
+
+
+def _donor_arrays(eng, n, ctx=64):
+    d = ds4.Session(eng, ctx=ctx)
+    d.sync(list(range(97, 97 + n)))
+    return d.export_arrays()
+
+
+def _bad_tokens(arrays):
+    n = len(arrays["tokens"])
+    t = arrays["tokens"]
+    yield "missing", {k: v for k, v in arrays.items() if k != "tokens"}
+    yield "int64", {**arrays, "tokens": t.astype(np.int64)}
+    yield "uint32", {**arrays, "tokens": t.astype(np.uint32)}
+    yield "2-d int32", {**arrays, "tokens": t.reshape(n, 1)}
+    yield "0-d int32", {**arrays, "tokens": np.array(t[0], dtype=np.int32)}
+
+
+def test_load_rejects_a_tokens_tensor_that_is_not_an_int32_vector(eng):
+    s = _live(eng)
+    snap = _snapshot(s)
+    arrays = _donor_arrays(eng, 9)
+    for what, bad in _bad_tokens(arrays):
+        with pytest.raises(EngineStateError) as ei:
+            s.load_arrays(bad, 9 if what != "0-d int32" else 1)
+        assert ei.value.reason == "payload has no int32 'tokens' tensor", what
+        assert ei.value.code == "engine_rejected" and ei.value.stage == "engine"
+        _assert_same(s, snap)
+
+
+def test_load_rejects_a_token_count_that_differs_from_the_header(eng):
+    s = _live(eng)
+    snap = _snapshot(s)
+    arrays = _donor_arrays(eng, 9)
+    for header in (8, 10):
+        with pytest.raises(TokenCountMismatchError) as ei:
+            s.load_arrays(arrays, header)
+        assert ei.value.reason == f"payload holds 9 tokens, the header says {header}"
+        assert ei.value.code == "token_count_mismatch"
+        _assert_same(s, snap)
+
+
+@pytest.mark.parametrize("n", [0, 32, 33])
+def test_load_rejects_token_counts_outside_one_to_ctx_minus_one(eng, n):
+    """A checkpoint must leave room for one more token: ``0 < n < ctx``. The
+    typed error names the count and the context; nothing changes."""
+    s = _live(eng, ctx=32)
+    snap = _snapshot(s)
+    if n:
+        arrays = _donor_arrays(eng, n, ctx=64)
+    else:
+        arrays = {**_donor_arrays(eng, 1), "tokens": np.zeros(0, np.int32)}
+    with pytest.raises(ContextOverflowError) as ei:
+        s.load_arrays(arrays, n)
+    assert (ei.value.n_tokens, ei.value.ctx) == (n, 32)
+    assert str(ei.value) == f"prompt of {n} tokens does not fit context 32"
+    _assert_same(s, snap)
+
+
+def test_load_of_ctx_minus_one_tokens_fits(eng):
+    arrays = _donor_arrays(eng, 31, ctx=64)
+    s = _live(eng, ctx=32)
+    s.load_arrays(arrays, 31)
+    assert s.checkpoint_valid and s.tokens == list(range(97, 128))
+    assert np.array_equal(s.logits, _cold(eng, list(range(97, 128)), 32))
+
+
+def test_load_accepts_token_ids_zero_and_vocab_size_minus_one(eng):
+    """The vocabulary check is exactly ``0 <= id < vocab_size``: both ends of
+    the range load (the reference engine does not re-check ids against its
+    KV, so the ids are what the session reports)."""
+    arrays = _donor_arrays(eng, 5)
+    ids = np.array([0, eng.vocab_size - 1, 0, 7, eng.vocab_size - 1], np.int32)
+    s = _live(eng)
+    s.load_arrays({**arrays, "tokens": ids}, 5)
+    assert s.checkpoint_valid and s.tokens == ids.tolist()
+    assert np.array_equal(s.logits, arrays["logits"])
+
+
+@pytest.mark.parametrize("bad_id", ["vocab_size", -1])
+def test_load_rejects_token_ids_just_outside_the_vocabulary(eng, bad_id):
+    arrays = _donor_arrays(eng, 5)
+    bad = eng.vocab_size if bad_id == "vocab_size" else -1
+    ids = np.array([1, 2, bad, 3, eng.vocab_size - 1], np.int32)
+    s = _live(eng)
+    snap = _snapshot(s)
+    with pytest.raises(EngineStateError) as ei:
+        s.load_arrays({**arrays, "tokens": ids}, 5)
+    assert ei.value.reason == "payload tokens are out of the vocabulary's range"
+    _assert_same(s, snap)
+
+
+@pytest.mark.parametrize("logits", ["missing", "short", "long", "2-d"])
+def test_load_rejects_logits_not_of_the_vocabulary_size(eng, logits):
+    arrays = _donor_arrays(eng, 5)
+    lg = arrays["logits"]
+    bad = {
+        "missing": {k: v for k, v in arrays.items() if k != "logits"},
+        "short": {**arrays, "logits": lg[:-1]},
+        "long": {**arrays, "logits": np.append(lg, np.float32(0))},
+        "2-d": {**arrays, "logits": lg.reshape(1, -1)},
+    }[logits]
+    s = _live(eng)
+    snap = _snapshot(s)
+    with pytest.raises(EngineStateError) as ei:
+        s.load_arrays(bad, 5)
+    assert ei.value.reason == "payload has no logits of the vocabulary's size"
+    _assert_same(s, snap)
+
+
+def test_loaded_logits_are_an_own_float32_copy(eng, monkeypatch):
+    """Whatever dtype an engine accepts for the logits tensor, the session
+    keeps its own float32 copy (as after a prefill or a rewind)."""
+    arrays = _donor_arrays(eng, 5)
+    s = _live(eng)
+    real = s._ectx.import_state
+
+    def import_state(state, n):  # an engine that takes float64 logits
+        assert state["logits"].dtype == np.float64
+        real({**state, "logits": state["logits"].astype(np.float32)}, n)
+
+    monkeypatch.setattr(s._ectx, "import_state", import_state)
+    wide = arrays["logits"].astype(np.float64)
+    s.load_arrays({**arrays, "logits": wide}, 5)
+    assert s.logits.dtype == np.float32 and np.array_equal(s.logits, arrays["logits"])
+    wide[:] = 0  # the checkpoint's array is not the session's
+    assert np.array_equal(s.logits, arrays["logits"])
+
+
+def test_engine_failure_while_loading_is_an_engine_state_error_and_invalidates(eng, monkeypatch):
+    arrays = _donor_arrays(eng, 5)
+    s = _live(eng)
+    cause = RuntimeError("device lost")
+
+    def import_state(state, n):
+        raise cause
+
+    monkeypatch.setattr(s._ectx, "import_state", import_state)
+    with pytest.raises(EngineStateError) as ei:
+        s.load_arrays(arrays, 5)
+    assert ei.value.reason == "engine failed to load the state: device lost"
+    assert ei.value.__cause__ is cause
+    assert not s.checkpoint_valid and s.tokens == [] and s.logits is None
+
+
+# -- eval_token / export_arrays guards ----------------------------------------------
+
+
+def test_eval_token_guards_are_typed_and_say_why(eng):
+    s = ds4.Session(eng, ctx=16)
+    with pytest.raises(InvalidSessionError) as ei:
+        s.eval_token(5)
+    assert str(ei.value) == "cannot extend a session without a valid checkpoint"
+    s.sync(list(range(97, 97 + 15)))
+    snap = _snapshot(s)
+    with pytest.raises(ContextOverflowError) as ei:
+        s.eval_token(100)  # would make 16 tokens in a 16-token context
+    assert (ei.value.n_tokens, ei.value.ctx) == (16, 16)
+    assert str(ei.value) == "prompt of 16 tokens does not fit context 16"
+    _assert_same(s, snap)  # refused before the engine saw it
+
+
+def test_export_arrays_guards_are_typed_and_say_why(eng, monkeypatch):
+    s = ds4.Session(eng, ctx=64)
+    with pytest.raises(InvalidSessionError) as ei:
+        s.export_arrays()
+    assert str(ei.value) == "cannot save a session without a valid checkpoint"
+    s.sync(toks(eng, "a live state"))
+    real = s._ectx.export_state
+    monkeypatch.setattr(s._ectx, "export_state", lambda: {**real(), "tokens": np.zeros(1, np.int32)})
+    with pytest.raises(EngineError) as ei:
+        s.export_arrays()
+    assert str(ei.value) == "engine state uses the reserved tensor name 'tokens'"
+
+
+def test_mid_cold_prefill_the_session_has_no_logits_and_cannot_be_saved(eng):
+    """During the first chunk of a cold prefill the session describes zero
+    tokens: an observer (the progress callback) sees no logits, argmax and
+    export refuse with InvalidSessionError."""
+    seen = []
+
+    def progress(done, total):
+        if s.n_past:
+            return
+        seen.append(("logits", s.logits))
+        for what in ("argmax", "export_arrays"):
+            try:
+                getattr(s, what)()
+                seen.append((what, "returned"))
+            except Exception as e:  # recorded, asserted below
+                seen.append((what, type(e), str(e)))
+
+    s = ds4.Session(eng, ctx=64)
+    s.sync(toks(eng, "a cold prompt"), progress=progress)
+    assert seen[:3] == [
+        ("logits", None),
+        ("argmax", InvalidSessionError, "argmax on a session without a valid checkpoint"),
+        ("export_arrays", InvalidSessionError, "cannot save a session without a valid checkpoint"),
+    ]
+    assert s.checkpoint_valid and s.tokens == toks(eng, "a cold prompt")
+
+
+def test_invalidate_replaces_an_engine_context_that_cannot_reset(eng, monkeypatch):
+    """A broken engine context is replaced by a fresh one of the session's
+    size: invalidate itself never raises, and the session works again."""
+    s = _live(eng, ctx=48)
+    broken = s._ectx
+
+    def reset():
+        raise RuntimeError("context lost")
+
+    monkeypatch.setattr(broken, "reset", reset)
+    s.invalidate("test")
+    assert not s.checkpoint_valid and s.tokens == [] and s.logits is None
+    assert s._ectx is not broken and s._ectx.n_ctx == 48 and s._ectx.n_past == 0
+    arrays = _donor_arrays(eng, 6)
+    s.load_arrays(arrays, 6)  # straight into the new context, no reset first
+    assert s.checkpoint_valid and s.tokens == list(range(97, 103))
+    cold = ds4.Session(eng, ctx=48)
+    cold.sync(list(range(97, 103)))
+    assert np.array_equal(s.logits, cold.logits) and s.generate(4) == cold.generate(4)
+
+
+# -- checkpoint writing: what the Python side does before the Rust core -----------
+
+
+def _ck_path(d, text=b"t"):
+    return d / (ds4._core.sha1_hex(text) + ".kv")
+
+
+def test_write_refuses_big_endian_arrays_naming_the_tensor(tmp_path):
+    with pytest.raises(ValueError) as ei:
+        ds4.write_checkpoint(
+            _ck_path(tmp_path), b"t", {"ok": np.zeros(2), "kv.be": np.zeros(3, ">f4")}, abi="t/1", tokens=1, ctx=2
+        )
+    assert str(ei.value) == "tensor 'kv.be': big-endian arrays are not supported"
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float64, np.uint16])
+@pytest.mark.parametrize("step", [2, -1, -3])
+def test_one_dimensional_strided_arrays_are_written_in_logical_order(tmp_path, dtype, step):
+    """A 1-D view with a stride (a slice with a step, a reversal) has no
+    contiguous bytes to stream: the writer copies it to C order first."""
+    a = np.arange(20, dtype=dtype)[::step]
+    assert not a.flags.c_contiguous
+    p = _ck_path(tmp_path)
+    ds4.write_checkpoint(p, b"t", {"a": a}, abi="t/1", tokens=1, ctx=2)
+    got = ds4.open_checkpoint(p).array("a")
+    assert got.dtype == a.dtype and got.shape == a.shape and got.tolist() == a.tolist()
+
+
+def test_unknown_reason_names_are_stored_as_named(tmp_path):
+    from ds4.checkpoint import REASONS, reason_code
+
+    assert reason_code("a-label-of-my-own") == REASONS.index("named")
+    assert reason_code("evict") == REASONS.index("evict") and reason_code(5) == 5
+    p = _ck_path(tmp_path)
+    ds4.write_checkpoint(p, b"t", {}, abi="t/1", tokens=1, ctx=2, reason="a-label-of-my-own")
+    assert ds4.open_checkpoint(p).reason_name == "named"
+
+    p2 = _ck_path(tmp_path, b"u")
+    ds4.write_checkpoint(p2, b"u", {}, abi="t/1", tokens=1, ctx=2)  # the default reason
+    assert ds4.open_checkpoint(p2).reason_name == "cold"
+
+
+# -- construction, prompt checks, prefill plumbing ----------------------------------
+
+
+def test_new_session_state_exactly(eng):
+    s = ds4.Session(eng)
+    assert s.ctx == 8192  # the default context
+    assert s.checkpoint_valid is False and s.last_error is None and s.n_past == 0
+    assert s.text_bytes() == b"" and s.text_bytes(3) == b""
+
+
+def test_session_context_bounds(eng):
+    for ctx in (1, 0, -5):
+        with pytest.raises(ValueError) as ei:
+            ds4.Session(eng, ctx=ctx)
+        assert str(ei.value) == f"ctx must be > 1, got {ctx}"
+    assert ds4.Session(eng, ctx=2).ctx == 2
+    assert ds4.Session(eng, ctx=eng.max_ctx).ctx == eng.max_ctx
+    with pytest.raises(ValueError) as ei:
+        ds4.Session(eng, ctx=eng.max_ctx + 1)
+    assert str(ei.value) == f"ctx {eng.max_ctx + 1} exceeds the engine's maximum {eng.max_ctx}"
+
+
+def test_check_prompt_errors_are_exact(eng):
+    s = ds4.Session(eng, ctx=16)
+    with pytest.raises(EmptyPromptError) as ei:
+        s.check_prompt([])
+    assert str(ei.value) == "prompt is empty"
+    s.check_prompt(list(range(97, 97 + 15)))  # ctx - 1 fits
+    with pytest.raises(ContextOverflowError) as ei:
+        s.sync(list(range(97, 97 + 16)))
+    assert (ei.value.n_tokens, ei.value.ctx) == (16, 16)
+    assert not s.checkpoint_valid
+
+
+def test_engine_logits_are_kept_as_float32(eng, monkeypatch):
+    s = ds4.Session(eng, ctx=64)
+    real = s._ectx.eval
+    monkeypatch.setattr(s._ectx, "eval", lambda t, progress=None: real(t, progress).astype(np.float64))
+    a = toks(eng, "wide logits")
+    s.sync(a)
+    assert s.logits.dtype == np.float32 and np.array_equal(s.logits, _cold(eng, a, 64))
+
+
+@pytest.mark.parametrize("exc", [EngineError("engine says no"), KeyboardInterrupt()])
+def test_engine_errors_and_interrupts_propagate_unwrapped(eng, monkeypatch, exc):
+    s = _live(eng)
+
+    def boom(tokens, progress=None):
+        raise exc
+
+    monkeypatch.setattr(s._ectx, "eval", boom)
+    with pytest.raises(type(exc)) as ei:
+        s.eval_token(5)
+    assert ei.value is exc
+    assert not s.checkpoint_valid and s.tokens == []
+
+
+def test_extension_progress_counts_only_the_new_tokens(eng):
+    """Progress of an extension runs over the new tokens only, across the
+    frontier cuts, ending at (total, total)."""
+    a = list(range(97, 97 + 40))
+    for fe, fronts in ((None, None), (8, [])):
+        s = ds4.Session(eng, ctx=64)
+        s.sync(a[:13])
+        prog = []
+        on_frontier = None if fronts is None else (lambda sess, f=fronts: f.append(sess.n_past))
+        assert (
+            s.sync(a, progress=lambda d, t, p=prog: p.append((d, t)), frontier_every=fe, on_frontier=on_frontier) == 13
+        )
+        assert {t for _, t in prog} == {27}
+        assert [d for d, _ in prog] == sorted(d for d, _ in prog) and prog[-1] == (27, 27)
+        if fronts is not None:
+            assert fronts == [16, 24, 32, 40]  # the end is a multiple too
+            assert {16 - 13, 24 - 13, 32 - 13} <= {d for d, _ in prog}
+        assert s.tokens == a and np.array_equal(s.logits, _cold(eng, a, 64))
+
+
+def test_frontier_callback_without_an_interval_is_never_called(eng):
+    a = list(range(97, 97 + 20))
+    s = ds4.Session(eng, ctx=64)
+    called = []
+    assert s.sync(a, on_frontier=called.append) == 0
+    assert called == [] and s.tokens == a
+
+
+def test_frontier_interval_without_a_callback_does_not_split_the_prefill(eng, monkeypatch):
+    s = ds4.Session(eng, ctx=64)
+    real, calls = s._ectx.eval, []
+
+    def counting(tokens, progress=None):
+        calls.append(len(tokens))
+        return real(tokens, progress)
+
+    monkeypatch.setattr(s._ectx, "eval", counting)
+    s.sync(list(range(97, 97 + 20)), frontier_every=4)
+    assert calls == [20]
