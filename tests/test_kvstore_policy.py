@@ -7,6 +7,7 @@ Time is pinned by replacing the module's clock, never by sleeping."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -18,6 +19,7 @@ import pytest
 
 import ds4
 from ds4 import kvstore
+from ds4.errors import CheckpointError
 from ds4.kvstore import Entry, KVStore, LoadResult, temp_is_orphaned, temp_writer_pid
 from ds4.recovery import RecoveryReport
 
@@ -478,3 +480,419 @@ def test_continued_step_boundaries(tmp_path):
     assert KVStore(tmp_path, continued_interval_tokens=10239).continued_step() == 10240
     assert KVStore(tmp_path, continued_interval_tokens=10001, boundary_align_tokens=0).continued_step() == 10001
     assert KVStore(tmp_path, continued_interval_tokens=10001, boundary_align_tokens=1).continued_step() == 10001
+
+
+# -- the index: what a refresh reads, keeps and rejects ------------------------------
+
+
+def _v1_bytes(text: bytes, *, tokens: int, hits: int = 0, reason: int = 1, created=1_700_000_000, last_used=0):
+    """A minimal ds4 v1 file (48-byte header, u32 text length, text, DSV4
+    payload head), as tests/test_core_v1.py builds them."""
+    import struct
+
+    fields = [0x34565344, 1, 32768, 2048, 4096, 128, 8192, tokens, 43, 512, 128, 129280, min(128, tokens)]
+    payload = struct.pack("<13I", *fields) + b"\x11" * 64
+    head = b"KVC" + bytes([1, 4, reason, 0, 0])
+    head += struct.pack("<III", tokens, hits, 32768) + bytes(4)
+    head += struct.pack("<QQQ", created, last_used, len(payload))
+    return head + struct.pack("<I", len(text)) + text + payload
+
+
+def _put_v1(directory, text: bytes, **kw) -> str:
+    path = os.path.join(os.fspath(directory), hashlib.sha1(text).hexdigest() + ".kv")
+    with open(path, "wb") as f:
+        f.write(_v1_bytes(text, **kw))
+    return path
+
+
+def _bump_dir(d):
+    """Make the directory's mtime visibly different from any value a refresh
+    has recorded so far (whatever the filesystem's timestamp granularity)."""
+    s = os.stat(d)
+    os.utime(d, ns=(s.st_atime_ns, s.st_mtime_ns + 1_000_000_000))
+
+
+def _stat_key(p):
+    s = os.stat(p)
+    return (s.st_ino, s.st_size, s.st_mtime_ns)
+
+
+def _record_opens(monkeypatch):
+    opened = []
+    real_open = kvstore.open_checkpoint
+
+    def spy(path, **kw):
+        opened.append(path)
+        return real_open(path, **kw)
+
+    monkeypatch.setattr(kvstore, "open_checkpoint", spy)
+    return opened
+
+
+def test_index_entries_hold_the_header_facts(tmp_path, write_ck):
+    t2, t1 = b"a version two checkpoint, " * 2, b"a version one checkpoint from ds4"
+    p2 = write_ck(tmp_path, t2, tokens=77, ctx=2048, created=1_700_000_123, reason="continued", quant_bits=4)
+    assert kvstore._core.touch(p2, 1_700_000_500) == 1
+    assert kvstore._core.touch(p2, 1_700_000_900) == 2
+    p1 = _put_v1(tmp_path, t1, tokens=99, hits=5, reason=4, created=1_600_000_000, last_used=1_600_000_100)
+    st = KVStore(tmp_path)
+    assert st.entries() == [
+        Entry(
+            name=os.path.basename(p2),
+            path=p2,
+            version=2,
+            tokens=77,
+            text_bytes=len(t2),
+            hits=2,
+            created=1_700_000_123,
+            last_used=1_700_000_900,
+            size=os.path.getsize(p2),
+            abi="t/1",
+            reason="continued",
+            ctx=2048,
+            stat_key=_stat_key(p2),
+        ),
+        Entry(
+            name=os.path.basename(p1),
+            path=p1,
+            version=1,
+            tokens=99,
+            text_bytes=len(t1),
+            hits=5,
+            created=1_600_000_000,
+            last_used=1_600_000_100,
+            size=os.path.getsize(p1),
+            abi="",
+            reason="shutdown",
+            ctx=32768,
+            stat_key=_stat_key(p1),
+        ),
+    ]
+    assert st.stats["scans"] == 1 and st._unreported == []
+
+
+def test_a_rescan_rereads_only_new_and_changed_files(tmp_path, write_ck, monkeypatch):
+    a, b = write_ck(tmp_path, "a" * 20, tokens=10), write_ck(tmp_path, "b" * 20, tokens=10)
+    st = KVStore(tmp_path, min_tokens=1)
+    opened = _record_opens(monkeypatch)
+    # the directory did not change: nothing is even listed
+    st.refresh()
+    assert (opened, st.stats["scans"]) == ([], 1)
+    # a new file: only it is read
+    c = write_ck(tmp_path, "c" * 20, tokens=12)
+    _bump_dir(tmp_path)
+    st.refresh()
+    assert (opened, st.stats["scans"]) == ([c], 2)
+    # one file replaced (new inode, new size), one removed: only the replaced one is read
+    opened.clear()
+    write_ck(tmp_path, "b" * 20, tokens=11, ctx=100_000, arrays={"kv": b"\x01" * 100})
+    os.unlink(a)
+    _bump_dir(tmp_path)
+    st.refresh()
+    assert (opened, st.stats["scans"]) == ([b], 3)
+    assert sorted((e.path, e.tokens, e.stat_key) for e in st.entries()) == sorted(
+        [(b, 11, _stat_key(b)), (c, 12, _stat_key(c))]
+    )
+    # a hit written into a file changes its stat key: a rescan re-reads it
+    opened.clear()
+    kvstore._core.touch(c, 1_700_000_000)
+    _bump_dir(tmp_path)
+    st.refresh()
+    assert opened == [c]
+    assert {e.path: e.hits for e in st.entries()} == {b: 0, c: 1}
+    # a change the directory's mtime does not show is not looked for...
+    opened.clear()
+    before = os.stat(tmp_path)
+    d = write_ck(tmp_path, "d" * 20)
+    _pin_dir_mtime(tmp_path, before)
+    st.refresh()
+    assert (opened, len(st.entries()), st.stats["scans"]) == ([], 2, 4)
+    # ...until a forced refresh
+    st.refresh(force=True)
+    assert (opened, st.stats["scans"]) == ([d], 5)
+    assert sorted(e.path for e in st.entries()) == sorted([b, c, d])
+
+
+def _rejection(p):
+    """What the verification pipeline says of ``p`` when indexing it."""
+    with pytest.raises(CheckpointError) as ei:
+        ds4.open_checkpoint(p, load_payload=False)
+    return (p, ei.value.stage, ei.value.code, ei.value.reason)
+
+
+def test_files_rejected_while_indexing_are_reported_once(eng, tmp_path, write_ck):
+    good = write_ck(tmp_path, "a good one " * 3)
+    corrupt = os.path.join(tmp_path, "0" * 40 + ".kv")
+    with open(corrupt, "wb") as f:
+        f.write(b"XYZ\x02" + bytes(200))  # bad magic: corrupt
+    folder = os.path.join(tmp_path, "2" * 40 + ".kv")
+    os.mkdir(folder)
+    link = os.path.join(tmp_path, "3" * 40 + ".kv")
+    os.symlink(good, link)
+    bad_magic = _rejection(corrupt)
+    assert bad_magic[1:3] == ("header", "bad_magic")
+
+    st = KVStore(tmp_path, min_tokens=1)
+    # the corrupt file is removed; the directory and the symlink are kept
+    assert not os.path.lexists(corrupt)
+    assert os.path.isdir(folder) and os.path.islink(link)
+    assert [e.path for e in st.entries()] == [good]
+    assert (st.stats["removed_corrupt"], st.stats["rejected"]) == (1, 0)
+    # reported to the next load (the directory and the link are not files of
+    # ours: they are neither removed nor reported)
+    rep = RecoveryReport()
+    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
+    assert rep.rejected == [bad_magic]
+    # and only once
+    rep = RecoveryReport()
+    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
+    assert rep.rejected == []
+
+    # a later format version: incompatible, kept, reported
+    future = os.path.join(tmp_path, "1" * 40 + ".kv")
+    with open(future, "wb") as f:
+        f.write(b"KVC\x09" + bytes(200))
+    unsupported = _rejection(future)
+    assert unsupported[1:3] == ("header", "unsupported_version")
+    _bump_dir(tmp_path)
+    rep = RecoveryReport()
+    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
+    assert rep.rejected == [unsupported]
+    assert os.path.exists(future) and [e.path for e in st.entries()] == [good]
+    assert (st.stats["removed_corrupt"], st.stats["rejected"]) == (1, 0)
+    # a load without a report consumes what is pending too
+    st.refresh(force=True)  # the incompatible file is read (and rejected) again
+    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix") is None
+    rep = RecoveryReport()
+    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
+    assert rep.rejected == []
+    assert os.path.exists(future) and st.stats["removed_corrupt"] == 1
+
+
+def test_rejections_while_indexing_come_before_the_loads_own(eng, tmp_path, write_ck):
+    s = _sess(eng, BASE[:60])
+    p = os.path.join(tmp_path, hashlib.sha1(s.text_bytes()).hexdigest() + ".kv")
+    ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi="another-engine/9", tokens=s.n_past, ctx=s.ctx)
+    st = KVStore(tmp_path, min_tokens=8)
+    future = os.path.join(tmp_path, "1" * 40 + ".kv")
+    with open(future, "wb") as f:
+        f.write(b"KVC\x09" + bytes(200))
+    _bump_dir(tmp_path)
+    rep = RecoveryReport()
+    assert st.try_load_text(ds4.Session(eng, ctx=4096), BASE[:60] + "?", report=rep) is None
+    assert _codes(rep) == [(future, "header", "unsupported_version"), (p, "header", "abi_mismatch")]
+
+
+def test_unreadable_files_are_skipped_and_kept(tmp_path, write_ck, monkeypatch):
+    ok = write_ck(tmp_path, "readable " * 3)
+    locked = write_ck(tmp_path, "unreadable " * 3)
+    gone = write_ck(tmp_path, "vanishing " * 3)
+    real_open = kvstore.open_checkpoint
+
+    def flaky(path, **kw):
+        if path == locked:
+            raise PermissionError(13, "Permission denied", path)
+        if path == gone:
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real_open(path, **kw)
+
+    monkeypatch.setattr(kvstore, "open_checkpoint", flaky)
+    st = KVStore(tmp_path, min_tokens=1)
+    assert [e.path for e in st.entries()] == [ok]
+    assert os.path.exists(locked) and os.path.exists(gone)
+    assert st._unreported == [] and st.stats["removed_corrupt"] == 0
+    # readable again: the next rescan indexes it
+    monkeypatch.setattr(kvstore, "open_checkpoint", real_open)
+    st.refresh(force=True)
+    assert sorted(e.path for e in st.entries()) == sorted([ok, locked, gone])
+
+
+# -- lookup's filters -------------------------------------------------------------------
+
+
+def test_lookup_filters_and_order(tmp_path, write_ck):
+    P = bytes(range(48, 58)) * 10  # "0123456789" * 10: 100 bytes
+    p10 = write_ck(tmp_path, P[:10], tokens=8)  # exactly min_tokens
+    p20 = write_ck(tmp_path, P[:20], tokens=7)  # below min_tokens
+    p30 = write_ck(tmp_path, P[:30], tokens=9, abi="other/2")
+    p40 = _put_v1(tmp_path, P[:40], tokens=10)  # v1: no ABI, matches any
+    p50 = write_ck(tmp_path, P[:50], tokens=500)
+    p100 = write_ck(tmp_path, P, tokens=12)  # exactly the prompt
+    write_ck(tmp_path, P + b"and more", tokens=13)  # longer than the prompt
+    write_ck(tmp_path, b"9876543210", tokens=50)  # as long as a hit, another text
+    st = KVStore(tmp_path, min_tokens=8)
+
+    def paths(*a, **kw):
+        return [e.path for e in st.lookup(*a, **kw)]
+
+    assert paths(P) == [p100, p50, p40, p30, p10]
+    assert paths(P.decode()) == [p100, p50, p40, p30, p10]
+    assert paths(P[:99]) == [p50, p40, p30, p10]
+    assert paths(P[:50]) == [p50, p40, p30, p10]
+    assert paths(P[:49]) == [p40, p30, p10]
+    assert paths(P, abi="t/1") == [p100, p50, p40, p10]
+    assert paths(P, abi="other/2") == [p40, p30]
+    assert paths(P, abi="nobody/0") == [p40]
+    # a checkpoint needs a context longer than its tokens
+    assert paths(P, ctx=501) == [p100, p50, p40, p30, p10]
+    assert paths(P, ctx=500) == [p100, p40, p30, p10]
+    assert paths(P, ctx=10) == [p30, p10]
+    assert paths(P, ctx=9) == [p10]
+    assert paths(P, abi="t/1", ctx=12) == [p40, p10]
+    st.min_tokens = 10
+    assert paths(P) == [p100, p50, p40]
+    st.min_tokens = 0
+    assert paths(P[:25]) == [p20, p10]
+    # nothing short enough, or nothing matching: an empty list
+    st.min_tokens = 8
+    assert st.lookup(P[:9]) == [] and st.lookup(b"") == []
+    assert st.lookup(b"x" * 100) == []
+
+
+# -- a store finds its key taken ---------------------------------------------------------
+
+
+def _snapshot(p):
+    with open(p, "rb") as f:
+        return f.read(), os.stat(p).st_ino
+
+
+def test_store_over_the_same_engines_file_is_a_no_op(eng, tmp_path):
+    """'same': the header and text are checked, not the payload (verified
+    when loaded): even a damaged payload is not rewritten by a store."""
+    st = KVStore(tmp_path, min_tokens=8)
+    s = _sess(eng, BASE[:60])
+    p = st.store_live_prefix(s)
+    before = _snapshot(p)
+    assert st.store_live_prefix(_sess(eng, BASE[:60])) == p
+    assert _snapshot(p) == before
+    _flip_payload_byte(p)
+    damaged = _snapshot(p)
+    assert st.store_live_prefix(_sess(eng, BASE[:60])) == p
+    assert _snapshot(p) == damaged
+    assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 0)
+
+
+def test_store_over_another_engines_file_keeps_it(eng, tmp_path):
+    s = _sess(eng, BASE[:60])
+    p = os.path.join(tmp_path, hashlib.sha1(s.text_bytes()).hexdigest() + ".kv")
+    ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi="another-engine/9", tokens=s.n_past, ctx=s.ctx)
+    before = _snapshot(p)
+    st = KVStore(tmp_path, min_tokens=8)
+    assert st.store_live_prefix(s) is None
+    assert _snapshot(p) == before
+    assert _header(p).abi == "another-engine/9"
+    assert (st.stats["stores"], st.stats["removed_corrupt"]) == (0, 0)
+    assert s.checkpoint_valid
+
+
+def test_store_over_a_corrupt_file_replaces_it(eng, tmp_path):
+    s = _sess(eng, BASE[:60])
+    p = os.path.join(tmp_path, hashlib.sha1(s.text_bytes()).hexdigest() + ".kv")
+    st = KVStore(tmp_path, min_tokens=8)
+    with open(p, "wb") as f:  # written after the index was built: found by the store itself
+        f.write(b"XYZ\x02" + bytes(200))
+    assert st.store_live_prefix(s) == p
+    h = _header(p)
+    assert (h.abi, h.tokens, h.text) == (s.payload_abi, s.n_past, s.text_bytes())
+    assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 1)
+    # the same with a quarantine directory: the corrupt file is moved there
+    qd = tmp_path / "q"
+    st = KVStore(tmp_path, min_tokens=8, quarantine_dir=qd)
+    with open(p, "wb") as f:
+        f.write(b"XYZ\x02" + bytes(200))
+    assert st.store_live_prefix(s) == p
+    [q] = os.listdir(qd)
+    assert q.startswith(os.path.basename(p) + ".") and q.endswith(".bad_magic")
+    assert open(qd / q, "rb").read() == b"XYZ\x02" + bytes(200)
+    assert _header(p).text == s.text_bytes()
+    assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 1)
+
+
+def test_store_under_a_colliding_key_replaces_the_other_text(eng, tmp_path, write_ck):
+    """A file named sha1(A) holding text B with sha1(B) == sha1(A) (the
+    SHAttered pair): the store's byte check calls it corrupt (a prefix
+    collision), removes it and writes A."""
+    from test_kvstore import SHATTERED_1, SHATTERED_2
+
+    s = _sess(eng, BASE[:60])
+    other = write_ck(tmp_path, SHATTERED_2, abi=s.payload_abi, tokens=s.n_past)
+    st = KVStore(tmp_path, min_tokens=8)
+    p = st.store_live_prefix(s, name_text=SHATTERED_1)
+    assert p == other
+    assert _header(p).text == SHATTERED_1
+    assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 1)
+    # now the key holds A: storing A again is a no-op
+    assert st.store_live_prefix(s, name_text=SHATTERED_1) == p
+    assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 1)
+
+
+def test_a_vanished_directory_is_a_store_error(tmp_path):
+    d = tmp_path / "cache"
+    st = KVStore(d)
+    os.rmdir(d)
+    with pytest.raises(kvstore.StoreError) as ei:
+        st.refresh()
+    e = ei.value
+    assert (e.errno, e.strerror, e.filename) == (
+        errno.ENOENT,
+        f"cache directory unavailable: {os.strerror(errno.ENOENT)}",
+        str(d),
+    )
+    assert isinstance(e, OSError) and isinstance(e.__cause__, FileNotFoundError)
+
+
+def test_a_file_that_turns_bad_leaves_the_index(tmp_path, write_ck):
+    keep = write_ck(tmp_path, "kept as it is " * 2)
+    a, b = write_ck(tmp_path, "a" * 20), write_ck(tmp_path, "b" * 20)
+    st = KVStore(tmp_path, min_tokens=1)
+    assert len(st.entries()) == 3
+    with open(a, "r+b") as f:  # now of a later format version: incompatible, kept
+        f.write(b"KVC\x09")
+    os.unlink(b)
+    os.symlink(keep, b)  # now a symlink: not ours, ignored
+    _bump_dir(tmp_path)
+    assert [e.path for e in st.entries()] == [keep]
+    assert os.path.exists(a) and os.path.islink(b)
+    assert [(p, code) for (p, _s, code, _r) in st._unreported] == [(a, "unsupported_version")]
+
+
+def test_symlink_loops_and_dangling_links_are_ignored(tmp_path, write_ck):
+    good = write_ck(tmp_path, "a good one " * 3)
+    loop = os.path.join(tmp_path, "4" * 40 + ".kv")
+    os.symlink(loop, loop)  # resolving it fails with ELOOP
+    dangling = os.path.join(tmp_path, "5" * 40 + ".kv")
+    os.symlink(os.path.join(tmp_path, "gone"), dangling)
+    st = KVStore(tmp_path, min_tokens=1)
+    assert [e.path for e in st.entries()] == [good]
+    assert os.path.islink(loop) and os.path.islink(dangling)
+    assert st._unreported == [] and st.stats["removed_corrupt"] == 0
+
+
+def test_a_file_removed_between_listing_and_stat_is_skipped(tmp_path, write_ck, monkeypatch):
+    """Another process removes a checkpoint after the directory was listed:
+    that file is skipped, the others are still indexed."""
+    st = KVStore(tmp_path, min_tokens=1)
+    files = [write_ck(tmp_path, c * 20) for c in "abc"]
+    victim = files[1]
+    real_scandir = os.scandir
+
+    class Listing:
+        def __init__(self, path):
+            self.it = real_scandir(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.it.close()
+
+        def __iter__(self):
+            entries = sorted(self.it, key=lambda de: de.path != victim)  # the victim first
+            yield from entries
+            os.unlink(victim)  # listed, then removed before it is looked at
+
+    monkeypatch.setattr(kvstore.os, "scandir", lambda p: Listing(p) if p == st.dir else real_scandir(p))
+    st.refresh(force=True)
+    monkeypatch.undo()
+    assert sorted(e.path for e in st._index.values()) == sorted([files[0], files[2]])
