@@ -575,3 +575,64 @@ def test_greedy_decode_is_deterministic():
     a = run()
     assert a == run()
     assert all(0 <= t < V for t in a)
+
+
+def _donor_state(n, n_ctx=64):
+    e = ReferenceEngine()
+    c = e.new_context(n_ctx)
+    c.eval([(7 * i + 3) % e.vocab_size for i in range(n)])
+    return e, c.export_state()
+
+
+def test_import_state_says_exactly_what_is_wrong():
+    """Each rejection is an EngineStateError whose reason names the problem;
+    nothing of the context changes (checked by importing after all)."""
+    e, state = _donor_state(8)
+    ctx = e.new_context(64)
+    k = next(n for n in state if n != "logits")
+
+    def reason(arrays, n):
+        with pytest.raises(EngineStateError) as ei:
+            ctx.import_state(arrays, n)
+        return ei.value.reason
+
+    assert reason(state, 8.0) == "n_tokens must be an int, got float"
+    assert reason(state, True) == "n_tokens must be an int, got bool"
+    assert reason(state, 0) == "n_tokens 0 outside 1..64"
+    assert reason(state, 65) == "n_tokens 65 outside 1..64"
+    assert reason(list(state.items()), 8) == "state arrays must be a mapping of names to arrays"
+    bad = {n: a for n, a in state.items() if n != "logits"}
+    bad["zz"] = state["logits"]
+    assert reason(bad, 8) == "state arrays do not match the model: missing ['logits'], unexpected ['zz']"
+    assert reason({**state, k: state[k].tolist()}, 8) == f"{k} is a list, not a numpy array"
+    assert reason({**state, k: state[k].astype(np.float64)}, 8) == f"{k} has dtype float64, expected float32"
+    assert (
+        reason({**state, k: state[k][:-1]}, 8)
+        == f"{k} has shape {state[k][:-1].shape}, expected {state[k].shape} for 8 tokens"
+    )
+    nan = state["logits"].copy()
+    nan[3] = np.nan
+    assert reason({**state, "logits": nan}, 8) == "logits contain NaN or infinity"
+    off = state[k].copy()
+    off.flat[0] = 0.5
+    assert reason({**state, k: off}, 8) == f"{k} holds values off the int8 grid"
+    assert ctx.n_past == 0
+    ctx.import_state(state, 8)
+    assert ctx.n_past == 8
+
+
+def test_import_state_takes_exactly_n_ctx_tokens():
+    e, state = _donor_state(64)
+    ctx = e.new_context(64)
+    ctx.import_state(state, 64)
+    assert ctx.n_past == 64 and np.array_equal(ctx.last_logits(), state["logits"])
+
+
+def test_imported_logits_are_the_contexts_own_float32_copy():
+    e, state = _donor_state(8)
+    ctx = e.new_context(64)
+    src = state["logits"].copy()
+    ctx.import_state({**state, "logits": src}, 8)
+    src[:] = 0.0  # the caller's array (a mapped file, in real use) changes afterwards
+    got = ctx.last_logits()
+    assert got.dtype == np.float32 and np.array_equal(got, state["logits"])
