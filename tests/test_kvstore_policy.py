@@ -896,3 +896,30 @@ def test_a_file_removed_between_listing_and_stat_is_skipped(tmp_path, write_ck, 
     st.refresh(force=True)
     monkeypatch.undo()
     assert sorted(e.path for e in st._index.values()) == sorted([files[0], files[2]])
+
+
+def test_a_kept_file_is_reported_once_however_often_the_directory_is_rescanned(tmp_path, write_ck, eng):
+    """Another format's file is kept and not indexed; rescans (forced, or
+    caused by another file arriving) must not report it again until it
+    changes."""
+    p = write_ck(tmp_path, "a newer ds4's checkpoint")
+    b = bytearray(open(p, "rb").read())
+    b[3] = 9  # format version 9: incompatible, kept
+    open(p, "wb").write(bytes(b))
+    store = KVStore(tmp_path, min_tokens=1)
+    store.refresh(force=True)
+    write_ck(tmp_path, "another file arrives")  # changes the directory: a rescan
+    store.refresh()
+    s = _sess(eng, "some live conversation")
+    rep = RecoveryReport()
+    store.try_load_text(s, "unrelated prompt", report=rep)
+    assert [(path, code) for path, _st, code, _r in rep.rejected] == [(p, "unsupported_version")]
+    assert os.path.exists(p)
+    # a change to the file is news: reported again
+    b[200] ^= 1
+    open(p, "wb").write(bytes(b))
+    os.utime(p, ns=(1, 1))
+    store.refresh(force=True)
+    rep2 = RecoveryReport()
+    store.try_load_text(s, "unrelated prompt", report=rep2)
+    assert [code for _p, _s, code, _r in rep2.rejected] == ["unsupported_version"]

@@ -188,6 +188,9 @@ class KVStore:
         self._index: dict[str, Entry] = {}
         # Files rejected while indexing, not yet reported to a ladder run.
         self._unreported: list[tuple[str, str, str, str]] = []
+        # Files kept but not indexed (another engine's, a newer format):
+        # name -> stat key when last read, so a rescan reports them once.
+        self._kept: dict[str, tuple] = {}
         self._dir_mtime: int | None = None
         self.stats = {
             "hits": 0,
@@ -223,6 +226,9 @@ class KVStore:
         for name in list(self._index):
             if name not in seen:
                 del self._index[name]
+        for name in list(self._kept):
+            if name not in seen:
+                del self._kept[name]
         for name, de in seen.items():
             try:
                 st = de.stat(follow_symlinks=False)
@@ -230,9 +236,10 @@ class KVStore:
                 continue
             key = _stat_key(st)
             old = self._index.get(name)
-            if old is not None and old.stat_key == key:
+            if (old is not None and old.stat_key == key) or self._kept.get(name) == key:
                 continue
             self._index.pop(name, None)
+            self._kept.pop(name, None)
             self._index_file(name, de.path, key)
         self._dir_mtime = mt
 
@@ -249,6 +256,7 @@ class KVStore:
         except CheckpointError as e:
             log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", name, e.stage, e.code, e.reason)
             self._unreported.append((path, e.stage, e.code, e.reason))
+            self._kept[name] = key
             return
         except FileNotFoundError:
             return
