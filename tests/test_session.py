@@ -876,3 +876,21 @@ def test_frontier_interval_without_a_callback_does_not_split_the_prefill(eng, mo
     monkeypatch.setattr(s._ectx, "eval", counting)
     s.sync(list(range(97, 97 + 20)), frontier_every=4)
     assert calls == [20]
+
+
+def test_open_checkpoint_maps_by_default_and_reads_with_pread_on_request(eng, tmp_path):
+    d = ds4.Session(eng, ctx=256)
+    d.sync(toks(eng, "a checkpoint to open two ways"))
+    p = tmp_path / (ds4._core.sha1_hex(d.text_bytes()) + ".kv")
+    ds4.write_checkpoint(p, d.text_bytes(), d.export_arrays(), abi=d.payload_abi, tokens=d.n_past, ctx=256)
+    assert ds4.open_checkpoint(p).mapped is True
+    assert ds4.open_checkpoint(p, mmap=False).mapped is False
+
+
+def test_checkpoint_without_its_core_says_which_attribute():
+    """A Checkpoint being copied or unpickled has no ``_core`` yet: asking
+    for it is a plain AttributeError naming it (no recursion)."""
+    bare = ds4.checkpoint.Checkpoint.__new__(ds4.checkpoint.Checkpoint)
+    with pytest.raises(AttributeError) as ei:
+        _ = bare._core
+    assert ei.value.args == ("_core",)
