@@ -233,29 +233,36 @@ fn common_prefix_len_finds_the_first_difference_anywhere() {
 
 // ---- sniff and the v2 fixed header, called directly ----
 
+/// A header stage that needs `need` bytes: a file one byte short is
+/// `TooShort { need, have: need - 1 }`, and a buffer cut to each length in
+/// `cuts` inside a long file is `TooShort { need, have: 1000 }` (nothing is
+/// made up from bytes past the buffer).
+fn assert_needs<T: std::fmt::Debug>(
+    stage: impl Fn(&[u8], u64) -> Result<T, Error>,
+    full: &[u8],
+    need: u64,
+    cuts: &[usize],
+) {
+    let r = stage(full, need - 1);
+    assert!(
+        matches!(r, Err(Error::TooShort { need: n, have }) if n == need && have == need - 1),
+        "{r:?}"
+    );
+    for &c in cuts {
+        let r = stage(&full[..c], 1000);
+        assert!(
+            matches!(r, Err(Error::TooShort { need: n, have: 1000 }) if n == need),
+            "{c}: {r:?}"
+        );
+    }
+}
+
 #[test]
 fn sniff_needs_four_bytes_of_file_and_of_buffer() {
     assert_eq!(sniff(b"KVC\x02", 4).unwrap(), 2);
     assert_eq!(sniff(b"KVC\x01 and more", 1000).unwrap(), 1);
-    // The file is shorter than the buffer claims.
-    assert!(matches!(
-        sniff(b"KVC\x02", 3),
-        Err(Error::TooShort { need: 4, have: 3 })
-    ));
-    // The buffer is shorter than the file: no version is made up from it.
-    for head in [&b"KVC"[..], b"KV", b""] {
-        let r = sniff(head, 1000);
-        assert!(
-            matches!(
-                r,
-                Err(Error::TooShort {
-                    need: 4,
-                    have: 1000
-                })
-            ),
-            "{head:?}: {r:?}"
-        );
-    }
+    // The file shorter than the buffer claims; the buffer shorter than the file.
+    assert_needs(sniff, b"KVC\x02", 4, &[3, 2, 0]);
 }
 
 /// A 96-byte fixed header declaring `meta` metadata bytes.
@@ -270,24 +277,9 @@ fn v2_meta_len_boundaries() {
     let fixed = fixed_with_meta(0);
     // The fixed header alone: exactly 96 bytes is enough, 95 is not.
     assert_eq!(v2_meta_len(&fixed, 96).unwrap(), 0);
-    assert!(matches!(
-        v2_meta_len(&fixed, 95),
-        Err(Error::TooShort { need: 96, have: 95 })
-    ));
-    // A buffer that does not hold the whole fixed header, in a long file.
-    for n in [0usize, 24, 95] {
-        let r = v2_meta_len(&fixed[..n], 1000);
-        assert!(
-            matches!(
-                r,
-                Err(Error::TooShort {
-                    need: 96,
-                    have: 1000
-                })
-            ),
-            "{n}: {r:?}"
-        );
-    }
+    // 95 bytes of file are not; nor is a buffer without the whole fixed
+    // header, in a long file.
+    assert_needs(v2_meta_len, &fixed, 96, &[0, 24, 95]);
     // The metadata must end inside the file: exactly at its end is fine.
     let fixed = fixed_with_meta(10);
     assert_eq!(v2_meta_len(&fixed, 106).unwrap(), 10);
@@ -344,23 +336,7 @@ fn parse_v1_needs_52_bytes_of_file_and_of_buffer() {
     assert_eq!(v1.len(), V1_FIXED);
     let h = parse_v1(&v1, 52).unwrap();
     assert_eq!((h.text_offset, h.payload_offset, h.total_len), (52, 52, 52));
-    assert!(matches!(
-        parse_v1(&v1, 51),
-        Err(Error::TooShort { need: 52, have: 51 })
-    ));
-    for n in [0usize, 4, 51] {
-        let r = parse_v1(&v1[..n], 1000);
-        assert!(
-            matches!(
-                r,
-                Err(Error::TooShort {
-                    need: 52,
-                    have: 1000
-                })
-            ),
-            "{n}: {r:?}"
-        );
-    }
+    assert_needs(parse_v1, &v1, 52, &[0, 4, 51]);
     // As a file: its header stage passes; its empty payload is no DSV4 state.
     let d = dir();
     let p = put(d.path(), b"", &v1);
