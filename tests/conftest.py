@@ -29,6 +29,22 @@ def _write(directory, text, arrays=None, *, name=None, **kw):
     return path
 
 
+def _save_session(directory, sess, *, abi=None):
+    """Write ``sess``'s live state as ``sha1(rendered text).kv`` in
+    ``directory`` (under ``abi`` when given, else the session's own) and
+    return the path as a str."""
+    text = sess.text_bytes()
+    path = os.path.join(os.fspath(directory), hashlib.sha1(text).hexdigest() + ".kv")
+    write_checkpoint(path, text, sess.export_arrays(), abi=abi or sess.payload_abi, tokens=sess.n_past, ctx=sess.ctx)
+    return path
+
+
+@pytest.fixture(scope="session")
+def save_session():
+    """``save_session(directory, sess, *, abi=None) -> path``."""
+    return _save_session
+
+
 @pytest.fixture(scope="session")
 def write_ck():
     """``write_ck(directory, text, arrays=None, *, name=None, **write_kw) -> path``."""

@@ -64,17 +64,18 @@ def assert_rebuilds_clean(s, eng, tokens):
     assert s.generate(5) == cold.generate(5)
 
 
-def saved_checkpoint(eng, directory, text):
-    """A v2 checkpoint of ``text`` (prefilled in a donor session) in
-    ``directory``; returns (path, tokens)."""
-    donor = ds4.Session(eng, ctx=CTX)
-    t = toks(eng, text)
-    donor.sync(t)
-    path = os.path.join(os.fspath(directory), ds4._core.sha1_hex(donor.text_bytes()) + ".kv")
-    ds4.write_checkpoint(
-        path, donor.text_bytes(), donor.export_arrays(), abi=donor.payload_abi, tokens=donor.n_past, ctx=CTX
-    )
-    return path, t
+@pytest.fixture
+def saved_checkpoint(eng, save_session):
+    """``saved_checkpoint(directory, text) -> (path, tokens)``: a v2
+    checkpoint of ``text``, prefilled in a donor session."""
+
+    def save(directory, text):
+        donor = ds4.Session(eng, ctx=CTX)
+        t = toks(eng, text)
+        donor.sync(t)
+        return save_session(directory, donor), t
+
+    return save
 
 
 def flip_payload_byte(path):
@@ -187,9 +188,9 @@ def test_truncation_during_load_invalidates(tmp_path):
 
 
 # -- KVStore.try_load_text: a corrupt candidate --------------------------------
-def test_corrupt_candidate_in_try_load_text_invalidates(eng, tmp_path):
+def test_corrupt_candidate_in_try_load_text_invalidates(eng, tmp_path, saved_checkpoint):
     prompt = eng.render_chat([{"role": "user", "content": "a question whose prefix is stored on disk"}])
-    path, t = saved_checkpoint(eng, tmp_path, prompt)
+    path, t = saved_checkpoint(tmp_path, prompt)
     store = ds4.KVStore(tmp_path, min_tokens=1)
     assert [e.path for e in store.lookup(prompt)] == [path]  # indexed: header and text are fine
     flip_payload_byte(path)
@@ -202,14 +203,14 @@ def test_corrupt_candidate_in_try_load_text_invalidates(eng, tmp_path):
     assert_rebuilds_clean(s, eng, t)
 
 
-def test_corrupt_candidate_then_good_shorter_one(eng, tmp_path):
+def test_corrupt_candidate_then_good_shorter_one(eng, tmp_path, saved_checkpoint):
     """The corrupt longer candidate invalidates and goes; the shorter good
     one loads; what loads equals a cold prefill of its tokens."""
     user = "a conversation with two checkpoints, the longer one damaged"
     short_text = eng.render_chat([{"role": "user", "content": user}], add_generation_prompt=False)
     prompt = eng.render_chat([{"role": "user", "content": user}])
-    short_path, short_t = saved_checkpoint(eng, tmp_path, short_text)
-    long_path, _ = saved_checkpoint(eng, tmp_path, prompt)
+    short_path, short_t = saved_checkpoint(tmp_path, short_text)
+    long_path, _ = saved_checkpoint(tmp_path, prompt)
     store = ds4.KVStore(tmp_path, min_tokens=1)
     flip_payload_byte(long_path)
     s = live_session(eng)
@@ -338,9 +339,9 @@ def test_suffix_not_tokenizable_after_disk_load_falls_to_a_clean_prefill(eng, tm
     assert s.tokens == full and np.array_equal(s.logits, cold.logits)
 
 
-def test_ladder_disk_rung_with_only_corrupt_candidates_prefills_clean(eng, tmp_path):
+def test_ladder_disk_rung_with_only_corrupt_candidates_prefills_clean(eng, tmp_path, saved_checkpoint):
     prompt = eng.render_chat([{"role": "user", "content": "every stored prefix of this prompt is damaged"}])
-    path, t = saved_checkpoint(eng, tmp_path, prompt)
+    path, t = saved_checkpoint(tmp_path, prompt)
     store = ds4.KVStore(tmp_path, min_tokens=1)
     flip_payload_byte(path)
     s = live_session(eng)

@@ -335,14 +335,13 @@ def test_corrupt_candidate_removed_then_shorter_one_loads(eng, tmp_path):
     assert (st.stats["rejected"], st.stats["removed_corrupt"], st.stats["hits"], st.stats["misses"]) == (1, 1, 1, 0)
 
 
-def test_foreign_abi_file_is_kept_even_with_a_damaged_payload(eng, tmp_path):
+def test_foreign_abi_file_is_kept_even_with_a_damaged_payload(eng, tmp_path, save_session):
     """ABI is checked at the header, before the payload: another engine's
     file is skipped and kept, never judged (or removed) by our checksum pass."""
     paths = []
     for k in (30, 60):
         s = _sess(eng, BASE[:k])
-        p = os.path.join(tmp_path, hashlib.sha1(s.text_bytes()).hexdigest() + ".kv")
-        ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi="another-engine/9", tokens=s.n_past, ctx=s.ctx)
+        p = save_session(tmp_path, s, abi="another-engine/9")
         _flip_payload_byte(p)
         paths.append(p)
     st = KVStore(tmp_path, min_tokens=8)
@@ -669,10 +668,9 @@ def test_files_rejected_while_indexing_are_reported_once(eng, tmp_path, write_ck
     assert os.path.exists(future) and st.stats["removed_corrupt"] == 1
 
 
-def test_rejections_while_indexing_come_before_the_loads_own(eng, tmp_path, write_ck):
+def test_rejections_while_indexing_come_before_the_loads_own(eng, tmp_path, write_ck, save_session):
     s = _sess(eng, BASE[:60])
-    p = os.path.join(tmp_path, hashlib.sha1(s.text_bytes()).hexdigest() + ".kv")
-    ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi="another-engine/9", tokens=s.n_past, ctx=s.ctx)
+    p = save_session(tmp_path, s, abi="another-engine/9")
     st = KVStore(tmp_path, min_tokens=8)
     future = os.path.join(tmp_path, "1" * 40 + ".kv")
     with open(future, "wb") as f:
@@ -773,10 +771,9 @@ def test_store_over_the_same_engines_file_is_a_no_op(eng, tmp_path):
     assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 0)
 
 
-def test_store_over_another_engines_file_keeps_it(eng, tmp_path):
+def test_store_over_another_engines_file_keeps_it(eng, tmp_path, save_session):
     s = _sess(eng, BASE[:60])
-    p = os.path.join(tmp_path, hashlib.sha1(s.text_bytes()).hexdigest() + ".kv")
-    ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi="another-engine/9", tokens=s.n_past, ctx=s.ctx)
+    p = save_session(tmp_path, s, abi="another-engine/9")
     before = _snapshot(p)
     st = KVStore(tmp_path, min_tokens=8)
     assert st.store_live_prefix(s) is None

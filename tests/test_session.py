@@ -473,19 +473,18 @@ def test_argmax_on_an_invalid_session_says_why(eng):
         s.argmax()
 
 
-def test_load_checkpoint_of_another_abi_names_both_and_the_file(eng, tmp_path):
+def test_load_checkpoint_of_another_abi_names_both_and_the_file(eng, tmp_path, save_session):
     from ds4.errors import AbiMismatchError
 
     d = ds4.Session(eng, ctx=256)
     d.sync(toks(eng, "another engine's state"))
-    p = tmp_path / (ds4._core.sha1_hex(d.text_bytes()) + ".kv")
-    ds4.write_checkpoint(p, d.text_bytes(), d.export_arrays(), abi="other/1", tokens=d.n_past, ctx=256)
+    p = save_session(tmp_path, d, abi="other/1")
     ck = ds4.open_checkpoint(p)  # no expected ABI: the session is the one to refuse it
     s = ds4.Session(eng, ctx=256)
     s.sync(toks(eng, "the live conversation"))
     with pytest.raises(AbiMismatchError) as ei:
         s.load_checkpoint(ck)
-    assert ei.value.path == str(p)
+    assert ei.value.path == p
     assert ei.value.reason == f"payload ABI 'other/1' differs from {s.payload_abi!r}"
     assert s.checkpoint_valid  # refused before anything changed
 
@@ -878,11 +877,10 @@ def test_frontier_interval_without_a_callback_does_not_split_the_prefill(eng, mo
     assert calls == [20]
 
 
-def test_open_checkpoint_maps_by_default_and_reads_with_pread_on_request(eng, tmp_path):
+def test_open_checkpoint_maps_by_default_and_reads_with_pread_on_request(eng, tmp_path, save_session):
     d = ds4.Session(eng, ctx=256)
     d.sync(toks(eng, "a checkpoint to open two ways"))
-    p = tmp_path / (ds4._core.sha1_hex(d.text_bytes()) + ".kv")
-    ds4.write_checkpoint(p, d.text_bytes(), d.export_arrays(), abi=d.payload_abi, tokens=d.n_past, ctx=256)
+    p = save_session(tmp_path, d)
     assert ds4.open_checkpoint(p).mapped is True
     assert ds4.open_checkpoint(p, mmap=False).mapped is False
 
