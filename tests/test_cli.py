@@ -329,12 +329,13 @@ def test_kv_commands_on_a_v1_directory(tmp_path):
     assert sorted(r["name"] for r in g["removed_corrupt"]) == sorted(
         [name["bad_magic"], name["bad_count"], name["truncated"]]
     )
-    assert sorted(os.listdir(d)) == sorted([name["good1"], name["good2"]])
+    # (removals take the store's lock: its lock file is the one other entry)
+    assert sorted(os.listdir(d)) == sorted([name["good1"], name["good2"], ".ds4.lock"])
     v, rc = ds4_json("kv", "verify", d)
     assert rc == 0 and v["ok"] == 2
     # rm
     r, rc = ds4_json("kv", "rm", d, "--all")
-    assert rc == 0 and sorted(r["removed"]) == sorted([name["good1"], name["good2"]]) and os.listdir(d) == []
+    assert rc == 0 and sorted(r["removed"]) == sorted([name["good1"], name["good2"]]) and os.listdir(d) == [".ds4.lock"]
 
 
 def test_kv_usage_errors(tmp_path):
@@ -351,7 +352,7 @@ def test_bench_quick(tmp_path):
     speed-up row is the ratio of the two rows it summarises."""
     import math
 
-    from ds4.cli import _human_bytes
+    from ds4.cli.term import human_bytes as _human_bytes
 
     kv = tmp_path / "kv"
     rows = json.loads(ds4_cmd("bench", "--tokens", 512, "--sha-mb", 4, "--kv-disk-dir", kv, "--json").stdout)
@@ -499,8 +500,9 @@ def test_chat_repl_save_list_switch_clear(tmp_path):
 
 
 def test_chat_ctrl_c_stops_generation_cleanly(tmp_path):
-    from ds4.cli import DEFAULT_SYSTEM, _printable
-    from ds4.server import Generator, GenParams
+    from ds4.cli.chat import DEFAULT_SYSTEM
+    from ds4.cli.term import printable as _printable
+    from ds4.turn import Generator, GenParams
 
     question = "Write a very long story."
     eng = ds4.ReferenceEngine()

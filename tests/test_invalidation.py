@@ -27,7 +27,7 @@ from ds4.errors import (
     EngineStateError,
     PayloadChecksumError,
 )
-from ds4.server import Generator, GenParams
+from ds4.turn import Generator, GenParams
 
 CTX = 512
 
@@ -411,16 +411,16 @@ def test_a_failing_rung_invalidates_and_the_retry_is_clean(eng, tmp_path):
     store = ds4.KVStore(tmp_path, min_tokens=1)
     g = Generator(eng, CTX, store=store)
     g.sess.sync(toks(eng, "an unrelated live conversation"))
-    real = store.try_load_text
+    real = store.load_first  # the disk rung
     calls = []
 
-    def flaky(sess, text, report=None):
+    def flaky(sess, found, report=None):
         calls.append(sess.checkpoint_valid)
         if len(calls) == 1:
             raise OSError(5, "Input/output error")
-        return real(sess, text, report=report)
+        return real(sess, found, report=report)
 
-    store.try_load_text = flaky
+    store.load_first = flaky
     res = g.generate(prompt, GenParams(max_tokens=8))
     assert g.counters["ladder_retries"] == 1
     assert calls == [True, False]  # the retry ran on an invalidated session
@@ -429,7 +429,7 @@ def test_a_failing_rung_invalidates_and_the_retry_is_clean(eng, tmp_path):
 
 # -- the chat REPL ----------------------------------------------------------
 def _repl(eng, system=""):
-    from ds4.cli import ChatREPL
+    from ds4.cli.chat import ChatREPL
 
     g = Generator(eng, CTX)
     return ChatREPL(g, system, max_tokens=6, out=io.StringIO(), err=io.StringIO())

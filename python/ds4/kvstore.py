@@ -9,19 +9,21 @@
   length (``_core.sha1_prefixes``), instead of one hash per candidate.
 * Candidates are tried longest first; a corrupt one is removed (or moved to
   the quarantine directory) and the next is tried; an incompatible one is
-  skipped and kept (ds4-reference.md section 5.6).
+  skipped and kept (docs/DESIGN.md, "Store policy").
 * Budget in MiB with 1 % slack; eviction by ds4's score
   ``(hits * 2^(-age/6h) + 1) * tokens / file_size``, the newest file
-  protected; one failed unlink does not stop eviction (section 5.12).
+  protected; one failed unlink does not stop eviction.
 * Temp files left by crashed writers (dead pid, or older than an hour) and
   files whose header is corrupt are removed on refresh, so nothing leaks
-  outside the budget (section 5.7).
-* Stores and evictions take an exclusive ``flock`` on ``.ds4.lock`` in the
-  directory, so several processes can share one directory.
+  outside the budget.
+* Stores, evictions, discards and removals take an exclusive ``flock`` on
+  ``.ds4.lock`` in the directory, so several processes can share one
+  directory. No other module removes a checkpoint or knows the file names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -29,9 +31,11 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from . import _core
-from .checkpoint import open_checkpoint, reason_code, write_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint, reason_code, write_checkpoint
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -41,9 +45,28 @@ from .errors import (
     StoreFullError,
 )
 
+if TYPE_CHECKING:
+    from .recovery import RecoveryReport
+    from .session import Session
+
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["Entry", "KVStore", "LoadResult", "plan_eviction", "temp_is_orphaned", "temp_writer_pid"]
+__all__ = [
+    "Candidates",
+    "Entry",
+    "KVStore",
+    "LoadResult",
+    "NamedLoad",
+    "is_checkpoint_name",
+    "plan_eviction",
+    "scan_dir",
+    "temp_is_orphaned",
+    "temp_writer_pid",
+]
+
+# (path, stage, code, reason) of a file the store rejected
+Rejection = tuple[str, str, str, str]
+StatKey = tuple[int, int, int]
 
 _NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
 # Temp files of writers: ours `.<sha>.kv.tmp.<pid>.<hex>`, ds4-server's
@@ -70,7 +93,26 @@ class Entry:
     abi: str
     reason: str
     ctx: int
-    stat_key: tuple
+    stat_key: StatKey | tuple[()]
+
+    @classmethod
+    def from_checkpoint(cls, ck: Checkpoint, path: str, stat_key: StatKey | tuple[()] = ()) -> Entry:
+        """The index entry for a verified header."""
+        return cls(
+            name=os.path.basename(path),
+            path=path,
+            version=ck.version,
+            tokens=ck.tokens,
+            text_bytes=ck.text_bytes,
+            hits=ck.hits,
+            created=ck.created,
+            last_used=ck.last_used,
+            size=ck.file_size,
+            abi=ck.abi,
+            reason=ck.reason_name,
+            ctx=ck.ctx,
+            stat_key=stat_key,
+        )
 
     def score(self, now: float, half_life: float = HALF_LIFE_S) -> float:
         used = self.last_used or self.created
@@ -86,6 +128,49 @@ class LoadResult:
     path: str
     tokens: int
     text_bytes: int
+
+
+@dataclasses.dataclass
+class Candidates:
+    """What one lookup found for a prompt: the indexed checkpoints whose
+    name is the SHA-1 of a prefix of it (longest first; their headers were
+    verified when indexed, every load verifies the whole file again), and
+    the files rejected while indexing since the last lookup."""
+
+    prompt: bytes
+    entries: list[Entry]
+    rejected: list[Rejection]
+
+
+@dataclasses.dataclass
+class NamedLoad:
+    """The outcome of :meth:`KVStore.load_named`: ``loaded``, ``missing``,
+    ``corrupt`` (the file was removed or quarantined) or ``unusable`` (kept)."""
+
+    status: str
+    tokens: int = 0
+    ms: float = 0.0
+    error: CheckpointError | None = None
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """True for ``<40 hex>.kv``, the only names the store reads or removes."""
+    return _NAME_RE.match(name) is not None
+
+
+def scan_dir(directory: str) -> tuple[list[str], list[str], list[str]]:
+    """(checkpoint files, writers' temp files, other ``.kv`` files) in
+    ``directory``, each sorted, as paths."""
+    cks, tmps, other = [], [], []
+    with os.scandir(directory) as it:
+        for de in it:
+            if _NAME_RE.match(de.name):
+                cks.append(de.path)
+            elif _TMP_RE.match(de.name):
+                tmps.append(de.path)
+            elif de.name.endswith(".kv"):
+                other.append(de.path)
+    return sorted(cks), sorted(tmps), sorted(other)
 
 
 def temp_writer_pid(name: str) -> int | None:
@@ -114,7 +199,7 @@ def temp_is_orphaned(name: str, mtime: float, now: float, max_age: float = TMP_M
     return now - mtime > max_age
 
 
-def plan_eviction(entries: list, limit: int, now: float, protect: str | None = None) -> list:
+def plan_eviction(entries: list[Entry], limit: int, now: float, protect: str | None = None) -> list[Entry]:
     """ds4's eviction order: while the total is over ``limit``, the entry
     with the lowest score goes (ties: least recently used); ``protect`` (the
     newest file) never does."""
@@ -130,30 +215,50 @@ def plan_eviction(entries: list, limit: int, now: float, protect: str | None = N
 
 
 class _DirLock:
+    """The directory's one lock: an exclusive ``flock`` on ``.ds4.lock``,
+    re-entrant within one store (a discard during a store already holds it;
+    a second ``flock`` on a new descriptor would wait for itself)."""
+
     def __init__(self, directory: str):
         self.path = os.path.join(directory, LOCK_NAME)
         self.fd = -1
+        self.depth = 0
 
-    def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        if self.depth == 0:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+                os.close(self.fd)
+                self.fd = -1
 
-    def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
 
-
-def _stat_key(st: os.stat_result) -> tuple:
+def _stat_key(st: os.stat_result) -> StatKey:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class KVStore:
-    """A checkpoint directory with ds4's store policy (defaults are ds4's)."""
+    """A checkpoint directory with ds4's store policy (defaults are ds4's).
+
+    The one boundary between ds4 and a cache directory: recovery, the
+    server and every ``ds4`` command find, load, discard and remove
+    checkpoints through it, under its one lock."""
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         budget_mb: float = 4096,
         *,
         min_tokens: int = 512,
@@ -162,10 +267,11 @@ class KVStore:
         boundary_trim_tokens: int = 32,
         boundary_align_tokens: int = 2048,
         reject_different_quant: bool = True,
-        quarantine_dir: str | os.PathLike | None = None,
+        quarantine_dir: str | os.PathLike[str] | None = None,
         verify_checksum: bool = True,
         mmap: bool = True,
         consume_over_cold_max: bool = False,
+        scan: bool = True,
     ):
         self.dir = os.path.abspath(os.fspath(directory))
         try:
@@ -185,12 +291,13 @@ class KVStore:
         self.verify_checksum = verify_checksum
         self.mmap = mmap
         self.consume_over_cold_max = consume_over_cold_max
+        self._lock = _DirLock(self.dir)
         self._index: dict[str, Entry] = {}
         # Files rejected while indexing, not yet reported to a ladder run.
-        self._unreported: list[tuple[str, str, str, str]] = []
+        self._unreported: list[Rejection] = []
         # Files kept but not indexed (another engine's, a newer format):
         # name -> stat key when last read, so a rescan reports them once.
-        self._kept: dict[str, tuple] = {}
+        self._kept: dict[str, StatKey] = {}
         self._dir_mtime: int | None = None
         self.stats = {
             "hits": 0,
@@ -201,7 +308,14 @@ class KVStore:
             "removed_corrupt": 0,
             "scans": 0,
         }
-        self.refresh(force=True)
+        if scan:
+            self.refresh(force=True)
+
+    def locked(self) -> contextlib.AbstractContextManager[None]:
+        """The directory's exclusive lock (re-entrant within this store):
+        stores, evictions, discards and removals hold it; so may a caller
+        that keeps its own small files beside the checkpoints."""
+        return self._lock.held()
 
     # -- index ---------------------------------------------------------------
     def refresh(self, force: bool = False) -> None:
@@ -222,7 +336,7 @@ class KVStore:
                 if _NAME_RE.match(name):
                     seen[name] = de
                 elif _TMP_RE.match(name):
-                    self._maybe_clean_tmp(de, now)
+                    self.remove_orphaned_temp(de.path, now)
         for name in list(self._index):
             if name not in seen:
                 del self._index[name]
@@ -243,14 +357,14 @@ class KVStore:
             self._index_file(name, de.path, key)
         self._dir_mtime = mt
 
-    def _index_file(self, name: str, path: str, key: tuple) -> None:
+    def _index_file(self, name: str, path: str, key: StatKey) -> None:
         try:
             ck = open_checkpoint(path, load_payload=False)
         except CorruptCheckpointError as e:
             if e.code == "not_regular_file":
                 log.warning("kv cache ignoring %s: %s", name, e.reason)
                 return
-            self._discard(path, e, "refresh")
+            self.discard(path, e, "refresh")
             self._unreported.append((path, e.stage, e.code, e.reason))
             return
         except CheckpointError as e:
@@ -263,33 +377,24 @@ class KVStore:
         except OSError as e:
             log.warning("kv cache cannot read %s: %s", name, e)
             return
-        self._index[name] = Entry(
-            name=name,
-            path=path,
-            version=ck.version,
-            tokens=ck.tokens,
-            text_bytes=ck.text_bytes,
-            hits=ck.hits,
-            created=ck.created,
-            last_used=ck.last_used,
-            size=ck.file_size,
-            abi=ck.abi,
-            reason=ck.reason_name,
-            ctx=ck.ctx,
-            stat_key=key,
-        )
+        self._index[name] = Entry.from_checkpoint(ck, path, key)
 
-    def _maybe_clean_tmp(self, de: os.DirEntry, now: float) -> None:
+    def remove_orphaned_temp(self, path: str, now: float, max_age: float = TMP_MAX_AGE_S) -> bool:
+        """Remove a writer's temp file when its writer is gone (see
+        :func:`temp_is_orphaned`); True when it was removed."""
+        name = os.path.basename(path)
         try:
-            st = de.stat(follow_symlinks=False)
+            st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
-            return
-        if temp_is_orphaned(de.name, st.st_mtime, now):
-            try:
-                os.unlink(de.path)
-                log.info("kv cache removed orphaned temp file %s (writer pid %s)", de.name, temp_writer_pid(de.name))
-            except FileNotFoundError:
-                pass
+            return False
+        if not temp_is_orphaned(name, st.st_mtime, now, max_age):
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        log.info("kv cache removed orphaned temp file %s (writer pid %s)", name, temp_writer_pid(name))
+        return True
 
     def entries(self) -> list[Entry]:
         self.refresh()
@@ -297,6 +402,11 @@ class KVStore:
 
     def total_bytes(self) -> int:
         return sum(e.size for e in self._index.values())
+
+    def summary(self) -> dict[str, object]:
+        """The directory, its indexed files and bytes, and the counters
+        (what a status page shows), from the index as it stands."""
+        return {"dir": self.dir, "files": len(self._index), "bytes": self.total_bytes(), **self.stats}
 
     # -- lookup --------------------------------------------------------------
     def lookup(self, prompt: str | bytes, abi: str | None = None, ctx: int | None = None) -> list[Entry]:
@@ -320,46 +430,53 @@ class KVStore:
         hits.sort(key=lambda e: (-e.text_bytes, -e.tokens))
         return hits
 
+    def candidates(self, prompt: bytes, ctx: int | None = None) -> Candidates:
+        """One lookup for one request: the stored prefixes of ``prompt``
+        (see :meth:`lookup`) and the files rejected while indexing since the
+        last call. The ladder asks once and hands the result to every rung
+        that needs it (:meth:`load_first`)."""
+        entries = self.lookup(prompt, ctx=ctx)
+        rejected, self._unreported = self._unreported, []
+        return Candidates(prompt, entries, rejected)
+
     # -- removal -------------------------------------------------------------
-    def _discard(self, path: str, err: CheckpointError, where: str) -> None:
-        """Remove (or quarantine) a corrupt file."""
+    def discard(self, path: str, err: CheckpointError, where: str) -> str | None:
+        """Remove (or move to the quarantine directory) a corrupt file, under
+        the directory's lock: the one place a corrupt checkpoint leaves.
+        Returns where it went (its quarantine path, or ``path`` when
+        removed), or None when it was already gone or could not be removed."""
         name = os.path.basename(path)
         self._index.pop(name, None)
         self.stats["removed_corrupt"] += 1
+        how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
         try:
-            if self.quarantine_dir:
-                os.makedirs(self.quarantine_dir, mode=0o700, exist_ok=True)
-                dest = os.path.join(self.quarantine_dir, f"{name}.{int(time.time())}.{err.code}")
-                os.replace(path, dest)
-                log.warning(
-                    "kv cache quarantined corrupt file=%s stage=%s code=%s reason=%s (%s) -> %s",
-                    name,
-                    err.stage,
-                    err.code,
-                    err.reason,
-                    where,
-                    dest,
-                )
-            else:
-                os.unlink(path)
-                log.warning(
-                    "kv cache removed corrupt file=%s stage=%s code=%s reason=%s (%s)",
-                    name,
-                    err.stage,
-                    err.code,
-                    err.reason,
-                    where,
-                )
-            _core.sync_dir(self.dir)
+            with self.locked():
+                if self.quarantine_dir:
+                    os.makedirs(self.quarantine_dir, mode=0o700, exist_ok=True)
+                    dest = os.path.join(self.quarantine_dir, f"{name}.{int(time.time())}.{err.code}")
+                    os.replace(path, dest)
+                    log.warning("kv cache quarantined corrupt file=%s %s -> %s", name, how, dest)
+                else:
+                    dest = path
+                    os.unlink(path)
+                    log.warning("kv cache removed corrupt file=%s %s", name, how)
+                _core.sync_dir(self.dir)
         except FileNotFoundError:
-            pass
+            return None
         except OSError as e:
             log.error("kv cache could not remove corrupt file %s: %s", name, e)
+            return None
+        return dest
 
     def remove(self, name_or_path: str) -> bool:
+        """Remove the checkpoint of that name from this directory (a path is
+        reduced to its name: nothing outside the directory is touched).
+        False when there was none."""
         name = os.path.basename(name_or_path)
+        if not is_checkpoint_name(name):
+            raise ValueError(f"not a checkpoint name: {name!r}")
         path = os.path.join(self.dir, name)
-        with _DirLock(self.dir):
+        with self.locked():
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -369,29 +486,40 @@ class KVStore:
         return True
 
     # -- load ----------------------------------------------------------------
-    def try_load_text(self, sess, prompt_text: str | bytes, report=None) -> LoadResult | None:
+    def _open_for(self, sess: Session, path: str, prompt: bytes) -> Checkpoint:
+        return open_checkpoint(
+            path,
+            prompt=prompt,
+            expected_abi=sess.payload_abi,
+            quant_bits=getattr(sess.engine, "quant_bits", 0) if self.reject_different_quant else None,
+            ctx=sess.ctx - 1,
+            verify_checksum=self.verify_checksum,
+            mmap=self.mmap,
+        )
+
+    def try_load_text(
+        self, sess: Session, prompt_text: str | bytes, report: RecoveryReport | None = None
+    ) -> LoadResult | None:
         """One rung of the ladder on its own, as in ds4: load the longest
         stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
         invalidate the session and are removed; incompatible ones are kept;
         the next candidate is tried. Returns None when nothing loaded."""
         pb = prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
-        abi = sess.payload_abi
-        cands = self.lookup(pb, ctx=sess.ctx)
+        found = self.candidates(pb, ctx=sess.ctx)
         if report is not None:
-            report.rejected.extend(self._unreported)
-        self._unreported.clear()
-        for e in cands:
+            report.rejected.extend(found.rejected)
+        return self.load_first(sess, found, report)
+
+    def load_first(self, sess: Session, found: Candidates, report: RecoveryReport | None = None) -> LoadResult | None:
+        """Load the first of ``found`` (from :meth:`candidates`) that passes
+        the whole verification pipeline into ``sess``; see
+        :meth:`try_load_text`. The candidates rejected at load time are
+        added to ``report`` (those rejected at indexing are the caller's,
+        in ``found.rejected``)."""
+        for e in found.entries:
             t0 = time.perf_counter()
             try:
-                ck = open_checkpoint(
-                    e.path,
-                    prompt=pb,
-                    expected_abi=abi,
-                    quant_bits=getattr(sess.engine, "quant_bits", 0) if self.reject_different_quant else None,
-                    ctx=sess.ctx - 1,
-                    verify_checksum=self.verify_checksum,
-                    mmap=self.mmap,
-                )
+                ck = self._open_for(sess, e.path, found.prompt)
                 sess.load_checkpoint(ck)
             except FileNotFoundError:
                 self._index.pop(e.name, None)  # removed by another process
@@ -402,7 +530,7 @@ class KVStore:
                     report.rejected.append((e.path, err.stage, err.code, err.reason))
                 if isinstance(err, CorruptCheckpointError):
                     sess.invalidate(f"corrupt checkpoint {e.name}")
-                    self._discard(e.path, err, "load")
+                    self.discard(e.path, err, "load")
                 else:
                     log.info(
                         "kv cache skipped file=%s stage=%s code=%s reason=%s (kept)",
@@ -412,35 +540,65 @@ class KVStore:
                         err.reason,
                     )
                 continue
-            ms = (time.perf_counter() - t0) * 1000
-            now = int(time.time())
-            consumed = self.consume_over_cold_max and self.cold_max_tokens > 0 and ck.tokens > self.cold_max_tokens
-            if not consumed:
-                try:
-                    e.hits = _core.touch(e.path, now)
-                    e.last_used = now
-                    st = os.stat(e.path)
-                    e.stat_key = _stat_key(st)
-                except OSError as ex:
-                    log.debug("kv cache touch failed for %s: %s", e.name, ex)
-            self.stats["hits"] += 1
-            log.info(
-                "kv cache hit text tokens=%d text=%d key=%s load=%.1f ms file=%s",
-                ck.tokens,
-                ck.text_bytes,
-                e.name[:12],
-                ms,
-                e.path,
-            )
+            self._hit(e, ck, (time.perf_counter() - t0) * 1000)
             return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
         self.stats["misses"] += 1
         return None
+
+    def _hit(self, e: Entry, ck: Checkpoint, ms: float) -> None:
+        now = int(time.time())
+        consumed = self.consume_over_cold_max and self.cold_max_tokens > 0 and ck.tokens > self.cold_max_tokens
+        if not consumed:
+            try:
+                e.hits = _core.touch(e.path, now)
+                e.last_used = now
+                st = os.stat(e.path)
+                e.stat_key = _stat_key(st)
+            except OSError as ex:
+                log.debug("kv cache touch failed for %s: %s", e.name, ex)
+        self.stats["hits"] += 1
+        log.info(
+            "kv cache hit text tokens=%d text=%d key=%s load=%.1f ms file=%s",
+            ck.tokens,
+            ck.text_bytes,
+            e.name[:12],
+            ms,
+            e.path,
+        )
+
+    def load_named(self, sess: Session, sha: str, text: bytes, *, exact: bool = False) -> NamedLoad:
+        """Load the checkpoint ``<sha>.kv`` of this directory into ``sess``,
+        verified against ``text`` (its stored text must be a prefix of it;
+        with ``exact``, equal to it). A corrupt file invalidates the session
+        and is discarded; an unusable one invalidates it and is kept. ``sha``
+        must be 40 lowercase hex digits: a name from an index file never
+        reaches outside the directory."""
+        name = f"{sha}.kv"
+        if not is_checkpoint_name(name):
+            raise ValueError(f"not a checkpoint key: {sha!r}")
+        path = os.path.join(self.dir, name)
+        t0 = time.perf_counter()
+        try:
+            ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, ctx=sess.ctx - 1)
+            if exact and ck.text != text:
+                return NamedLoad("missing")  # a longer checkpoint is not this text's
+            sess.load_checkpoint(ck)
+        except FileNotFoundError:
+            return NamedLoad("missing")
+        except CorruptCheckpointError as e:
+            sess.invalidate(f"corrupt checkpoint {name}")
+            self.discard(path, e, "named load")
+            return NamedLoad("corrupt", error=e)
+        except CheckpointError as e:
+            sess.invalidate(f"unusable checkpoint {name}")
+            return NamedLoad("unusable", error=e)
+        return NamedLoad("loaded", tokens=ck.tokens, ms=(time.perf_counter() - t0) * 1000)
 
     # -- store policy ----------------------------------------------------------
     def cold_store_len(self, n_tokens: int) -> int | None:
         """ds4's cold store length: trim the tail (BPE boundary safety) and
         align down. Unlike ds4, a prompt too short to align keeps the trim
-        (ds4-reference.md 5.14); None when even that is below min_tokens."""
+        (ds4's own cold save drops it); None when even that is below min_tokens."""
         if n_tokens < self.min_tokens:
             return None
         trimmed = n_tokens - self.boundary_trim_tokens
@@ -455,7 +613,7 @@ class KVStore:
         return (self.continued_interval_tokens + a - 1) // a * a
 
     def store_live_prefix(
-        self, sess, reason: str = "cold", *, name_text: bytes | None = None, min_tokens: int | None = None
+        self, sess: Session, reason: str = "cold", *, name_text: bytes | None = None, min_tokens: int | None = None
     ) -> str | None:
         """Save the live session (which must be valid) under the SHA-1 of its
         rendered text. Returns the path, or None when the policy declines
@@ -473,7 +631,7 @@ class KVStore:
         name = _core.sha1_hex(text) + ".kv"
         path = os.path.join(self.dir, name)
         t0 = time.perf_counter()
-        with _DirLock(self.dir):
+        with self.locked():
             # Cheap checks first: an existing file for this key needs no
             # export of the (possibly large) engine state.
             existing = self._existing(path, sess, text)
@@ -487,47 +645,14 @@ class KVStore:
                     name[:12],
                 )
                 return None
-            arrays = sess.export_arrays()
-            est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
-            if est + est // 100 > self.budget_bytes:
-                log.warning(
-                    "kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB",
-                    reason,
-                    est / 2**20,
-                    self.budget_bytes / 2**20,
-                )
+            size = self._write(path, sess, text, reason)
+            if size is None:
                 return None
-            try:
-                size = write_checkpoint(
-                    path,
-                    text,
-                    arrays,
-                    abi=sess.payload_abi,
-                    tokens=n,
-                    ctx=sess.ctx,
-                    reason=reason_code(reason),
-                    quant_bits=getattr(sess.engine, "quant_bits", 0),
-                )
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise StoreFullError(e.errno, f"disk full while storing checkpoint: {e.strerror}", path) from e
-                raise StoreError(e.errno, f"cannot store checkpoint: {e.strerror}", path) from e
             self.stats["stores"] += 1
             st = os.stat(path)
+            now = int(time.time())
             self._index[name] = Entry(
-                name,
-                path,
-                2,
-                n,
-                len(text),
-                0,
-                int(time.time()),
-                int(time.time()),
-                size,
-                sess.payload_abi,
-                reason,
-                sess.ctx,
-                _stat_key(st),
+                name, path, 2, n, len(text), 0, now, now, size, sess.payload_abi, reason, sess.ctx, _stat_key(st)
             )
             log.info(
                 "kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
@@ -540,7 +665,36 @@ class KVStore:
             self._evict_locked(protect=name)
         return path
 
-    def _existing(self, path: str, sess, text: bytes) -> str | None:
+    def _write(self, path: str, sess: Session, text: bytes, reason: str) -> int | None:
+        """Export the session and write it durably; None when the estimate
+        does not fit the budget."""
+        arrays = sess.export_arrays()
+        est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
+        if est + est // 100 > self.budget_bytes:
+            log.warning(
+                "kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB",
+                reason,
+                est / 2**20,
+                self.budget_bytes / 2**20,
+            )
+            return None
+        try:
+            return write_checkpoint(
+                path,
+                text,
+                arrays,
+                abi=sess.payload_abi,
+                tokens=sess.n_past,
+                ctx=sess.ctx,
+                reason=reason_code(reason),
+                quant_bits=getattr(sess.engine, "quant_bits", 0),
+            )
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(e.errno, f"disk full while storing checkpoint: {e.strerror}", path) from e
+            raise StoreError(e.errno, f"cannot store checkpoint: {e.strerror}", path) from e
+
+    def _existing(self, path: str, sess: Session, text: bytes) -> str | None:
         """'same' if a file for this engine and text exists (header and text
         verified; its payload is verified when it is loaded, and removed then
         if corrupt), 'foreign' if a valid file of another engine holds the
@@ -552,7 +706,7 @@ class KVStore:
         except IncompatibleCheckpointError:
             return "foreign"
         except CorruptCheckpointError as e:
-            self._discard(path, e, "store")
+            self.discard(path, e, "store")
             return None
         except CheckpointError:
             return "foreign"
@@ -560,7 +714,7 @@ class KVStore:
 
     # -- eviction --------------------------------------------------------------
     def evict(self) -> int:
-        with _DirLock(self.dir):
+        with self.locked():
             return self._evict_locked(protect=None)
 
     def _evict_locked(self, protect: str | None) -> int:

@@ -1,4 +1,4 @@
-"""The recovery ladder (DESIGN.md "Recovery ladder").
+"""The recovery ladder (docs/DESIGN.md, "Recovery ladder").
 
 1. The live session: token-prefix match, then rendered byte-prefix match.
 2. ``rewrite_from_common``; on REBUILD_NEEDED go on.
@@ -9,6 +9,9 @@
 Before the live session is replaced by an unrelated prompt, it is saved
 ("evict") when a store is given. The report says which rung served, how many
 tokens were reused, every rejected candidate and where the time went.
+
+The prompt is encoded once, and the store is asked once per run: the rewrite
+rung and the disk rung share one :class:`ds4.kvstore.Candidates`.
 """
 
 from __future__ import annotations
@@ -16,16 +19,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from .errors import InvalidSessionError
+from .kvstore import Candidates, KVStore
 from .session import Rewrite, Session
 
 log = logging.getLogger("ds4.recovery")
 
-__all__ = ["RUNGS", "RecoveryReport", "recover"]
-
-RUNGS = ("live", "rewrite", "disk", "prefill")
+__all__ = ["RecoveryReport", "recover"]
 
 
 @dataclasses.dataclass
@@ -35,24 +38,28 @@ class RecoveryReport:
     reused_tokens: int = 0
     prompt_tokens: int = 0
     loaded_path: str | None = None
-    rejected: list = dataclasses.field(default_factory=list)
-    timings: dict = dataclasses.field(default_factory=dict)
+    rejected: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
     evict_saved: str | None = None
     cold_saved: str | None = None
-    events: list = dataclasses.field(default_factory=list)
+    events: list[str] = dataclasses.field(default_factory=list)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["rejected"] = [{"path": p, "stage": s, "code": c, "reason": r} for (p, s, c, r) in self.rejected]
         return d
 
-    def _event(self, msg: str, *args) -> None:
+    def _event(self, msg: str, *args: object) -> None:
         text = msg % args if args else msg
         self.events.append(text)
         log.info(text)
 
 
-def _tokenize_suffix(engine, prompt_b: bytes, n_bytes: int) -> list[int] | None:
+class _Tokenizer(Protocol):
+    def tokenize(self, text: str, special: bool = ...) -> list[int]: ...
+
+
+def _tokenize_suffix(engine: _Tokenizer, prompt_b: bytes, n_bytes: int) -> list[int] | None:
     """Tokens of the prompt's byte suffix after ``n_bytes``, or None when the
     cut falls inside a UTF-8 sequence (the suffix is then not tokenizable
     on its own)."""
@@ -65,7 +72,7 @@ def _tokenize_suffix(engine, prompt_b: bytes, n_bytes: int) -> list[int] | None:
 
 def recover(
     sess: Session,
-    store,
+    store: KVStore | None,
     prompt_text: str | bytes,
     *,
     evict_save: bool = True,
@@ -78,24 +85,70 @@ def recover(
     verified material allows. ``store`` may be None (no disk rung). With
     ``cold_save``, a full prefill also stores ds4's trimmed/aligned cold
     prefix on the way."""
-    t_start = time.perf_counter()
-    rep = RecoveryReport()
-    engine = sess.engine
-    prompt_b = prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
-    prompt_s = prompt_b.decode("utf-8")
-    t0 = time.perf_counter()
-    tokens = engine.tokenize(prompt_s, special=True)
-    rep.timings["tokenize_ms"] = (time.perf_counter() - t0) * 1000
-    rep.prompt_tokens = len(tokens)
-    sess.check_prompt(tokens)  # typed error before anything is touched
+    ladder = _Ladder(sess, store, prompt_text, evict_save, progress, frontier_every, on_frontier)
+    return ladder.run(cold_save)
 
-    def finish(rung: str, source: str, effective: list[int], reused: int) -> RecoveryReport:
+
+class _Ladder:
+    """One run of the ladder: the rungs in order, sharing the prompt's
+    bytes, its tokens and the store's one lookup."""
+
+    def __init__(
+        self,
+        sess: Session,
+        store: KVStore | None,
+        prompt_text: str | bytes,
+        evict_save: bool,
+        progress: Callable[[int, int], None] | None,
+        frontier_every: int | None,
+        on_frontier: Callable[[Session], None] | None,
+    ):
+        self.t_start = time.perf_counter()
+        self.rep = RecoveryReport()
+        self.sess, self.store, self.engine = sess, store, sess.engine
+        if isinstance(prompt_text, str):
+            self.prompt_s, self.prompt_b = prompt_text, prompt_text.encode("utf-8")
+        else:
+            self.prompt_b = bytes(prompt_text)
+            self.prompt_s = self.prompt_b.decode("utf-8")
+        self.evict_save = evict_save
+        self.progress, self.frontier_every, self.on_frontier = progress, frontier_every, on_frontier
+        self.tokens: list[int] = []
+        self._found: Candidates | None = None
+
+    def found(self) -> Candidates:
+        """The store's candidates for this prompt, looked up once."""
+        assert self.store is not None
+        if self._found is None:
+            self._found = self.store.candidates(self.prompt_b, ctx=self.sess.ctx)
+            self.rep.rejected.extend(self._found.rejected)
+        return self._found
+
+    def run(self, cold_save: bool) -> RecoveryReport:
+        rep, sess = self.rep, self.sess
+        t0 = time.perf_counter()
+        self.tokens = self.engine.tokenize(self.prompt_s, special=True)
+        rep.timings["tokenize_ms"] = (time.perf_counter() - t0) * 1000
+        rep.prompt_tokens = len(self.tokens)
+        sess.check_prompt(self.tokens)  # typed error before anything is touched
+        if sess.checkpoint_valid:
+            done = self.live()
+            if done is not None:
+                return done
+        if self.store is not None:
+            done = self.disk()
+            if done is not None:
+                return done
+        return self.prefill(cold_save)
+
+    def finish(self, rung: str, source: str, effective: Sequence[int], reused: int) -> RecoveryReport:
+        rep = self.rep
         t = time.perf_counter()
-        sess.sync(effective, progress=progress, frontier_every=frontier_every, on_frontier=on_frontier)
+        self.sync(effective)
         rep.timings["prefill_ms"] = (time.perf_counter() - t) * 1000
         rep.rung, rep.source, rep.reused_tokens = rung, source, reused
         rep.prompt_tokens = len(effective)
-        rep.timings["total_ms"] = (time.perf_counter() - t_start) * 1000
+        rep.timings["total_ms"] = (time.perf_counter() - self.t_start) * 1000
         rep._event(
             "ds4 ladder rung=%s source=%s reused=%d prompt=%d prefill=%d rejected=%d total=%.1f ms",
             rung,
@@ -108,86 +161,106 @@ def recover(
         )
         return rep
 
-    # 1. live session
-    if sess.checkpoint_valid:
+    def sync(self, tokens: Sequence[int]) -> None:
+        self.sess.sync(tokens, progress=self.progress, frontier_every=self.frontier_every, on_frontier=self.on_frontier)
+
+    def save_evict(self) -> None:
+        """Store the live session before it is replaced (never raises)."""
+        store, sess = self.store, self.sess
+        if store is None or not self.evict_save or sess.n_past < store.min_tokens:
+            return
+        try:
+            self.rep.evict_saved = store.store_live_prefix(sess, "evict")
+        except (OSError, InvalidSessionError) as e:
+            self.rep._event("ds4 evict save failed: %s", e)
+
+    # 1. the live session ---------------------------------------------------
+    def live(self) -> RecoveryReport | None:
+        sess, tokens, prompt_b = self.sess, self.tokens, self.prompt_b
         live = sess.tokens
         if len(tokens) >= len(live) and tokens[: len(live)] == live:
-            return finish("live", "memory-token", tokens, len(live))
+            return self.finish("live", "memory-token", tokens, len(live))
         live_text = sess.text_bytes()
         if len(live_text) <= len(prompt_b) and prompt_b.startswith(live_text):
-            rest = _tokenize_suffix(engine, prompt_b, len(live_text))
+            rest = _tokenize_suffix(self.engine, prompt_b, len(live_text))
             if rest is not None and len(live) + len(rest) < sess.ctx:
-                return finish("live", "memory-text", live + rest, len(live))
-        # 2. rewrite to the common prefix
+                return self.finish("live", "memory-text", live + rest, len(live))
+        done = self.rewrite(live)
+        if done is not None:
+            return done
+        # The live state is about to be replaced: save it first.
+        if self.rep.evict_saved is None:
+            self.save_evict()
+        return None
+
+    # 2. rewrite to the common prefix ------------------------------------------
+    def rewrite(self, live: list[int]) -> RecoveryReport | None:
+        sess, tokens, rep = self.sess, self.tokens, self.rep
         common = sess.common_prefix(tokens)
-        if 0 < common < len(live) and store is not None:
+        if 0 < common < len(live) and self.store is not None:
             # A rewind keeps only `common` tokens; a longer verified prefix on
             # disk reuses more (ds4 never rewinds, so it never has to choose).
-            # The lookup is one pass over the prompt against the index.
-            cands = store.lookup(prompt_b, ctx=sess.ctx)
+            cands = self.found().entries
             common_bytes = len(sess.text_bytes(common))
             if cands and cands[0].text_bytes > common_bytes:
                 rep._event(
                     "ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", cands[0].text_bytes, common_bytes
                 )
                 common = -1
-        if common > 0:
-            if common < len(live) and store is not None and evict_save and sess.n_past >= store.min_tokens:
-                # A rewind discards the live tokens past `common`: save them
-                # first, as ds4 does before any live state is replaced (ds4
-                # cannot rewind, so for it this case is a plain miss).
-                try:
-                    rep.evict_saved = store.store_live_prefix(sess, "evict")
-                except (OSError, InvalidSessionError) as e:
-                    rep._event("ds4 evict save failed: %s", e)
-            t = time.perf_counter()
-            r = sess.rewrite_from_common(tokens)
-            rep.timings["rewrite_ms"] = (time.perf_counter() - t) * 1000
-            if r is Rewrite.OK:
-                rep.rung, rep.source, rep.reused_tokens = "rewrite", "memory-rewind", common
-                rep.timings["total_ms"] = (time.perf_counter() - t_start) * 1000
-                rep._event("ds4 ladder rung=rewrite reused=%d prompt=%d", common, len(tokens))
-                return rep
-            rep._event(
-                "ds4 live kv cache miss live=%d prompt=%d common=%d reason=%s",
-                len(live),
-                len(tokens),
-                common,
-                sess.last_error or r.value,
-            )
-        elif common == 0:
+        if common == 0:
             rep._event(
                 "ds4 live kv cache miss live=%d prompt=%d common=0 reason=token-mismatch", len(live), len(tokens)
             )
-        # The live state is about to be replaced: save it first.
-        if store is not None and evict_save and rep.evict_saved is None and sess.n_past >= store.min_tokens:
-            try:
-                rep.evict_saved = store.store_live_prefix(sess, "evict")
-            except (OSError, InvalidSessionError) as e:
-                rep._event("ds4 evict save failed: %s", e)
-
-    # 3. disk
-    if store is not None:
+        if common <= 0:
+            return None
+        if common < len(live):
+            # A rewind discards the live tokens past `common`: save them
+            # first, as ds4 does before any live state is replaced (ds4
+            # cannot rewind, so for it this case is a plain miss).
+            self.save_evict()
         t = time.perf_counter()
-        res = store.try_load_text(sess, prompt_b, report=rep)
-        rep.timings["disk_ms"] = (time.perf_counter() - t) * 1000
-        if res is not None:
-            rest = _tokenize_suffix(engine, prompt_b, res.text_bytes)
-            if rest is not None and res.tokens + len(rest) < sess.ctx:
-                rep.loaded_path = res.path
-                return finish("disk", "disk-text", sess.tokens + rest, res.tokens)
-            sess.invalidate("suffix not tokenizable after disk load")
+        r = sess.rewrite_from_common(tokens)
+        rep.timings["rewrite_ms"] = (time.perf_counter() - t) * 1000
+        if r is Rewrite.OK:
+            rep.rung, rep.source, rep.reused_tokens = "rewrite", "memory-rewind", common
+            rep.timings["total_ms"] = (time.perf_counter() - self.t_start) * 1000
+            rep._event("ds4 ladder rung=rewrite reused=%d prompt=%d", common, len(tokens))
+            return rep
+        rep._event(
+            "ds4 live kv cache miss live=%d prompt=%d common=%d reason=%s",
+            len(live),
+            len(tokens),
+            common,
+            sess.last_error or r.value,
+        )
+        return None
 
-    # 4. full prefill (with ds4's cold save on the way)
-    sess.invalidate("full prefill")
-    if store is not None and cold_save and len(tokens) <= store.cold_max_tokens:
-        cold_len = store.cold_store_len(len(tokens))
-        if cold_len is not None:
-            sess.sync(tokens[:cold_len], progress=progress, frontier_every=frontier_every, on_frontier=on_frontier)
-            try:
-                rep.cold_saved = store.store_live_prefix(sess, "cold")
-            except OSError as e:
-                rep._event("ds4 cold save failed: %s", e)
-            rep_prefill = finish("prefill", "full", tokens, 0)
-            return rep_prefill
-    return finish("prefill", "full", tokens, 0)
+    # 3. disk ---------------------------------------------------------------
+    def disk(self) -> RecoveryReport | None:
+        assert self.store is not None
+        sess, rep = self.sess, self.rep
+        t = time.perf_counter()
+        res = self.store.load_first(sess, self.found(), report=rep)
+        rep.timings["disk_ms"] = (time.perf_counter() - t) * 1000
+        if res is None:
+            return None
+        rest = _tokenize_suffix(self.engine, self.prompt_b, res.text_bytes)
+        if rest is not None and res.tokens + len(rest) < sess.ctx:
+            rep.loaded_path = res.path
+            return self.finish("disk", "disk-text", sess.tokens + rest, res.tokens)
+        sess.invalidate("suffix not tokenizable after disk load")
+        return None
+
+    # 4. full prefill (with ds4's cold save on the way) -------------------------
+    def prefill(self, cold_save: bool) -> RecoveryReport:
+        sess, store, tokens = self.sess, self.store, self.tokens
+        sess.invalidate("full prefill")
+        if store is not None and cold_save and len(tokens) <= store.cold_max_tokens:
+            cold_len = store.cold_store_len(len(tokens))
+            if cold_len is not None:
+                self.sync(tokens[:cold_len])
+                try:
+                    self.rep.cold_saved = store.store_live_prefix(sess, "cold")
+                except OSError as e:
+                    self.rep._event("ds4 cold save failed: %s", e)
+        return self.finish("prefill", "full", tokens, 0)

@@ -1,0 +1,144 @@
+"""The ``ds4`` command.
+
+::
+
+    ds4 serve  [--host --port --engine --model --ctx --kv-disk-dir ...]   OpenAI-compatible server
+    ds4 run    -p TEXT [--max-tokens N] [--raw] [--json] ...                one-shot generation
+    ds4 chat   [--system TEXT] [--kv-disk-dir DIR] ...                      interactive REPL
+    ds4 kv     ls|show|verify|gc|rm|stats DIR [...] [--json]                inspect a checkpoint directory
+    ds4 bench  [--tokens N] [--json]                                        headline figures on this machine
+    ds4 demo   [--engine ...]                                               the end-to-end demo
+
+Each command is a module of this package (run, chat, kv, bench); they stand
+on :mod:`ds4.turn`, :mod:`ds4.config`, :mod:`ds4.recovery` and
+:mod:`ds4.kvstore`, never on the HTTP server (``ds4 serve`` imports it on
+demand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+
+from ..config import add_engine_args, add_kv_args
+from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+
+__all__ = ["build_parser", "main"]
+
+
+def _gen_args(q: argparse.ArgumentParser, max_tokens: int) -> None:
+    q.add_argument(
+        "--max-tokens", type=int, default=max_tokens, metavar="N", help=f"tokens to generate (default {max_tokens})"
+    )
+    q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    q.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..server.app import add_serve_args
+    from .chat import DEFAULT_SYSTEM
+    from .kv import add_kv_parser
+
+    p = argparse.ArgumentParser(prog="ds4", description="ds4: LLM inference with a verified disk KV cache")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    sp = sub.add_parser("serve", help="OpenAI-compatible HTTP server (one live session, disk KV cache)")
+    add_serve_args(sp)
+
+    rp = sub.add_parser("run", help="generate once from a prompt")
+    rp.add_argument("-p", "--prompt", required=True, help="the prompt ('-' reads stdin)")
+    rp.add_argument("--raw", action="store_true", help="use the prompt as is (no chat template)")
+    rp.add_argument("--system", default=None, help="a system message (chat mode)")
+    rp.add_argument("--stop", action="append", metavar="TEXT", help="stop sequence (repeatable)")
+    rp.add_argument("--json", action="store_true", help="print {text, tokens, report, ...} as JSON")
+    rp.add_argument("-v", "--verbose", action="store_true", help="print the ladder report to stderr")
+    _gen_args(rp, 128)
+    add_engine_args(rp)
+    add_kv_args(rp)
+
+    cp = sub.add_parser("chat", help="interactive chat with named checkpoints (/save /list /switch /new /clear /quit)")
+    cp.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt (its checkpoint is reused across sessions)")
+    cp.add_argument("--no-kv-cache", action="store_true", help="no checkpoint directory")
+    _gen_args(cp, 512)
+    add_engine_args(cp)
+    add_kv_args(cp, dir_default=os.environ.get("DS4_KV_DIR") or os.path.join("~", ".cache", "ds4", "kv"))
+
+    add_kv_parser(sub)
+
+    bp = sub.add_parser("bench", help="headline figures on this machine (reference engine)")
+    bp.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
+    bp.add_argument("--sha-mb", type=int, default=64, help="MiB hashed for the SHA-1 figures (default 64)")
+    bp.add_argument("--kv-disk-dir", default=None, help="directory for the checkpoint (default: a temp dir)")
+    bp.add_argument("--json", action="store_true")
+
+    dp = sub.add_parser(
+        "demo", help="the end-to-end demo: cold prefill + save, restart + resume, corruption + recovery", add_help=False
+    )
+    dp.add_argument("demo_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int] | None:
+    """The function that runs ``args.cmd`` (imported on demand: ``ds4 kv``
+    never loads an engine, ``ds4 run`` never loads the HTTP server)."""
+    if args.cmd == "serve":
+        from ..server.app import serve_main
+
+        return serve_main
+    if args.cmd == "run":
+        from .run import cmd_run
+
+        return cmd_run
+    if args.cmd == "chat":
+        from .chat import cmd_chat
+
+        return cmd_chat
+    if args.cmd == "bench":
+        from .bench import cmd_bench
+
+        return cmd_bench
+    from .kv import KV_COMMANDS
+
+    return KV_COMMANDS.get(args.kvcmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # its own argument parser (python -m ds4.demo)
+        from ..demo import main as demo_main
+
+        return demo_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from .. import __version__
+
+        print(f"ds4 {__version__}")
+        return EXIT_OK
+    if args.cmd is None:
+        parser.print_help()
+        return EXIT_USAGE
+    fn = _command(args)
+    if fn is None:
+        parser.parse_args(["kv", "--help"])
+        return EXIT_USAGE
+    try:
+        return fn(args)
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except Exception as e:  # engine construction and the like: one line, not a traceback
+        from ..errors import Ds4Error
+
+        if isinstance(e, (Ds4Error, ValueError, OSError)):
+            print(f"ds4 {args.cmd}: {e}", file=sys.stderr)
+            return EXIT_FAIL
+        raise

@@ -1,0 +1,123 @@
+"""``ds4 bench``: headline figures on this machine (reference engine): time
+to first token cold and resumed, checkpoint save and load, SHA-1 speed and
+the one-pass prefix lookup."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from .. import _core
+from ..checkpoint import open_checkpoint
+from ..engines.reference import ReferenceEngine
+from ..kvstore import KVStore
+from ..recovery import recover
+from ..session import Session
+from .term import EXIT_OK, human_bytes
+
+__all__ = ["cmd_bench"]
+
+Row = tuple[str, float, str]
+
+
+def _prompt(eng: ReferenceEngine, n_tokens: int) -> tuple[str, list[int]]:
+    """A chat prompt of at most ``n_tokens`` tokens, and its tokens."""
+    body = "The quick brown fox jumps over the lazy dog. " * (n_tokens // 40 + 2)
+    msgs = [{"role": "system", "content": "You are a benchmark."}, {"role": "user", "content": body}]
+    prompt = eng.render_chat(msgs)
+    toks = eng.tokenize(prompt, special=True)
+    while len(toks) > n_tokens:
+        body = body[: len(body) - (len(toks) - n_tokens)]
+        msgs[1]["content"] = body
+        prompt = eng.render_chat(msgs)
+        toks = eng.tokenize(prompt, special=True)
+    return prompt, toks
+
+
+def _session_rows(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    eng = ReferenceEngine()
+    ctx = max(8192, args.tokens * 2)
+    prompt, toks = _prompt(eng, args.tokens)
+    n = len(toks)
+    follow = prompt + "Sure.<|im_end|>\n<|im_start|>user\nAnd in one word?<|im_end|>\n<|im_start|>assistant\n"
+    with tempfile.TemporaryDirectory(prefix="ds4-bench-") as tmp:
+        store = KVStore(args.kv_disk_dir or tmp, budget_mb=4096, min_tokens=16)
+        Session(eng, ctx=ctx).sync(toks[:512])  # warm-up: first-call allocations and tables
+        # cold: full prefill then the first token
+        s = Session(eng, ctx=ctx)
+        t0 = time.perf_counter()
+        s.sync(toks)
+        s.argmax()
+        rows.append((f"TTFT cold ({n} tokens, full prefill)", (time.perf_counter() - t0) * 1000, "ms"))
+        t0 = time.perf_counter()
+        path = store.store_live_prefix(s, "cold")
+        save = time.perf_counter() - t0
+        assert path is not None
+        rows.append((f"checkpoint save ({human_bytes(os.path.getsize(path))}, fsync)", save * 1000, "ms"))
+        t0 = time.perf_counter()
+        ck = open_checkpoint(path, prompt=prompt, expected_abi=s.payload_abi, ctx=ctx - 1)
+        Session(eng, ctx=ctx).load_checkpoint(ck)
+        rows.append(("checkpoint verify + load", (time.perf_counter() - t0) * 1000, "ms"))
+        # resumed: a new process would start with an empty session
+        s3 = Session(eng, ctx=ctx)
+        t0 = time.perf_counter()
+        rep = recover(s3, store, follow)
+        s3.argmax()
+        resumed = time.perf_counter() - t0
+        label = f"TTFT resumed from disk (+{rep.prompt_tokens - rep.reused_tokens} new tokens, rung={rep.rung})"
+        rows.append((label, resumed * 1000, "ms"))
+        s4 = Session(eng, ctx=ctx)
+        t0 = time.perf_counter()
+        s4.sync(eng.tokenize(follow, special=True))
+        s4.argmax()
+        cold2 = time.perf_counter() - t0
+        rows.append(("TTFT same follow-up, cold", cold2 * 1000, "ms"))
+        rows.append(("speed-up resumed vs cold", cold2 / max(resumed, 1e-9), "x"))
+        del ck
+    return rows
+
+
+def _sha_rows(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    data = np.random.default_rng(0).integers(0, 256, size=args.sha_mb << 20, dtype=np.uint8).tobytes()
+    t0 = time.perf_counter()
+    a = _core.sha1_hex(data)
+    t_core = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    b = hashlib.sha1(data).hexdigest()
+    t_lib = time.perf_counter() - t0
+    assert a == b
+    mb = len(data) / 2**20
+    rows.append(("SHA-1 ds4 core", mb / t_core, "MiB/s"))
+    rows.append(("SHA-1 hashlib", mb / t_lib, "MiB/s"))
+    pb = data[: 1 << 20]
+    lengths = sorted({int(x) for x in np.linspace(1024, len(pb), 64)})
+    t0 = time.perf_counter()
+    _core.sha1_prefixes(pb, lengths)
+    t_one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for L in lengths:
+        hashlib.sha1(pb[:L]).digest()
+    t_each = time.perf_counter() - t0
+    rows.append((f"prefix lookup, {len(lengths)} candidates in 1 MiB: one pass", t_one * 1000, "ms"))
+    rows.append((f"prefix lookup, {len(lengths)} candidates in 1 MiB: hashlib each", t_each * 1000, "ms"))
+    return rows
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    rows = _session_rows(args) + _sha_rows(args)
+    if args.json:
+        print(json.dumps([{"name": r[0], "value": r[1], "unit": r[2]} for r in rows], indent=1))
+        return EXIT_OK
+    w = max(len(r[0]) for r in rows)
+    print(f"{'measure'.ljust(w)}  {'value':>10}  unit")
+    for name, v, unit in rows:
+        print(f"{name.ljust(w)}  {v:10.2f}  {unit}")
+    return EXIT_OK

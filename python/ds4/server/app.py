@@ -1,0 +1,311 @@
+"""The ASGI app (Starlette, served by uvicorn) and ``ds4 serve``.
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
+(non-streaming, or streaming over SSE: ``data: {json}`` chunks then ``data:
+[DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``.
+
+A handler parses the request (:mod:`ds4.server.openai`), submits a job to
+the one worker (:mod:`ds4.server.worker`) and relays its events. The job's
+cancel flag is set as soon as the client disconnects. On SIGTERM/SIGINT
+uvicorn drains the in-flight requests, then the lifespan hook closes the
+worker, which stores the live session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
+from ..turn import Generator, GenResult
+from .openai import SSE_DONE, ApiError, Reply, RequestParser, Turn, exception_to_api, http_error, invalid_json
+from .worker import Job, Service
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+log = logging.getLogger("ds4.server")
+
+__all__ = ["add_serve_args", "create_app", "serve_main"]
+
+Event = tuple[str, Any]
+
+
+class _JobRun:
+    """One submitted job seen from the event loop: its events, and a
+    watcher that cancels it when the client disconnects."""
+
+    def __init__(self, service: Service, request: Request, turn: Turn):
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def post(k: str, v: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(self.events.put_nowait, (k, v))
+            except RuntimeError:  # loop closed: nobody is listening any more
+                pass
+
+        self.job = Job(turn.kind, turn.payload, turn.params, post)
+        service.submit(self.job)
+        self.watcher = asyncio.ensure_future(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                self.job.cancel.set()
+                return
+
+    async def next(self) -> Event:
+        try:
+            return await self.events.get()
+        except BaseException:  # the handler was cancelled (server shutting down): stop the job
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Cancel the job (a no-op once it is done) and the watcher."""
+        self.job.cancel.set()
+        self.watcher.cancel()
+
+
+class _Routes:
+    def __init__(self, service: Service, default_max_tokens: int, model_aliases: Sequence[str]):
+        self.service = service
+        self.gen = service.gen
+        self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
+        self.parser = RequestParser(self.model_ids, default_max_tokens, self.gen.ctx)
+
+    @staticmethod
+    def err(e: ApiError) -> Response:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @staticmethod
+    async def read_json(request: Request) -> object:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise invalid_json(e) from None
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            return await self.run(request, self.parser.chat(await self.read_json(request)))
+        except ApiError as e:
+            return self.err(e)
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            return await self.run(request, self.parser.completion(await self.read_json(request)))
+        except ApiError as e:
+            return self.err(e)
+
+    async def run(self, request: Request, turn: Turn) -> Response:
+        try:
+            run = _JobRun(self.service, request, turn)
+        except Exception as e:  # refused: queue full or shutting down
+            return self.err(exception_to_api(e, None))
+        k, v = await run.next()
+        if k == "error":
+            run.watcher.cancel()
+            return self.err(exception_to_api(v, turn.param))
+        prefix = "chatcmpl-" if turn.kind == "chat" else "cmpl-"
+        reply = Reply(turn, prefix + uuid.uuid4().hex[:24], int(time.time()), self.service.model_id)
+        if turn.stream:
+            from starlette.responses import StreamingResponse
+
+            return StreamingResponse(
+                self.stream(run, reply),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await self.collect(run, reply)
+
+    async def collect(self, run: _JobRun, reply: Reply) -> Response:
+        from starlette.responses import JSONResponse
+
+        try:
+            while True:
+                k, v = await run.next()
+                if k == "done":
+                    res: GenResult = v
+                    return JSONResponse(reply.complete(res))
+                if k == "error":
+                    return self.err(exception_to_api(v, reply.turn.param))
+        finally:
+            run.watcher.cancel()
+
+    async def stream(self, run: _JobRun, reply: Reply) -> AsyncIterator[bytes]:
+        try:
+            for b in reply.opening():
+                yield b
+            while True:
+                k, v = await run.events.get()
+                if k == "text":
+                    yield reply.chunk(v)
+                    continue
+                if k == "done":
+                    for b in reply.closing(v):
+                        yield b
+                    break
+                if k == "error":
+                    for b in reply.failed(v):
+                        yield b
+                    break
+            yield SSE_DONE
+        finally:
+            run.stop()  # a no-op when the job is done; stops it when the client left
+
+    def model_obj(self, mid: str) -> dict[str, Any]:
+        return {"id": mid, "object": "model", "created": int(self.service.started), "owned_by": "ds4"}
+
+    async def models(self, request: Request) -> Response:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"object": "list", "data": [self.model_obj(self.service.model_id)]})
+
+    async def model_get(self, request: Request) -> Response:
+        from starlette.responses import JSONResponse
+
+        mid = request.path_params["model"]
+        if mid not in self.model_ids:
+            return self.err(
+                ApiError(404, f"the model '{mid}' does not exist", "invalid_request_error", "model", "model_not_found")
+            )
+        return JSONResponse(self.model_obj(mid))
+
+    async def health(self, request: Request) -> Response:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.service.model_id,
+                "engine": self.gen.engine.name,
+                "payload_abi": self.gen.sess.payload_abi,
+                "queued": self.service.queued,
+                **self.service.status,
+            }
+        )
+
+    async def http_exc(self, request: Request, exc: Exception) -> Response:
+        from starlette.exceptions import HTTPException
+        from starlette.responses import JSONResponse
+
+        assert isinstance(exc, HTTPException)
+        return JSONResponse(http_error(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    async def any_exc(self, request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return self.err(ApiError(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"))
+
+
+def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases: Sequence[str] = ()) -> Starlette:
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    r = _Routes(service, default_max_tokens, model_aliases)
+    gen = service.gen
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        log.info(
+            "ds4 server ready model=%s engine=%s ctx=%d kv=%s",
+            service.model_id,
+            gen.engine.name,
+            gen.ctx,
+            gen.store.dir if gen.store else "off",
+        )
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, service.close)
+        log.info("ds4 server stopped")
+
+    routes = [
+        Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
+        Route("/v1/completions", r.completions, methods=["POST"]),
+        Route("/v1/models", r.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", r.model_get, methods=["GET"]),
+        Route("/health", r.health, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes, exception_handlers={HTTPException: r.http_exc, Exception: r.any_exc}, lifespan=lifespan
+    )
+    app.state.service = service
+    return app
+
+
+# ---------------------------------------------------------------------------
+# ds4 serve
+# ---------------------------------------------------------------------------
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    add_engine_args(p)
+    add_kv_args(p)
+    p.add_argument("--no-kv-cache", action="store_true", help="no disk cache at all (the live session is still reused)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="max_tokens when a request gives none (default 256)",
+    )
+    p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
+    p.add_argument(
+        "--model-alias", action="append", default=[], metavar="NAME", help="another model id to accept (repeatable)"
+    )
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        print(f"ds4 serve needs starlette and uvicorn ({e}): pip install 'ds4[server]'", file=sys.stderr)
+        return 1
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    msg = check_kv_args(args)
+    if msg:
+        log.error("%s", msg)
+        return 2
+    if args.ctx < 16:
+        log.error("--ctx must be >= 16")
+        return 2
+    engine = build_engine(args.engine, args.model, args.threads)
+    if args.ctx > engine.max_ctx:
+        log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
+    gen = Generator(engine, args.ctx, make_store(args))
+    service = Service(gen, engine_model_id(engine), max_queue=args.max_queue)
+    app = create_app(service, default_max_tokens=args.default_max_tokens, model_aliases=args.model_alias)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+        access_log=args.log_level == "debug",
+    )
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        service.close()  # no-op after the lifespan hook ran
+    return 0

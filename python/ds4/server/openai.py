@@ -1,0 +1,381 @@
+"""The OpenAI protocol: request parsing and validation, response and stream
+chunk bodies, and the mapping of failures to OpenAI-style errors
+``{"error": {"message", "type", "param", "code"}}``.
+
+Nothing here touches the session: a request that fails validation is
+answered before a job exists.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ContextOverflowError, EmptyPromptError, EngineError
+from ..turn import GenParams, GenResult
+from .worker import Cancelled, QueueFull, ShuttingDown
+
+__all__ = ["ApiError", "RequestParser", "Turn", "exception_to_api"]
+
+JSON = dict[str, Any]
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> JSON:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(msg: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, msg, "invalid_request_error", param, code)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt_int(body: JSON, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _bad(f"'{key}' must be an integer, got {type(v).__name__}", key, "invalid_type")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise _bad(f"'{key}' must be {rng}, got {v}", key)
+    return int(v)
+
+
+def _opt_num(body: JSON, key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_num(v):
+        raise _bad(f"'{key}' must be a number, got {type(v).__name__}", key, "invalid_type")
+    if not lo <= v <= hi:
+        raise _bad(f"'{key}' must be between {lo} and {hi}, got {v}", key)
+    return float(v)
+
+
+def _opt_bool(body: JSON, key: str) -> bool | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _bad(f"'{key}' must be a boolean, got {type(v).__name__}", key, "invalid_type")
+    return v
+
+
+class Turn:
+    """One parsed request: what to render (chat messages or a raw prompt),
+    how to generate, and how to answer."""
+
+    def __init__(self, kind: str, payload: Any, params: GenParams, stream: bool, include_usage: bool):
+        self.kind = kind  # "chat" (payload: messages) or "completion" (payload: prompt text)
+        self.payload = payload
+        self.params = params
+        self.stream = stream
+        self.include_usage = include_usage
+
+    @property
+    def param(self) -> str:
+        """The request field an error about the prompt points at."""
+        return "messages" if self.kind == "chat" else "prompt"
+
+
+class RequestParser:
+    """Validates ``/v1/chat/completions`` and ``/v1/completions`` bodies."""
+
+    ROLES = ("system", "developer", "user", "assistant")
+
+    def __init__(self, model_ids: Sequence[str], default_max_tokens: int, ctx: int):
+        self.model_ids = tuple(model_ids)
+        self.default_max_tokens = default_max_tokens
+        self.ctx = ctx
+
+    def _model(self, body: object) -> JSON:
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object", None, "invalid_type")
+        model = body.get("model")
+        if model is None:
+            raise _bad("you must provide a model parameter", "model", "missing_required_parameter")
+        if not isinstance(model, str):
+            raise _bad("'model' must be a string", "model", "invalid_type")
+        if model not in self.model_ids:
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist (this server serves {', '.join(map(repr, self.model_ids))})",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        return body
+
+    def _sampling(self, body: JSON) -> GenParams:
+        n = _opt_int(body, "n", 1)
+        if n is not None and n != 1:
+            raise _bad("only n=1 is supported (one live session)", "n", "unsupported_value")
+        best_of = _opt_int(body, "best_of", 1)
+        if best_of is not None and best_of != 1:
+            raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
+        mt = _opt_int(body, "max_tokens", 1)
+        mct = _opt_int(body, "max_completion_tokens", 1)
+        max_tokens = mct if mct is not None else mt
+        temperature = _opt_num(body, "temperature", 0.0, 2.0) or 0.0
+        top_p = _opt_num(body, "top_p", 0.0, 1.0)
+        if top_p is not None and top_p <= 0.0:
+            raise _bad("'top_p' must be > 0", "top_p")
+        seed = body.get("seed")
+        if seed is not None and not _is_int(seed):
+            raise _bad("'seed' must be an integer", "seed", "invalid_type")
+        if seed is not None and seed < 0:
+            seed = seed & ((1 << 64) - 1)
+        for k in ("frequency_penalty", "presence_penalty"):
+            _opt_num(body, k, -2.0, 2.0)
+        return GenParams(
+            max_tokens=self.default_max_tokens if max_tokens is None else max_tokens,
+            stop=self._stop(body),
+            temperature=temperature,
+            top_p=1.0 if top_p is None else top_p,
+            seed=seed,
+        )
+
+    @staticmethod
+    def _stop(body: JSON) -> tuple[str, ...]:
+        stop = body.get("stop")
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            return (stop,) if stop else ()
+        if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            if len(stop) > 4:
+                raise _bad("'stop' takes at most 4 sequences", "stop")
+            return tuple(s for s in stop if s)
+        raise _bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
+
+    @staticmethod
+    def _stream(body: JSON) -> tuple[bool, bool]:
+        stream = _opt_bool(body, "stream") or False
+        so = body.get("stream_options")
+        if so is None:
+            return stream, False
+        if not isinstance(so, dict):
+            raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+        if not stream:
+            raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        return stream, bool(_opt_bool(so, "include_usage"))
+
+    def _common(self, raw: object) -> tuple[JSON, GenParams, bool, bool]:
+        body = self._model(raw)
+        params = self._sampling(body)
+        stream, include_usage = self._stream(body)
+        return body, params, stream, include_usage
+
+    def _message(self, i: int, m: object) -> dict[str, str]:
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{p} must be an object", p, "invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _bad(f"{p}.role must be a string", f"{p}.role", "invalid_type")
+        if role not in self.ROLES:
+            raise _bad(f"{p}.role {role!r} is not supported (system, developer, user, assistant)", f"{p}.role")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"{p}.content[{j}] must be a text part", f"{p}.content", "invalid_type")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise _bad(f"{p}.content must be a string or an array of text parts", f"{p}.content", "invalid_type")
+        if m.get("tool_calls"):
+            raise _bad("tool calls are not supported", f"{p}.tool_calls", "unsupported_value")
+        return {"role": "system" if role == "developer" else role, "content": content}
+
+    def chat(self, raw: object) -> Turn:
+        body, params, stream, inc = self._common(raw)
+        msgs = body.get("messages")
+        if msgs is None:
+            raise _bad("'messages' is required", "messages", "missing_required_parameter")
+        if not isinstance(msgs, list) or not msgs:
+            raise _bad("'messages' must be a non-empty array", "messages", "invalid_type")
+        out = [self._message(i, m) for i, m in enumerate(msgs)]
+        if _opt_bool(body, "logprobs"):
+            raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
+        if body.get("tools"):
+            raise _bad("tools are not supported", "tools", "unsupported_value")
+        rf = body.get("response_format")
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise _bad("only response_format {'type': 'text'} is supported", "response_format", "unsupported_value")
+        return Turn("chat", out, params, stream, inc)
+
+    def completion(self, raw: object) -> Turn:
+        body, params, stream, inc = self._common(raw)
+        if "prompt" not in body or body["prompt"] is None:
+            raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise _bad("'prompt' must be a string (or an array of one string)", "prompt", "invalid_type")
+        if not prompt:
+            raise _bad("'prompt' must not be empty", "prompt")
+        if body.get("logprobs") is not None:
+            raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
+        if _opt_bool(body, "echo"):
+            raise _bad("echo is not supported", "echo", "unsupported_value")
+        if body.get("suffix"):
+            raise _bad("suffix is not supported", "suffix", "unsupported_value")
+        return Turn("completion", prompt, params, stream, inc)
+
+
+def invalid_json(e: Exception) -> ApiError:
+    return ApiError(
+        400, f"We could not parse the JSON body of your request: {e}", "invalid_request_error", None, "invalid_json"
+    )
+
+
+def exception_to_api(e: BaseException, param: str | None) -> ApiError:
+    """The HTTP answer to a failed or refused job."""
+    if isinstance(e, ContextOverflowError):
+        return ApiError(
+            400,
+            f"This model's maximum context length is {e.ctx} tokens; the prompt has {e.n_tokens} tokens "
+            "(one more is needed to generate)",
+            "invalid_request_error",
+            param,
+            "context_length_exceeded",
+        )
+    if isinstance(e, EmptyPromptError):
+        return _bad("the prompt is empty", param)
+    if isinstance(e, (ValueError, TypeError)):
+        return _bad(str(e), param)
+    if isinstance(e, Cancelled):
+        return ApiError(499, "client closed the request", "invalid_request_error", None, "cancelled")
+    if isinstance(e, QueueFull):
+        return ApiError(429, f"too many queued requests ({e.pending})", "rate_limit_error", code="queue_full")
+    if isinstance(e, ShuttingDown):
+        return ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
+    if isinstance(e, EngineError):
+        return ApiError(500, f"the engine failed: {e}", "server_error", None, "engine_error")
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")
+
+
+def http_error(status: int, detail: str) -> JSON:
+    """The body for an error the router raised (404, 405, ...)."""
+    return {
+        "error": {
+            "message": detail,
+            "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": None,
+            "code": {404: "not_found", 405: "method_not_allowed"}.get(status),
+        }
+    }
+
+
+def ds4_info(res: GenResult) -> JSON:
+    """ds4's own block in every response: how the cache served the turn."""
+    r = res.report
+    return {
+        "rung": r.rung,
+        "source": r.source,
+        "reused_tokens": r.reused_tokens,
+        "loaded_path": r.loaded_path,
+        "rejected": [{"path": p, "stage": s, "code": c, "reason": rr} for (p, s, c, rr) in r.rejected],
+        "evict_saved": r.evict_saved,
+        "cold_saved": r.cold_saved,
+        "stop_action": res.stop_action,
+        "ttft_ms": round(res.ttft_s * 1000, 3),
+        "total_ms": round(res.total_s * 1000, 3),
+    }
+
+
+class Reply:
+    """The response bodies of one turn: a whole completion, or its SSE
+    chunks."""
+
+    def __init__(self, turn: Turn, rid: str, created: int, model: str):
+        self.turn, self.rid, self.created, self.model = turn, rid, created, model
+        self.chat = turn.kind == "chat"
+
+    def _head(self, obj: str) -> JSON:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def complete(self, res: GenResult) -> JSON:
+        if self.chat:
+            choice: JSON = {
+                "index": 0,
+                "message": {"role": "assistant", "content": res.text},
+                "logprobs": None,
+                "finish_reason": res.finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
+            obj = "text_completion"
+        return {
+            **self._head(obj),
+            "system_fingerprint": None,
+            "choices": [choice],
+            "usage": res.usage(),
+            "ds4": ds4_info(res),
+        }
+
+    @property
+    def _chunk_obj(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, delta: str | None, finish: str | None = None, first: bool = False) -> bytes:
+        if self.chat:
+            d: JSON = {}
+            if first:
+                d["role"] = "assistant"
+            if delta is not None:
+                d["content"] = delta
+            ch: JSON = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        else:
+            ch = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        o = {**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch]}
+        return sse(o, ensure_ascii=False)
+
+    def opening(self) -> list[bytes]:
+        return [self.chunk("", first=True)] if self.chat else []
+
+    def closing(self, res: GenResult) -> list[bytes]:
+        out = [self.chunk(None if self.chat else "", res.finish_reason)]
+        if self.turn.include_usage:
+            o = {**self._head(self._chunk_obj), "choices": [], "usage": res.usage(), "ds4": ds4_info(res)}
+            out.append(sse(o))
+        return out
+
+    def failed(self, e: BaseException) -> list[bytes]:
+        return [sse(exception_to_api(e, self.turn.param).body())]
+
+
+def sse(obj: JSON, ensure_ascii: bool = True) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=ensure_ascii).encode("utf-8") + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

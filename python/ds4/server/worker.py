@@ -1,0 +1,191 @@
+"""The worker: a FIFO queue of jobs and the one thread that owns the live
+session (through :class:`ds4.turn.Generator`). HTTP handlers submit jobs and
+relay the events the worker posts back (``start``, ``text`` pieces, then
+``done`` or ``error``); requests are therefore served one at a time, in
+arrival order. The worker knows nothing of HTTP: refusals are typed
+(:class:`QueueFull`, :class:`ShuttingDown`) and the protocol modules turn
+them into responses.
+
+A job whose client left while it was queued is skipped; a job whose client
+leaves while it runs stops at the next token (its cancel flag is checked
+before every token), and the session stays valid at exactly the tokens
+evaluated. On shutdown the queue is drained and the live session stored
+(reason ``shutdown``) when it is valid, unlike ds4.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ContextOverflowError, EmptyPromptError
+from ..turn import Generator, GenParams
+
+log = logging.getLogger("ds4.server")
+
+__all__ = ["Cancelled", "Job", "ProgressLog", "QueueFull", "Service", "ShuttingDown"]
+
+
+class Cancelled(Exception):
+    """The job was cancelled (client gone) before it started."""
+
+
+class QueueFull(Exception):
+    """Too many jobs are waiting."""
+
+    def __init__(self, pending: int):
+        super().__init__(f"too many queued requests ({pending})")
+        self.pending = pending
+
+
+class ShuttingDown(Exception):
+    """The service takes no more jobs."""
+
+
+class Job:
+    """One turn to run. ``post(kind, value)`` delivers events to the handler."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, kind: str, payload: Any, params: GenParams, post: Callable[[str, Any], None]):
+        self.id = next(self._ids)
+        self.kind = kind  # "chat" (payload: messages) or "completion" (payload: prompt)
+        self.payload = payload
+        self.params = params
+        self.post = post
+        self.cancel = threading.Event()
+
+
+_SHUTDOWN = object()
+
+
+class ProgressLog:
+    """Logs ds4-style prefill progress lines, at most one every ``every`` s."""
+
+    def __init__(self, label: str, every: float = 2.0):
+        self.label, self.every = label, every
+        self.t0 = time.perf_counter()
+        self.last = self.t0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            el = now - self.t0
+            log.info(
+                "%s prefill %d/%d (%.1f%%) avg=%.1f t/s %.1fs",
+                self.label,
+                done,
+                total,
+                100.0 * done / max(1, total),
+                done / max(el, 1e-9),
+                el,
+            )
+
+
+class Service:
+    """A FIFO queue of jobs and the one worker thread that runs them."""
+
+    def __init__(self, generator: Generator, model_id: str, *, max_queue: int = 64):
+        self.gen = generator
+        self.model_id = model_id
+        self.max_queue = max_queue
+        self._q: queue.Queue[object] = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.started = time.time()
+        self.status = self._snapshot(busy=False)
+        self._thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
+        self._thread.start()
+
+    def _snapshot(self, busy: bool) -> dict[str, Any]:
+        g = self.gen
+        st: dict[str, Any] = {
+            "busy": busy,
+            "session": {"valid": g.sess.checkpoint_valid, "n_past": g.sess.n_past, "ctx": g.sess.ctx},
+            "counters": dict(g.counters),
+        }
+        if g.store is not None:
+            st["kv"] = g.store.summary()
+        return st
+
+    @property
+    def queued(self) -> int:
+        return self._pending
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; raises :class:`ShuttingDown` or :class:`QueueFull`."""
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down")
+            if self._pending >= self.max_queue:
+                raise QueueFull(self._pending)
+            self._pending += 1
+        self._q.put(job)
+
+    def close(self) -> None:
+        """Drain the queue, store the live session (``shutdown``), stop."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._q.put(_SHUTDOWN)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if not isinstance(job, Job):  # the shutdown marker
+                try:
+                    self.gen.shutdown_save()
+                except Exception:  # pragma: no cover - defensive
+                    log.exception("shutdown save failed")
+                return
+            with self._lock:
+                self._pending -= 1
+            try:
+                self._serve(job)
+            except BaseException:  # pragma: no cover - never let the worker die
+                log.exception("worker failed on job %d", job.id)
+            self.status = self._snapshot(busy=False)
+
+    def _serve(self, job: Job) -> None:
+        if job.cancel.is_set():
+            log.info("job %d skipped: client disconnected while queued", job.id)
+            job.post("error", Cancelled())
+            return
+        self.status = self._snapshot(busy=True)
+        eng = self.gen.engine
+        try:
+            prompt = eng.render_chat(job.payload) if job.kind == "chat" else job.payload
+            res = self.gen.generate(
+                prompt,
+                job.params,
+                on_start=lambda rep: job.post("start", rep),
+                on_text=lambda s: job.post("text", s),
+                cancel=job.cancel.is_set,
+                progress=ProgressLog(f"job {job.id}"),
+            )
+        except Exception as e:
+            if isinstance(e, (ContextOverflowError, EmptyPromptError, ValueError, TypeError)):
+                self.gen.counters["rejected"] += 1  # the client's fault; nothing was touched
+            else:
+                self.gen.counters["errors"] += 1
+                log.exception("job %d failed", job.id)
+            job.post("error", e)
+            return
+        if res.finish_reason == "cancelled":
+            log.info(
+                "job %d: client disconnected; stopped after %d tokens (session %s at %d tokens)",
+                job.id,
+                res.completion_tokens,
+                "valid" if self.gen.sess.checkpoint_valid else "invalid",
+                self.gen.sess.n_past,
+            )
+        job.post("done", res)
