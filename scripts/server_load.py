@@ -112,14 +112,8 @@ MALFORMED = [
 ]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=120)
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--bad-share", type=float, default=0.25)
-    a = ap.parse_args()
-
-    # Expected answers, from a cold server without cache.
+def expected_answers(a) -> dict:
+    """Each conversation's answer from a cold server without a cache."""
     cold, cbase = start(a)
     expected = {}
     try:
@@ -133,72 +127,81 @@ def main():
     finally:
         cold.send_signal(signal.SIGTERM)
         cold.wait(30)
+    return expected
 
-    kv = tempfile.mkdtemp(prefix="ds4-load-")
-    srv, base = start(a, kv)
-    stats = {
-        "ok": 0,
-        "4xx": 0,
-        "5xx": 0,
-        "transport_errors": 0,
-        "wrong_answers": 0,
-        "health_ok": 0,
-        "health_fail": 0,
-        "cached_tokens": 0,
-    }
-    lock = threading.Lock()
-    stop = time.monotonic() + a.seconds
 
-    def bump(k, n=1):
-        with lock:
-            stats[k] += n
+class Load:
+    """Clients sending good and malformed requests, and a health prober,
+    until ``stop``; counts what they see."""
 
-    def client(i):
+    def __init__(self, a, base: str, expected: dict):
+        self.a, self.base, self.expected = a, base, expected
+        self.stats = {
+            "ok": 0,
+            "4xx": 0,
+            "5xx": 0,
+            "transport_errors": 0,
+            "wrong_answers": 0,
+            "health_ok": 0,
+            "health_fail": 0,
+            "cached_tokens": 0,
+        }
+        self.lock = threading.Lock()
+        self.stop = time.monotonic() + a.seconds
+
+    def bump(self, k, n=1):
+        with self.lock:
+            self.stats[k] += n
+
+    def request(self, c, rnd):
+        if rnd.random() < self.a.bad_share:
+            body, ctype = rnd.choice(MALFORMED)
+            return c.post(self.base + "/v1/chat/completions", content=body, headers={"content-type": ctype})
+        k = rnd.randrange(len(CONVERSATIONS))
+        r = c.post(
+            self.base + "/v1/chat/completions",
+            json={"model": "ds4-reference", "messages": CONVERSATIONS[k], "max_tokens": 8},
+        )
+        if r.status_code == 200:
+            j = r.json()
+            if j["choices"][0]["message"]["content"] != self.expected[k]:
+                self.bump("wrong_answers")
+            self.bump("cached_tokens", j["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+        return r
+
+    def client(self, i):
         rnd = random.Random(i)
         with httpx.Client(timeout=300) as c:
-            while time.monotonic() < stop:
+            while time.monotonic() < self.stop:
                 try:
-                    if rnd.random() < a.bad_share:
-                        body, ctype = rnd.choice(MALFORMED)
-                        r = c.post(base + "/v1/chat/completions", content=body, headers={"content-type": ctype})
-                    else:
-                        k = rnd.randrange(len(CONVERSATIONS))
-                        r = c.post(
-                            base + "/v1/chat/completions",
-                            json={"model": "ds4-reference", "messages": CONVERSATIONS[k], "max_tokens": 8},
-                        )
-                        if r.status_code == 200:
-                            j = r.json()
-                            if j["choices"][0]["message"]["content"] != expected[k]:
-                                bump("wrong_answers")
-                            bump("cached_tokens", j["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
-                    if r.status_code >= 500:
-                        bump("5xx")
-                    elif r.status_code >= 400:
-                        bump("4xx")
-                    else:
-                        bump("ok")
+                    r = self.request(c, rnd)
                 except httpx.HTTPError:
-                    bump("transport_errors")
+                    self.bump("transport_errors")
+                    continue
+                self.bump("5xx" if r.status_code >= 500 else "4xx" if r.status_code >= 400 else "ok")
 
-    def prober():
+    def prober(self):
         with httpx.Client(timeout=5) as c:
-            while time.monotonic() < stop:
+            while time.monotonic() < self.stop:
                 try:
-                    bump("health_ok" if c.get(base + "/health").status_code == 200 else "health_fail")
+                    self.bump("health_ok" if c.get(self.base + "/health").status_code == 200 else "health_fail")
                 except httpx.HTTPError:
-                    bump("health_fail")
+                    self.bump("health_fail")
                 time.sleep(0.25)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)] + [threading.Thread(target=prober)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    stats["seconds"] = round(time.monotonic() - t0, 1)
-    srv.send_signal(signal.SIGTERM)
-    srv.wait(60)
+    def run(self):
+        threads = [threading.Thread(target=self.client, args=(i,)) for i in range(self.a.clients)]
+        threads.append(threading.Thread(target=self.prober))
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.stats["seconds"] = round(time.monotonic() - t0, 1)
+
+
+def check_dir(kv: str, stats: dict) -> None:
+    """Every checkpoint left verifies; no temp file is left."""
     files = [f for f in os.listdir(kv) if f.endswith(".kv")]
     bad = []
     for f in files:
@@ -209,13 +212,31 @@ def main():
     stats["checkpoints"] = len(files)
     stats["checkpoints_failing"] = bad
     stats["temp_files"] = [f for f in os.listdir(kv) if ".tmp." in f]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=120)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--bad-share", type=float, default=0.25)
+    a = ap.parse_args()
+
+    expected = expected_answers(a)
+    kv = tempfile.mkdtemp(prefix="ds4-load-")
+    srv, base = start(a, kv)
+    load = Load(a, base, expected)
+    load.run()
+    srv.send_signal(signal.SIGTERM)
+    srv.wait(60)
+    stats = load.stats
+    check_dir(kv, stats)
     stats["clients"] = a.clients
     print(json.dumps(stats, indent=2))
     ok = (
         stats["5xx"] == 0
         and stats["transport_errors"] == 0
         and stats["wrong_answers"] == 0
-        and not bad
+        and not stats["checkpoints_failing"]
         and stats["health_fail"] == 0
         and stats["ok"] > 0
         and not stats["temp_files"]

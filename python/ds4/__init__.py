@@ -10,6 +10,8 @@ Quick tour::
     print(report.rung, report.reused_tokens)
 """
 
+from typing import Any
+
 from . import errors
 from ._core import __version__ as _core_version
 from .checkpoint import Checkpoint, open_checkpoint, write_checkpoint
@@ -55,11 +57,10 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-def default_engine(**kwargs: object) -> Engine:
+def default_engine(**kwargs: Any) -> Engine:
     """The engine ``--engine auto`` picks (:func:`ds4.config.engine_kind`):
     SmolLM2 through llama.cpp when installed with a model, else the
     reference engine. ``kwargs`` go to its constructor."""
     from .config import build_engine
 
-    model = kwargs.pop("model_path", None)
-    return build_engine("auto", model if isinstance(model, str) else None, **kwargs)
+    return build_engine("auto", kwargs.pop("model_path", None), **kwargs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,7 @@ __all__ = ["REASONS", "Checkpoint", "open_checkpoint", "reason_code", "write_che
 REASONS: tuple[str, ...] = tuple(_core.REASONS)
 
 BytesLike = bytes | bytearray | memoryview | np.ndarray
+Buffer = bytes | bytearray | memoryview
 
 
 def reason_code(reason: str | int) -> int:
@@ -32,11 +34,13 @@ def reason_code(reason: str | int) -> int:
         return REASONS.index("named")
 
 
-def _as_text(text: str | BytesLike) -> BytesLike:
-    return text.encode("utf-8") if isinstance(text, str) else text
+def _as_text(text: str | BytesLike) -> Buffer:
+    if isinstance(text, str):
+        return text.encode("utf-8")
+    return text.data if isinstance(text, np.ndarray) else text
 
 
-def _tensor_entry(name: str, a: np.ndarray | BytesLike):
+def _tensor_entry(name: str, a: np.ndarray | BytesLike) -> tuple[str, str, list[int], memoryview]:
     if not isinstance(a, np.ndarray):
         a = np.frombuffer(a, dtype=np.uint8)
     if a.dtype.byteorder == ">":
@@ -44,12 +48,12 @@ def _tensor_entry(name: str, a: np.ndarray | BytesLike):
     shape = list(a.shape)  # taken before any reshaping (0-d arrays keep shape [])
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
-    raw = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+    raw = a.reshape(-1).view(np.uint8).data if a.size else memoryview(b"")
     return (name, a.dtype.str, shape, raw)
 
 
 def write_checkpoint(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     text: str | BytesLike,
     arrays: Mapping[str, np.ndarray | BytesLike],
     *,
@@ -88,7 +92,7 @@ class Checkpoint:
     def __init__(self, core: _core.Checkpoint):
         self._core = core
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         if name == "_core":  # not yet set (copy/pickle): avoid recursing
             raise AttributeError(name)
         return getattr(self._core, name)
@@ -100,13 +104,15 @@ class Checkpoint:
     def text_str(self) -> str:
         return self._core.text.decode("utf-8", errors="replace")
 
-    def tensor_table(self):
+    def tensor_table(self) -> list[tuple[str, str, list[int], int, int]]:
         return self._core.tensor_table()
 
-    def _view(self, name, dtype, shape, nbytes) -> np.ndarray:
+    def _view(self, name: str, dtype: str, shape: list[int], nbytes: int) -> np.ndarray:
         dt = np.dtype(dtype)
         buf = self._core.tensor_buffer(name)
-        return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize).reshape(shape)
+        # numpy's stubs list the buffer types they know, not PEP 688's Buffer
+        arr: np.ndarray = np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)  # type: ignore[call-overload]
+        return arr.reshape(shape)
 
     def array(self, name: str) -> np.ndarray:
         """One payload tensor as a read-only numpy array over the map."""
@@ -122,7 +128,7 @@ class Checkpoint:
 
 
 def open_checkpoint(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     prompt: str | BytesLike | None = None,
     expected_abi: str | None = None,

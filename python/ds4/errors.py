@@ -21,6 +21,8 @@ Every class pickles (``__reduce__``) and is importable from this module.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ERROR_CODES",
     "AbiMismatchError",
@@ -80,18 +82,18 @@ class CheckpointError(Ds4Error, ValueError):
     kind: str = "corrupt"
 
     def __init__(self, reason: str = "", *, path: str | None = None, stage: str | None = None):
-        self.reason = reason or self.__class__.__doc__.strip().splitlines()[0]
+        self.reason = reason or (self.__class__.__doc__ or self.code).strip().splitlines()[0]
         self.path = path
         if stage is not None:
             self.stage = stage
         where = f" [{path}]" if path else ""
         super().__init__(f"{self.code} (stage {self.stage}): {self.reason}{where}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.__class__, self.reason, self.path, self.stage))
 
 
-def _rebuild(cls, reason, path, stage):
+def _rebuild(cls: type[CheckpointError], reason: str, path: str | None, stage: str) -> CheckpointError:
     return cls(reason, path=path, stage=stage)
 
 
@@ -285,7 +287,7 @@ class ContextOverflowError(SessionError, ValueError):
         self.n_tokens, self.ctx = n_tokens, ctx
         super().__init__(f"prompt of {n_tokens} tokens does not fit context {ctx}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (self.__class__, (self.n_tokens, self.ctx))
 
 
@@ -305,9 +307,9 @@ class StoreFullError(StoreError):
     """The checkpoint does not fit the store's budget."""
 
 
-def _all_checkpoint_classes():
-    out = {}
-    stack = [CheckpointError]
+def _all_checkpoint_classes() -> dict[str, type[CheckpointError]]:
+    out: dict[str, type[CheckpointError]] = {}
+    stack: list[type[CheckpointError]] = [CheckpointError]
     while stack:
         c = stack.pop()
         stack.extend(c.__subclasses__())

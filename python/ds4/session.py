@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,7 +35,12 @@ from .errors import (
     TokenCountMismatchError,
 )
 
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+
 log = logging.getLogger("ds4.session")
+
+Progress = Callable[[int, int], None]
 
 __all__ = ["TOKENS_TENSOR", "Rewrite", "Session"]
 
@@ -124,7 +130,7 @@ class Session:
         if len(tokens) >= self.ctx:
             raise ContextOverflowError(len(tokens), self.ctx)
 
-    def _eval(self, toks: Sequence[int], progress=None) -> None:
+    def _eval(self, toks: Sequence[int], progress: Progress | None = None) -> None:
         try:
             logits = self._ectx.eval(toks, progress)
         except (ContextOverflowError, ValueError) as e:
@@ -168,7 +174,14 @@ class Session:
         self._prefill_from(tokens, reused, progress, frontier_every, on_frontier)
         return reused
 
-    def _prefill_from(self, tokens, start, progress, frontier_every, on_frontier) -> None:
+    def _prefill_from(
+        self,
+        tokens: list[int],
+        start: int,
+        progress: Progress | None,
+        frontier_every: int | None,
+        on_frontier: Callable[[Session], None] | None,
+    ) -> None:
         total = len(tokens) - start
         cuts = [len(tokens)]
         if frontier_every and on_frontier:
@@ -178,7 +191,8 @@ class Session:
         for cut in cuts:
             base = pos - start
 
-            def prog(done, _tot, base=base):
+            def prog(done: int, _tot: int, base: int = base, progress: Progress | None = progress) -> None:
+                assert progress is not None
                 progress(base + done, total)
 
             self._eval(tokens[pos:cut], prog if progress else None)
@@ -193,7 +207,9 @@ class Session:
         if len(self._tokens) + 1 >= self.ctx:
             raise ContextOverflowError(len(self._tokens) + 1, self.ctx)
         self._eval([int(token)])
-        return self.logits
+        logits = self.logits
+        assert logits is not None  # a valid session has logits
+        return logits
 
     def common_prefix(self, tokens: Sequence[int]) -> int:
         """Common token prefix with the live state (0 when invalid)."""
@@ -283,7 +299,7 @@ class Session:
         self._logits = new_logits
         self._valid = True
 
-    def load_checkpoint(self, ck) -> None:
+    def load_checkpoint(self, ck: Checkpoint) -> None:
         """Load an opened, verified :class:`ds4.checkpoint.Checkpoint`."""
         if ck.abi != self._abi:
             from .errors import AbiMismatchError
@@ -298,7 +314,9 @@ class Session:
             self.invalidate("checkpoint truncated while loading")
             raise
 
-    def generate(self, max_tokens: int, *, stop_tokens: Sequence[int] = (), on_token=None) -> list[int]:
+    def generate(
+        self, max_tokens: int, *, stop_tokens: Sequence[int] = (), on_token: Callable[[int], None] | None = None
+    ) -> list[int]:
         """Greedy decode up to ``max_tokens``; stops after a stop token (which
         is returned but not evaluated, so the state ends at the last decoded
         token's logits)."""

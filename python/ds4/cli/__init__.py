@@ -22,6 +22,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from ..config import add_engine_args, add_kv_args
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
@@ -37,10 +38,45 @@ def _gen_args(q: argparse.ArgumentParser, max_tokens: int) -> None:
     q.add_argument("--seed", type=int, default=None, help="sampling seed")
 
 
+def _kv_parser(sub: Any) -> None:
+    """``ds4 kv`` and its actions, on the top-level subparsers."""
+    kp = sub.add_parser("kv", help="inspect a checkpoint directory (ds4 v1 and v2 files)")
+    ksub = kp.add_subparsers(dest="kvcmd", metavar="ACTION")
+    k = ksub.add_parser("ls", help="list checkpoints")
+    k.add_argument("dir")
+    k.add_argument("--json", action="store_true")
+    k = ksub.add_parser("show", help="one checkpoint's header, tensors and text")
+    k.add_argument("dir", help="directory (or a checkpoint file)")
+    k.add_argument("name", nargs="?", help="file name or unique hex prefix")
+    k.add_argument("--text", action="store_true", help="print the whole text")
+    k.add_argument("--verify", action="store_true", help="run the full verification too")
+    k.add_argument("--json", action="store_true")
+    k = ksub.add_parser("verify", help="run the full verification pipeline on every file (exit 1 on any failure)")
+    k.add_argument("dir")
+    k.add_argument("names", nargs="*", help="only these files (names or unique prefixes)")
+    k.add_argument("--json", action="store_true")
+    k = ksub.add_parser("gc", help="remove corrupt and orphaned temp files; evict to a budget")
+    k.add_argument("dir")
+    k.add_argument("--budget-mb", type=float, default=None, help="evict (ds4's score) until the directory fits")
+    k.add_argument(
+        "--tmp-age", type=float, default=3600, help="temp files older than this (s) are orphans (default 3600)"
+    )
+    k.add_argument("--quarantine-dir", default=None, help="move corrupt files here instead of deleting")
+    k.add_argument("--dry-run", action="store_true")
+    k.add_argument("--json", action="store_true")
+    k = ksub.add_parser("rm", help="remove checkpoints")
+    k.add_argument("dir")
+    k.add_argument("names", nargs="*", help="file names or unique hex prefixes")
+    k.add_argument("--all", action="store_true", help="every checkpoint in the directory")
+    k.add_argument("--json", action="store_true")
+    k = ksub.add_parser("stats", help="totals by version, reason and ABI")
+    k.add_argument("dir")
+    k.add_argument("--json", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..server.app import add_serve_args
     from .chat import DEFAULT_SYSTEM
-    from .kv import add_kv_parser
 
     p = argparse.ArgumentParser(prog="ds4", description="ds4: LLM inference with a verified disk KV cache")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -67,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(cp)
     add_kv_args(cp, dir_default=os.environ.get("DS4_KV_DIR") or os.path.join("~", ".cache", "ds4", "kv"))
 
-    add_kv_parser(sub)
+    _kv_parser(sub)
 
     bp = sub.add_parser("bench", help="headline figures on this machine (reference engine)")
     bp.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError
-from ..kvstore import Entry, KVStore, plan_eviction, scan_dir, temp_is_orphaned
+from ..kvstore import Entry, KVStore, plan_eviction, remove_orphaned_temp, scan_dir, temp_is_orphaned
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, preview, printable, table
 
 __all__ = ["KV_COMMANDS", "inspect_file"]
@@ -337,7 +337,7 @@ class _Gc:
                     continue
                 if temp_is_orphaned(name, mtime, self.now, self.args.tmp_age):
                     self.tmp_removed.append(name)
-            elif self.store.remove_orphaned_temp(t, self.now, self.args.tmp_age):
+            elif remove_orphaned_temp(t, self.now, self.args.tmp_age):
                 self.tmp_removed.append(name)
 
     def evict(self) -> None:
@@ -487,39 +487,3 @@ def _print_stats(st: Info) -> None:
 
 
 KV_COMMANDS = {"ls": kv_ls, "show": kv_show, "verify": kv_verify, "gc": kv_gc, "rm": kv_rm, "stats": kv_stats}
-
-
-def add_kv_parser(sub: Any) -> None:
-    """``ds4 kv`` and its actions, on the top-level subparsers."""
-    kp = sub.add_parser("kv", help="inspect a checkpoint directory (ds4 v1 and v2 files)")
-    ksub = kp.add_subparsers(dest="kvcmd", metavar="ACTION")
-    k = ksub.add_parser("ls", help="list checkpoints")
-    k.add_argument("dir")
-    k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("show", help="one checkpoint's header, tensors and text")
-    k.add_argument("dir", help="directory (or a checkpoint file)")
-    k.add_argument("name", nargs="?", help="file name or unique hex prefix")
-    k.add_argument("--text", action="store_true", help="print the whole text")
-    k.add_argument("--verify", action="store_true", help="run the full verification too")
-    k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("verify", help="run the full verification pipeline on every file (exit 1 on any failure)")
-    k.add_argument("dir")
-    k.add_argument("names", nargs="*", help="only these files (names or unique prefixes)")
-    k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("gc", help="remove corrupt and orphaned temp files; evict to a budget")
-    k.add_argument("dir")
-    k.add_argument("--budget-mb", type=float, default=None, help="evict (ds4's score) until the directory fits")
-    k.add_argument(
-        "--tmp-age", type=float, default=3600, help="temp files older than this (s) are orphans (default 3600)"
-    )
-    k.add_argument("--quarantine-dir", default=None, help="move corrupt files here instead of deleting")
-    k.add_argument("--dry-run", action="store_true")
-    k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("rm", help="remove checkpoints")
-    k.add_argument("dir")
-    k.add_argument("names", nargs="*", help="file names or unique hex prefixes")
-    k.add_argument("--all", action="store_true", help="every checkpoint in the directory")
-    k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("stats", help="totals by version, reason and ABI")
-    k.add_argument("dir")
-    k.add_argument("--json", action="store_true")

@@ -24,34 +24,46 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
-import fcntl
 import logging
 import os
-import re
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from . import _core
-from .checkpoint import Checkpoint, open_checkpoint, reason_code, write_checkpoint
-from .errors import (
+from .. import _core
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
-    IncompatibleCheckpointError,
     InvalidSessionError,
     StoreError,
-    StoreFullError,
 )
+from .entries import HALF_LIFE_S, Candidates, Entry, LoadResult, NamedLoad, Rejection, find_prefixes, plan_eviction
+from .files import (
+    LOCK_NAME,
+    TMP_MAX_AGE_S,
+    DirLock,
+    StatKey,
+    is_checkpoint_name,
+    is_temp_name,
+    remove_orphaned_temp,
+    scan_dir,
+    stat_key,
+    temp_is_orphaned,
+    temp_writer_pid,
+)
+from .save import existing_file, write_live
 
 if TYPE_CHECKING:
-    from .recovery import RecoveryReport
-    from .session import Session
+    from ..recovery import RecoveryReport
+    from ..session import Session
 
 log = logging.getLogger("ds4.kvstore")
 
 __all__ = [
+    "HALF_LIFE_S",
+    "LOCK_NAME",
+    "TMP_MAX_AGE_S",
     "Candidates",
     "Entry",
     "KVStore",
@@ -59,194 +71,11 @@ __all__ = [
     "NamedLoad",
     "is_checkpoint_name",
     "plan_eviction",
+    "remove_orphaned_temp",
     "scan_dir",
     "temp_is_orphaned",
     "temp_writer_pid",
 ]
-
-# (path, stage, code, reason) of a file the store rejected
-Rejection = tuple[str, str, str, str]
-StatKey = tuple[int, int, int]
-
-_NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
-# Temp files of writers: ours `.<sha>.kv.tmp.<pid>.<hex>`, ds4-server's
-# `<sha>.kv.tmp.<pid>`, ds4-agent's `<sha>.kv.tmp.XXXXXX` (mkstemp).
-_TMP_RE = re.compile(r"^\.?[0-9a-f]{40}\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
-LOCK_NAME = ".ds4.lock"
-HALF_LIFE_S = 6 * 3600
-TMP_MAX_AGE_S = 3600
-
-
-@dataclasses.dataclass
-class Entry:
-    """What the index knows of one checkpoint file (from its header)."""
-
-    name: str
-    path: str
-    version: int
-    tokens: int
-    text_bytes: int
-    hits: int
-    created: int
-    last_used: int
-    size: int
-    abi: str
-    reason: str
-    ctx: int
-    stat_key: StatKey | tuple[()]
-
-    @classmethod
-    def from_checkpoint(cls, ck: Checkpoint, path: str, stat_key: StatKey | tuple[()] = ()) -> Entry:
-        """The index entry for a verified header."""
-        return cls(
-            name=os.path.basename(path),
-            path=path,
-            version=ck.version,
-            tokens=ck.tokens,
-            text_bytes=ck.text_bytes,
-            hits=ck.hits,
-            created=ck.created,
-            last_used=ck.last_used,
-            size=ck.file_size,
-            abi=ck.abi,
-            reason=ck.reason_name,
-            ctx=ck.ctx,
-            stat_key=stat_key,
-        )
-
-    def score(self, now: float, half_life: float = HALF_LIFE_S) -> float:
-        used = self.last_used or self.created
-        age = max(0.0, now - used) if used else 0.0
-        eff = self.hits * 2.0 ** (-age / half_life) if used else 0.0
-        if eff < 0.01:
-            eff = 0.0
-        return (eff + 1.0) * self.tokens / max(1, self.size)
-
-
-@dataclasses.dataclass
-class LoadResult:
-    path: str
-    tokens: int
-    text_bytes: int
-
-
-@dataclasses.dataclass
-class Candidates:
-    """What one lookup found for a prompt: the indexed checkpoints whose
-    name is the SHA-1 of a prefix of it (longest first; their headers were
-    verified when indexed, every load verifies the whole file again), and
-    the files rejected while indexing since the last lookup."""
-
-    prompt: bytes
-    entries: list[Entry]
-    rejected: list[Rejection]
-
-
-@dataclasses.dataclass
-class NamedLoad:
-    """The outcome of :meth:`KVStore.load_named`: ``loaded``, ``missing``,
-    ``corrupt`` (the file was removed or quarantined) or ``unusable`` (kept)."""
-
-    status: str
-    tokens: int = 0
-    ms: float = 0.0
-    error: CheckpointError | None = None
-
-
-def is_checkpoint_name(name: str) -> bool:
-    """True for ``<40 hex>.kv``, the only names the store reads or removes."""
-    return _NAME_RE.match(name) is not None
-
-
-def scan_dir(directory: str) -> tuple[list[str], list[str], list[str]]:
-    """(checkpoint files, writers' temp files, other ``.kv`` files) in
-    ``directory``, each sorted, as paths."""
-    cks, tmps, other = [], [], []
-    with os.scandir(directory) as it:
-        for de in it:
-            if _NAME_RE.match(de.name):
-                cks.append(de.path)
-            elif _TMP_RE.match(de.name):
-                tmps.append(de.path)
-            elif de.name.endswith(".kv"):
-                other.append(de.path)
-    return sorted(cks), sorted(tmps), sorted(other)
-
-
-def temp_writer_pid(name: str) -> int | None:
-    """The writer's pid encoded in a temp file name, when there is one."""
-    m = _TMP_RE.match(name)
-    if not m:
-        return None
-    tail = m.group("tail")
-    if name.startswith("."):  # ours: .<sha>.kv.tmp.<pid>.<hex>
-        head = tail.split(".")[0]
-        return int(head) if head.isdigit() else None
-    return int(tail) if tail.isdigit() else None  # ds4-server: <pid>; ds4-agent (mkstemp): none
-
-
-def temp_is_orphaned(name: str, mtime: float, now: float, max_age: float = TMP_MAX_AGE_S) -> bool:
-    """A temp file whose writer is gone (its pid no longer exists), or that
-    is older than ``max_age`` seconds (pid unknown, reused, or on another host)."""
-    pid = temp_writer_pid(name)
-    if pid is not None and pid > 0 and pid != os.getpid():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-    return now - mtime > max_age
-
-
-def plan_eviction(entries: list[Entry], limit: int, now: float, protect: str | None = None) -> list[Entry]:
-    """ds4's eviction order: while the total is over ``limit``, the entry
-    with the lowest score goes (ties: least recently used); ``protect`` (the
-    newest file) never does."""
-    total = sum(e.size for e in entries)
-    pool = [e for e in entries if e.name != protect]
-    out = []
-    while total > limit and pool:
-        victim = min(pool, key=lambda e: (e.score(now), e.last_used or e.created))
-        pool.remove(victim)
-        out.append(victim)
-        total -= victim.size
-    return out
-
-
-class _DirLock:
-    """The directory's one lock: an exclusive ``flock`` on ``.ds4.lock``,
-    re-entrant within one store (a discard during a store already holds it;
-    a second ``flock`` on a new descriptor would wait for itself)."""
-
-    def __init__(self, directory: str):
-        self.path = os.path.join(directory, LOCK_NAME)
-        self.fd = -1
-        self.depth = 0
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        if self.depth == 0:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.fd = fd
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if self.depth == 0:
-                fcntl.flock(self.fd, fcntl.LOCK_UN)
-                os.close(self.fd)
-                self.fd = -1
-
-
-def _stat_key(st: os.stat_result) -> StatKey:
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class KVStore:
@@ -291,7 +120,7 @@ class KVStore:
         self.verify_checksum = verify_checksum
         self.mmap = mmap
         self.consume_over_cold_max = consume_over_cold_max
-        self._lock = _DirLock(self.dir)
+        self._lock = DirLock(self.dir)
         self._index: dict[str, Entry] = {}
         # Files rejected while indexing, not yet reported to a ladder run.
         self._unreported: list[Rejection] = []
@@ -333,10 +162,10 @@ class KVStore:
         with os.scandir(self.dir) as it:
             for de in it:
                 name = de.name
-                if _NAME_RE.match(name):
+                if is_checkpoint_name(name):
                     seen[name] = de
-                elif _TMP_RE.match(name):
-                    self.remove_orphaned_temp(de.path, now)
+                elif is_temp_name(name):
+                    remove_orphaned_temp(de.path, now)
         for name in list(self._index):
             if name not in seen:
                 del self._index[name]
@@ -348,7 +177,7 @@ class KVStore:
                 st = de.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            key = _stat_key(st)
+            key = stat_key(st)
             old = self._index.get(name)
             if (old is not None and old.stat_key == key) or self._kept.get(name) == key:
                 continue
@@ -379,23 +208,6 @@ class KVStore:
             return
         self._index[name] = Entry.from_checkpoint(ck, path, key)
 
-    def remove_orphaned_temp(self, path: str, now: float, max_age: float = TMP_MAX_AGE_S) -> bool:
-        """Remove a writer's temp file when its writer is gone (see
-        :func:`temp_is_orphaned`); True when it was removed."""
-        name = os.path.basename(path)
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        if not temp_is_orphaned(name, st.st_mtime, now, max_age):
-            return False
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        log.info("kv cache removed orphaned temp file %s (writer pid %s)", name, temp_writer_pid(name))
-        return True
-
     def entries(self) -> list[Entry]:
         self.refresh()
         return sorted(self._index.values(), key=lambda e: (-e.text_bytes, e.name))
@@ -414,21 +226,7 @@ class KVStore:
         longest first, in one pass over the prompt."""
         self.refresh()
         pb = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
-        cands = [
-            e
-            for e in self._index.values()
-            if e.text_bytes <= len(pb)
-            and e.tokens >= self.min_tokens
-            and (abi is None or e.abi == abi or e.version == 1)
-            and (ctx is None or e.tokens < ctx)
-        ]
-        if not cands:
-            return []
-        lengths = sorted({e.text_bytes for e in cands})
-        digests = dict(zip(lengths, _core.sha1_prefixes(pb, lengths), strict=True))
-        hits = [e for e in cands if digests.get(e.text_bytes) == e.name[:40]]
-        hits.sort(key=lambda e: (-e.text_bytes, -e.tokens))
-        return hits
+        return find_prefixes(self._index.values(), pb, min_tokens=self.min_tokens, abi=abi, ctx=ctx)
 
     def candidates(self, prompt: bytes, ctx: int | None = None) -> Candidates:
         """One lookup for one request: the stored prefixes of ``prompt``
@@ -553,7 +351,7 @@ class KVStore:
                 e.hits = _core.touch(e.path, now)
                 e.last_used = now
                 st = os.stat(e.path)
-                e.stat_key = _stat_key(st)
+                e.stat_key = stat_key(st)
             except OSError as ex:
                 log.debug("kv cache touch failed for %s: %s", e.name, ex)
         self.stats["hits"] += 1
@@ -634,7 +432,7 @@ class KVStore:
         with self.locked():
             # Cheap checks first: an existing file for this key needs no
             # export of the (possibly large) engine state.
-            existing = self._existing(path, sess, text)
+            existing = existing_file(path, sess, text, self.discard)
             if existing == "same":
                 log.info("kv cache store reason=%s: %s already stored", reason, name[:12])
                 return path
@@ -645,14 +443,14 @@ class KVStore:
                     name[:12],
                 )
                 return None
-            size = self._write(path, sess, text, reason)
+            size = write_live(path, sess, text, reason, self.budget_bytes)
             if size is None:
                 return None
             self.stats["stores"] += 1
             st = os.stat(path)
             now = int(time.time())
             self._index[name] = Entry(
-                name, path, 2, n, len(text), 0, now, now, size, sess.payload_abi, reason, sess.ctx, _stat_key(st)
+                name, path, 2, n, len(text), 0, now, now, size, sess.payload_abi, reason, sess.ctx, stat_key(st)
             )
             log.info(
                 "kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
@@ -664,53 +462,6 @@ class KVStore:
             )
             self._evict_locked(protect=name)
         return path
-
-    def _write(self, path: str, sess: Session, text: bytes, reason: str) -> int | None:
-        """Export the session and write it durably; None when the estimate
-        does not fit the budget."""
-        arrays = sess.export_arrays()
-        est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
-        if est + est // 100 > self.budget_bytes:
-            log.warning(
-                "kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB",
-                reason,
-                est / 2**20,
-                self.budget_bytes / 2**20,
-            )
-            return None
-        try:
-            return write_checkpoint(
-                path,
-                text,
-                arrays,
-                abi=sess.payload_abi,
-                tokens=sess.n_past,
-                ctx=sess.ctx,
-                reason=reason_code(reason),
-                quant_bits=getattr(sess.engine, "quant_bits", 0),
-            )
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreFullError(e.errno, f"disk full while storing checkpoint: {e.strerror}", path) from e
-            raise StoreError(e.errno, f"cannot store checkpoint: {e.strerror}", path) from e
-
-    def _existing(self, path: str, sess: Session, text: bytes) -> str | None:
-        """'same' if a file for this engine and text exists (header and text
-        verified; its payload is verified when it is loaded, and removed then
-        if corrupt), 'foreign' if a valid file of another engine holds the
-        key, None otherwise (missing, or corrupt: then it is removed)."""
-        if not os.path.lexists(path):
-            return None
-        try:
-            ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, load_payload=False)
-        except IncompatibleCheckpointError:
-            return "foreign"
-        except CorruptCheckpointError as e:
-            self.discard(path, e, "store")
-            return None
-        except CheckpointError:
-            return "foreign"
-        return "same" if ck.text == text else None
 
     # -- eviction --------------------------------------------------------------
     def evict(self) -> int:

@@ -1,0 +1,147 @@
+"""What the store's index holds: one :class:`Entry` per checkpoint (its
+header facts and ds4's eviction score), the results of a lookup and a load,
+and ds4's eviction order."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .. import _core
+from .files import StatKey
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+    from ..errors import CheckpointError
+
+__all__ = [
+    "HALF_LIFE_S",
+    "Candidates",
+    "Entry",
+    "LoadResult",
+    "NamedLoad",
+    "Rejection",
+    "find_prefixes",
+    "plan_eviction",
+]
+
+HALF_LIFE_S = 6 * 3600
+
+# (path, stage, code, reason) of a file the store rejected
+Rejection = tuple[str, str, str, str]
+
+
+@dataclasses.dataclass
+class Entry:
+    """What the index knows of one checkpoint file (from its header)."""
+
+    name: str
+    path: str
+    version: int
+    tokens: int
+    text_bytes: int
+    hits: int
+    created: int
+    last_used: int
+    size: int
+    abi: str
+    reason: str
+    ctx: int
+    stat_key: StatKey | tuple[()]
+
+    @classmethod
+    def from_checkpoint(cls, ck: Checkpoint, path: str, stat_key: StatKey | tuple[()] = ()) -> Entry:
+        """The index entry for a verified header."""
+        return cls(
+            name=os.path.basename(path),
+            path=path,
+            version=ck.version,
+            tokens=ck.tokens,
+            text_bytes=ck.text_bytes,
+            hits=ck.hits,
+            created=ck.created,
+            last_used=ck.last_used,
+            size=ck.file_size,
+            abi=ck.abi,
+            reason=ck.reason_name,
+            ctx=ck.ctx,
+            stat_key=stat_key,
+        )
+
+    def score(self, now: float, half_life: float = HALF_LIFE_S) -> float:
+        used = self.last_used or self.created
+        age = max(0.0, now - used) if used else 0.0
+        eff = self.hits * 2.0 ** (-age / half_life) if used else 0.0
+        if eff < 0.01:
+            eff = 0.0
+        return (eff + 1.0) * self.tokens / max(1, self.size)
+
+
+@dataclasses.dataclass
+class LoadResult:
+    path: str
+    tokens: int
+    text_bytes: int
+
+
+@dataclasses.dataclass
+class Candidates:
+    """What one lookup found for a prompt: the indexed checkpoints whose
+    name is the SHA-1 of a prefix of it (longest first; their headers were
+    verified when indexed, every load verifies the whole file again), and
+    the files rejected while indexing since the last lookup."""
+
+    prompt: bytes
+    entries: list[Entry]
+    rejected: list[Rejection]
+
+
+@dataclasses.dataclass
+class NamedLoad:
+    """The outcome of :meth:`KVStore.load_named`: ``loaded``, ``missing``,
+    ``corrupt`` (the file was removed or quarantined) or ``unusable`` (kept)."""
+
+    status: str
+    tokens: int = 0
+    ms: float = 0.0
+    error: CheckpointError | None = None
+
+
+def plan_eviction(entries: list[Entry], limit: int, now: float, protect: str | None = None) -> list[Entry]:
+    """ds4's eviction order: while the total is over ``limit``, the entry
+    with the lowest score goes (ties: least recently used); ``protect`` (the
+    newest file) never does."""
+    total = sum(e.size for e in entries)
+    pool = [e for e in entries if e.name != protect]
+    out = []
+    while total > limit and pool:
+        victim = min(pool, key=lambda e: (e.score(now), e.last_used or e.created))
+        pool.remove(victim)
+        out.append(victim)
+        total -= victim.size
+    return out
+
+
+def find_prefixes(
+    entries: Iterable[Entry], prompt: bytes, *, min_tokens: int, abi: str | None = None, ctx: int | None = None
+) -> list[Entry]:
+    """The entries whose name equals the SHA-1 of a prefix of ``prompt``,
+    longest first, in one pass over the prompt (``_core.sha1_prefixes``
+    snapshots the hash at every candidate length)."""
+    cands = [
+        e
+        for e in entries
+        if e.text_bytes <= len(prompt)
+        and e.tokens >= min_tokens
+        and (abi is None or e.abi == abi or e.version == 1)
+        and (ctx is None or e.tokens < ctx)
+    ]
+    if not cands:
+        return []
+    lengths = sorted({e.text_bytes for e in cands})
+    digests = dict(zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True))
+    hits = [e for e in cands if digests.get(e.text_bytes) == e.name[:40]]
+    hits.sort(key=lambda e: (-e.text_bytes, -e.tokens))
+    return hits

@@ -1,0 +1,143 @@
+"""A cache directory's files as the store sees them: the names it reads
+(``<sha1>.kv``) and the temp files of writers (ours, ds4-server's and
+ds4-agent's), which of those are orphaned, and the directory's one lock.
+Only :mod:`ds4.kvstore` uses these."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+__all__ = [
+    "LOCK_NAME",
+    "TMP_MAX_AGE_S",
+    "DirLock",
+    "StatKey",
+    "is_checkpoint_name",
+    "is_temp_name",
+    "remove_orphaned_temp",
+    "scan_dir",
+    "stat_key",
+    "temp_is_orphaned",
+    "temp_writer_pid",
+]
+
+log = logging.getLogger("ds4.kvstore")
+
+StatKey = tuple[int, int, int]
+
+_NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
+# Temp files of writers: ours `.<sha>.kv.tmp.<pid>.<hex>`, ds4-server's
+# `<sha>.kv.tmp.<pid>`, ds4-agent's `<sha>.kv.tmp.XXXXXX` (mkstemp).
+_TMP_RE = re.compile(r"^\.?[0-9a-f]{40}\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
+LOCK_NAME = ".ds4.lock"
+TMP_MAX_AGE_S = 3600
+
+
+def stat_key(st: os.stat_result) -> StatKey:
+    """What identifies one version of a file: inode, size, mtime."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """True for ``<40 hex>.kv``, the only names the store reads or removes."""
+    return _NAME_RE.match(name) is not None
+
+
+def is_temp_name(name: str) -> bool:
+    """True for a writer's temp file name (ours, ds4-server's, ds4-agent's)."""
+    return _TMP_RE.match(name) is not None
+
+
+def scan_dir(directory: str) -> tuple[list[str], list[str], list[str]]:
+    """(checkpoint files, writers' temp files, other ``.kv`` files) in
+    ``directory``, each sorted, as paths."""
+    cks, tmps, other = [], [], []
+    with os.scandir(directory) as it:
+        for de in it:
+            if _NAME_RE.match(de.name):
+                cks.append(de.path)
+            elif _TMP_RE.match(de.name):
+                tmps.append(de.path)
+            elif de.name.endswith(".kv"):
+                other.append(de.path)
+    return sorted(cks), sorted(tmps), sorted(other)
+
+
+def temp_writer_pid(name: str) -> int | None:
+    """The writer's pid encoded in a temp file name, when there is one."""
+    m = _TMP_RE.match(name)
+    if not m:
+        return None
+    tail = m.group("tail")
+    if name.startswith("."):  # ours: .<sha>.kv.tmp.<pid>.<hex>
+        head = tail.split(".")[0]
+        return int(head) if head.isdigit() else None
+    return int(tail) if tail.isdigit() else None  # ds4-server: <pid>; ds4-agent (mkstemp): none
+
+
+def temp_is_orphaned(name: str, mtime: float, now: float, max_age: float = TMP_MAX_AGE_S) -> bool:
+    """A temp file whose writer is gone (its pid no longer exists), or that
+    is older than ``max_age`` seconds (pid unknown, reused, or on another host)."""
+    pid = temp_writer_pid(name)
+    if pid is not None and pid > 0 and pid != os.getpid():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+    return now - mtime > max_age
+
+
+class DirLock:
+    """The directory's one lock: an exclusive ``flock`` on ``.ds4.lock``,
+    re-entrant within one store (a discard during a store already holds it;
+    a second ``flock`` on a new descriptor would wait for itself)."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, LOCK_NAME)
+        self.fd = -1
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        if self.depth == 0:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+                os.close(self.fd)
+                self.fd = -1
+
+
+def remove_orphaned_temp(path: str, now: float, max_age: float = TMP_MAX_AGE_S) -> bool:
+    """Remove a writer's temp file when its writer is gone (see
+    :func:`temp_is_orphaned`); True when it was removed."""
+    name = os.path.basename(path)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not temp_is_orphaned(name, st.st_mtime, now, max_age):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    log.info("kv cache removed orphaned temp file %s (writer pid %s)", name, temp_writer_pid(name))
+    return True

@@ -1,0 +1,78 @@
+"""Writing a live session into the store's directory: the export, the
+budget estimate, and the durable write with its typed errors."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..checkpoint import open_checkpoint, reason_code, write_checkpoint
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    StoreError,
+    StoreFullError,
+)
+
+if TYPE_CHECKING:
+    from ..session import Session
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = ["existing_file", "write_live"]
+
+
+def write_live(path: str, sess: Session, text: bytes, reason: str, budget_bytes: int) -> int | None:
+    """Export ``sess`` and write it durably to ``path`` under ``text``;
+    returns the file size, or None when the estimate does not fit
+    ``budget_bytes``. Disk full is :class:`ds4.errors.StoreFullError`."""
+    arrays = sess.export_arrays()
+    est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
+    if est + est // 100 > budget_bytes:
+        log.warning(
+            "kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB",
+            reason,
+            est / 2**20,
+            budget_bytes / 2**20,
+        )
+        return None
+    try:
+        return write_checkpoint(
+            path,
+            text,
+            arrays,
+            abi=sess.payload_abi,
+            tokens=sess.n_past,
+            ctx=sess.ctx,
+            reason=reason_code(reason),
+            quant_bits=getattr(sess.engine, "quant_bits", 0),
+        )
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFullError(e.errno, f"disk full while storing checkpoint: {e.strerror}", path) from e
+        raise StoreError(e.errno, f"cannot store checkpoint: {e.strerror}", path) from e
+
+
+def existing_file(
+    path: str, sess: Session, text: bytes, discard: Callable[[str, CheckpointError, str], object]
+) -> str | None:
+    """'same' if a file for this engine and text exists (header and text
+    verified; its payload is verified when it is loaded, and removed then
+    if corrupt), 'foreign' if a valid file of another engine holds the
+    key, None otherwise (missing, or corrupt: then it is ``discard``-ed)."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, load_payload=False)
+    except IncompatibleCheckpointError:
+        return "foreign"
+    except CorruptCheckpointError as e:
+        discard(path, e, "store")
+        return None
+    except CheckpointError:
+        return "foreign"
+    return "same" if ck.text == text else None
