@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -205,7 +206,7 @@ def corrupt(args):
         s.sync(eng.tokenize(t, special=True))
         st.store_live_prefix(s)
     files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".kv"))
-    blobs = [open(f, "rb").read() for f in files]
+    blobs = [Path(f).read_bytes() for f in files]
     cold = {}
     rnd = random.Random(args.seed)
     stats = {"trials": 0, "served_exact": 0, "rejected": {}, "failures": []}

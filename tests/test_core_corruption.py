@@ -16,6 +16,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def originals(tmp_path_factory, write_ck):
         sub = d / key
         sub.mkdir()
         path = write_ck(sub, text, arrays, **kw)
-        data = open(path, "rb").read()
+        data = Path(path).read_bytes()
         out[key] = (data, text, signature(open_checkpoint(path, prompt=text)))
     return out
 

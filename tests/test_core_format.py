@@ -16,6 +16,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,7 +110,7 @@ def header_checksum(buf: bytes) -> int:
 def patch(path, offset, data: bytes, *, resign=True):
     """Overwrite bytes of a v2 file, then (by default) recompute its header
     checksum so the change gets past the checksum to the check behind it."""
-    b = bytearray(open(path, "rb").read())
+    b = bytearray(Path(path).read_bytes())
     b[offset : offset + len(data)] = data
     if resign:
         b[88:96] = struct.pack("<Q", header_checksum(b))
@@ -355,9 +356,9 @@ def test_mmap_false_equals_mmap(tmp_path, write_ck):
 
 def test_load_payload_false(tmp_path, write_ck):
     path = write_ck(tmp_path, b"lazy", {"a": np.arange(100, dtype=np.float32)})
-    b = bytearray(open(path, "rb").read())
+    b = bytearray(Path(path).read_bytes())
     b[-1] ^= 0xFF  # corrupt payload: only the payload stage sees it
-    open(path, "wb").write(b)
+    Path(path).write_bytes(b)
     ck = open_checkpoint(path, load_payload=False)
     assert not ck.payload_loaded and not ck.mapped and ck.text == b"lazy"
     assert ck.tensor_table()[0][:3] == ("a", "<f4", [100])
@@ -436,7 +437,7 @@ def test_failed_write_parent_missing(tmp_path):
 
 def test_failed_write_bad_tensor_leaves_target_untouched(tmp_path, write_ck):
     path = write_ck(tmp_path, b"keep me", {"a": np.arange(5.0)})
-    before = open(path, "rb").read()
+    before = Path(path).read_bytes()
     with pytest.raises(ValueError):  # unsupported dtype string
         core.write_checkpoint(path, b"keep me", [("a", "<c8", [1], memoryview(bytes(8)))], abi=ABI, tokens=1, ctx=2)
     with pytest.raises(ValueError) as ei:  # 2 data bytes for a 3-element f32 tensor
@@ -446,7 +447,7 @@ def test_failed_write_bad_tensor_leaves_target_untouched(tmp_path, write_ck):
         core.write_checkpoint(path, b"keep me", [("", "<f4", [1], memoryview(bytes(4)))], abi=ABI, tokens=1, ctx=2)
     with pytest.raises(ValueError):  # ABI too long
         core.write_checkpoint(path, b"keep me", [], abi="x" * 5000, tokens=1, ctx=2)
-    assert open(path, "rb").read() == before
+    assert Path(path).read_bytes() == before
     assert os.listdir(tmp_path) == [os.path.basename(path)]
 
 
@@ -454,7 +455,7 @@ def test_failed_write_midway_cleans_up(tmp_path, write_ck):
     """A write that fails after bytes hit the disk (file size limit: EFBIG)
     raises OSError, removes its temp file and leaves the old file in place."""
     path = write_ck(tmp_path, b"big", {"a": np.zeros(10)})
-    before = open(path, "rb").read()
+    before = Path(path).read_bytes()
     script = textwrap.dedent(
         f"""
         import resource, signal, sys, numpy as np
@@ -477,13 +478,13 @@ def test_failed_write_midway_cleans_up(tmp_path, write_ck):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("OSError 27"), r.stdout  # EFBIG
     assert os.listdir(tmp_path) == [os.path.basename(path)]
-    assert open(path, "rb").read() == before
+    assert Path(path).read_bytes() == before
 
 
 def test_overwrite_is_atomic(tmp_path, write_ck):
     text = b"same text, new state"
     path = write_ck(tmp_path, text, {"a": np.full(1000, 1.0)})
-    old_bytes = open(path, "rb").read()
+    old_bytes = Path(path).read_bytes()
     f = open(path, "rb")
     old_ck = open_checkpoint(path)
     old_a = old_ck.array("a")
@@ -569,7 +570,7 @@ def test_xxh3_helper_matches_core(tmp_path, write_ck):
     for i, arrays in enumerate(
         [{}, {"a": np.zeros(3, np.uint8)}, {"a": np.zeros(2), "bb": np.zeros((2, 2))}, {"n" * 40: np.zeros((1,) * 5)}]
     ):
-        b = open(write_ck(tmp_path, f"x{i}", arrays), "rb").read()
+        b = Path(write_ck(tmp_path, f"x{i}", arrays)).read_bytes()
         assert header_checksum(b) == struct.unpack_from("<Q", b, 88)[0]
 
 
@@ -659,7 +660,7 @@ def test_tensor_table_errors(tmp_path, write_ck, field_off, value):
 def test_payload_and_text_and_padding_damage(tmp_path, write_ck):
     text = b"abc"  # 96 + meta + 3 bytes: padding to 64 follows the text
     path = write_ck(tmp_path, text, {"a": np.arange(64, dtype=np.uint8)})
-    good = open(path, "rb").read()
+    good = Path(path).read_bytes()
     poff = open_checkpoint(path).payload_offset
     text_off = 96 + struct.unpack_from("<I", good, 20)[0]
     assert good[text_off : text_off + 3] == text and poff > text_off + 4
@@ -673,7 +674,7 @@ def test_payload_and_text_and_padding_damage(tmp_path, write_ck):
     for off, cls in cases:
         b = bytearray(good)
         b[off] ^= 0x10
-        open(path, "wb").write(b)
+        Path(path).write_bytes(b)
         for check_name in (True, False):
             with pytest.raises(cls):
                 open_checkpoint(path, check_name=check_name, prompt=text)
@@ -681,29 +682,29 @@ def test_payload_and_text_and_padding_damage(tmp_path, write_ck):
 
 def test_truncated_and_trailing(tmp_path, write_ck):
     path = write_ck(tmp_path, b"cut")
-    good = open(path, "rb").read()
+    good = Path(path).read_bytes()
     for n in (0, 1, 3, 4, 50, 95):
-        open(path, "wb").write(good[:n])
+        Path(path).write_bytes(good[:n])
         with pytest.raises(E.TooShortError):
             open_checkpoint(path)
     for n in (96, 97, 200, len(good) - 1):
-        open(path, "wb").write(good[:n])
+        Path(path).write_bytes(good[:n])
         with pytest.raises(E.TruncatedCheckpointError):
             open_checkpoint(path)
     for extra in (b"\x00", b"x" * 1000):
-        open(path, "wb").write(good + extra)
+        Path(path).write_bytes(good + extra)
         with pytest.raises(E.TrailingBytesError):
             open_checkpoint(path)
 
 
 def test_magic_and_version(tmp_path, write_ck):
     path = write_ck(tmp_path, b"magic")
-    good = open(path, "rb").read()
-    open(path, "wb").write(b"KVD" + good[3:])
+    good = Path(path).read_bytes()
+    Path(path).write_bytes(b"KVD" + good[3:])
     with pytest.raises(E.BadMagicError):
         open_checkpoint(path)
     for v in (0, 3, 255):
-        open(path, "wb").write(good[:3] + bytes([v]) + good[4:])
+        Path(path).write_bytes(good[:3] + bytes([v]) + good[4:])
         with pytest.raises(E.UnsupportedVersionError) as ei:
             open_checkpoint(path)
         assert isinstance(ei.value, E.IncompatibleCheckpointError)
@@ -791,7 +792,7 @@ def test_bad_name_checked_before_opening(tmp_path):
 def test_name_mismatch(tmp_path, write_ck):
     src = write_ck(tmp_path, b"original text")
     other = tmp_path / sha1_name(b"another text")
-    other.write_bytes(open(src, "rb").read())
+    other.write_bytes(Path(src).read_bytes())
     with pytest.raises(E.NameMismatchError) as ei:
         open_checkpoint(other)
     assert isinstance(ei.value, E.CorruptCheckpointError) and ei.value.stage == "text"
@@ -837,7 +838,7 @@ def test_prompt_prefix(tmp_path, write_ck):
 def test_pipeline_order(tmp_path, write_ck):
     """Stages run in order: open, header (corrupt, then incompatible), text, payload."""
     path = write_ck(tmp_path, b"order", {"a": np.zeros(64)}, abi="a/1")
-    b = bytearray(open(path, "rb").read())
+    b = bytearray(Path(path).read_bytes())
     b[-1] ^= 1  # payload damage
     wrong = tmp_path / sha1_name(b"elsewhere")
     wrong.write_bytes(b)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -212,14 +213,14 @@ def test_v1_other_checks(tmp_path):
     with pytest.raises(E.NotPrefixError):
         open_checkpoint(path, prompt=TEXT[:-1])
     renamed = tmp_path / (hashlib.sha1(b"other").hexdigest() + ".kv")
-    renamed.write_bytes(open(path, "rb").read())
+    renamed.write_bytes(Path(path).read_bytes())
     with pytest.raises(E.NameMismatchError):
         open_checkpoint(renamed)
-    b = bytearray(open(path, "rb").read())
+    b = bytearray(Path(path).read_bytes())
     b[60] ^= 1  # inside the text
     with pytest.raises(E.NameMismatchError):
         open_checkpoint(put(tmp_path, bytes(b)))
-    b = bytearray(open(path, "rb").read())
+    b = bytearray(Path(path).read_bytes())
     b[1] = ord("X")
     with pytest.raises(E.BadMagicError):
         open_checkpoint(put(tmp_path, bytes(b)))
@@ -231,7 +232,7 @@ def test_v1_touch(tmp_path):
     assert core.touch(path, 1_800_000_000) == 4
     ck = open_checkpoint(path, prompt=TEXT)
     assert (ck.hits, ck.last_used, ck.created) == (4, 1_800_000_000, 1_700_000_000)
-    after = open(path, "rb").read()
+    after = Path(path).read_bytes()
     changed = [i for i in range(len(data)) if data[i] != after[i]]
     assert set(changed) <= set(range(12, 16)) | set(range(32, 40)), changed
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -300,9 +301,9 @@ def test_quarantine_dir(eng, tmp_path):
     st = KVStore(d, min_tokens=8, quarantine_dir=qd)
     text = "quarantine this checkpoint please " * 2
     p = st.store_live_prefix(_sess(eng, text))
-    b = bytearray(open(p, "rb").read())
+    b = bytearray(Path(p).read_bytes())
     b[-3] ^= 1
-    open(p, "wb").write(b)
+    Path(p).write_bytes(b)
     s = ds4.Session(eng, ctx=1024)
     rep = ds4.recover(s, st, text + "!")
     assert rep.rung == "prefill" and rep.rejected[0][2] == "payload_checksum"

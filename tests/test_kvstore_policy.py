@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -422,7 +423,7 @@ def test_stale_index_entry_is_rechecked_against_the_context(eng, tmp_path):
     honest = os.path.join(tmp_path, "honest.bin")
     ds4.write_checkpoint(honest, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=n, ctx=s.ctx)
     ds4.write_checkpoint(p, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=8, ctx=s.ctx)
-    data = open(honest, "rb").read()
+    data = Path(honest).read_bytes()
     os.unlink(honest)
     st = KVStore(tmp_path, min_tokens=8)
     assert [e.tokens for e in st.entries()] == [8]
@@ -801,7 +802,7 @@ def test_store_over_a_corrupt_file_replaces_it(eng, tmp_path):
     assert st.store_live_prefix(s) == p
     [q] = os.listdir(qd)
     assert q.startswith(os.path.basename(p) + ".") and q.endswith(".bad_magic")
-    assert open(qd / q, "rb").read() == b"XYZ\x02" + bytes(200)
+    assert Path(qd / q).read_bytes() == b"XYZ\x02" + bytes(200)
     assert _header(p).text == s.text_bytes()
     assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 1)
 
@@ -900,9 +901,9 @@ def test_a_kept_file_is_reported_once_however_often_the_directory_is_rescanned(t
     caused by another file arriving) must not report it again until it
     changes."""
     p = write_ck(tmp_path, "a newer ds4's checkpoint")
-    b = bytearray(open(p, "rb").read())
+    b = bytearray(Path(p).read_bytes())
     b[3] = 9  # format version 9: incompatible, kept
-    open(p, "wb").write(bytes(b))
+    Path(p).write_bytes(bytes(b))
     store = KVStore(tmp_path, min_tokens=1)
     store.refresh(force=True)
     write_ck(tmp_path, "another file arrives")  # changes the directory: a rescan
@@ -914,7 +915,7 @@ def test_a_kept_file_is_reported_once_however_often_the_directory_is_rescanned(t
     assert os.path.exists(p)
     # a change to the file is news: reported again
     b[200] ^= 1
-    open(p, "wb").write(bytes(b))
+    Path(p).write_bytes(bytes(b))
     os.utime(p, ns=(1, 1))
     store.refresh(force=True)
     rep2 = RecoveryReport()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -107,7 +108,7 @@ def world(request, tmp_path_factory):
 
 def _damaged_bytes(world, kind, scratch):
     """The bytes of the long checkpoint damaged by ``kind``."""
-    b = bytearray(open(world.long_path, "rb").read())
+    b = bytearray(Path(world.long_path).read_bytes())
     if kind == "bad_magic":
         b[0] ^= 0x20
     elif kind == "bad_version":
@@ -137,7 +138,7 @@ def _damaged_bytes(world, kind, scratch):
         os.makedirs(scratch, exist_ok=True)
         out = os.path.join(scratch, os.path.basename(world.long_path))
         write_checkpoint(out, text, arrays, abi=abi, tokens=tokens, ctx=world.ctx)
-        b = bytearray(open(out, "rb").read())
+        b = bytearray(Path(out).read_bytes())
         os.unlink(out)
     else:  # pragma: no cover
         raise AssertionError(kind)
@@ -173,7 +174,7 @@ def _damage_in_place(world, d, kind, scratch):
 
 
 def _find_text(path, text):
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     i = data.find(text)
     assert i > 0
     return i
@@ -287,9 +288,9 @@ def test_ladder_all_corrupt_falls_back_to_prefill(world, tmp_path):
     d = world.fresh_dir(tmp_path)
     for p in [f for f in os.listdir(d) if f.endswith(".kv")]:
         fp = os.path.join(d, p)
-        b = bytearray(open(fp, "rb").read())
+        b = bytearray(Path(fp).read_bytes())
         b[-1] ^= 0xFF
-        open(fp, "wb").write(b)
+        Path(fp).write_bytes(b)
     store = world.store(d)
     sess = ds4.Session(world.engine, ctx=world.ctx)
     rep = ds4.recover(sess, store, world.prompt)
