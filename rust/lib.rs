@@ -3,16 +3,16 @@
 //! and durable writes. Pure Rust: builds, tests, benches and fuzzes without
 //! Python. The PyO3 glue lives in `py/` behind the `python` feature.
 
-pub mod checkpoint;
 pub mod error;
 pub mod format;
 pub mod hash;
-pub mod storage;
+pub mod payload;
+pub mod verify;
 
 #[cfg(feature = "python")]
 mod py;
 
-pub use checkpoint::{open, touch, Checkpoint, VerifyOptions};
 pub use error::{Class, Error, Result};
 pub use format::writer::{write_checkpoint, TensorSrc, WriteMeta, Written};
 pub use format::{Dtype, Header, TensorInfo};
+pub use verify::{open, touch, Checkpoint, VerifyOptions};

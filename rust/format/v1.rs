@@ -4,7 +4,8 @@
 //! executed.
 #![deny(clippy::indexing_slicing)]
 
-use super::{byte, check_total, le_u32, le_u64, Header, VERSION_V1};
+use super::bytes::{byte, le_u32, le_u64, Cursor};
+use super::{check_total, Header, VERSION_V1};
 use crate::error::{Error, Result};
 
 pub const V1_FIXED: usize = 52;
@@ -80,15 +81,15 @@ pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
 /// Decodes the 13 u32 fields at the start of a DSV4 payload and checks the
 /// magic, version and that the token count matches the file header.
 pub fn decode_dsv4(payload_head: &[u8], header_tokens: u32) -> Result<[u32; 13]> {
-    if payload_head.len() < 52 {
-        return Err(Error::BadV1Payload(format!(
+    let mut c = Cursor::new(payload_head, |_: &str| {
+        Error::BadV1Payload(format!(
             "payload is {} bytes, shorter than the 52-byte DSV4 header",
             payload_head.len()
-        )));
-    }
+        ))
+    });
     let mut f = [0u32; 13];
-    for (i, v) in f.iter_mut().enumerate() {
-        *v = le_u32(payload_head, 4 * i);
+    for (v, name) in f.iter_mut().zip(DSV4_FIELDS) {
+        *v = c.u32(name)?;
     }
     if f[0] != DSV4_MAGIC {
         return Err(Error::BadV1Payload(format!(

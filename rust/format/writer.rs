@@ -7,8 +7,9 @@
 // 96-byte header it allocates, `zeros[..n]` with `n < ALIGN`).
 #![allow(clippy::indexing_slicing)]
 
+use super::v2::{check_tensor_table, header_checksum};
 use super::{
-    align_up, header_checksum, Dtype, TensorInfo, ALIGN, MAX_ABI, MAX_NAME, MAX_NDIM, MAX_TENSORS,
+    align_up, Dtype, TensorInfo, ALIGN, MAGIC, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM, MAX_TENSORS,
     V2_FIXED, VERSION_V2,
 };
 use crate::error::{Error, Result};
@@ -115,7 +116,7 @@ pub fn encode_header(
         payload_len = off + want;
         off = align_up(payload_len).ok_or(Error::SizeOverflow)?;
     }
-    super::check_tensor_table(&infos, payload_len)?;
+    check_tensor_table(&infos, payload_len)?;
 
     let mut m = Vec::new();
     m.extend_from_slice(&(meta.abi.len() as u16).to_le_bytes());
@@ -132,16 +133,16 @@ pub fn encode_header(
         m.extend_from_slice(&t.offset.to_le_bytes());
         m.extend_from_slice(&t.nbytes.to_le_bytes());
     }
-    if m.len() as u64 > super::MAX_META {
+    if m.len() as u64 > MAX_META {
         return Err(Error::HeaderTooLarge {
             what: "metadata",
             len: m.len() as u64,
-            max: super::MAX_META,
+            max: MAX_META,
         });
     }
 
     let mut f = vec![0u8; V2_FIXED];
-    f[0..3].copy_from_slice(&super::MAGIC);
+    f[0..3].copy_from_slice(&MAGIC);
     f[3] = VERSION_V2;
     f[4] = meta.quant_bits;
     f[5] = meta.reason;

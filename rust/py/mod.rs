@@ -4,11 +4,11 @@
 //! protocol straight from the map (numpy's `frombuffer` then keeps the map
 //! alive through the array's base).
 
-use crate::checkpoint::{self, Checkpoint, VerifyOptions};
 use crate::error::Error;
 use crate::format::{self, writer, Dtype};
 use crate::hash;
-use crate::storage::Storage;
+use crate::payload::Storage;
+use crate::verify::{self, Checkpoint, VerifyOptions};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyBufferError, PyKeyError, PyValueError};
 use pyo3::ffi;
@@ -193,7 +193,7 @@ fn open_checkpoint(
         verify_checksum,
         mmap,
     };
-    match py.detach(|| checkpoint::open(&path, &opts)) {
+    match py.detach(|| verify::open(&path, &opts)) {
         Ok(ck) => Ok(PyCheckpoint {
             inner: Arc::new(ck),
         }),
@@ -204,7 +204,7 @@ fn open_checkpoint(
 /// Records a hit (hits+1, last_used=now) under an exclusive file lock.
 #[pyfunction]
 fn touch(py: Python<'_>, path: PathBuf, now: u64) -> PyResult<u32> {
-    py.detach(|| checkpoint::touch(&path, now))
+    py.detach(|| verify::touch(&path, now))
         .map_err(|e| to_pyerr(py, e, Some(&path)))
 }
 

@@ -263,7 +263,7 @@ fn header_checksum() {
     let f = default_file();
     let meta = text_offset(&f) - 96;
     assert_eq!(
-        ds4::format::header_checksum(&f[..96], &f[96..96 + meta]),
+        ds4::format::v2::header_checksum(&f[..96], &f[96..96 + meta]),
         u64::from_le_bytes(f[88..96].try_into().unwrap())
     );
 }

@@ -20,14 +20,13 @@
 mod common;
 
 use common::*;
-use ds4::checkpoint::{open_regular, read_header, FileLock};
 use ds4::format::v1::{parse_v1, V1_FIXED};
+use ds4::format::v2::{sniff, v2_meta_len};
 use ds4::format::writer::temp_name;
-use ds4::format::{
-    reason_name, sniff, v2_meta_len, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM, MAX_TENSORS, V2_FIXED,
-};
+use ds4::format::{reason_name, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM, MAX_TENSORS, V2_FIXED};
 use ds4::hash::{common_prefix_len, sha1, sha1_prefixes};
-use ds4::storage::Storage;
+use ds4::payload::Storage;
+use ds4::verify::{open_regular, read_header, FileLock};
 use ds4::{open, touch, Class, Dtype, Error, VerifyOptions};
 use std::fs::{File, OpenOptions};
 use std::os::unix::io::AsRawFd;
@@ -316,11 +315,11 @@ fn parse_v2_with_less_metadata_than_declared_is_truncated() {
     let meta_len = text_offset(&f) - V2_FIXED;
     let meta = &f[V2_FIXED..V2_FIXED + meta_len];
     // The whole metadata parses.
-    let h = ds4::format::parse_v2(&f[..V2_FIXED], meta, f.len() as u64).unwrap();
+    let h = ds4::format::v2::parse_v2(&f[..V2_FIXED], meta, f.len() as u64).unwrap();
     assert_eq!(h.text_offset, (V2_FIXED + meta_len) as u64);
     // One byte short: truncated at the declared end of the metadata.
     for short in [meta_len - 1, 0] {
-        let r = ds4::format::parse_v2(&f[..V2_FIXED], &meta[..short], f.len() as u64);
+        let r = ds4::format::v2::parse_v2(&f[..V2_FIXED], &meta[..short], f.len() as u64);
         assert!(
             matches!(r, Err(Error::Truncated { expected, actual })
                 if expected == (V2_FIXED + meta_len) as u64 && actual == f.len() as u64),

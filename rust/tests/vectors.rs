@@ -235,10 +235,10 @@ fn v2_vector_writer_produces_the_documented_bytes() {
         u64::from_le_bytes(expected[80..88].try_into().unwrap())
     );
     assert_eq!(
-        ds4::format::header_checksum(&expected[..96], &expected[96..96 + meta_len]),
+        ds4::format::v2::header_checksum(&expected[..96], &expected[96..96 + meta_len]),
         hsum
     );
-    assert_eq!(ds4::format::payload_checksum(&expected[po..]), psum);
+    assert_eq!(ds4::format::v2::payload_checksum(&expected[po..]), psum);
 
     // The reader, from the documented bytes (both modes), yields the listed fields.
     for mmap in [true, false] {
@@ -341,7 +341,7 @@ fn independent_xxh3_agrees_with_the_crate() {
     assert_eq!(common::xxh3_64(b""), 0x2d06_8005_38d3_94c2);
     for data in xxh3_inputs() {
         assert_eq!(
-            ds4::format::payload_checksum(&data),
+            ds4::format::v2::payload_checksum(&data),
             common::independent_payload_checksum(&data),
             "payload checksum of {} bytes",
             data.len()
@@ -378,7 +378,7 @@ fn independent_xxh3_agrees_with_the_crate() {
         .collect();
     for meta in xxh3_inputs().iter().take(14) {
         assert_eq!(
-            ds4::format::header_checksum(&fixed, meta),
+            ds4::format::v2::header_checksum(&fixed, meta),
             common::independent_header_checksum(&fixed, meta),
             "header checksum with {} metadata bytes",
             meta.len()
@@ -387,7 +387,7 @@ fn independent_xxh3_agrees_with_the_crate() {
     let f = common::default_file();
     let meta_len = u32::from_le_bytes(f[20..24].try_into().unwrap()) as usize;
     assert_eq!(
-        ds4::format::header_checksum(&f[..96], &f[96..96 + meta_len]),
+        ds4::format::v2::header_checksum(&f[..96], &f[96..96 + meta_len]),
         u64::from_le_bytes(f[88..96].try_into().unwrap())
     );
 }

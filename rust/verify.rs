@@ -15,9 +15,10 @@
 //! to lie inside the file.
 
 use crate::error::{Error, Result};
-use crate::format::{self, v1, Header, V2_FIXED, VERSION_V1, VERSION_V2};
+use crate::format::bytes::le_u32;
+use crate::format::{self, v1, v2, Header, V2_FIXED, VERSION_V1, VERSION_V2};
 use crate::hash::{self, Sha1Digest};
-use crate::storage::Storage;
+use crate::payload::Storage;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -75,7 +76,7 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Fails with `Truncated` if the mapped file shrank under us (another
-    /// process truncated it: see storage.rs on SIGBUS). Consumers call this
+    /// process truncated it: see payload.rs on SIGBUS). Consumers call this
     /// after they have read the payload, before trusting what they read.
     pub fn check_intact(&self) -> Result<()> {
         if let Some(s) = &self.storage {
@@ -172,12 +173,12 @@ fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8
 /// open file of length `file_len`.
 pub fn read_header(file: &File, file_len: u64) -> Result<Header> {
     let head = pread_vec(file, 0, file_len.min(V2_FIXED as u64), file_len)?;
-    match format::sniff(&head, file_len)? {
+    match v2::sniff(&head, file_len)? {
         VERSION_V1 => v1::parse_v1(&head, file_len),
         VERSION_V2 => {
-            let meta_len = format::v2_meta_len(&head, file_len)?;
+            let meta_len = v2::v2_meta_len(&head, file_len)?;
             let meta = pread_vec(file, V2_FIXED as u64, meta_len, file_len)?;
-            format::parse_v2(&head, &meta, file_len)
+            v2::parse_v2(&head, &meta, file_len)
         }
         found => Err(Error::UnsupportedVersion { found }),
     }
@@ -300,7 +301,7 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
         let head = pread_vec(&file, ck.header.payload_offset, n, file_len)?;
         ck.dsv4 = Some(v1::decode_dsv4(&head, ck.header.tokens)?);
     } else {
-        format::check_tensor_table(&ck.header.tensors, ck.header.payload_bytes)?;
+        v2::check_tensor_table(&ck.header.tensors, ck.header.payload_bytes)?;
     }
     let (storage, base) = if o.mmap {
         (
@@ -325,7 +326,7 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
             expected: ck.header.total_len,
             actual: file_len,
         })?;
-        let computed = format::payload_checksum(payload);
+        let computed = v2::payload_checksum(payload);
         if computed != ck.header.payload_checksum {
             ck.check_intact()?;
             return Err(Error::PayloadChecksum {
@@ -345,7 +346,7 @@ pub fn touch(path: &Path, now: u64) -> Result<u32> {
     let (file, file_len) = open_regular(path, true)?;
     let lock = FileLock::exclusive(&file)?;
     let head = pread_vec(&file, 0, file_len.min(40), file_len)?;
-    let v = format::sniff(&head, file_len)?;
+    let v = v2::sniff(&head, file_len)?;
     if v != VERSION_V1 && v != VERSION_V2 {
         return Err(Error::UnsupportedVersion { found: v });
     }
@@ -355,7 +356,7 @@ pub fn touch(path: &Path, now: u64) -> Result<u32> {
             have: file_len,
         });
     }
-    let hits = format::le_u32(&head, format::HITS_OFFSET as usize).saturating_add(1);
+    let hits = le_u32(&head, format::HITS_OFFSET as usize).saturating_add(1);
     file.write_all_at(&hits.to_le_bytes(), format::HITS_OFFSET)?;
     file.write_all_at(&now.to_le_bytes(), format::LAST_USED_OFFSET)?;
     drop(lock);
