@@ -98,6 +98,59 @@ impl Checkpoint {
     }
 }
 
+/// Runs the whole verification pipeline on `path`: the stages below, in
+/// this order, each stopping the open at its first failure.
+pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
+    // Stage: open.
+    let name_digest = if o.check_name {
+        Some(digest_from_name(path)?)
+    } else {
+        None
+    };
+    let (file, file_len) = open_regular(path, false)?;
+
+    // Stage: header (corrupt, then incompatible).
+    let header = read_header(&file, file_len)?;
+    check_compatible(&header, o)?;
+
+    // Stage: text.
+    let text = pread_vec(
+        &file,
+        header.text_offset,
+        header.text_bytes as u64,
+        file_len,
+    )?;
+    let digest = hash::sha1(&text);
+    check_text_sha1(&header, digest, name_digest)?;
+    if let Some(prompt) = o.prompt {
+        check_prompt_prefix(&text, digest, prompt)?;
+    }
+    if header.version == VERSION_V2 {
+        check_padding(&file, &header, file_len)?;
+    }
+
+    let mut ck = Checkpoint {
+        path: path.to_path_buf(),
+        header,
+        text,
+        file_len,
+        storage: None,
+        payload_base: 0,
+        dsv4: None,
+    };
+
+    // Stage: payload.
+    if o.load_payload {
+        load_payload(&file, &mut ck, o)?;
+    } else if ck.header.version == VERSION_V1 {
+        // Header-only open: describe the DSV4 payload when it can be, but
+        // leave its verification to a full open.
+        let head = read_dsv4_head(&file, &ck.header, file_len)?;
+        ck.dsv4 = v1::decode_dsv4(&head, ck.header.tokens).ok();
+    }
+    Ok(ck)
+}
+
 /// `<40 lowercase hex>.kv` -> the digest.
 pub fn digest_from_name(path: &Path) -> Result<Sha1Digest> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
@@ -184,18 +237,9 @@ pub fn read_header(file: &File, file_len: u64) -> Result<Header> {
     }
 }
 
-/// Runs the whole verification pipeline on `path`.
-pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
-    // Stage: open.
-    let name_digest = if o.check_name {
-        Some(digest_from_name(path)?)
-    } else {
-        None
-    };
-    let (file, file_len) = open_regular(path, false)?;
-
-    // Stage: header (corrupt, then incompatible).
-    let header = read_header(&file, file_len)?;
+/// Header stage, incompatible checks: the ABI, quantization and context the
+/// caller asked for.
+fn check_compatible(header: &Header, o: &VerifyOptions<'_>) -> Result<()> {
     if let Some(abi) = o.expected_abi {
         // A v1 file never matches: its DSV4 payload is described, not executed.
         if header.version == VERSION_V1 || header.abi != abi {
@@ -226,15 +270,16 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
             });
         }
     }
+    Ok(())
+}
 
-    // Stage: text.
-    let text = pread_vec(
-        &file,
-        header.text_offset,
-        header.text_bytes as u64,
-        file_len,
-    )?;
-    let digest = hash::sha1(&text);
+/// Text stage: the SHA-1 of the stored text against the one the header
+/// records (v2), then against the file name (when the name was checked).
+fn check_text_sha1(
+    header: &Header,
+    digest: Sha1Digest,
+    name_digest: Option<Sha1Digest>,
+) -> Result<()> {
     if let Some(stored) = header.text_sha1 {
         if stored != digest {
             return Err(Error::TextHashMismatch {
@@ -251,70 +296,61 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
             });
         }
     }
-    if let Some(prompt) = o.prompt {
-        if !hash::is_byte_prefix(&text, prompt) {
-            let len = text.len() as u64;
-            if text.len() <= prompt.len()
-                && prompt.get(..text.len()).map(hash::sha1) == Some(digest)
-            {
-                let at = hash::common_prefix_len(&text, prompt) as u64;
-                return Err(Error::PrefixCollision { len, at });
-            }
-            return Err(Error::NotPrefix {
-                len,
-                prompt_len: prompt.len() as u64,
-            });
-        }
-    }
-    if header.version == VERSION_V2 {
-        // The padding between text and payload must be zero.
-        let text_end = header.text_offset + header.text_bytes as u64;
-        let pad = pread_vec(&file, text_end, header.payload_offset - text_end, file_len)?;
-        if let Some(i) = pad.iter().position(|&b| b != 0) {
-            return Err(Error::BadPadding {
-                offset: text_end + i as u64,
-            });
-        }
-    }
+    Ok(())
+}
 
-    let mut ck = Checkpoint {
-        path: path.to_path_buf(),
-        header,
-        text,
-        file_len,
-        storage: None,
-        payload_base: 0,
-        dsv4: None,
-    };
-    if !o.load_payload {
-        if ck.header.version == VERSION_V1 {
-            let n = ck.header.payload_bytes.min(52);
-            let head = pread_vec(&file, ck.header.payload_offset, n, file_len)?;
-            ck.dsv4 = v1::decode_dsv4(&head, ck.header.tokens).ok();
-        }
-        return Ok(ck);
+/// Text stage: the stored text is a byte prefix of the prompt. A prompt
+/// prefix that hashes the same but differs is a SHA-1 collision (corrupt),
+/// anything else is another conversation (mismatch).
+fn check_prompt_prefix(text: &[u8], digest: Sha1Digest, prompt: &[u8]) -> Result<()> {
+    if hash::is_byte_prefix(text, prompt) {
+        return Ok(());
     }
+    let len = text.len() as u64;
+    if text.len() <= prompt.len() && prompt.get(..text.len()).map(hash::sha1) == Some(digest) {
+        let at = hash::common_prefix_len(text, prompt) as u64;
+        return Err(Error::PrefixCollision { len, at });
+    }
+    Err(Error::NotPrefix {
+        len,
+        prompt_len: prompt.len() as u64,
+    })
+}
 
-    // Stage: payload.
+/// Text stage, v2: the padding between text and payload must be zero.
+fn check_padding(file: &File, header: &Header, file_len: u64) -> Result<()> {
+    let text_end = header.text_offset + header.text_bytes as u64;
+    let pad = pread_vec(file, text_end, header.payload_offset - text_end, file_len)?;
+    if let Some(i) = pad.iter().position(|&b| b != 0) {
+        return Err(Error::BadPadding {
+            offset: text_end + i as u64,
+        });
+    }
+    Ok(())
+}
+
+/// Payload stage: the payload's own layout (v1: the DSV4 header; v2: the
+/// tensor table), then the payload is mapped or read, then its checksum
+/// (v2, when asked) and that the map did not lose a page meanwhile.
+fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Result<()> {
     if ck.header.version == VERSION_V1 {
-        let n = ck.header.payload_bytes.min(52);
-        let head = pread_vec(&file, ck.header.payload_offset, n, file_len)?;
+        let head = read_dsv4_head(file, &ck.header, ck.file_len)?;
         ck.dsv4 = Some(v1::decode_dsv4(&head, ck.header.tokens)?);
     } else {
         v2::check_tensor_table(&ck.header.tensors, ck.header.payload_bytes)?;
     }
     let (storage, base) = if o.mmap {
         (
-            Storage::map(&file, file_len)?,
+            Storage::map(file, ck.file_len)?,
             ck.header.payload_offset as usize,
         )
     } else {
         (
             Storage::pread(
-                &file,
+                file,
                 ck.header.payload_offset,
                 ck.header.payload_bytes,
-                file_len,
+                ck.file_len,
             )?,
             0,
         )
@@ -322,21 +358,33 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
     ck.storage = Some(Arc::new(storage));
     ck.payload_base = base;
     if o.verify_checksum && ck.header.version == VERSION_V2 {
-        let payload = ck.payload().ok_or(Error::Truncated {
-            expected: ck.header.total_len,
-            actual: file_len,
-        })?;
-        let computed = v2::payload_checksum(payload);
-        if computed != ck.header.payload_checksum {
-            ck.check_intact()?;
-            return Err(Error::PayloadChecksum {
-                stored: ck.header.payload_checksum,
-                computed,
-            });
-        }
+        check_payload_checksum(ck)?;
     }
-    ck.check_intact()?;
-    Ok(ck)
+    ck.check_intact()
+}
+
+/// v1: the first bytes of the payload, where the 52-byte DSV4 header lives.
+fn read_dsv4_head(file: &File, header: &Header, file_len: u64) -> Result<Vec<u8>> {
+    let n = header.payload_bytes.min(52);
+    pread_vec(file, header.payload_offset, n, file_len)
+}
+
+/// Payload stage, v2: the payload's xxh3-64 against the header's. A mismatch
+/// on a map that lost a page is reported as the truncation it is.
+fn check_payload_checksum(ck: &Checkpoint) -> Result<()> {
+    let payload = ck.payload().ok_or(Error::Truncated {
+        expected: ck.header.total_len,
+        actual: ck.file_len,
+    })?;
+    let computed = v2::payload_checksum(payload);
+    if computed != ck.header.payload_checksum {
+        ck.check_intact()?;
+        return Err(Error::PayloadChecksum {
+            stored: ck.header.payload_checksum,
+            computed,
+        });
+    }
+    Ok(())
 }
 
 /// Records a hit: `hits += 1`, `last_used = now`, under an exclusive `flock`
