@@ -219,7 +219,8 @@ fn v2_vector_writer_produces_the_documented_bytes() {
     // computed with the independent XXH3 over the documented bytes: the
     // listed values, the stored fields and the crate's functions all agree.
     let meta_len = u32::from_le_bytes(expected[20..24].try_into().unwrap()) as usize;
-    let payload_len = u64::from_le_bytes(expected[40..48].try_into().unwrap()) as usize;
+    let payload_len =
+        usize::try_from(u64::from_le_bytes(expected[40..48].try_into().unwrap())).unwrap();
     let po = common::payload_offset(&expected);
     assert_eq!(po + payload_len, expected.len());
     let hsum = common::independent_header_checksum(&expected[..96], &expected[96..96 + meta_len]);
@@ -292,7 +293,7 @@ fn v1_vector_reads_as_documented() {
         );
         assert_eq!(u32::from_le_bytes(payload[56..60].try_into().unwrap()), 11);
         assert_eq!(
-            &bytes[bytes.len() - ck.header.trailer_bytes as usize..][..3],
+            &bytes[bytes.len() - usize::try_from(ck.header.trailer_bytes).unwrap()..][..3],
             b"KTM"
         );
     }
@@ -329,7 +330,7 @@ fn xxh3_inputs() -> Vec<Vec<u8>> {
     lens.iter()
         .map(|&n| {
             (0..n)
-                .map(|i| (i.wrapping_mul(131) ^ (i >> 7)) as u8)
+                .map(|i| (i.wrapping_mul(131) ^ (i >> 7)).to_le_bytes()[0])
                 .collect()
         })
         .collect()
