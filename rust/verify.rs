@@ -11,12 +11,14 @@
 //!
 //! Every size is checked against the real file length (from `fstat`) before
 //! anything is allocated or mapped: only the fixed header is read before
-//! that, and the metadata (bounded by [`format::MAX_META`]) once it is known
-//! to lie inside the file.
+//! that, and the metadata (bounded by [`MAX_META`](crate::format::MAX_META))
+//! once it is known to lie inside the file.
 
 use crate::error::{Error, Result};
 use crate::format::bytes::le_u32;
-use crate::format::{self, v1, v2, Header, V2_FIXED, VERSION_V1, VERSION_V2};
+use crate::format::{
+    v1, v2, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2,
+};
 use crate::hash::{self, Sha1Digest};
 use crate::payload::Storage;
 use std::fs::{File, OpenOptions};
@@ -24,7 +26,12 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// What [`open`] checks beyond the file itself, and how it loads the payload.
 #[derive(Debug, Clone)]
+#[expect(
+    clippy::struct_excessive_bools,
+    reason = "independent switches, one per keyword argument of ds4._core.open_checkpoint"
+)]
 pub struct VerifyOptions<'a> {
     /// Reject (incompatible) when the payload ABI differs.
     pub expected_abi: Option<&'a str>,
@@ -81,7 +88,7 @@ impl Checkpoint {
     pub fn check_intact(&self) -> Result<()> {
         if let Some(s) = &self.storage {
             if s.faulted() {
-                let actual = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
+                let actual = std::fs::metadata(&self.path).map_or(0, |m| m.len());
                 return Err(Error::Truncated {
                     expected: self.file_len,
                     actual,
@@ -91,10 +98,13 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// The payload bytes; `None` when it was not loaded (or, which
+    /// verification rules out, when the header's range is not inside it).
     pub fn payload(&self) -> Option<&[u8]> {
         let s = self.storage.as_ref()?;
-        s.bytes()
-            .get(self.payload_base..self.payload_base + self.header.payload_bytes as usize)
+        let len = usize::try_from(self.header.payload_bytes).ok()?;
+        let end = self.payload_base.checked_add(len)?;
+        s.bytes().get(self.payload_base..end)
     }
 }
 
@@ -117,7 +127,7 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
     let text = pread_vec(
         &file,
         header.text_offset,
-        header.text_bytes as u64,
+        u64::from(header.text_bytes),
         file_len,
     )?;
     let digest = hash::sha1(&text);
@@ -207,7 +217,7 @@ fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8
             actual: file_len,
         });
     }
-    let mut v = vec![0u8; len as usize];
+    let mut v = vec![0u8; usize::try_from(len).map_err(|_| Error::SizeOverflow)?];
     file.read_exact_at(&mut v, offset).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             // The file shrank under us.
@@ -263,9 +273,9 @@ fn check_compatible(header: &Header, o: &VerifyOptions<'_>) -> Result<()> {
         }
     }
     if let Some(ctx) = o.ctx {
-        if header.tokens as u64 > ctx {
+        if u64::from(header.tokens) > ctx {
             return Err(Error::CtxTooSmall {
-                tokens: header.tokens as u64,
+                tokens: u64::from(header.tokens),
                 ctx,
             });
         }
@@ -319,7 +329,7 @@ fn check_prompt_prefix(text: &[u8], digest: Sha1Digest, prompt: &[u8]) -> Result
 
 /// Text stage, v2: the padding between text and payload must be zero.
 fn check_padding(file: &File, header: &Header, file_len: u64) -> Result<()> {
-    let text_end = header.text_offset + header.text_bytes as u64;
+    let text_end = header.text_offset + u64::from(header.text_bytes);
     let pad = pread_vec(file, text_end, header.payload_offset - text_end, file_len)?;
     if let Some(i) = pad.iter().position(|&b| b != 0) {
         return Err(Error::BadPadding {
@@ -342,7 +352,7 @@ fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Resu
     let (storage, base) = if o.mmap {
         (
             Storage::map(file, ck.file_len)?,
-            ck.header.payload_offset as usize,
+            usize::try_from(ck.header.payload_offset).map_err(|_| Error::SizeOverflow)?,
         )
     } else {
         (
@@ -404,9 +414,9 @@ pub fn touch(path: &Path, now: u64) -> Result<u32> {
             have: file_len,
         });
     }
-    let hits = le_u32(&head, format::HITS_OFFSET as usize).saturating_add(1);
-    file.write_all_at(&hits.to_le_bytes(), format::HITS_OFFSET)?;
-    file.write_all_at(&now.to_le_bytes(), format::LAST_USED_OFFSET)?;
+    let hits = le_u32(&head, HITS_OFFSET).saturating_add(1);
+    file.write_all_at(&hits.to_le_bytes(), HITS_OFFSET as u64)?;
+    file.write_all_at(&now.to_le_bytes(), LAST_USED_OFFSET as u64)?;
     drop(lock);
     Ok(hits)
 }

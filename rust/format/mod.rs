@@ -3,7 +3,7 @@
 //! The byte layout is documented in docs/FORMAT.md; the constants here are
 //! the source of truth for it. This module holds the types and constants
 //! both versions share; the readers are [`v2`] and [`v1`] (on the byte
-//! helpers of [`bytes`]), the writer is [`writer`]. Parsing never indexes
+//! helpers of `bytes`), the writer is [`writer`]. Parsing never indexes
 //! with offsets read from a file: every range is computed with checked
 //! arithmetic and taken with `.get()`.
 #![deny(clippy::indexing_slicing)]
@@ -28,9 +28,10 @@ pub const MAX_ABI: usize = 4096;
 pub const MAX_TENSORS: usize = 4096;
 pub const MAX_NDIM: usize = 8;
 pub const MAX_NAME: usize = 255;
-/// Mutable fields, outside the header checksum: hits u32 at 12, last_used u64 at 32.
-pub const HITS_OFFSET: u64 = 12;
-pub const LAST_USED_OFFSET: u64 = 32;
+/// Mutable fields, outside the header checksum: `hits` (u32) at 12 and
+/// `last_used` (u64) at 32, in both versions.
+pub const HITS_OFFSET: usize = 12;
+pub const LAST_USED_OFFSET: usize = 32;
 
 /// Where a checkpoint came from (ds4's reasons 0-6, plus our own).
 pub const REASONS: &[&str] = &[
@@ -65,20 +66,19 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    pub fn from_code(c: u8) -> Option<Dtype> {
-        use Dtype::*;
+    pub fn from_code(c: u8) -> Option<Self> {
         Some(match c {
-            0 => U8,
-            1 => I8,
-            2 => U16,
-            3 => I16,
-            4 => U32,
-            5 => I32,
-            6 => U64,
-            7 => I64,
-            8 => F16,
-            9 => F32,
-            10 => F64,
+            0 => Self::U8,
+            1 => Self::I8,
+            2 => Self::U16,
+            3 => Self::I16,
+            4 => Self::U32,
+            5 => Self::I32,
+            6 => Self::U64,
+            7 => Self::I64,
+            8 => Self::F16,
+            9 => Self::F32,
+            10 => Self::F64,
             _ => return None,
         })
     }
@@ -89,45 +89,42 @@ impl Dtype {
             .try_fold(self.itemsize(), |acc, &d| acc.checked_mul(d))
     }
     pub fn itemsize(self) -> u64 {
-        use Dtype::*;
         match self {
-            U8 | I8 => 1,
-            U16 | I16 | F16 => 2,
-            U32 | I32 | F32 => 4,
-            U64 | I64 | F64 => 8,
+            Self::U8 | Self::I8 => 1,
+            Self::U16 | Self::I16 | Self::F16 => 2,
+            Self::U32 | Self::I32 | Self::F32 => 4,
+            Self::U64 | Self::I64 | Self::F64 => 8,
         }
     }
     /// The numpy dtype string (little-endian).
     pub fn numpy(self) -> &'static str {
-        use Dtype::*;
         match self {
-            U8 => "|u1",
-            I8 => "|i1",
-            U16 => "<u2",
-            I16 => "<i2",
-            U32 => "<u4",
-            I32 => "<i4",
-            U64 => "<u8",
-            I64 => "<i8",
-            F16 => "<f2",
-            F32 => "<f4",
-            F64 => "<f8",
+            Self::U8 => "|u1",
+            Self::I8 => "|i1",
+            Self::U16 => "<u2",
+            Self::I16 => "<i2",
+            Self::U32 => "<u4",
+            Self::I32 => "<i4",
+            Self::U64 => "<u8",
+            Self::I64 => "<i8",
+            Self::F16 => "<f2",
+            Self::F32 => "<f4",
+            Self::F64 => "<f8",
         }
     }
-    pub fn from_numpy(s: &str) -> Option<Dtype> {
-        use Dtype::*;
+    pub fn from_numpy(s: &str) -> Option<Self> {
         Some(match s.trim_start_matches(['<', '|', '=']) {
-            "u1" | "B" => U8,
-            "i1" | "b" => I8,
-            "u2" => U16,
-            "i2" => I16,
-            "u4" => U32,
-            "i4" => I32,
-            "u8" => U64,
-            "i8" => I64,
-            "f2" => F16,
-            "f4" => F32,
-            "f8" => F64,
+            "u1" | "B" => Self::U8,
+            "i1" | "b" => Self::I8,
+            "u2" => Self::U16,
+            "i2" => Self::I16,
+            "u4" => Self::U32,
+            "i4" => Self::I32,
+            "u8" => Self::U64,
+            "i8" => Self::I64,
+            "f2" => Self::F16,
+            "f4" => Self::F32,
+            "f8" => Self::F64,
             _ => return None,
         })
     }

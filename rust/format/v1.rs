@@ -1,4 +1,4 @@
-//! ds4's own v1 files (ds4_kvstore.c): a 48-byte header, `u32` text length,
+//! ds4's own v1 files (`ds4_kvstore.c`): a 48-byte header, `u32` text length,
 //! the text, the engine payload (DSV4), and an optional trailer.
 //! They are listed, verified and inspected; their payload is described, not
 //! executed.
@@ -43,7 +43,7 @@ pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
     let payload_bytes = le_u64(head, 40);
     let text_offset = V1_FIXED as u64;
     let payload_offset = text_offset
-        .checked_add(text_bytes as u64)
+        .checked_add(u64::from(text_bytes))
         .ok_or(Error::SizeOverflow)?;
     let end = payload_offset
         .checked_add(payload_bytes)

@@ -27,7 +27,7 @@ pub fn sniff(head: &[u8], file_len: u64) -> Result<u8> {
 }
 
 /// Header checksum: xxh3-64 over the fixed header with the mutable fields
-/// (hits, last_used) and the checksum itself read as zero, then the metadata.
+/// (`hits`, `last_used`) and the checksum itself read as zero, then the metadata.
 pub fn header_checksum(fixed: &[u8], meta: &[u8]) -> u64 {
     let mut f = [0u8; V2_FIXED];
     let n = fixed.len().min(V2_FIXED);
@@ -54,7 +54,7 @@ pub fn v2_meta_len(fixed: &[u8], file_len: u64) -> Result<u64> {
             have: file_len,
         });
     }
-    let meta = le_u32(fixed, 20) as u64;
+    let meta = u64::from(le_u32(fixed, 20));
     if meta > MAX_META {
         return Err(Error::HeaderTooLarge {
             what: "metadata",
@@ -102,7 +102,7 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
     let payload_bytes = le_u64(fixed, 40);
     let text_offset = V2_FIXED as u64 + meta_len;
     let payload_offset = text_offset
-        .checked_add(text_bytes as u64)
+        .checked_add(u64::from(text_bytes))
         .and_then(align_up)
         .ok_or(Error::SizeOverflow)?;
     let total = payload_offset

@@ -61,6 +61,12 @@ impl PayloadView {
         self.storage.bytes().as_ptr() as usize + self.start
     }
 
+    /// The buffer protocol's `bf_getbuffer`: a read-only, 1-D buffer of
+    /// unsigned bytes over this view's range of the payload.
+    ///
+    /// # Safety
+    /// Called by the interpreter with `view` null or pointing at a
+    /// `Py_buffer` it owns (the contract of `bf_getbuffer`).
     unsafe fn __getbuffer__(
         slf: Bound<'_, Self>,
         view: *mut ffi::Py_buffer,
@@ -73,34 +79,42 @@ impl PayloadView {
             return Err(PyBufferError::new_err("checkpoint payloads are read-only"));
         }
         let this = slf.get();
-        let ptr = this.storage.bytes().as_ptr().add(this.start);
-        // SAFETY: `view` is a valid Py_buffer from the interpreter; we fill
-        // every field. `buf` points into storage kept alive by `obj` (a new
-        // reference to this view, released by Python in PyBuffer_Release).
-        // `shape` points at `self.len`, which lives as long as `obj`.
-        (*view).obj = slf.clone().into_any().into_ptr();
-        (*view).buf = ptr.cast_mut().cast();
-        (*view).len = this.len;
-        (*view).readonly = 1;
-        (*view).itemsize = 1;
-        (*view).format = if (flags & ffi::PyBUF_FORMAT) == ffi::PyBUF_FORMAT {
+        // In bounds: PayloadView::new checked start + len against the storage.
+        let buf = this.storage.bytes()[this.start..].as_ptr();
+        let format = if (flags & ffi::PyBUF_FORMAT) == ffi::PyBUF_FORMAT {
             FORMAT_B.as_ptr().cast::<c_char>().cast_mut()
         } else {
             std::ptr::null_mut()
         };
-        (*view).ndim = 1;
-        (*view).shape = if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND {
+        let shape = if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND {
             (&raw const this.len).cast_mut()
         } else {
             std::ptr::null_mut()
         };
-        (*view).strides = if (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
+        let strides = if (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
             (&raw const ITEMSIZE).cast_mut()
         } else {
             std::ptr::null_mut()
         };
-        (*view).suboffsets = std::ptr::null_mut();
-        (*view).internal = std::ptr::null_mut();
+        // SAFETY: `view` is a valid, non-null Py_buffer from the interpreter
+        // (see above); we fill every field. `buf` points into storage kept
+        // alive by `obj` (a new reference to this view, released by Python
+        // in PyBuffer_Release). `shape` points at `this.len`, which lives as
+        // long as `obj`; `format` and `strides` at statics. Consumers never
+        // write through them (the buffer is read-only).
+        unsafe {
+            (*view).obj = slf.clone().into_any().into_ptr();
+            (*view).buf = buf.cast_mut().cast();
+            (*view).len = this.len;
+            (*view).readonly = 1;
+            (*view).itemsize = 1;
+            (*view).format = format;
+            (*view).ndim = 1;
+            (*view).shape = shape;
+            (*view).strides = strides;
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+        }
         Ok(())
     }
 }

@@ -1,5 +1,5 @@
 //! The `Checkpoint` class and the functions that make one (open, write) or
-//! act on a checkpoint file (touch, sync_dir).
+//! act on a checkpoint file (`touch`, `sync_dir`).
 
 use super::buffer::{bytes_of, PayloadView};
 use super::errors::{to_pyerr, write_pyerr};
@@ -19,7 +19,10 @@ use std::sync::Arc;
 /// concatenated. Returns `(file_len, payload_checksum)`.
 #[pyfunction]
 #[pyo3(signature = (path, text, tensors, *, abi, tokens, ctx, reason=0, quant_bits=0, flags=0, created=0))]
-#[allow(clippy::too_many_arguments)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the Python keyword arguments of write_checkpoint"
+)]
 pub(super) fn write_checkpoint(
     py: Python<'_>,
     path: PathBuf,
@@ -63,7 +66,11 @@ pub(super) fn write_checkpoint(
 /// Runs the verification pipeline and returns an open checkpoint.
 #[pyfunction]
 #[pyo3(signature = (path, *, expected_abi=None, quant_bits=None, ctx=None, check_name=true, prompt=None, load_payload=true, verify_checksum=true, mmap=true))]
-#[allow(clippy::too_many_arguments)]
+#[expect(
+    clippy::too_many_arguments,
+    clippy::fn_params_excessive_bools,
+    reason = "the Python keyword arguments of open_checkpoint, one per VerifyOptions field"
+)]
 pub(super) fn open_checkpoint(
     py: Python<'_>,
     path: PathBuf,
@@ -94,7 +101,7 @@ pub(super) fn open_checkpoint(
         .map_err(|e| to_pyerr(py, e, Some(&path)))
 }
 
-/// Records a hit (hits+1, last_used=now) under an exclusive file lock.
+/// Records a hit (`hits += 1`, `last_used = now`) under an exclusive file lock.
 #[pyfunction]
 pub(super) fn touch(py: Python<'_>, path: PathBuf, now: u64) -> PyResult<u32> {
     py.detach(|| verify::touch(&path, now))
@@ -204,7 +211,7 @@ impl PyCheckpoint {
     fn mapped(&self) -> bool {
         matches!(self.inner.storage.as_deref(), Some(Storage::Mmap { .. }))
     }
-    /// Raise TruncatedCheckpointError if the mapped file was truncated by
+    /// Raise `TruncatedCheckpointError` if the mapped file was truncated by
     /// another process while we read it (the bytes read are then untrusted).
     fn check_intact(&self, py: Python<'_>) -> PyResult<()> {
         self.inner

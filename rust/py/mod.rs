@@ -1,4 +1,4 @@
-//! The PyO3 glue: the only code that knows about Python. Errors become the
+//! The `PyO3` glue: the only code that knows about Python. Errors become the
 //! classes of `ds4.errors` (built there by `from_core`, see [`errors`]), heavy
 //! work runs with the GIL released, and payload tensors are exported through
 //! the buffer protocol straight from the map ([`buffer`]: numpy's
@@ -6,6 +6,10 @@
 //!
 //! The extension module `ds4._core` is declared here; its stub is
 //! `python/ds4/_core.pyi`.
+
+// PyO3 extracts every argument by value (`PyBuffer`, `PathBuf`, `Vec`,
+// `Bound`); the signatures are the Python API, not a borrowing choice.
+#![allow(clippy::needless_pass_by_value)]
 
 mod buffer;
 mod checkpoint;
