@@ -30,7 +30,7 @@ fn data(n: usize) -> Vec<u8> {
             s ^= s << 13;
             s ^= s >> 7;
             s ^= s << 17;
-            s as u8
+            s.to_le_bytes()[0]
         })
         .collect()
 }
@@ -57,7 +57,7 @@ fn prefix_lookup(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(5))
         .sampling_mode(SamplingMode::Flat);
     g.bench_function("one_pass", |b| {
-        b.iter(|| ds4::hash::sha1_prefixes(black_box(&prompt), black_box(&lengths)))
+        b.iter(|| ds4::hash::sha1_prefixes(black_box(&prompt), black_box(&lengths)));
     });
     g.bench_function("per_candidate", |b| {
         b.iter(|| {
@@ -65,10 +65,10 @@ fn prefix_lookup(c: &mut Criterion) {
                 .iter()
                 .map(|&l| ds4::hash::sha1(black_box(&prompt[..l])))
                 .collect::<Vec<_>>()
-        })
+        });
     });
     g.bench_function("single_sha1", |b| {
-        b.iter(|| ds4::hash::sha1(black_box(&prompt)))
+        b.iter(|| ds4::hash::sha1(black_box(&prompt)));
     });
     g.finish();
 }
@@ -148,7 +148,7 @@ fn open_vs_read(c: &mut Criterion) {
         b.iter(|| {
             let ck = ds4::open(&f.path, &VerifyOptions::default()).unwrap();
             black_box(ck.payload().unwrap().len())
-        })
+        });
     });
     g.bench_function("ds4_open_verify_pread", |b| {
         b.iter(|| {
@@ -161,10 +161,10 @@ fn open_vs_read(c: &mut Criterion) {
             )
             .unwrap();
             black_box(ck.payload().unwrap().len())
-        })
+        });
     });
     g.bench_function("std_fs_read", |b| {
-        b.iter(|| black_box(std::fs::read(&f.path).unwrap().len()))
+        b.iter(|| black_box(std::fs::read(&f.path).unwrap().len()));
     });
     g.finish();
 }
@@ -180,7 +180,7 @@ fn write_vs_plain(c: &mut Criterion) {
         .throughput(Throughput::Bytes(len));
     let target = f.dir.join(format!("{}.kv", ds4::hash::sha1_hex(b"w")));
     g.bench_function(BenchmarkId::new("ds4_write_checkpoint", "durable"), |b| {
-        b.iter(|| write(&f, &target))
+        b.iter(|| write(&f, &target));
     });
     let plain = f.dir.join("plain.bin");
     g.bench_function(BenchmarkId::new("std_write_all", "sync_all"), |b| {
@@ -189,7 +189,7 @@ fn write_vs_plain(c: &mut Criterion) {
             file.write_all(&f.text).unwrap();
             file.write_all(&f.payload).unwrap();
             file.sync_all().unwrap();
-        })
+        });
     });
     g.finish();
 }

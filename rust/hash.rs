@@ -1,4 +1,4 @@
-//! SHA-1 (RustCrypto's `sha1`, which picks the CPU's SHA extensions at run
+//! SHA-1 (`RustCrypto`'s `sha1`, which picks the CPU's SHA extensions at run
 //! time), one-pass multi-prefix hashing, byte-prefix and common-prefix checks.
 
 use sha1::{Digest, Sha1};
@@ -82,10 +82,8 @@ pub fn common_prefix_len(a: &[u8], b: &[u8]) -> usize {
     let (a, b) = (&a[..n], &b[..n]);
     // Compare 8 bytes at a time, then finish byte by byte.
     let mut i = 0;
-    while i + 8 <= n {
-        let x = u64::from_ne_bytes(a[i..i + 8].try_into().unwrap());
-        let y = u64::from_ne_bytes(b[i..i + 8].try_into().unwrap());
-        if x != y {
+    while let (Some(x), Some(y)) = (a[i..].first_chunk::<8>(), b[i..].first_chunk::<8>()) {
+        if u64::from_ne_bytes(*x) != u64::from_ne_bytes(*y) {
             break;
         }
         i += 8;

@@ -1,18 +1,18 @@
 //! ds4 core: the checkpoint format (v2 written and read, ds4's v1 read), the
 //! verification pipeline, SHA-1 and prefix helpers, zero-copy payload reads
 //! and durable writes. Pure Rust: builds, tests, benches and fuzzes without
-//! Python. The PyO3 glue lives in `py/` behind the `python` feature.
+//! Python. The `PyO3` glue lives in `py/` behind the `python` feature.
 
-pub mod checkpoint;
 pub mod error;
 pub mod format;
 pub mod hash;
-pub mod storage;
+pub mod payload;
+pub mod verify;
 
 #[cfg(feature = "python")]
 mod py;
 
-pub use checkpoint::{open, touch, Checkpoint, VerifyOptions};
 pub use error::{Class, Error, Result};
 pub use format::writer::{write_checkpoint, TensorSrc, WriteMeta, Written};
 pub use format::{Dtype, Header, TensorInfo};
+pub use verify::{open, touch, Checkpoint, VerifyOptions};

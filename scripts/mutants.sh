@@ -26,7 +26,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 
 # The files whose every mutant must be killed (or argued equivalent).
-RUST_FILES=(rust/checkpoint.rs rust/format/mod.rs rust/format/v1.rs rust/format/writer.rs rust/hash.rs rust/storage.rs rust/error.rs)
+RUST_FILES=(rust/verify.rs rust/format/mod.rs rust/format/bytes.rs rust/format/v2.rs rust/format/v1.rs rust/format/writer.rs rust/hash.rs rust/payload.rs rust/error.rs)
 PY_MODULES=(session kvstore recovery checkpoint)
 # What is mutated: all of session, recovery and checkpoint; of kvstore the
 # paths a checkpoint takes into a session and out of the directory (index,

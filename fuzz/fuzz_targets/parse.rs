@@ -5,7 +5,7 @@
 //! never turn a good file bad.
 #![no_main]
 
-use ds4::format::{self, v1};
+use ds4::format::{self, v1, v2};
 use ds4::{open, touch, VerifyOptions};
 use libfuzzer_sys::fuzz_target;
 use std::path::PathBuf;
@@ -31,19 +31,19 @@ fn scratch() -> &'static PathBuf {
 fn raw_parsers(data: &[u8]) {
     let len = data.len() as u64;
     let head = &data[..data.len().min(format::V2_FIXED)];
-    let _ = format::sniff(head, len);
+    let _ = v2::sniff(head, len);
     if let Ok(h) = v1::parse_v1(head, len) {
         assert_eq!(h.version, 1);
         assert!(h.payload_offset + h.payload_bytes + h.trailer_bytes == len);
     }
-    if let Ok(m) = format::v2_meta_len(head, len) {
+    if let Ok(m) = v2::v2_meta_len(head, len) {
         let meta = &data[96..96 + m as usize];
-        if let Ok(h) = format::parse_v2(head, meta, len) {
+        if let Ok(h) = v2::parse_v2(head, meta, len) {
             assert_eq!(h.total_len, len);
             assert_eq!(h.payload_offset % format::ALIGN, 0);
             assert_eq!(h.payload_offset + h.payload_bytes, len);
-            assert_eq!(h.header_checksum, format::header_checksum(head, meta));
-            if format::check_tensor_table(&h.tensors, h.payload_bytes).is_ok() {
+            assert_eq!(h.header_checksum, v2::header_checksum(head, meta));
+            if v2::check_tensor_table(&h.tensors, h.payload_bytes).is_ok() {
                 for t in &h.tensors {
                     assert_eq!(t.offset % format::ALIGN, 0);
                     assert!(t.offset + t.nbytes <= h.payload_bytes);
@@ -51,12 +51,12 @@ fn raw_parsers(data: &[u8]) {
             }
         }
     }
-    if let Ok((abi, tensors)) = format::decode_meta(data) {
+    if let Ok((abi, tensors)) = v2::decode_meta(data) {
         assert!(abi.len() <= format::MAX_ABI && tensors.len() <= format::MAX_TENSORS);
-        let _ = format::check_tensor_table(&tensors, len);
+        let _ = v2::check_tensor_table(&tensors, len);
     }
     let _ = v1::decode_dsv4(data, data.len() as u32);
-    let _ = format::payload_checksum(data);
+    let _ = v2::payload_checksum(data);
 }
 
 fn pipeline(data: &[u8]) {

@@ -1,10 +1,11 @@
-//! ds4's own v1 files (ds4_kvstore.c): a 48-byte header, `u32` text length,
+//! ds4's own v1 files (`ds4_kvstore.c`): a 48-byte header, `u32` text length,
 //! the text, the engine payload (DSV4), and an optional trailer.
 //! They are listed, verified and inspected; their payload is described, not
 //! executed.
 #![deny(clippy::indexing_slicing)]
 
-use super::{byte, check_total, le_u32, le_u64, Header, VERSION_V1};
+use super::bytes::{byte, le_u32, le_u64, Cursor};
+use super::{check_total, Header, VERSION_V1};
 use crate::error::{Error, Result};
 
 pub const V1_FIXED: usize = 52;
@@ -42,7 +43,7 @@ pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
     let payload_bytes = le_u64(head, 40);
     let text_offset = V1_FIXED as u64;
     let payload_offset = text_offset
-        .checked_add(text_bytes as u64)
+        .checked_add(u64::from(text_bytes))
         .ok_or(Error::SizeOverflow)?;
     let end = payload_offset
         .checked_add(payload_bytes)
@@ -80,15 +81,15 @@ pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
 /// Decodes the 13 u32 fields at the start of a DSV4 payload and checks the
 /// magic, version and that the token count matches the file header.
 pub fn decode_dsv4(payload_head: &[u8], header_tokens: u32) -> Result<[u32; 13]> {
-    if payload_head.len() < 52 {
-        return Err(Error::BadV1Payload(format!(
+    let mut c = Cursor::new(payload_head, |_: &str| {
+        Error::BadV1Payload(format!(
             "payload is {} bytes, shorter than the 52-byte DSV4 header",
             payload_head.len()
-        )));
-    }
+        ))
+    });
     let mut f = [0u32; 13];
-    for (i, v) in f.iter_mut().enumerate() {
-        *v = le_u32(payload_head, 4 * i);
+    for (v, name) in f.iter_mut().zip(DSV4_FIELDS) {
+        *v = c.u32(name)?;
     }
     if f[0] != DSV4_MAGIC {
         return Err(Error::BadV1Payload(format!(

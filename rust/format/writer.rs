@@ -7,8 +7,9 @@
 // 96-byte header it allocates, `zeros[..n]` with `n < ALIGN`).
 #![allow(clippy::indexing_slicing)]
 
+use super::v2::{check_tensor_table, header_checksum};
 use super::{
-    align_up, header_checksum, Dtype, TensorInfo, ALIGN, MAX_ABI, MAX_NAME, MAX_NDIM, MAX_TENSORS,
+    align_up, Dtype, TensorInfo, ALIGN, MAGIC, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM, MAX_TENSORS,
     V2_FIXED, VERSION_V2,
 };
 use crate::error::{Error, Result};
@@ -56,8 +57,7 @@ pub fn temp_name(final_name: &str) -> String {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
     format!(".{final_name}.tmp.{}.{:x}{:x}", std::process::id(), t, n)
 }
 
@@ -84,17 +84,14 @@ pub fn encode_header(
     let text_len: u32 = text.len().try_into().map_err(|_| Error::HeaderTooLarge {
         what: "text",
         len: text.len() as u64,
-        max: u32::MAX as u64,
+        max: u64::from(u32::MAX),
     })?;
     let mut infos = Vec::with_capacity(tensors.len());
     let mut off = 0u64;
     let mut payload_len = 0u64;
     for t in tensors {
         if t.name.is_empty() || t.name.len() > MAX_NAME || t.shape.len() > MAX_NDIM {
-            return Err(Error::TensorTable(format!(
-                "cannot write tensor {:?}: bad name or too many dimensions",
-                t.name
-            )));
+            return Err(bad_tensor(t.name));
         }
         let want = t.dtype.nbytes(t.shape).ok_or(Error::SizeOverflow)?;
         if want != t.data.len() as u64 {
@@ -115,33 +112,20 @@ pub fn encode_header(
         payload_len = off + want;
         off = align_up(payload_len).ok_or(Error::SizeOverflow)?;
     }
-    super::check_tensor_table(&infos, payload_len)?;
+    check_tensor_table(&infos, payload_len)?;
 
-    let mut m = Vec::new();
-    m.extend_from_slice(&(meta.abi.len() as u16).to_le_bytes());
-    m.extend_from_slice(meta.abi.as_bytes());
-    m.extend_from_slice(&(infos.len() as u16).to_le_bytes());
-    for t in &infos {
-        m.push(t.name.len() as u8);
-        m.extend_from_slice(t.name.as_bytes());
-        m.push(t.dtype as u8);
-        m.push(t.shape.len() as u8);
-        for d in &t.shape {
-            m.extend_from_slice(&d.to_le_bytes());
-        }
-        m.extend_from_slice(&t.offset.to_le_bytes());
-        m.extend_from_slice(&t.nbytes.to_le_bytes());
-    }
-    if m.len() as u64 > super::MAX_META {
-        return Err(Error::HeaderTooLarge {
+    let m = encode_meta(&meta.abi, &infos)?;
+    let meta_len = u32::try_from(m.len())
+        .ok()
+        .filter(|&n| u64::from(n) <= MAX_META)
+        .ok_or(Error::HeaderTooLarge {
             what: "metadata",
             len: m.len() as u64,
-            max: super::MAX_META,
-        });
-    }
+            max: MAX_META,
+        })?;
 
     let mut f = vec![0u8; V2_FIXED];
-    f[0..3].copy_from_slice(&super::MAGIC);
+    f[0..3].copy_from_slice(&MAGIC);
     f[3] = VERSION_V2;
     f[4] = meta.quant_bits;
     f[5] = meta.reason;
@@ -149,7 +133,7 @@ pub fn encode_header(
     f[8..12].copy_from_slice(&meta.tokens.to_le_bytes());
     // 12..16 hits = 0
     f[16..20].copy_from_slice(&meta.ctx.to_le_bytes());
-    f[20..24].copy_from_slice(&(m.len() as u32).to_le_bytes());
+    f[20..24].copy_from_slice(&meta_len.to_le_bytes());
     f[24..32].copy_from_slice(&meta.created.to_le_bytes());
     f[32..40].copy_from_slice(&meta.created.to_le_bytes()); // last_used starts at created
     f[40..48].copy_from_slice(&payload_len.to_le_bytes());
@@ -161,14 +145,65 @@ pub fn encode_header(
     Ok((f, infos, payload_len))
 }
 
+fn bad_tensor(name: &str) -> Error {
+    Error::TensorTable(format!(
+        "cannot write tensor {name:?}: bad name or too many dimensions"
+    ))
+}
+
+/// The metadata: `u16 abi_len, abi, u16 n_tensors`, then per tensor
+/// `u8 name_len, name, u8 dtype, u8 ndim, u64 shape[ndim], u64 offset, u64 nbytes`.
+/// [`encode_header`] has checked every length against the format's limits;
+/// a length that does not fit its field is still an error here, never
+/// truncated.
+fn encode_meta(abi: &str, infos: &[TensorInfo]) -> Result<Vec<u8>> {
+    let abi_len = u16::try_from(abi.len()).map_err(|_| Error::HeaderTooLarge {
+        what: "ABI string",
+        len: abi.len() as u64,
+        max: MAX_ABI as u64,
+    })?;
+    let n_tensors = u16::try_from(infos.len()).map_err(|_| Error::HeaderTooLarge {
+        what: "tensor table",
+        len: infos.len() as u64,
+        max: MAX_TENSORS as u64,
+    })?;
+    let mut m = Vec::new();
+    m.extend_from_slice(&abi_len.to_le_bytes());
+    m.extend_from_slice(abi.as_bytes());
+    m.extend_from_slice(&n_tensors.to_le_bytes());
+    for t in infos {
+        let name_len = u8::try_from(t.name.len()).map_err(|_| bad_tensor(&t.name))?;
+        let ndim = u8::try_from(t.shape.len()).map_err(|_| bad_tensor(&t.name))?;
+        m.push(name_len);
+        m.extend_from_slice(t.name.as_bytes());
+        m.push(t.dtype as u8);
+        m.push(ndim);
+        for d in &t.shape {
+            m.extend_from_slice(&d.to_le_bytes());
+        }
+        m.extend_from_slice(&t.offset.to_le_bytes());
+        m.extend_from_slice(&t.nbytes.to_le_bytes());
+    }
+    Ok(m)
+}
+
+/// `n` zero bytes, `n < ALIGN`: the padding up to the next aligned offset.
+fn zeros(n: u64) -> &'static [u8] {
+    const ZEROS: [u8; 64] = [0; 64];
+    const _: () = assert!(ZEROS.len() as u64 == ALIGN);
+    usize::try_from(n)
+        .ok()
+        .and_then(|n| ZEROS.get(..n))
+        .expect("padding is shorter than ALIGN")
+}
+
 /// Computes the payload checksum over tensors and their zero padding.
 pub fn checksum_tensors(tensors: &[TensorSrc<'_>]) -> u64 {
-    let zeros = [0u8; ALIGN as usize];
     let mut h = Xxh3::new();
     let mut pos = 0u64;
     for t in tensors {
         let aligned = align_up(pos).unwrap_or(pos);
-        h.update(&zeros[..(aligned - pos) as usize]);
+        h.update(zeros(aligned - pos));
         h.update(t.data);
         pos = aligned + t.data.len() as u64;
     }
@@ -215,12 +250,11 @@ pub fn write_checkpoint(
         let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
         w.write_all(&head)?;
         w.write_all(text)?;
-        let zeros = [0u8; ALIGN as usize];
-        w.write_all(&zeros[..(payload_off - text_end) as usize])?;
+        w.write_all(zeros(payload_off - text_end))?;
         let mut pos = 0u64;
         for t in tensors {
             let aligned = align_up(pos).ok_or(Error::SizeOverflow)?;
-            w.write_all(&zeros[..(aligned - pos) as usize])?;
+            w.write_all(zeros(aligned - pos))?;
             w.write_all(t.data)?;
             pos = aligned + t.data.len() as u64;
         }

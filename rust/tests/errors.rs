@@ -20,7 +20,7 @@ thread_local! {
     static TRACK: Cell<bool> = const { Cell::new(false) };
 }
 fn note(size: usize) {
-    if TRACK.try_with(|t| t.get()).unwrap_or(false) {
+    if TRACK.try_with(Cell::get).unwrap_or(false) {
         PEAK.fetch_max(size, Ordering::Relaxed);
     }
 }
@@ -263,7 +263,7 @@ fn header_checksum() {
     let f = default_file();
     let meta = text_offset(&f) - 96;
     assert_eq!(
-        ds4::format::header_checksum(&f[..96], &f[96..96 + meta]),
+        ds4::format::v2::header_checksum(&f[..96], &f[96..96 + meta]),
         u64::from_le_bytes(f[88..96].try_into().unwrap())
     );
 }
@@ -316,9 +316,9 @@ fn size_overflow() {
 fn header_too_large_metadata() {
     let d = dir();
     // meta_bytes > MAX_META is refused before the checksum and before any read.
-    for meta in [MAX_META + 1, u32::MAX as u64] {
+    for meta in [MAX_META + 1, u64::from(u32::MAX)] {
         let mut f = default_file();
-        set_u32(&mut f, 20, meta as u32);
+        set_u32(&mut f, 20, u32::try_from(meta).unwrap());
         let p = put(d.path(), TEXT, &f);
         let (r, peak) = peak_alloc(|| open(&p, &opts()));
         let e = r.unwrap_err();
@@ -363,7 +363,7 @@ fn header_too_large_abi_and_tensor_count() {
     // A tensor count above MAX_TENSORS.
     let mut meta = Vec::new();
     meta.extend_from_slice(&0u16.to_le_bytes());
-    meta.extend_from_slice(&((MAX_TENSORS + 1) as u16).to_le_bytes());
+    meta.extend_from_slice(&u16::try_from(MAX_TENSORS + 1).unwrap().to_le_bytes());
     let f = assemble(&meta, TEXT, b"");
     let p = put(d.path(), TEXT, &f);
     let e = expect_err(&p, &opts(), "header_too_large", "header", Class::Corrupt);
@@ -667,7 +667,7 @@ fn not_prefix() {
     .unwrap();
 }
 
-/// The SHAttered identical-prefix SHA-1 collision (Stevens et al., 2017):
+/// The `SHAttered` identical-prefix SHA-1 collision (Stevens et al., 2017):
 /// two different 320-byte messages with the same SHA-1 state, so any common
 /// suffix keeps them colliding. With a real collision, `prefix_collision` is
 /// reachable end to end: the file's text hashes like the prompt's prefix
@@ -1074,7 +1074,7 @@ fn fsize_child(d: &std::path::Path) {
             rlim_cur: FSIZE_LIMIT,
             rlim_max: FSIZE_LIMIT,
         };
-        assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &lim), 0);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &raw const lim), 0);
     }
     let big = vec![7u8; 64 * 1024];
     let t = [ds4::TensorSrc {

@@ -20,14 +20,13 @@
 mod common;
 
 use common::*;
-use ds4::checkpoint::{open_regular, read_header, FileLock};
 use ds4::format::v1::{parse_v1, V1_FIXED};
+use ds4::format::v2::{sniff, v2_meta_len};
 use ds4::format::writer::temp_name;
-use ds4::format::{
-    reason_name, sniff, v2_meta_len, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM, MAX_TENSORS, V2_FIXED,
-};
+use ds4::format::{reason_name, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM, MAX_TENSORS, V2_FIXED};
 use ds4::hash::{common_prefix_len, sha1, sha1_prefixes};
-use ds4::storage::Storage;
+use ds4::payload::Storage;
+use ds4::verify::{open_regular, read_header, FileLock};
 use ds4::{open, touch, Class, Dtype, Error, VerifyOptions};
 use std::fs::{File, OpenOptions};
 use std::os::unix::io::AsRawFd;
@@ -56,7 +55,7 @@ fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-/// Installs `handler` for `sig` with exactly `flags` (no SA_RESTART unless given).
+/// Installs `handler` for `sig` with exactly `flags` (no `SA_RESTART` unless given).
 fn install_handler(sig: libc::c_int, handler: extern "C" fn(libc::c_int), flags: libc::c_int) {
     // SAFETY: a plain sigaction call with a zeroed, then filled-in struct;
     // the handlers used here only touch atomics and call fcntl.
@@ -64,9 +63,9 @@ fn install_handler(sig: libc::c_int, handler: extern "C" fn(libc::c_int), flags:
         let mut sa: libc::sigaction = std::mem::zeroed();
         sa.sa_sigaction = handler as *const () as usize;
         sa.sa_flags = flags;
-        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigemptyset(&raw mut sa.sa_mask);
         assert_eq!(
-            libc::sigaction(sig, &sa, std::ptr::null_mut()),
+            libc::sigaction(sig, &raw const sa, std::ptr::null_mut()),
             0,
             "{}",
             std::io::Error::last_os_error()
@@ -150,7 +149,7 @@ fn reason_names() {
         "named",
     ];
     for (r, name) in names.iter().enumerate() {
-        assert_eq!(reason_name(r as u8), *name, "reason {r}");
+        assert_eq!(reason_name(u8::try_from(r).unwrap()), *name, "reason {r}");
     }
     for r in [8u8, 9, 100, 255] {
         assert_eq!(reason_name(r), "unknown", "reason {r}");
@@ -195,7 +194,9 @@ fn class_names() {
 
 #[test]
 fn sha1_prefixes_gives_one_answer_per_length() {
-    let text: Vec<u8> = (0..300u32).map(|i| (i * 13 % 256) as u8).collect();
+    let text: Vec<u8> = (0..300u32)
+        .map(|i| u8::try_from(i * 13 % 256).unwrap())
+        .collect();
     assert!(sha1_prefixes(&text, &[]).is_empty());
     // Unsorted, repeated, zero, the whole text and past the end.
     let lens = [200usize, 0, 64, 64, 300, 1, 301, 63, 1000, 65];
@@ -292,14 +293,14 @@ fn v2_meta_len_boundaries() {
         })
     ));
     // MAX_META itself is allowed, one more is not.
-    let fixed = fixed_with_meta(MAX_META as u32);
+    let fixed = fixed_with_meta(u32::try_from(MAX_META).unwrap());
     let end = V2_FIXED as u64 + MAX_META;
     assert_eq!(v2_meta_len(&fixed, end).unwrap(), MAX_META);
     assert!(matches!(
         v2_meta_len(&fixed, end - 1),
         Err(Error::Truncated { expected, actual }) if expected == end && actual == end - 1
     ));
-    let fixed = fixed_with_meta(MAX_META as u32 + 1);
+    let fixed = fixed_with_meta(u32::try_from(MAX_META).unwrap() + 1);
     assert!(matches!(
         v2_meta_len(&fixed, u64::MAX),
         Err(Error::HeaderTooLarge {
@@ -316,11 +317,11 @@ fn parse_v2_with_less_metadata_than_declared_is_truncated() {
     let meta_len = text_offset(&f) - V2_FIXED;
     let meta = &f[V2_FIXED..V2_FIXED + meta_len];
     // The whole metadata parses.
-    let h = ds4::format::parse_v2(&f[..V2_FIXED], meta, f.len() as u64).unwrap();
+    let h = ds4::format::v2::parse_v2(&f[..V2_FIXED], meta, f.len() as u64).unwrap();
     assert_eq!(h.text_offset, (V2_FIXED + meta_len) as u64);
     // One byte short: truncated at the declared end of the metadata.
     for short in [meta_len - 1, 0] {
-        let r = ds4::format::parse_v2(&f[..V2_FIXED], &meta[..short], f.len() as u64);
+        let r = ds4::format::v2::parse_v2(&f[..V2_FIXED], &meta[..short], f.len() as u64);
         assert!(
             matches!(r, Err(Error::Truncated { expected, actual })
                 if expected == (V2_FIXED + meta_len) as u64 && actual == f.len() as u64),
@@ -410,7 +411,7 @@ fn metadata_of_exactly_max_meta_is_not_too_large() {
     // so the answer is that the file is truncated.
     let d = dir();
     let mut f = default_file();
-    set_u32(&mut f, 20, MAX_META as u32);
+    set_u32(&mut f, 20, u32::try_from(MAX_META).unwrap());
     reseal(&mut f);
     let p = put(d.path(), TEXT, &f);
     let e = expect_err(&p, &opts(), "truncated", "header", Class::Corrupt);
@@ -458,7 +459,7 @@ fn exactly_max_tensors_open() {
         .collect();
     let mut payload = vec![0u8; 64 * (MAX_TENSORS - 1) + 1];
     for i in 0..MAX_TENSORS {
-        payload[64 * i] = i as u8 | 1;
+        payload[64 * i] = i.to_le_bytes()[0] | 1;
     }
     let f = assemble(&encode_meta(ABI.as_bytes(), &tensors), TEXT, &payload);
     let p = put(d.path(), TEXT, &f);
@@ -535,7 +536,7 @@ fn the_writer_takes_metadata_of_exactly_max_meta() {
             data: b"\x07",
         })
         .collect();
-    let abi_len = MAX_META as usize - 4 - n * 338;
+    let abi_len = usize::try_from(MAX_META).unwrap() - 4 - n * 338;
     assert_eq!(abi_len, 96);
     let d = dir();
     let p = d.path().join(name_for(TEXT));
@@ -897,9 +898,7 @@ fn a_path_swapped_for_a_symlink_is_never_followed() {
                         libc::RENAME_EXCHANGE,
                     )
                 };
-                if r != 0 {
-                    panic!("renameat2: {}", std::io::Error::last_os_error());
-                }
+                assert!(r == 0, "renameat2: {}", std::io::Error::last_os_error());
             }
         });
         let t0 = Instant::now();
@@ -973,7 +972,8 @@ fn storage_pread_reports_a_file_that_shrank_after_fstat() {
     );
     // What is still there reads fine.
     let s = Storage::pread(&file, po, 1, len).unwrap();
-    assert_eq!(s.bytes(), &f[po as usize..po as usize + 1]);
+    let po = usize::try_from(po).unwrap();
+    assert_eq!(s.bytes(), &f[po..=po]);
 }
 
 #[test]
@@ -997,7 +997,7 @@ fn a_read_payload_is_freed_with_its_checkpoint() {
     let before = live_bytes();
     let ck = open(&p, &o).unwrap();
     let held = live_bytes() - before;
-    assert!(held >= big.len() as isize, "{held}");
+    assert!(held >= isize::try_from(big.len()).unwrap(), "{held}");
     assert_eq!(ck.payload().unwrap(), &big[..]);
     drop(ck);
     let left = live_bytes() - before;
@@ -1042,7 +1042,7 @@ fn child_dir() -> Option<std::path::PathBuf> {
             rlim_cur: 0,
             rlim_max: 0,
         };
-        libc::setrlimit(libc::RLIMIT_CORE, &no_core);
+        libc::setrlimit(libc::RLIMIT_CORE, &raw const no_core);
         libc::alarm(10);
     }
     Some(d.into())
@@ -1151,7 +1151,7 @@ fn check_intact_reports_a_mapped_file_truncated_after_open() {
     let payload = ck.payload().unwrap();
     for i in (0..payload.len()).step_by(4096) {
         // SAFETY: a read of a byte inside the slice.
-        unsafe { std::ptr::read_volatile(&payload[i]) };
+        unsafe { std::ptr::read_volatile(&raw const payload[i]) };
     }
     assert_eq!(
         payload[payload.len() - 1],
@@ -1227,8 +1227,11 @@ fn a_fault_outside_the_guarded_range_goes_to_the_previous_handler() {
         let mut sa: libc::sigaction = std::mem::zeroed();
         sa.sa_sigaction = own_bus_handler as *const () as usize;
         sa.sa_flags = libc::SA_SIGINFO;
-        libc::sigemptyset(&mut sa.sa_mask);
-        assert_eq!(libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()), 0);
+        libc::sigemptyset(&raw mut sa.sa_mask);
+        assert_eq!(
+            libc::sigaction(libc::SIGBUS, &raw const sa, std::ptr::null_mut()),
+            0
+        );
     }
     // A guarded map of 4096 + 100 bytes: its second page is only partly
     // inside the guarded range [s, s + len).
@@ -1270,7 +1273,10 @@ fn a_fault_outside_the_guarded_range_goes_to_the_previous_handler() {
     shrink(&guarded, 0);
     BUS_EXPECTED.store(s + 50, Ordering::SeqCst);
     // SAFETY: a read of a byte inside the slice.
-    assert_eq!(unsafe { std::ptr::read_volatile(&storage.bytes()[50]) }, 0);
+    assert_eq!(
+        unsafe { std::ptr::read_volatile(&raw const storage.bytes()[50]) },
+        0
+    );
     assert!(storage.faulted(), "the guard did not take its own fault");
     assert_eq!(
         BUS_CALLS.load(Ordering::SeqCst),
@@ -1280,7 +1286,7 @@ fn a_fault_outside_the_guarded_range_goes_to_the_previous_handler() {
     println!("child: faults went where they belong");
 }
 
-/// In a child whose SIGBUS disposition is `disp` (SIG_DFL or SIG_IGN) before
+/// In a child whose SIGBUS disposition is `disp` (`SIG_DFL` or `SIG_IGN`) before
 /// ds4 guards a map: a fault outside the guarded maps kills it with SIGBUS,
 /// as it would without ds4.
 fn foreign_fault_with_disposition(d: &Path, disp: libc::sighandler_t) {
@@ -1325,28 +1331,32 @@ struct Counting;
 thread_local! {
     static LIVE: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
 }
-fn add_live(n: isize) {
-    let _ = LIVE.try_with(|l| l.set(l.get() + n));
+fn add_live(n: usize) {
+    let _ = LIVE.try_with(|l| l.set(l.get().saturating_add_unsigned(n)));
+}
+fn sub_live(n: usize) {
+    let _ = LIVE.try_with(|l| l.set(l.get().saturating_sub_unsigned(n)));
 }
 fn live_bytes() -> isize {
-    LIVE.with(|l| l.get())
+    LIVE.with(std::cell::Cell::get)
 }
 // SAFETY: forwards every call to `System` unchanged; only counts sizes.
 unsafe impl std::alloc::GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
-        add_live(l.size() as isize);
+        add_live(l.size());
         unsafe { std::alloc::System.alloc(l) }
     }
     unsafe fn alloc_zeroed(&self, l: std::alloc::Layout) -> *mut u8 {
-        add_live(l.size() as isize);
+        add_live(l.size());
         unsafe { std::alloc::System.alloc_zeroed(l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new: usize) -> *mut u8 {
-        add_live(new as isize - l.size() as isize);
+        add_live(new);
+        sub_live(l.size());
         unsafe { std::alloc::System.realloc(p, l, new) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
-        add_live(-(l.size() as isize));
+        sub_live(l.size());
         unsafe { std::alloc::System.dealloc(p, l) }
     }
 }

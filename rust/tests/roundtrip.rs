@@ -67,7 +67,7 @@ fn tensor(i: usize) -> impl Strategy<Value = Tensor> {
                 name,
                 dtype,
                 shape,
-                data: bytes_from(seed, n as usize),
+                data: bytes_from(seed, usize::try_from(n).unwrap()),
             }
         })
 }
@@ -188,12 +188,15 @@ fn check_roundtrip(inp: &Input) -> Result<(), TestCaseError> {
                 0,
                 "file offset not aligned"
             );
-            let s = &payload[info.offset as usize..(info.offset + info.nbytes) as usize];
+            let start = usize::try_from(info.offset).unwrap();
+            let end = usize::try_from(info.offset + info.nbytes).unwrap();
+            let s = &payload[start..end];
             if !s.is_empty() {
                 prop_assert_eq!(s.as_ptr() as usize % 64, 0, "tensor address not aligned");
             }
             prop_assert_eq!(s, &t.data[..]);
-            let f = &file[(h.payload_offset + info.offset) as usize..][..t.data.len()];
+            let at = usize::try_from(h.payload_offset + info.offset).unwrap();
+            let f = &file[at..][..t.data.len()];
             prop_assert_eq!(f, &t.data[..]);
         }
     }
@@ -292,7 +295,7 @@ fn every_bit_flip_and_every_truncation_of_a_small_file() {
         bad[i / 8] ^= 1 << (i % 8);
         check_damaged(dd.path(), &name, &orig, &bad, is_mutable(i / 8))
             .unwrap_or_else(|e| panic!("bit {i}: {e}"));
-        loaded += is_mutable(i / 8) as usize;
+        loaded += usize::from(is_mutable(i / 8));
     }
     assert_eq!(loaded, 12 * 8);
     for len in 0..good.len() {

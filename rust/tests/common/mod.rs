@@ -18,7 +18,7 @@ pub fn xxh3_64(data: &[u8]) -> u64 {
 }
 
 /// FORMAT.md §1.3: xxh3-64 of the 96-byte fixed header with bytes 12..16
-/// (hits), 32..40 (last_used) and 88..96 (the checksum) read as zero,
+/// (`hits`), 32..40 (`last_used`) and 88..96 (the checksum) read as zero,
 /// followed by the metadata.
 pub fn independent_header_checksum(fixed: &[u8], meta: &[u8]) -> u64 {
     assert_eq!(fixed.len(), 96, "the fixed v2 header is 96 bytes");
@@ -46,14 +46,14 @@ pub struct RawTensor<'a> {
 /// Metadata exactly as docs/FORMAT.md §1.4 describes it.
 pub fn encode_meta(abi: &[u8], tensors: &[RawTensor<'_>]) -> Vec<u8> {
     let mut m = Vec::new();
-    m.extend_from_slice(&(abi.len() as u16).to_le_bytes());
+    m.extend_from_slice(&u16::try_from(abi.len()).unwrap().to_le_bytes());
     m.extend_from_slice(abi);
-    m.extend_from_slice(&(tensors.len() as u16).to_le_bytes());
+    m.extend_from_slice(&u16::try_from(tensors.len()).unwrap().to_le_bytes());
     for t in tensors {
-        m.push(t.name.len() as u8);
+        m.push(u8::try_from(t.name.len()).unwrap());
         m.extend_from_slice(t.name);
         m.push(t.dtype);
-        m.push(t.shape.len() as u8);
+        m.push(u8::try_from(t.shape.len()).unwrap());
         for d in &t.shape {
             m.extend_from_slice(&d.to_le_bytes());
         }
@@ -112,11 +112,11 @@ pub fn assemble(meta: &[u8], text: &[u8], payload: &[u8]) -> Vec<u8> {
     f[5] = 1; // reason
     f[8..12].copy_from_slice(&TOKENS.to_le_bytes());
     f[16..20].copy_from_slice(&CTX.to_le_bytes());
-    f[20..24].copy_from_slice(&(meta.len() as u32).to_le_bytes());
+    f[20..24].copy_from_slice(&u32::try_from(meta.len()).unwrap().to_le_bytes());
     f[24..32].copy_from_slice(&CREATED.to_le_bytes());
     f[32..40].copy_from_slice(&CREATED.to_le_bytes());
     f[40..48].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-    f[48..52].copy_from_slice(&(text.len() as u32).to_le_bytes());
+    f[48..52].copy_from_slice(&u32::try_from(text.len()).unwrap().to_le_bytes());
     f[56..76].copy_from_slice(&ds4::hash::sha1(text));
     f[80..88].copy_from_slice(&independent_payload_checksum(payload).to_le_bytes());
     f.extend_from_slice(meta);
@@ -185,7 +185,7 @@ pub fn v1_file(text: &[u8], tokens: u32, flags: u8, payload: &[u8], trailer: &[u
     f[24..32].copy_from_slice(&CREATED.to_le_bytes());
     f[32..40].copy_from_slice(&CREATED.to_le_bytes());
     f[40..48].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-    f.extend_from_slice(&(text.len() as u32).to_le_bytes());
+    f.extend_from_slice(&u32::try_from(text.len()).unwrap().to_le_bytes());
     f.extend_from_slice(text);
     f.extend_from_slice(payload);
     f.extend_from_slice(trailer);
@@ -205,7 +205,7 @@ pub fn dsv4_payload(tokens: u32) -> Vec<u8> {
         43,
         512,
         128,
-        129280,
+        129_280,
         tokens.min(256),
     ];
     let mut p: Vec<u8> = fields.iter().flat_map(|v| v.to_le_bytes()).collect();

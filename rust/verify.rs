@@ -11,19 +11,27 @@
 //!
 //! Every size is checked against the real file length (from `fstat`) before
 //! anything is allocated or mapped: only the fixed header is read before
-//! that, and the metadata (bounded by [`format::MAX_META`]) once it is known
-//! to lie inside the file.
+//! that, and the metadata (bounded by [`MAX_META`](crate::format::MAX_META))
+//! once it is known to lie inside the file.
 
 use crate::error::{Error, Result};
-use crate::format::{self, v1, Header, V2_FIXED, VERSION_V1, VERSION_V2};
+use crate::format::bytes::le_u32;
+use crate::format::{
+    v1, v2, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2,
+};
 use crate::hash::{self, Sha1Digest};
-use crate::storage::Storage;
+use crate::payload::Storage;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// What [`open`] checks beyond the file itself, and how it loads the payload.
 #[derive(Debug, Clone)]
+#[expect(
+    clippy::struct_excessive_bools,
+    reason = "independent switches, one per keyword argument of ds4._core.open_checkpoint"
+)]
 pub struct VerifyOptions<'a> {
     /// Reject (incompatible) when the payload ABI differs.
     pub expected_abi: Option<&'a str>,
@@ -75,12 +83,12 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Fails with `Truncated` if the mapped file shrank under us (another
-    /// process truncated it: see storage.rs on SIGBUS). Consumers call this
+    /// process truncated it: see payload.rs on SIGBUS). Consumers call this
     /// after they have read the payload, before trusting what they read.
     pub fn check_intact(&self) -> Result<()> {
         if let Some(s) = &self.storage {
             if s.faulted() {
-                let actual = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
+                let actual = std::fs::metadata(&self.path).map_or(0, |m| m.len());
                 return Err(Error::Truncated {
                     expected: self.file_len,
                     actual,
@@ -90,11 +98,67 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// The payload bytes; `None` when it was not loaded (or, which
+    /// verification rules out, when the header's range is not inside it).
     pub fn payload(&self) -> Option<&[u8]> {
         let s = self.storage.as_ref()?;
-        s.bytes()
-            .get(self.payload_base..self.payload_base + self.header.payload_bytes as usize)
+        let len = usize::try_from(self.header.payload_bytes).ok()?;
+        let end = self.payload_base.checked_add(len)?;
+        s.bytes().get(self.payload_base..end)
     }
+}
+
+/// Runs the whole verification pipeline on `path`: the stages below, in
+/// this order, each stopping the open at its first failure.
+pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
+    // Stage: open.
+    let name_digest = if o.check_name {
+        Some(digest_from_name(path)?)
+    } else {
+        None
+    };
+    let (file, file_len) = open_regular(path, false)?;
+
+    // Stage: header (corrupt, then incompatible).
+    let header = read_header(&file, file_len)?;
+    check_compatible(&header, o)?;
+
+    // Stage: text.
+    let text = pread_vec(
+        &file,
+        header.text_offset,
+        u64::from(header.text_bytes),
+        file_len,
+    )?;
+    let digest = hash::sha1(&text);
+    check_text_sha1(&header, digest, name_digest)?;
+    if let Some(prompt) = o.prompt {
+        check_prompt_prefix(&text, digest, prompt)?;
+    }
+    if header.version == VERSION_V2 {
+        check_padding(&file, &header, file_len)?;
+    }
+
+    let mut ck = Checkpoint {
+        path: path.to_path_buf(),
+        header,
+        text,
+        file_len,
+        storage: None,
+        payload_base: 0,
+        dsv4: None,
+    };
+
+    // Stage: payload.
+    if o.load_payload {
+        load_payload(&file, &mut ck, o)?;
+    } else if ck.header.version == VERSION_V1 {
+        // Header-only open: describe the DSV4 payload when it can be, but
+        // leave its verification to a full open.
+        let head = read_dsv4_head(&file, &ck.header, file_len)?;
+        ck.dsv4 = v1::decode_dsv4(&head, ck.header.tokens).ok();
+    }
+    Ok(ck)
 }
 
 /// `<40 lowercase hex>.kv` -> the digest.
@@ -153,7 +217,7 @@ fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8
             actual: file_len,
         });
     }
-    let mut v = vec![0u8; len as usize];
+    let mut v = vec![0u8; usize::try_from(len).map_err(|_| Error::SizeOverflow)?];
     file.read_exact_at(&mut v, offset).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             // The file shrank under us.
@@ -172,29 +236,20 @@ fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8
 /// open file of length `file_len`.
 pub fn read_header(file: &File, file_len: u64) -> Result<Header> {
     let head = pread_vec(file, 0, file_len.min(V2_FIXED as u64), file_len)?;
-    match format::sniff(&head, file_len)? {
+    match v2::sniff(&head, file_len)? {
         VERSION_V1 => v1::parse_v1(&head, file_len),
         VERSION_V2 => {
-            let meta_len = format::v2_meta_len(&head, file_len)?;
+            let meta_len = v2::v2_meta_len(&head, file_len)?;
             let meta = pread_vec(file, V2_FIXED as u64, meta_len, file_len)?;
-            format::parse_v2(&head, &meta, file_len)
+            v2::parse_v2(&head, &meta, file_len)
         }
         found => Err(Error::UnsupportedVersion { found }),
     }
 }
 
-/// Runs the whole verification pipeline on `path`.
-pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
-    // Stage: open.
-    let name_digest = if o.check_name {
-        Some(digest_from_name(path)?)
-    } else {
-        None
-    };
-    let (file, file_len) = open_regular(path, false)?;
-
-    // Stage: header (corrupt, then incompatible).
-    let header = read_header(&file, file_len)?;
+/// Header stage, incompatible checks: the ABI, quantization and context the
+/// caller asked for.
+fn check_compatible(header: &Header, o: &VerifyOptions<'_>) -> Result<()> {
     if let Some(abi) = o.expected_abi {
         // A v1 file never matches: its DSV4 payload is described, not executed.
         if header.version == VERSION_V1 || header.abi != abi {
@@ -218,22 +273,23 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
         }
     }
     if let Some(ctx) = o.ctx {
-        if header.tokens as u64 > ctx {
+        if u64::from(header.tokens) > ctx {
             return Err(Error::CtxTooSmall {
-                tokens: header.tokens as u64,
+                tokens: u64::from(header.tokens),
                 ctx,
             });
         }
     }
+    Ok(())
+}
 
-    // Stage: text.
-    let text = pread_vec(
-        &file,
-        header.text_offset,
-        header.text_bytes as u64,
-        file_len,
-    )?;
-    let digest = hash::sha1(&text);
+/// Text stage: the SHA-1 of the stored text against the one the header
+/// records (v2), then against the file name (when the name was checked).
+fn check_text_sha1(
+    header: &Header,
+    digest: Sha1Digest,
+    name_digest: Option<Sha1Digest>,
+) -> Result<()> {
     if let Some(stored) = header.text_sha1 {
         if stored != digest {
             return Err(Error::TextHashMismatch {
@@ -250,70 +306,61 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
             });
         }
     }
-    if let Some(prompt) = o.prompt {
-        if !hash::is_byte_prefix(&text, prompt) {
-            let len = text.len() as u64;
-            if text.len() <= prompt.len()
-                && prompt.get(..text.len()).map(hash::sha1) == Some(digest)
-            {
-                let at = hash::common_prefix_len(&text, prompt) as u64;
-                return Err(Error::PrefixCollision { len, at });
-            }
-            return Err(Error::NotPrefix {
-                len,
-                prompt_len: prompt.len() as u64,
-            });
-        }
-    }
-    if header.version == VERSION_V2 {
-        // The padding between text and payload must be zero.
-        let text_end = header.text_offset + header.text_bytes as u64;
-        let pad = pread_vec(&file, text_end, header.payload_offset - text_end, file_len)?;
-        if let Some(i) = pad.iter().position(|&b| b != 0) {
-            return Err(Error::BadPadding {
-                offset: text_end + i as u64,
-            });
-        }
-    }
+    Ok(())
+}
 
-    let mut ck = Checkpoint {
-        path: path.to_path_buf(),
-        header,
-        text,
-        file_len,
-        storage: None,
-        payload_base: 0,
-        dsv4: None,
-    };
-    if !o.load_payload {
-        if ck.header.version == VERSION_V1 {
-            let n = ck.header.payload_bytes.min(52);
-            let head = pread_vec(&file, ck.header.payload_offset, n, file_len)?;
-            ck.dsv4 = v1::decode_dsv4(&head, ck.header.tokens).ok();
-        }
-        return Ok(ck);
+/// Text stage: the stored text is a byte prefix of the prompt. A prompt
+/// prefix that hashes the same but differs is a SHA-1 collision (corrupt),
+/// anything else is another conversation (mismatch).
+fn check_prompt_prefix(text: &[u8], digest: Sha1Digest, prompt: &[u8]) -> Result<()> {
+    if hash::is_byte_prefix(text, prompt) {
+        return Ok(());
     }
+    let len = text.len() as u64;
+    if text.len() <= prompt.len() && prompt.get(..text.len()).map(hash::sha1) == Some(digest) {
+        let at = hash::common_prefix_len(text, prompt) as u64;
+        return Err(Error::PrefixCollision { len, at });
+    }
+    Err(Error::NotPrefix {
+        len,
+        prompt_len: prompt.len() as u64,
+    })
+}
 
-    // Stage: payload.
+/// Text stage, v2: the padding between text and payload must be zero.
+fn check_padding(file: &File, header: &Header, file_len: u64) -> Result<()> {
+    let text_end = header.text_offset + u64::from(header.text_bytes);
+    let pad = pread_vec(file, text_end, header.payload_offset - text_end, file_len)?;
+    if let Some(i) = pad.iter().position(|&b| b != 0) {
+        return Err(Error::BadPadding {
+            offset: text_end + i as u64,
+        });
+    }
+    Ok(())
+}
+
+/// Payload stage: the payload's own layout (v1: the DSV4 header; v2: the
+/// tensor table), then the payload is mapped or read, then its checksum
+/// (v2, when asked) and that the map did not lose a page meanwhile.
+fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Result<()> {
     if ck.header.version == VERSION_V1 {
-        let n = ck.header.payload_bytes.min(52);
-        let head = pread_vec(&file, ck.header.payload_offset, n, file_len)?;
+        let head = read_dsv4_head(file, &ck.header, ck.file_len)?;
         ck.dsv4 = Some(v1::decode_dsv4(&head, ck.header.tokens)?);
     } else {
-        format::check_tensor_table(&ck.header.tensors, ck.header.payload_bytes)?;
+        v2::check_tensor_table(&ck.header.tensors, ck.header.payload_bytes)?;
     }
     let (storage, base) = if o.mmap {
         (
-            Storage::map(&file, file_len)?,
-            ck.header.payload_offset as usize,
+            Storage::map(file, ck.file_len)?,
+            usize::try_from(ck.header.payload_offset).map_err(|_| Error::SizeOverflow)?,
         )
     } else {
         (
             Storage::pread(
-                &file,
+                file,
                 ck.header.payload_offset,
                 ck.header.payload_bytes,
-                file_len,
+                ck.file_len,
             )?,
             0,
         )
@@ -321,21 +368,33 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
     ck.storage = Some(Arc::new(storage));
     ck.payload_base = base;
     if o.verify_checksum && ck.header.version == VERSION_V2 {
-        let payload = ck.payload().ok_or(Error::Truncated {
-            expected: ck.header.total_len,
-            actual: file_len,
-        })?;
-        let computed = format::payload_checksum(payload);
-        if computed != ck.header.payload_checksum {
-            ck.check_intact()?;
-            return Err(Error::PayloadChecksum {
-                stored: ck.header.payload_checksum,
-                computed,
-            });
-        }
+        check_payload_checksum(ck)?;
     }
-    ck.check_intact()?;
-    Ok(ck)
+    ck.check_intact()
+}
+
+/// v1: the first bytes of the payload, where the 52-byte DSV4 header lives.
+fn read_dsv4_head(file: &File, header: &Header, file_len: u64) -> Result<Vec<u8>> {
+    let n = header.payload_bytes.min(52);
+    pread_vec(file, header.payload_offset, n, file_len)
+}
+
+/// Payload stage, v2: the payload's xxh3-64 against the header's. A mismatch
+/// on a map that lost a page is reported as the truncation it is.
+fn check_payload_checksum(ck: &Checkpoint) -> Result<()> {
+    let payload = ck.payload().ok_or(Error::Truncated {
+        expected: ck.header.total_len,
+        actual: ck.file_len,
+    })?;
+    let computed = v2::payload_checksum(payload);
+    if computed != ck.header.payload_checksum {
+        ck.check_intact()?;
+        return Err(Error::PayloadChecksum {
+            stored: ck.header.payload_checksum,
+            computed,
+        });
+    }
+    Ok(())
 }
 
 /// Records a hit: `hits += 1`, `last_used = now`, under an exclusive `flock`
@@ -345,7 +404,7 @@ pub fn touch(path: &Path, now: u64) -> Result<u32> {
     let (file, file_len) = open_regular(path, true)?;
     let lock = FileLock::exclusive(&file)?;
     let head = pread_vec(&file, 0, file_len.min(40), file_len)?;
-    let v = format::sniff(&head, file_len)?;
+    let v = v2::sniff(&head, file_len)?;
     if v != VERSION_V1 && v != VERSION_V2 {
         return Err(Error::UnsupportedVersion { found: v });
     }
@@ -355,9 +414,9 @@ pub fn touch(path: &Path, now: u64) -> Result<u32> {
             have: file_len,
         });
     }
-    let hits = format::le_u32(&head, format::HITS_OFFSET as usize).saturating_add(1);
-    file.write_all_at(&hits.to_le_bytes(), format::HITS_OFFSET)?;
-    file.write_all_at(&now.to_le_bytes(), format::LAST_USED_OFFSET)?;
+    let hits = le_u32(&head, HITS_OFFSET).saturating_add(1);
+    file.write_all_at(&hits.to_le_bytes(), HITS_OFFSET as u64)?;
+    file.write_all_at(&now.to_le_bytes(), LAST_USED_OFFSET as u64)?;
     drop(lock);
     Ok(hits)
 }

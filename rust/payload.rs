@@ -17,8 +17,6 @@ use crate::error::{Error, Result};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Once;
 
 /// A 64-byte-aligned heap buffer (zeroed lazily by the allocator: large
 /// allocations come straight from fresh anonymous pages, no extra pass).
@@ -163,7 +161,8 @@ impl Drop for Storage {
 }
 
 mod sigbus {
-    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Once;
 
     const SLOTS: usize = 1024;
     // (start, len) of registered maps; start == 0 means free.
@@ -184,9 +183,9 @@ mod sigbus {
                 let mut sa: libc::sigaction = std::mem::zeroed();
                 sa.sa_sigaction = handler as *const () as usize;
                 sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigemptyset(&raw mut sa.sa_mask);
                 let mut prev: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(libc::SIGBUS, &sa, &mut prev) == 0 {
+                if libc::sigaction(libc::SIGBUS, &raw const sa, &raw mut prev) == 0 {
                     (*std::ptr::addr_of_mut!(PREV)).write(prev);
                     PREV_SET.store(true, Ordering::SeqCst);
                 }
@@ -226,7 +225,9 @@ mod sigbus {
         for i in 0..SLOTS {
             let s = START[i].load(Ordering::SeqCst);
             if s != 0 && addr >= s && addr < s + LEN[i].load(Ordering::SeqCst) {
-                let page = 4096usize.max(unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize);
+                // SAFETY: sysconf takes no pointers.
+                let sys_page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+                let page = usize::try_from(sys_page).map_or(4096, |p| p.max(4096));
                 let p = addr & !(page - 1);
                 // SAFETY: replaces exactly one page inside our own private,
                 // read-only mapping with an anonymous zero page.
@@ -268,7 +269,7 @@ mod sigbus {
             } else {
                 let mut dfl: libc::sigaction = std::mem::zeroed();
                 dfl.sa_sigaction = libc::SIG_DFL;
-                libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+                libc::sigaction(libc::SIGBUS, &raw const dfl, std::ptr::null_mut());
             }
         }
     }

@@ -1,0 +1,265 @@
+//! The v2 reader (docs/FORMAT.md): the first check of any file ([`sniff`]),
+//! the fixed header and its checksum, the metadata (ABI string and tensor
+//! table) and the payload-stage checks of the tensor table and checksum.
+#![deny(clippy::indexing_slicing)]
+
+use super::bytes::{byte, le_u32, le_u64, Cursor};
+use super::{
+    align_up, check_total, Dtype, Header, TensorInfo, MAGIC, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM,
+    MAX_TENSORS, V2_FIXED, VERSION_V2,
+};
+use crate::error::{Error, Result};
+use xxhash_rust::xxh3::Xxh3;
+
+/// The first check of any file: length and magic; returns the version byte.
+pub fn sniff(head: &[u8], file_len: u64) -> Result<u8> {
+    if file_len < 4 || head.len() < 4 {
+        return Err(Error::TooShort {
+            need: 4,
+            have: file_len,
+        });
+    }
+    let found = [byte(head, 0), byte(head, 1), byte(head, 2)];
+    if found != MAGIC {
+        return Err(Error::BadMagic { found });
+    }
+    Ok(byte(head, 3))
+}
+
+/// Header checksum: xxh3-64 over the fixed header with the mutable fields
+/// (`hits`, `last_used`) and the checksum itself read as zero, then the metadata.
+pub fn header_checksum(fixed: &[u8], meta: &[u8]) -> u64 {
+    let mut f = [0u8; V2_FIXED];
+    let n = fixed.len().min(V2_FIXED);
+    if let (Some(dst), Some(src)) = (f.get_mut(..n), fixed.get(..n)) {
+        dst.copy_from_slice(src);
+    }
+    for r in [12..16usize, 32..40, 88..96] {
+        if let Some(s) = f.get_mut(r) {
+            s.fill(0);
+        }
+    }
+    let mut h = Xxh3::new();
+    h.update(&f);
+    h.update(meta);
+    h.digest()
+}
+
+/// Stage 1 of a v2 header: length, magic, version, the metadata size bound
+/// and that the metadata lies inside the file. Returns the metadata length.
+pub fn v2_meta_len(fixed: &[u8], file_len: u64) -> Result<u64> {
+    if file_len < V2_FIXED as u64 || fixed.len() < V2_FIXED {
+        return Err(Error::TooShort {
+            need: V2_FIXED as u64,
+            have: file_len,
+        });
+    }
+    let meta = u64::from(le_u32(fixed, 20));
+    if meta > MAX_META {
+        return Err(Error::HeaderTooLarge {
+            what: "metadata",
+            len: meta,
+            max: MAX_META,
+        });
+    }
+    let need = V2_FIXED as u64 + meta;
+    if need > file_len {
+        return Err(Error::Truncated {
+            expected: need,
+            actual: file_len,
+        });
+    }
+    Ok(meta)
+}
+
+/// Parses and checks a v2 header: `fixed` is the first 96 bytes, `meta` the
+/// metadata that follows, `file_len` the real length of the file. Checks, in
+/// order: header checksum, reserved bytes, section sizes against the file
+/// length (truncation and trailing bytes apart), then decodes the metadata.
+pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
+    let meta_len = v2_meta_len(fixed, file_len)?;
+    if meta.len() as u64 != meta_len {
+        return Err(Error::Truncated {
+            expected: V2_FIXED as u64 + meta_len,
+            actual: file_len,
+        });
+    }
+    let stored = le_u64(fixed, 88);
+    let computed = header_checksum(fixed, meta);
+    if stored != computed {
+        return Err(Error::HeaderChecksum { stored, computed });
+    }
+    for off in [7usize, 52, 53, 54, 55, 76, 77, 78, 79] {
+        let v = byte(fixed, off);
+        if v != 0 {
+            return Err(Error::ReservedNonZero {
+                offset: off as u64,
+                value: v,
+            });
+        }
+    }
+    let text_bytes = le_u32(fixed, 48);
+    let payload_bytes = le_u64(fixed, 40);
+    let text_offset = V2_FIXED as u64 + meta_len;
+    let payload_offset = text_offset
+        .checked_add(u64::from(text_bytes))
+        .and_then(align_up)
+        .ok_or(Error::SizeOverflow)?;
+    let total = payload_offset
+        .checked_add(payload_bytes)
+        .ok_or(Error::SizeOverflow)?;
+    check_total(total, file_len)?;
+    let mut sha = [0u8; 20];
+    if let Some(s) = fixed.get(56..76) {
+        sha.copy_from_slice(s);
+    }
+    let (abi, tensors) = decode_meta(meta)?;
+    Ok(Header {
+        version: VERSION_V2,
+        quant_bits: byte(fixed, 4),
+        reason: byte(fixed, 5),
+        flags: byte(fixed, 6),
+        tokens: le_u32(fixed, 8),
+        hits: le_u32(fixed, 12),
+        ctx: le_u32(fixed, 16),
+        created: le_u64(fixed, 24),
+        last_used: le_u64(fixed, 32),
+        payload_bytes,
+        text_bytes,
+        text_sha1: Some(sha),
+        payload_checksum: le_u64(fixed, 80),
+        header_checksum: stored,
+        abi,
+        tensors,
+        text_offset,
+        payload_offset,
+        total_len: total,
+        trailer_bytes: 0,
+    })
+}
+
+fn ends_inside(what: &str) -> Error {
+    Error::BadMetadata(format!("metadata ends inside {what}"))
+}
+
+/// Metadata: `u16 abi_len, abi, u16 n_tensors`, then per tensor
+/// `u8 name_len, name, u8 dtype, u8 ndim, u64 shape[ndim], u64 offset, u64 nbytes`.
+pub fn decode_meta(meta: &[u8]) -> Result<(String, Vec<TensorInfo>)> {
+    let mut c = Cursor::new(meta, ends_inside);
+    let abi_len = c.u16("abi length")? as usize;
+    if abi_len > MAX_ABI {
+        return Err(Error::HeaderTooLarge {
+            what: "ABI string",
+            len: abi_len as u64,
+            max: MAX_ABI as u64,
+        });
+    }
+    let abi = std::str::from_utf8(c.take(abi_len, "abi")?)
+        .map_err(|_| Error::BadMetadata("ABI string is not UTF-8".into()))?
+        .to_owned();
+    let n = c.u16("tensor count")? as usize;
+    if n > MAX_TENSORS {
+        return Err(Error::HeaderTooLarge {
+            what: "tensor table",
+            len: n as u64,
+            max: MAX_TENSORS as u64,
+        });
+    }
+    let mut tensors = Vec::with_capacity(n);
+    for i in 0..n {
+        let name_len = c.u8("tensor name length")? as usize;
+        let name = std::str::from_utf8(c.take(name_len, "tensor name")?)
+            .map_err(|_| Error::BadMetadata(format!("tensor {i} name is not UTF-8")))?
+            .to_owned();
+        let code = c.u8("dtype")?;
+        let dtype = Dtype::from_code(code).ok_or_else(|| {
+            Error::BadMetadata(format!("tensor {name:?} has unknown dtype {code}"))
+        })?;
+        let ndim = c.u8("ndim")? as usize;
+        if ndim > MAX_NDIM {
+            return Err(Error::BadMetadata(format!(
+                "tensor {name:?} has {ndim} dimensions (max {MAX_NDIM})"
+            )));
+        }
+        let mut shape = Vec::with_capacity(ndim);
+        for _ in 0..ndim {
+            shape.push(c.u64("shape")?);
+        }
+        let offset = c.u64("offset")?;
+        let nbytes = c.u64("nbytes")?;
+        tensors.push(TensorInfo {
+            name,
+            dtype,
+            shape,
+            offset,
+            nbytes,
+        });
+    }
+    let unused = c.remaining();
+    if unused != 0 {
+        return Err(Error::BadMetadata(format!(
+            "{unused} unused metadata bytes"
+        )));
+    }
+    Ok((abi, tensors))
+}
+
+/// Payload-stage check of the tensor table: names non-empty and unique,
+/// sizes exact (`nbytes == prod(shape) * itemsize`, checked), each tensor at
+/// the next 64-byte boundary after the previous one, the last ending exactly
+/// at `payload_bytes`.
+pub fn check_tensor_table(tensors: &[TensorInfo], payload_bytes: u64) -> Result<()> {
+    let mut expect_off = 0u64;
+    let mut end = 0u64;
+    let mut names = std::collections::HashSet::with_capacity(tensors.len());
+    for t in tensors {
+        if t.name.is_empty() || t.name.len() > MAX_NAME {
+            return Err(Error::TensorTable(format!(
+                "tensor name {:?} is empty or too long",
+                t.name
+            )));
+        }
+        if !names.insert(t.name.as_str()) {
+            return Err(Error::TensorTable(format!(
+                "duplicate tensor name {:?}",
+                t.name
+            )));
+        }
+        let want = t.dtype.nbytes(&t.shape).ok_or_else(|| {
+            Error::TensorTable(format!("tensor {:?}: shape size overflows", t.name))
+        })?;
+        if want != t.nbytes {
+            return Err(Error::TensorTable(format!(
+                "tensor {:?}: {} bytes for shape {:?} of {:?}, expected {want}",
+                t.name, t.nbytes, t.shape, t.dtype
+            )));
+        }
+        if t.offset != expect_off {
+            return Err(Error::TensorTable(format!(
+                "tensor {:?} at offset {}, expected {expect_off} (64-byte aligned, in order, no gaps)",
+                t.name, t.offset
+            )));
+        }
+        end = t.offset.checked_add(t.nbytes).ok_or_else(|| {
+            Error::TensorTable(format!("tensor {:?}: offset + size overflows", t.name))
+        })?;
+        if end > payload_bytes {
+            return Err(Error::TensorTable(format!(
+                "tensor {:?} ends at {end}, past the {payload_bytes}-byte payload",
+                t.name
+            )));
+        }
+        expect_off = align_up(end).ok_or(Error::SizeOverflow)?;
+    }
+    if end != payload_bytes {
+        return Err(Error::TensorTable(format!(
+            "tensors end at {end} but the payload is {payload_bytes} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// xxh3-64 of the payload bytes.
+pub fn payload_checksum(payload: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(payload)
+}
