@@ -27,5 +27,8 @@ if ! "$PY" scripts/llama_probe.py; then
   "$PY" scripts/llama_probe.py
 fi
 echo "== setup: building and installing ds4 (Rust core + Python package)"
+# The editable install puts the extension in python/ds4/. One built before
+# the abi3 switch (_core.cpython-311-*.so) would shadow the new _core.abi3.so.
+rm -f python/ds4/_core.cpython-*.so
 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 "$PY" -c "import ds4, ds4._core; print('ds4', ds4.__version__, 'installed')"
