@@ -1,4 +1,4 @@
-//! Opening a checkpoint: the verification pipeline (DESIGN.md) and the
+//! Opening a checkpoint: the verification pipeline (docs/DESIGN.md, "Verification pipeline") and the
 //! zero-copy payload it hands out.
 //!
 //! Stages, in order, stopping at the first failure:

@@ -1,4 +1,4 @@
-"""The recovery ladder against every failure kind of DESIGN.md's table.
+"""The recovery ladder against every failure kind of docs/DESIGN.md's pipeline table.
 
 For each kind: a damaged long checkpoint sits beside a good shorter one; the
 ladder must reject the damaged one (removing it when corrupt, keeping it when

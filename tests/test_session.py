@@ -1,4 +1,4 @@
-"""Session semantics (DESIGN.md "Session"), on the reference engine."""
+"""Session semantics (docs/DESIGN.md, "Session"), on the reference engine."""
 
 from __future__ import annotations
 

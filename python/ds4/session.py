@@ -1,6 +1,6 @@
 """Session: the live KV state of one conversation.
 
-ds4's session semantics, made strict (DESIGN.md "Session"):
+ds4's session semantics, made strict (docs/DESIGN.md, "Session"):
 
 * ``checkpoint_valid`` means the engine state and ``logits`` describe exactly
   ``tokens``. Only a valid session is extended or saved.
