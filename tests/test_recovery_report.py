@@ -566,3 +566,51 @@ def test_cold_save_without_a_store_is_a_plain_prefill(eng):
     s = ds4.Session(eng, ctx=256)
     rep = ds4.recover(s, None, prompt, cold_save=True)
     assert (rep.rung, rep.cold_saved) == ("prefill", None) and s.tokens == toks(eng, prompt)
+
+
+class _CountingPrompt(str):
+    """A prompt that counts its encodings to bytes."""
+
+    encodings = 0
+
+    def encode(self, *args, **kwargs):
+        type(self).encodings += 1
+        return str.encode(self, *args, **kwargs)
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_one_lookup_and_one_encoding_per_ladder_run(eng, tmp_path, monkeypatch, on_disk):
+    """The rewrite rung (does the disk hold more than a rewind keeps?) and
+    the disk rung share one lookup: one call to ``candidates``, one pass
+    of the prompt's prefix hashes, one encoding of the prompt."""
+    store = ds4.KVStore(tmp_path, min_tokens=4, boundary_align_tokens=4)
+    s = ds4.Session(eng, ctx=256)
+    s.sync(toks(eng, A))
+    store.store_live_prefix(_sess_at(eng, "an unrelated stored text"), "continued")  # a candidate to hash
+    if on_disk:  # a stored prefix of B longer than what B shares with the live A
+        store.store_live_prefix(_sess_at(eng, B[: len(B) - 3]), "continued")
+    calls = {"candidates": 0, "sha1_prefixes": 0}
+    real_candidates, real_sp = store.candidates, _core.sha1_prefixes
+
+    def candidates(*a, **kw):
+        calls["candidates"] += 1
+        return real_candidates(*a, **kw)
+
+    def sha1_prefixes(*a):
+        calls["sha1_prefixes"] += 1
+        return real_sp(*a)
+
+    monkeypatch.setattr(store, "candidates", candidates)
+    monkeypatch.setattr(_core, "sha1_prefixes", sha1_prefixes)
+    _CountingPrompt.encodings = 0
+    rep = ds4.recover(s, store, _CountingPrompt(B), evict_save=False)
+    assert rep.rung == ("disk" if on_disk else "prefill")
+    assert calls == {"candidates": 1, "sha1_prefixes": 1}
+    assert _CountingPrompt.encodings == 1
+    assert s.tokens == toks(eng, B)
+
+
+def _sess_at(eng, text):
+    s = ds4.Session(eng, ctx=256)
+    s.sync(toks(eng, text))
+    return s
