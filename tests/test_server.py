@@ -49,8 +49,10 @@ def _free_port() -> int:
 class Server:
     """A ``python -m ds4 serve`` subprocess."""
 
-    def __init__(self, tmp, name, *args, engine="reference", ctx=CTX):
+    def __init__(self, tmp, name, *args, engine="reference", ctx=CTX, key=None, env=None, host="127.0.0.1"):
         self.port = _free_port()
+        self.key = key  # the key the helpers send (None: none)
+        self.env = env
         self.log_path = os.path.join(tmp, f"{name}.log")
         self.args = [
             sys.executable,
@@ -60,7 +62,7 @@ class Server:
             "--engine",
             engine,
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(self.port),
             "--ctx",
@@ -74,15 +76,16 @@ class Server:
 
     def start(self, timeout=90.0):
         self.log = open(self.log_path, "ab")
+        env = None if self.env is None else {**os.environ, **self.env}
         self.proc = subprocess.Popen(
-            self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=os.path.dirname(self.log_path)
+            self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=os.path.dirname(self.log_path), env=env
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.text_log()}")
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base + "/health", headers=self.headers, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -106,11 +109,16 @@ class Server:
         with open(self.log_path, "rb") as f:
             return f.read().decode("utf-8", "replace")
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    def client(self, key=None) -> openai.OpenAI:
+        key = key or self.key or "unused"
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120)
 
     def health(self) -> dict:
-        return httpx.get(self.base + "/health", timeout=10).json()
+        return httpx.get(self.base + "/health", headers=self.headers, timeout=10).json()
 
     def model(self) -> str:
         return self.health()["model"]

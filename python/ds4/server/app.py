@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
 from ..turn import Generator, GenResult
+from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
 from .openai import SSE_DONE, ApiError, Reply, RequestParser, Turn, exception_to_api, http_error, invalid_json
 from .worker import Job, Service
 
@@ -212,9 +213,18 @@ class _Routes:
         return self.err(ApiError(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"))
 
 
-def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases: Sequence[str] = ()) -> Starlette:
+def create_app(
+    service: Service,
+    *,
+    default_max_tokens: int = 256,
+    model_aliases: Sequence[str] = (),
+    guard: Guard | None = None,
+) -> Starlette:
+    """The app; ``guard`` (keys, hosts, origins) defaults to no key and the
+    loopback names."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.routing import Route
 
     r = _Routes(service, default_max_tokens, model_aliases)
@@ -241,7 +251,10 @@ def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases
         Route("/health", r.health, methods=["GET"]),
     ]
     app = Starlette(
-        routes=routes, exception_handlers={HTTPException: r.http_exc, Exception: r.any_exc}, lifespan=lifespan
+        routes=routes,
+        middleware=[Middleware(GuardMiddleware, guard=guard or Guard())],
+        exception_handlers={HTTPException: r.http_exc, Exception: r.any_exc},
+        lifespan=lifespan,
     )
     app.state.service = service
     return app
@@ -268,6 +281,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--model-alias", action="append", default=[], metavar="NAME", help="another model id to accept (repeatable)"
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_guard_args(p)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -288,12 +302,17 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.ctx < 16:
         log.error("--ctx must be >= 16")
         return 2
+    try:
+        guard = guard_from_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     engine = build_engine(args.engine, args.model, args.threads)
     if args.ctx > engine.max_ctx:
         log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
     gen = Generator(engine, args.ctx, make_store(args))
     service = Service(gen, engine_model_id(engine), max_queue=args.max_queue)
-    app = create_app(service, default_max_tokens=args.default_max_tokens, model_aliases=args.model_alias)
+    app = create_app(service, default_max_tokens=args.default_max_tokens, model_aliases=args.model_alias, guard=guard)
     config = uvicorn.Config(
         app,
         host=args.host,
