@@ -175,6 +175,7 @@ class Generator:
         self.sess = Session(engine, ctx=ctx)
         self.store = store
         self._last_continued = 0
+        self._max_token_bytes: int | None = None
         eog = getattr(engine, "eog_token_ids", None)
         self.stop_ids = frozenset(int(t) for t in eog) if eog else frozenset({int(engine.eos_token_id)})
         self.counters = {
@@ -194,6 +195,15 @@ class Generator:
     @property
     def ctx(self) -> int:
         return self.sess.ctx
+
+    def max_prompt_bytes(self) -> int:
+        """A prompt of more UTF-8 bytes cannot fit the context: ``ctx`` times
+        the longest token's bytes (computed once over the vocabulary). Lets
+        a front end refuse a huge prompt without tokenizing it."""
+        if self._max_token_bytes is None:
+            eng = self.engine
+            self._max_token_bytes = max(len(eng.token_bytes(t)) for t in range(int(eng.vocab_size)))
+        return self.ctx * max(1, self._max_token_bytes)
 
     # -- saves -------------------------------------------------------------
     def save(self, reason: str) -> str | None:

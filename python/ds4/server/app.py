@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 import time
@@ -26,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
 from ..turn import Generator, GenResult
+from .body import BodyLimits, read_json
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
-from .openai import SSE_DONE, ApiError, Reply, RequestParser, Turn, exception_to_api, http_error, invalid_json
+from .http11 import with_header_timeout
+from .openai import SSE_DONE, ApiError, Reply, RequestParser, Turn, exception_to_api, http_error
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -81,11 +82,14 @@ class _JobRun:
 
 
 class _Routes:
-    def __init__(self, service: Service, default_max_tokens: int, model_aliases: Sequence[str]):
+    def __init__(self, service: Service, default_max_tokens: int, model_aliases: Sequence[str], limits: BodyLimits):
         self.service = service
         self.gen = service.gen
+        self.limits = limits
         self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
-        self.parser = RequestParser(self.model_ids, default_max_tokens, self.gen.ctx)
+        self.parser = RequestParser(
+            self.model_ids, default_max_tokens, self.gen.ctx, max_prompt_bytes=self.gen.max_prompt_bytes()
+        )
 
     @staticmethod
     def err(e: ApiError) -> Response:
@@ -93,13 +97,8 @@ class _Routes:
 
         return JSONResponse(e.body(), status_code=e.status)
 
-    @staticmethod
-    async def read_json(request: Request) -> object:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise invalid_json(e) from None
+    async def read_json(self, request: Request) -> object:
+        return await read_json(request, self.limits)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -219,15 +218,16 @@ def create_app(
     default_max_tokens: int = 256,
     model_aliases: Sequence[str] = (),
     guard: Guard | None = None,
+    limits: BodyLimits | None = None,
 ) -> Starlette:
     """The app; ``guard`` (keys, hosts, origins) defaults to no key and the
-    loopback names."""
+    loopback names, ``limits`` to a 16 MiB body read within 30 s."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
     from starlette.routing import Route
 
-    r = _Routes(service, default_max_tokens, model_aliases)
+    r = _Routes(service, default_max_tokens, model_aliases, limits or BodyLimits())
     gen = service.gen
 
     @contextlib.asynccontextmanager
@@ -282,6 +282,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_guard_args(p)
+    g = p.add_argument_group("request limits")
+    g.add_argument("--max-body-mb", type=float, default=16, metavar="MB", help="largest request body (default 16 MiB)")
+    g.add_argument(
+        "--body-timeout", type=float, default=30, metavar="S", help="a request body must arrive within S s (default 30)"
+    )
+    g.add_argument(
+        "--header-timeout", type=float, default=10, metavar="S", help="request line and headers within S s (default 10)"
+    )
+    g.add_argument(
+        "--keep-alive-timeout", type=int, default=5, metavar="S", help="close idle keep-alive connections (default 5 s)"
+    )
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -312,7 +323,10 @@ def serve_main(args: argparse.Namespace) -> int:
         log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
     gen = Generator(engine, args.ctx, make_store(args))
     service = Service(gen, engine_model_id(engine), max_queue=args.max_queue)
-    app = create_app(service, default_max_tokens=args.default_max_tokens, model_aliases=args.model_alias, guard=guard)
+    limits = BodyLimits(max_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.body_timeout)
+    app = create_app(
+        service, default_max_tokens=args.default_max_tokens, model_aliases=args.model_alias, guard=guard, limits=limits
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -320,6 +334,8 @@ def serve_main(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         lifespan="on",
         timeout_graceful_shutdown=30,
+        timeout_keep_alive=args.keep_alive_timeout,
+        http=with_header_timeout(args.header_timeout),
         access_log=args.log_level == "debug",
     )
     server = uvicorn.Server(config)

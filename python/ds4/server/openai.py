@@ -83,6 +83,15 @@ def _opt_bool(body: JSON, key: str) -> bool | None:
     return v
 
 
+def _utf8_len(s: str, param: str) -> int:
+    """Bytes of ``s`` in UTF-8; 400 when it holds a lone surrogate (valid
+    JSON, but no tokenizer can encode it)."""
+    try:
+        return len(s.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise _bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string") from None
+
+
 class Turn:
     """One parsed request: what to render (chat messages or a raw prompt),
     how to generate, and how to answer."""
@@ -105,10 +114,28 @@ class RequestParser:
 
     ROLES = ("system", "developer", "user", "assistant")
 
-    def __init__(self, model_ids: Sequence[str], default_max_tokens: int, ctx: int):
+    def __init__(
+        self, model_ids: Sequence[str], default_max_tokens: int, ctx: int, max_prompt_bytes: int | None = None
+    ):
         self.model_ids = tuple(model_ids)
         self.default_max_tokens = default_max_tokens
         self.ctx = ctx
+        # a prompt longer than this cannot fit ctx whatever its tokens
+        self.max_prompt_bytes = max_prompt_bytes
+
+    def _fits(self, n_bytes: int, param: str) -> None:
+        """The context check before tokenizing: refuse a prompt whose bytes
+        alone prove it does not fit (the worker checks the exact count)."""
+        lim = self.max_prompt_bytes
+        if lim is not None and n_bytes > lim:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.ctx} tokens; the prompt has {n_bytes} bytes, "
+                f"more than {lim} bytes fit in it",
+                "invalid_request_error",
+                param,
+                "context_length_exceeded",
+            )
 
     def _model(self, body: object) -> JSON:
         if not isinstance(body, dict):
@@ -163,10 +190,13 @@ class RequestParser:
         if stop is None:
             return ()
         if isinstance(stop, str):
+            _utf8_len(stop, "stop")
             return (stop,) if stop else ()
         if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
             if len(stop) > 4:
                 raise _bad("'stop' takes at most 4 sequences", "stop")
+            for s in stop:
+                _utf8_len(s, "stop")
             return tuple(s for s in stop if s)
         raise _bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
 
@@ -211,6 +241,10 @@ class RequestParser:
             raise _bad(f"{p}.content must be a string or an array of text parts", f"{p}.content", "invalid_type")
         if m.get("tool_calls"):
             raise _bad("tool calls are not supported", f"{p}.tool_calls", "unsupported_value")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _bad(f"{p}.name must be a string", f"{p}.name", "invalid_type")
+        _utf8_len(name or "", f"{p}.name")
         return {"role": "system" if role == "developer" else role, "content": content}
 
     def chat(self, raw: object) -> Turn:
@@ -221,6 +255,7 @@ class RequestParser:
         if not isinstance(msgs, list) or not msgs:
             raise _bad("'messages' must be a non-empty array", "messages", "invalid_type")
         out = [self._message(i, m) for i, m in enumerate(msgs)]
+        self._fits(sum(_utf8_len(m["content"], "messages") for m in out), "messages")
         if _opt_bool(body, "logprobs"):
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
         if body.get("tools"):
@@ -241,6 +276,7 @@ class RequestParser:
             raise _bad("'prompt' must be a string (or an array of one string)", "prompt", "invalid_type")
         if not prompt:
             raise _bad("'prompt' must not be empty", "prompt")
+        self._fits(_utf8_len(prompt, "prompt"), "prompt")
         if body.get("logprobs") is not None:
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
         if _opt_bool(body, "echo"):
