@@ -28,10 +28,12 @@ Stop sequences
     state never keeps tokens the client did not receive.
 
 Failures
-    Whatever fails during a turn (engine, store, a callback, Ctrl+C), the
-    live state may not describe its tokens any more: it is invalidated. A
-    prompt that does not fit, or is empty, is rejected before anything is
-    touched.
+    Whatever fails during a turn once the ladder has started to move the
+    session (engine, store, a callback, Ctrl+C), the live state may not
+    describe its tokens any more: it is invalidated. A prompt that does not
+    fit, is empty, or is not valid Unicode, and a stop sequence that is not,
+    raise :class:`ds4.errors.PromptError` before anything is touched: the
+    live session stays exactly as it was (no invalidation, no evict save).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .engine import Engine
-from .errors import ContextOverflowError, EmptyPromptError, InvalidSessionError, StoreError
+from .errors import InvalidSessionError, PromptError, StoreError
 from .kvstore import KVStore
 from .recovery import RecoveryReport, recover
 from .session import Rewrite, Session
@@ -121,7 +123,10 @@ class TextStream:
     and reports where it starts."""
 
     def __init__(self, stops: tuple[str, ...], on_text: Callable[[str], None] | None):
-        self.stops = sorted({s.encode("utf-8") for s in stops if s}, key=len)
+        try:
+            self.stops = sorted({s.encode("utf-8") for s in stops if s}, key=len)
+        except UnicodeEncodeError as e:
+            raise PromptError(f"a stop sequence is not valid Unicode: {e.reason} at {e.start}") from None
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.dec = codecs.getincrementaldecoder("utf-8")("replace")
         self.buf = bytearray()
@@ -264,8 +269,8 @@ class Generator:
     def _prepare_or_retry(self, prompt_text: str, progress: Progress | None) -> RecoveryReport:
         try:
             return self.prepare(prompt_text, progress)
-        except (ContextOverflowError, EmptyPromptError):
-            raise
+        except PromptError:
+            raise  # refused before the session was touched
         except Exception as e:
             # A rung failed unexpectedly (an engine bug, a store I/O error):
             # the live state cannot be trusted, but the turn can still be
@@ -293,13 +298,14 @@ class Generator:
     ) -> GenResult:
         t0 = time.perf_counter()
         self.counters["requests"] += 1
+        out = TextStream(params.stop, on_text)  # a stop that cannot be encoded is refused here, untouched
         try:
             rep = self._prepare_or_retry(prompt_text, progress)
             if on_start is not None:
                 on_start(rep)
-            return self._decode(t0, rep, params, on_text, cancel)
-        except (ContextOverflowError, EmptyPromptError):
-            raise  # rejected before anything was touched
+            return self._decode(t0, rep, params, out, cancel)
+        except PromptError:
+            raise  # refused before anything was touched
         except BaseException as e:
             # Whatever failed (engine, store, a callback, Ctrl+C), the live
             # state may not describe its tokens any more: never keep it.
@@ -312,12 +318,11 @@ class Generator:
         t0: float,
         rep: RecoveryReport,
         params: GenParams,
-        on_text: Callable[[str], None] | None,
+        out: TextStream,
         cancel: Callable[[], bool] | None,
     ) -> GenResult:
         sess = self.sess
         prompt_tokens = sess.tokens
-        out = TextStream(params.stop, on_text)
         gen: list[int] = []
         pick = make_picker(params)
         t_first: float | None = None
