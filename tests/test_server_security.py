@@ -332,3 +332,36 @@ def _read_response(s: socket.socket, timeout: float) -> tuple[int, bytes]:
         if b"\r\n\r\n" in data and len(data.split(b"\r\n\r\n", 1)[1]) >= _length(data):
             break
     return int(data.split(b" ", 2)[1]), data.split(b"\r\n\r\n", 1)[1]
+
+
+# -- what the server shows, and when it says it is ready ------------------------
+def test_paths_only_with_debug_and_ready_only_after_the_bind(tmp_path):
+    kv = str(tmp_path / "kv")
+    srv = Server(str(tmp_path), "debug", "--debug", "--kv-disk-dir", kv, *KV_FLAGS).start()
+    try:
+        assert srv.health()["kv"]["dir"] == kv
+        assert f"ds4 server ready on 127.0.0.1:{srv.port}" in srv.text_log()
+        # a second server on the same port: the bind fails, and it never says ready
+        taken = Server(str(tmp_path), "taken", "--kv-disk-dir", kv)
+        taken.args[taken.args.index("--port") + 1] = str(srv.port)
+        p = subprocess.run(taken.args, capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0, p
+        out = p.stdout + p.stderr
+        assert "server ready" not in out and "address already in use" in out.lower(), out
+    finally:
+        srv.stop()
+
+
+def test_error_bodies_show_no_absolute_path_unless_debug():
+    from ds4.errors import EngineError
+    from ds4.server.openai import exception_to_api
+
+    e = EngineError("llama_decode failed for /home/alice/models/secret-model.gguf")
+    body = exception_to_api(e, "messages").body()["error"]
+    assert body["code"] == "engine_error" and "/home" not in body["message"] and "secret" not in body["message"]
+    assert "EngineError" in body["message"]
+    assert "/home/alice" in exception_to_api(e, "messages", debug=True).message
+    bad = exception_to_api(ValueError("cannot read /var/lib/ds4/kv/ab12.kv: nope"), "prompt")
+    assert bad.status == 400 and "/var/lib" not in bad.message and "ab12.kv" in bad.message
+    crash = exception_to_api(KeyError("/etc/passwd"), None)
+    assert crash.status == 500 and "/etc" not in crash.message and "passwd" not in crash.message

@@ -170,6 +170,15 @@ class TextStream:
         assert self.stop_at is not None
         return bisect.bisect_right(self.cum, self.stop_at)
 
+    def tokens_in_text(self) -> int:
+        """Tokens whose bytes (some or all) are in the returned text: the
+        whole tokens before the stop, plus the one it starts inside, if any."""
+        if self.stop_at is None:
+            return len(self.cum)
+        whole = self.tokens_before_stop()
+        starts_inside = whole < len(self.cum) and (self.cum[whole - 1] if whole else 0) < self.stop_at
+        return whole + int(starts_inside)
+
 
 class Generator:
     """The live session, the store and ds4's per-turn cache flow."""
@@ -349,6 +358,7 @@ class Generator:
         t_end = time.perf_counter()
         text = out.close()
         stop_action = None
+        n_text = out.tokens_in_text()  # what the client is billed: a token cut by the stop counts
         if out.stop_at is not None:
             gen = gen[: out.tokens_before_stop()]
             stop_action = self._after_stop(prompt_tokens + gen)
@@ -362,7 +372,7 @@ class Generator:
             report=rep,
             prompt_tokens=rep.prompt_tokens,
             cached_tokens=rep.reused_tokens,
-            completion_tokens=len(gen),
+            completion_tokens=n_text,
             ttft_s=t_first - t0,
             decode_s=t_end - t_first,
             total_s=t_end - t0,

@@ -1,4 +1,11 @@
-"""uvicorn's h11 protocol with a deadline for the request head.
+"""uvicorn, adjusted: a deadline for the request head, and a server that
+says "ready" only once it listens.
+
+``ReadyServer`` logs ds4's ready line after uvicorn's startup has bound the
+port (a failed bind exits before it, so the log never claims a server that
+is not there).
+
+The h11 protocol:
 
 uvicorn closes a connection idle *between* requests after
 ``timeout_keep_alive``, but any byte resets that timer, and there is no
@@ -14,12 +21,30 @@ in, the body is the app's to bound (``read_timeout_s`` in
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["with_header_timeout"]
+__all__ = ["ReadyServer", "with_header_timeout"]
+
+log = logging.getLogger("ds4.server")
+
+
+class ReadyServer(uvicorn.Server):
+    """``uvicorn.Server`` that logs ``ready_line`` once it listens."""
+
+    def __init__(self, config: uvicorn.Config, ready_line: str):
+        super().__init__(config)
+        self.ready_line = ready_line
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            log.info("%s", self.ready_line)
 
 
 class _HeadDeadlineProtocol(H11Protocol):

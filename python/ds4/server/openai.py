@@ -9,6 +9,8 @@ answered before a job exists.
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -292,8 +294,32 @@ def invalid_json(e: Exception) -> ApiError:
     )
 
 
-def exception_to_api(e: BaseException, param: str | None) -> ApiError:
-    """The HTTP answer to a failed or refused job."""
+# an absolute path: its directories are dropped from what a client sees
+_ABS_DIRS = re.compile(r"(?<![\w.~-])/(?:[^\s/'\"]+/)+")
+
+
+def scrub(text: str, debug: bool = False) -> str:
+    """``text`` without the directories of any absolute path (unless ``debug``)."""
+    return text if debug else _ABS_DIRS.sub("", text)
+
+
+def shown_path(path: str | None, debug: bool = False) -> str | None:
+    """A checkpoint path as a client sees it: its file name (whole with ``debug``)."""
+    return path if debug or path is None else os.path.basename(path)
+
+
+def exception_to_api(e: BaseException, param: str | None, debug: bool = False) -> ApiError:
+    """The HTTP answer to a failed or refused job. A 5xx says what failed,
+    not where (the log has the details) unless ``debug``; no message shows
+    an absolute path unless ``debug``."""
+    err = _exception_to_api(e, param)
+    if err.status >= 500 and not debug and err.code in ("engine_error", "internal_error"):
+        err.message = f"{err.message.split(':', 1)[0]} ({type(e).__name__}; see the server log)"
+    err.message = scrub(err.message, debug)
+    return err
+
+
+def _exception_to_api(e: BaseException, param: str | None) -> ApiError:
     if isinstance(e, ContextOverflowError):
         return ApiError(
             400,
@@ -330,17 +356,21 @@ def http_error(status: int, detail: str) -> JSON:
     }
 
 
-def ds4_info(res: GenResult) -> JSON:
-    """ds4's own block in every response: how the cache served the turn."""
+def ds4_info(res: GenResult, debug: bool = False) -> JSON:
+    """ds4's own block in every response: how the cache served the turn
+    (checkpoints by file name; whole paths only with ``debug``)."""
     r = res.report
     return {
         "rung": r.rung,
         "source": r.source,
         "reused_tokens": r.reused_tokens,
-        "loaded_path": r.loaded_path,
-        "rejected": [{"path": p, "stage": s, "code": c, "reason": rr} for (p, s, c, rr) in r.rejected],
-        "evict_saved": r.evict_saved,
-        "cold_saved": r.cold_saved,
+        "loaded_path": shown_path(r.loaded_path, debug),
+        "rejected": [
+            {"path": shown_path(p, debug), "stage": s, "code": c, "reason": scrub(rr, debug)}
+            for (p, s, c, rr) in r.rejected
+        ],
+        "evict_saved": shown_path(r.evict_saved, debug),
+        "cold_saved": shown_path(r.cold_saved, debug),
         "stop_action": res.stop_action,
         "ttft_ms": round(res.ttft_s * 1000, 3),
         "total_ms": round(res.total_s * 1000, 3),
@@ -351,8 +381,9 @@ class Reply:
     """The response bodies of one turn: a whole completion, or its SSE
     chunks."""
 
-    def __init__(self, turn: Turn, rid: str, created: int, model: str):
+    def __init__(self, turn: Turn, rid: str, created: int, model: str, debug: bool = False):
         self.turn, self.rid, self.created, self.model = turn, rid, created, model
+        self.debug = debug
         self.chat = turn.kind == "chat"
 
     def _head(self, obj: str) -> JSON:
@@ -375,7 +406,7 @@ class Reply:
             "system_fingerprint": None,
             "choices": [choice],
             "usage": res.usage(),
-            "ds4": ds4_info(res),
+            "ds4": ds4_info(res, self.debug),
         }
 
     @property
@@ -401,12 +432,12 @@ class Reply:
     def closing(self, res: GenResult) -> list[bytes]:
         out = [self.chunk(None if self.chat else "", res.finish_reason)]
         if self.turn.include_usage:
-            o = {**self._head(self._chunk_obj), "choices": [], "usage": res.usage(), "ds4": ds4_info(res)}
+            o = {**self._head(self._chunk_obj), "choices": [], "usage": res.usage(), "ds4": ds4_info(res, self.debug)}
             out.append(sse(o))
         return out
 
     def failed(self, e: BaseException) -> list[bytes]:
-        return [sse(exception_to_api(e, self.turn.param).body())]
+        return [sse(exception_to_api(e, self.turn.param, self.debug).body())]
 
 
 def sse(obj: JSON, ensure_ascii: bool = True) -> bytes:
