@@ -49,6 +49,7 @@ __all__ = [
     "NotRegularFileError",
     "PayloadChecksumError",
     "PrefixCollisionError",
+    "PromptError",
     "QuantMismatchError",
     "ReservedBytesError",
     "SessionError",
@@ -280,7 +281,12 @@ class InvalidSessionError(SessionError, RuntimeError):
     """The session has no valid checkpoint: it cannot be extended or saved."""
 
 
-class ContextOverflowError(SessionError, ValueError):
+class PromptError(SessionError, ValueError):
+    """The prompt (or a stop sequence) cannot be used: raised before the
+    session is touched, so the live state stays as it was."""
+
+
+class ContextOverflowError(PromptError):
     """The prompt does not fit the session's context."""
 
     def __init__(self, n_tokens: int, ctx: int):
@@ -291,7 +297,7 @@ class ContextOverflowError(SessionError, ValueError):
         return (self.__class__, (self.n_tokens, self.ctx))
 
 
-class EmptyPromptError(SessionError, ValueError):
+class EmptyPromptError(PromptError):
     """The prompt is empty."""
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from .errors import InvalidSessionError
+from .errors import InvalidSessionError, PromptError
 from .kvstore import Candidates, KVStore
 from .session import Rewrite, Session
 
@@ -106,11 +106,14 @@ class _Ladder:
         self.t_start = time.perf_counter()
         self.rep = RecoveryReport()
         self.sess, self.store, self.engine = sess, store, sess.engine
-        if isinstance(prompt_text, str):
-            self.prompt_s, self.prompt_b = prompt_text, prompt_text.encode("utf-8")
-        else:
-            self.prompt_b = bytes(prompt_text)
-            self.prompt_s = self.prompt_b.decode("utf-8")
+        try:
+            if isinstance(prompt_text, str):
+                self.prompt_s, self.prompt_b = prompt_text, prompt_text.encode("utf-8")
+            else:
+                self.prompt_b = bytes(prompt_text)
+                self.prompt_s = self.prompt_b.decode("utf-8")
+        except (UnicodeEncodeError, UnicodeDecodeError) as e:  # a lone surrogate, or bytes that are not UTF-8
+            raise PromptError(f"the prompt is not valid UTF-8 text: {e.reason} at {e.start}") from None
         self.evict_save = evict_save
         self.progress, self.frontier_every, self.on_frontier = progress, frontier_every, on_frontier
         self.tokens: list[int] = []

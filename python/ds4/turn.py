@@ -28,10 +28,12 @@ Stop sequences
     state never keeps tokens the client did not receive.
 
 Failures
-    Whatever fails during a turn (engine, store, a callback, Ctrl+C), the
-    live state may not describe its tokens any more: it is invalidated. A
-    prompt that does not fit, or is empty, is rejected before anything is
-    touched.
+    Whatever fails during a turn once the ladder has started to move the
+    session (engine, store, a callback, Ctrl+C), the live state may not
+    describe its tokens any more: it is invalidated. A prompt that does not
+    fit, is empty, or is not valid Unicode, and a stop sequence that is not,
+    raise :class:`ds4.errors.PromptError` before anything is touched: the
+    live session stays exactly as it was (no invalidation, no evict save).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .engine import Engine
-from .errors import ContextOverflowError, EmptyPromptError, InvalidSessionError, StoreError
+from .errors import InvalidSessionError, PromptError, StoreError
 from .kvstore import KVStore
 from .recovery import RecoveryReport, recover
 from .session import Rewrite, Session
@@ -121,7 +123,10 @@ class TextStream:
     and reports where it starts."""
 
     def __init__(self, stops: tuple[str, ...], on_text: Callable[[str], None] | None):
-        self.stops = sorted({s.encode("utf-8") for s in stops if s}, key=len)
+        try:
+            self.stops = sorted({s.encode("utf-8") for s in stops if s}, key=len)
+        except UnicodeEncodeError as e:
+            raise PromptError(f"a stop sequence is not valid Unicode: {e.reason} at {e.start}") from None
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.dec = codecs.getincrementaldecoder("utf-8")("replace")
         self.buf = bytearray()
@@ -165,6 +170,15 @@ class TextStream:
         assert self.stop_at is not None
         return bisect.bisect_right(self.cum, self.stop_at)
 
+    def tokens_in_text(self) -> int:
+        """Tokens whose bytes (some or all) are in the returned text: the
+        whole tokens before the stop, plus the one it starts inside, if any."""
+        if self.stop_at is None:
+            return len(self.cum)
+        whole = self.tokens_before_stop()
+        starts_inside = whole < len(self.cum) and (self.cum[whole - 1] if whole else 0) < self.stop_at
+        return whole + int(starts_inside)
+
 
 class Generator:
     """The live session, the store and ds4's per-turn cache flow."""
@@ -175,6 +189,7 @@ class Generator:
         self.sess = Session(engine, ctx=ctx)
         self.store = store
         self._last_continued = 0
+        self._max_token_bytes: int | None = None
         eog = getattr(engine, "eog_token_ids", None)
         self.stop_ids = frozenset(int(t) for t in eog) if eog else frozenset({int(engine.eos_token_id)})
         self.counters = {
@@ -194,6 +209,15 @@ class Generator:
     @property
     def ctx(self) -> int:
         return self.sess.ctx
+
+    def max_prompt_bytes(self) -> int:
+        """A prompt of more UTF-8 bytes cannot fit the context: ``ctx`` times
+        the longest token's bytes (computed once over the vocabulary). Lets
+        a front end refuse a huge prompt without tokenizing it."""
+        if self._max_token_bytes is None:
+            eng = self.engine
+            self._max_token_bytes = max(len(eng.token_bytes(t)) for t in range(int(eng.vocab_size)))
+        return self.ctx * max(1, self._max_token_bytes)
 
     # -- saves -------------------------------------------------------------
     def save(self, reason: str) -> str | None:
@@ -254,8 +278,8 @@ class Generator:
     def _prepare_or_retry(self, prompt_text: str, progress: Progress | None) -> RecoveryReport:
         try:
             return self.prepare(prompt_text, progress)
-        except (ContextOverflowError, EmptyPromptError):
-            raise
+        except PromptError:
+            raise  # refused before the session was touched
         except Exception as e:
             # A rung failed unexpectedly (an engine bug, a store I/O error):
             # the live state cannot be trusted, but the turn can still be
@@ -283,13 +307,14 @@ class Generator:
     ) -> GenResult:
         t0 = time.perf_counter()
         self.counters["requests"] += 1
+        out = TextStream(params.stop, on_text)  # a stop that cannot be encoded is refused here, untouched
         try:
             rep = self._prepare_or_retry(prompt_text, progress)
             if on_start is not None:
                 on_start(rep)
-            return self._decode(t0, rep, params, on_text, cancel)
-        except (ContextOverflowError, EmptyPromptError):
-            raise  # rejected before anything was touched
+            return self._decode(t0, rep, params, out, cancel)
+        except PromptError:
+            raise  # refused before anything was touched
         except BaseException as e:
             # Whatever failed (engine, store, a callback, Ctrl+C), the live
             # state may not describe its tokens any more: never keep it.
@@ -302,12 +327,11 @@ class Generator:
         t0: float,
         rep: RecoveryReport,
         params: GenParams,
-        on_text: Callable[[str], None] | None,
+        out: TextStream,
         cancel: Callable[[], bool] | None,
     ) -> GenResult:
         sess = self.sess
         prompt_tokens = sess.tokens
-        out = TextStream(params.stop, on_text)
         gen: list[int] = []
         pick = make_picker(params)
         t_first: float | None = None
@@ -334,6 +358,7 @@ class Generator:
         t_end = time.perf_counter()
         text = out.close()
         stop_action = None
+        n_text = out.tokens_in_text()  # what the client is billed: a token cut by the stop counts
         if out.stop_at is not None:
             gen = gen[: out.tokens_before_stop()]
             stop_action = self._after_stop(prompt_tokens + gen)
@@ -347,7 +372,7 @@ class Generator:
             report=rep,
             prompt_tokens=rep.prompt_tokens,
             cached_tokens=rep.reused_tokens,
-            completion_tokens=len(gen),
+            completion_tokens=n_text,
             ttft_s=t_first - t0,
             decode_s=t_end - t_first,
             total_s=t_end - t0,

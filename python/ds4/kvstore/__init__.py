@@ -32,12 +32,7 @@ from typing import TYPE_CHECKING
 
 from .. import _core
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    InvalidSessionError,
-    StoreError,
-)
+from ..errors import CheckpointError, CorruptCheckpointError, InvalidSessionError, StoreError
 from .entries import HALF_LIFE_S, Candidates, Entry, LoadResult, NamedLoad, Rejection, find_prefixes, plan_eviction
 from .files import (
     LOCK_NAME,
@@ -321,6 +316,11 @@ class KVStore:
                 sess.load_checkpoint(ck)
             except FileNotFoundError:
                 self._index.pop(e.name, None)  # removed by another process
+                continue
+            except OSError as err:  # unreadable (permissions, I/O): a typed rejection; skipped and kept
+                self.stats["rejected"] += 1
+                if report is not None:
+                    report.rejected.append((e.path, "open", "unreadable", err.strerror or type(err).__name__))
                 continue
             except CheckpointError as err:
                 self.stats["rejected"] += 1

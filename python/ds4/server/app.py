@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 import time
@@ -26,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
 from ..turn import Generator, GenResult
-from .openai import SSE_DONE, ApiError, Reply, RequestParser, Turn, exception_to_api, http_error, invalid_json
+from .body import BodyLimits, read_json
+from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
+from .openai import SSE_DONE, ApiError, Reply, RequestParser, Turn, exception_to_api, http_error
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -80,11 +81,17 @@ class _JobRun:
 
 
 class _Routes:
-    def __init__(self, service: Service, default_max_tokens: int, model_aliases: Sequence[str]):
+    def __init__(
+        self, service: Service, default_max_tokens: int, model_aliases: Sequence[str], limits: BodyLimits, debug: bool
+    ):
         self.service = service
+        self.debug = debug
         self.gen = service.gen
+        self.limits = limits
         self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
-        self.parser = RequestParser(self.model_ids, default_max_tokens, self.gen.ctx)
+        self.parser = RequestParser(
+            self.model_ids, default_max_tokens, self.gen.ctx, max_prompt_bytes=self.gen.max_prompt_bytes()
+        )
 
     @staticmethod
     def err(e: ApiError) -> Response:
@@ -92,13 +99,8 @@ class _Routes:
 
         return JSONResponse(e.body(), status_code=e.status)
 
-    @staticmethod
-    async def read_json(request: Request) -> object:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise invalid_json(e) from None
+    async def read_json(self, request: Request) -> object:
+        return await read_json(request, self.limits)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -116,13 +118,13 @@ class _Routes:
         try:
             run = _JobRun(self.service, request, turn)
         except Exception as e:  # refused: queue full or shutting down
-            return self.err(exception_to_api(e, None))
+            return self.err(exception_to_api(e, None, self.debug))
         k, v = await run.next()
         if k == "error":
             run.watcher.cancel()
-            return self.err(exception_to_api(v, turn.param))
+            return self.err(exception_to_api(v, turn.param, self.debug))
         prefix = "chatcmpl-" if turn.kind == "chat" else "cmpl-"
-        reply = Reply(turn, prefix + uuid.uuid4().hex[:24], int(time.time()), self.service.model_id)
+        reply = Reply(turn, prefix + uuid.uuid4().hex[:24], int(time.time()), self.service.model_id, self.debug)
         if turn.stream:
             from starlette.responses import StreamingResponse
 
@@ -143,7 +145,7 @@ class _Routes:
                     res: GenResult = v
                     return JSONResponse(reply.complete(res))
                 if k == "error":
-                    return self.err(exception_to_api(v, reply.turn.param))
+                    return self.err(exception_to_api(v, reply.turn.param, self.debug))
         finally:
             run.watcher.cancel()
 
@@ -189,6 +191,9 @@ class _Routes:
     async def health(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
 
+        status = dict(self.service.status)
+        if "kv" in status and not self.debug:  # the cache directory's path only with --debug
+            status["kv"] = {k: v for k, v in status["kv"].items() if k != "dir"}
         return JSONResponse(
             {
                 "status": "ok",
@@ -196,7 +201,7 @@ class _Routes:
                 "engine": self.gen.engine.name,
                 "payload_abi": self.gen.sess.payload_abi,
                 "queued": self.service.queued,
-                **self.service.status,
+                **status,
             }
         )
 
@@ -212,24 +217,27 @@ class _Routes:
         return self.err(ApiError(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"))
 
 
-def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases: Sequence[str] = ()) -> Starlette:
+def create_app(
+    service: Service,
+    *,
+    default_max_tokens: int = 256,
+    model_aliases: Sequence[str] = (),
+    guard: Guard | None = None,
+    limits: BodyLimits | None = None,
+    debug: bool = False,
+) -> Starlette:
+    """The app; ``guard`` (keys, hosts, origins) defaults to no key and the
+    loopback names, ``limits`` to a 16 MiB body read within 30 s."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.routing import Route
 
-    r = _Routes(service, default_max_tokens, model_aliases)
-    gen = service.gen
+    r = _Routes(service, default_max_tokens, model_aliases, limits or BodyLimits(), debug)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        log.info(
-            "ds4 server ready model=%s engine=%s ctx=%d kv=%s",
-            service.model_id,
-            gen.engine.name,
-            gen.ctx,
-            gen.store.dir if gen.store else "off",
-        )
-        yield
+        yield  # "ready" is logged once the port is bound (serve_main)
         await asyncio.get_running_loop().run_in_executor(None, service.close)
         log.info("ds4 server stopped")
 
@@ -241,7 +249,10 @@ def create_app(service: Service, *, default_max_tokens: int = 256, model_aliases
         Route("/health", r.health, methods=["GET"]),
     ]
     app = Starlette(
-        routes=routes, exception_handlers={HTTPException: r.http_exc, Exception: r.any_exc}, lifespan=lifespan
+        routes=routes,
+        middleware=[Middleware(GuardMiddleware, guard=guard or Guard())],
+        exception_handlers={HTTPException: r.http_exc, Exception: r.any_exc},
+        lifespan=lifespan,
     )
     app.state.service = service
     return app
@@ -268,12 +279,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--model-alias", action="append", default=[], metavar="NAME", help="another model id to accept (repeatable)"
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_guard_args(p)
+    p.add_argument(
+        "--debug", action="store_true", help="show absolute paths and error details in HTTP answers and /health"
+    )
+    g = p.add_argument_group("request limits")
+    g.add_argument("--max-body-mb", type=float, default=16, metavar="MB", help="largest request body (default 16 MiB)")
+    g.add_argument(
+        "--body-timeout", type=float, default=30, metavar="S", help="a request body must arrive within S s (default 30)"
+    )
+    g.add_argument(
+        "--header-timeout", type=float, default=10, metavar="S", help="request line and headers within S s (default 10)"
+    )
+    g.add_argument(
+        "--keep-alive-timeout", type=int, default=5, metavar="S", help="close idle keep-alive connections (default 5 s)"
+    )
 
 
 def serve_main(args: argparse.Namespace) -> int:
     try:
         import starlette  # noqa: F401
         import uvicorn
+
+        from .http11 import ReadyServer, with_header_timeout
     except ImportError as e:
         print(f"ds4 serve needs starlette and uvicorn ({e}): pip install 'ds4[server]'", file=sys.stderr)
         return 1
@@ -288,12 +316,25 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.ctx < 16:
         log.error("--ctx must be >= 16")
         return 2
+    try:
+        guard = guard_from_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     engine = build_engine(args.engine, args.model, args.threads)
     if args.ctx > engine.max_ctx:
         log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
     gen = Generator(engine, args.ctx, make_store(args))
     service = Service(gen, engine_model_id(engine), max_queue=args.max_queue)
-    app = create_app(service, default_max_tokens=args.default_max_tokens, model_aliases=args.model_alias)
+    limits = BodyLimits(max_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.body_timeout)
+    app = create_app(
+        service,
+        default_max_tokens=args.default_max_tokens,
+        model_aliases=args.model_alias,
+        guard=guard,
+        limits=limits,
+        debug=args.debug,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -301,9 +342,15 @@ def serve_main(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         lifespan="on",
         timeout_graceful_shutdown=30,
+        timeout_keep_alive=args.keep_alive_timeout,
+        http=with_header_timeout(args.header_timeout),
         access_log=args.log_level == "debug",
     )
-    server = uvicorn.Server(config)
+    server = ReadyServer(
+        config,
+        f"ds4 server ready on {args.host}:{args.port} model={service.model_id} engine={engine.name} ctx={gen.ctx} "
+        f"kv={gen.store.dir if gen.store else 'off'} keys={'on' if guard.needs_key else 'off'}",
+    )
     try:
         server.run()
     finally:

@@ -9,6 +9,8 @@ answered before a job exists.
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +85,15 @@ def _opt_bool(body: JSON, key: str) -> bool | None:
     return v
 
 
+def _utf8_len(s: str, param: str) -> int:
+    """Bytes of ``s`` in UTF-8; 400 when it holds a lone surrogate (valid
+    JSON, but no tokenizer can encode it)."""
+    try:
+        return len(s.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise _bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string") from None
+
+
 class Turn:
     """One parsed request: what to render (chat messages or a raw prompt),
     how to generate, and how to answer."""
@@ -105,10 +116,28 @@ class RequestParser:
 
     ROLES = ("system", "developer", "user", "assistant")
 
-    def __init__(self, model_ids: Sequence[str], default_max_tokens: int, ctx: int):
+    def __init__(
+        self, model_ids: Sequence[str], default_max_tokens: int, ctx: int, max_prompt_bytes: int | None = None
+    ):
         self.model_ids = tuple(model_ids)
         self.default_max_tokens = default_max_tokens
         self.ctx = ctx
+        # a prompt longer than this cannot fit ctx whatever its tokens
+        self.max_prompt_bytes = max_prompt_bytes
+
+    def _fits(self, n_bytes: int, param: str) -> None:
+        """The context check before tokenizing: refuse a prompt whose bytes
+        alone prove it does not fit (the worker checks the exact count)."""
+        lim = self.max_prompt_bytes
+        if lim is not None and n_bytes > lim:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.ctx} tokens; the prompt has {n_bytes} bytes, "
+                f"more than {lim} bytes fit in it",
+                "invalid_request_error",
+                param,
+                "context_length_exceeded",
+            )
 
     def _model(self, body: object) -> JSON:
         if not isinstance(body, dict):
@@ -163,10 +192,13 @@ class RequestParser:
         if stop is None:
             return ()
         if isinstance(stop, str):
+            _utf8_len(stop, "stop")
             return (stop,) if stop else ()
         if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
             if len(stop) > 4:
                 raise _bad("'stop' takes at most 4 sequences", "stop")
+            for s in stop:
+                _utf8_len(s, "stop")
             return tuple(s for s in stop if s)
         raise _bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
 
@@ -211,6 +243,10 @@ class RequestParser:
             raise _bad(f"{p}.content must be a string or an array of text parts", f"{p}.content", "invalid_type")
         if m.get("tool_calls"):
             raise _bad("tool calls are not supported", f"{p}.tool_calls", "unsupported_value")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _bad(f"{p}.name must be a string", f"{p}.name", "invalid_type")
+        _utf8_len(name or "", f"{p}.name")
         return {"role": "system" if role == "developer" else role, "content": content}
 
     def chat(self, raw: object) -> Turn:
@@ -221,6 +257,7 @@ class RequestParser:
         if not isinstance(msgs, list) or not msgs:
             raise _bad("'messages' must be a non-empty array", "messages", "invalid_type")
         out = [self._message(i, m) for i, m in enumerate(msgs)]
+        self._fits(sum(_utf8_len(m["content"], "messages") for m in out), "messages")
         if _opt_bool(body, "logprobs"):
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
         if body.get("tools"):
@@ -241,6 +278,7 @@ class RequestParser:
             raise _bad("'prompt' must be a string (or an array of one string)", "prompt", "invalid_type")
         if not prompt:
             raise _bad("'prompt' must not be empty", "prompt")
+        self._fits(_utf8_len(prompt, "prompt"), "prompt")
         if body.get("logprobs") is not None:
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
         if _opt_bool(body, "echo"):
@@ -256,8 +294,32 @@ def invalid_json(e: Exception) -> ApiError:
     )
 
 
-def exception_to_api(e: BaseException, param: str | None) -> ApiError:
-    """The HTTP answer to a failed or refused job."""
+# an absolute path: its directories are dropped from what a client sees
+_ABS_DIRS = re.compile(r"(?<![\w.~-])/(?:[^\s/'\"]+/)+")
+
+
+def scrub(text: str, debug: bool = False) -> str:
+    """``text`` without the directories of any absolute path (unless ``debug``)."""
+    return text if debug else _ABS_DIRS.sub("", text)
+
+
+def shown_path(path: str | None, debug: bool = False) -> str | None:
+    """A checkpoint path as a client sees it: its file name (whole with ``debug``)."""
+    return path if debug or path is None else os.path.basename(path)
+
+
+def exception_to_api(e: BaseException, param: str | None, debug: bool = False) -> ApiError:
+    """The HTTP answer to a failed or refused job. A 5xx says what failed,
+    not where (the log has the details) unless ``debug``; no message shows
+    an absolute path unless ``debug``."""
+    err = _exception_to_api(e, param)
+    if err.status >= 500 and not debug and err.code in ("engine_error", "internal_error"):
+        err.message = f"{err.message.split(':', 1)[0]} ({type(e).__name__}; see the server log)"
+    err.message = scrub(err.message, debug)
+    return err
+
+
+def _exception_to_api(e: BaseException, param: str | None) -> ApiError:
     if isinstance(e, ContextOverflowError):
         return ApiError(
             400,
@@ -294,17 +356,21 @@ def http_error(status: int, detail: str) -> JSON:
     }
 
 
-def ds4_info(res: GenResult) -> JSON:
-    """ds4's own block in every response: how the cache served the turn."""
+def ds4_info(res: GenResult, debug: bool = False) -> JSON:
+    """ds4's own block in every response: how the cache served the turn
+    (checkpoints by file name; whole paths only with ``debug``)."""
     r = res.report
     return {
         "rung": r.rung,
         "source": r.source,
         "reused_tokens": r.reused_tokens,
-        "loaded_path": r.loaded_path,
-        "rejected": [{"path": p, "stage": s, "code": c, "reason": rr} for (p, s, c, rr) in r.rejected],
-        "evict_saved": r.evict_saved,
-        "cold_saved": r.cold_saved,
+        "loaded_path": shown_path(r.loaded_path, debug),
+        "rejected": [
+            {"path": shown_path(p, debug), "stage": s, "code": c, "reason": scrub(rr, debug)}
+            for (p, s, c, rr) in r.rejected
+        ],
+        "evict_saved": shown_path(r.evict_saved, debug),
+        "cold_saved": shown_path(r.cold_saved, debug),
         "stop_action": res.stop_action,
         "ttft_ms": round(res.ttft_s * 1000, 3),
         "total_ms": round(res.total_s * 1000, 3),
@@ -315,8 +381,9 @@ class Reply:
     """The response bodies of one turn: a whole completion, or its SSE
     chunks."""
 
-    def __init__(self, turn: Turn, rid: str, created: int, model: str):
+    def __init__(self, turn: Turn, rid: str, created: int, model: str, debug: bool = False):
         self.turn, self.rid, self.created, self.model = turn, rid, created, model
+        self.debug = debug
         self.chat = turn.kind == "chat"
 
     def _head(self, obj: str) -> JSON:
@@ -339,7 +406,7 @@ class Reply:
             "system_fingerprint": None,
             "choices": [choice],
             "usage": res.usage(),
-            "ds4": ds4_info(res),
+            "ds4": ds4_info(res, self.debug),
         }
 
     @property
@@ -365,12 +432,12 @@ class Reply:
     def closing(self, res: GenResult) -> list[bytes]:
         out = [self.chunk(None if self.chat else "", res.finish_reason)]
         if self.turn.include_usage:
-            o = {**self._head(self._chunk_obj), "choices": [], "usage": res.usage(), "ds4": ds4_info(res)}
+            o = {**self._head(self._chunk_obj), "choices": [], "usage": res.usage(), "ds4": ds4_info(res, self.debug)}
             out.append(sse(o))
         return out
 
     def failed(self, e: BaseException) -> list[bytes]:
-        return [sse(exception_to_api(e, self.turn.param).body())]
+        return [sse(exception_to_api(e, self.turn.param, self.debug).body())]
 
 
 def sse(obj: JSON, ensure_ascii: bool = True) -> bytes:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ContextOverflowError, EmptyPromptError
+from ..errors import PromptError
 from ..turn import Generator, GenParams
 
 log = logging.getLogger("ds4.server")
@@ -173,8 +173,8 @@ class Service:
                 progress=ProgressLog(f"job {job.id}"),
             )
         except Exception as e:
-            if isinstance(e, (ContextOverflowError, EmptyPromptError, ValueError, TypeError)):
-                self.gen.counters["rejected"] += 1  # the client's fault; nothing was touched
+            if isinstance(e, (PromptError, ValueError, TypeError)):
+                self.gen.counters["rejected"] += 1  # the client's fault (PromptError: nothing was touched)
             else:
                 self.gen.counters["errors"] += 1
                 log.exception("job %d failed", job.id)

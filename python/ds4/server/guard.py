@@ -1,0 +1,269 @@
+"""Who may talk to ``ds4 serve``: API keys, the trusted ``Host`` names and
+the CORS origins, checked by one ASGI middleware before any route runs.
+
+Order of the checks, for every HTTP request:
+
+1. ``Host`` must be one of the allowed names (loopback names, the bound
+   address, and every ``--allowed-host``; ``*`` allows any): a DNS-rebinding
+   page reaches the server under its own name and gets 400 here.
+2. A request with an ``Origin`` that is not a ``--cors-origin`` gets 403. With
+   ``--cors-origin``, ``OPTIONS`` (a preflight) gets 204 and the CORS headers,
+   and answers from an allowed origin carry ``Access-Control-Allow-Origin``.
+   Without it, no CORS header is ever sent.
+3. When keys are configured, every endpoint, ``/health`` included (it shows
+   the model, the counters and the session), needs one: ``Authorization:
+   Bearer <key>`` or ``x-api-key: <key>``; otherwise 401 with OpenAI's error
+   body. The presented key is hashed (SHA-256) and compared with every
+   configured key's hash by :func:`hmac.compare_digest`, all of them, so the
+   time taken says nothing about which key (or which prefix) is close.
+
+The tenant of a request (``scope["state"]["ds4_tenant"]``) is a digest of
+its key, never the key: :func:`tenant_of`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
+from typing import Any
+
+__all__ = [
+    "ANONYMOUS",
+    "Guard",
+    "GuardMiddleware",
+    "is_loopback",
+    "load_keys",
+    "tenant_of",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: the tenant of every request on a server without keys
+ANONYMOUS = "anonymous"
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+_TENANT_DOMAIN = b"ds4 tenant v1\x00"
+
+
+def tenant_of(key: str) -> str:
+    """The tenant a key names: 16 hex digits of a domain-separated SHA-256
+    of the key. Shown in logs and stored beside checkpoints; the key itself
+    is never stored or shown."""
+    return hashlib.sha256(_TENANT_DOMAIN + key.encode("utf-8")).hexdigest()[:16]
+
+
+def is_loopback(host: str) -> bool:
+    """True when binding ``host`` only accepts connections from this machine."""
+    h = host.strip("[]").lower()
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def load_keys(cli_keys: Sequence[str], key_file: str | None, env: MutableMapping[str, str] | None = None) -> list[str]:
+    """Every configured key: ``--api-key`` (repeatable), the lines of
+    ``--api-key-file`` (blank lines and ``#`` comments skipped) and
+    ``DS4_API_KEY``. Raises ValueError on an empty or blank-padded key."""
+    env = os.environ if env is None else env
+    keys = list(cli_keys)
+    if key_file:
+        with open(key_file, encoding="utf-8") as f:
+            keys += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    if env.get("DS4_API_KEY"):
+        keys.append(env["DS4_API_KEY"])
+    for k in keys:
+        if not k or k != k.strip() or any(c.isspace() for c in k):
+            raise ValueError("an API key must be non-empty and contain no whitespace")
+    return list(dict.fromkeys(keys))
+
+
+def _host_name(value: str) -> str:
+    """The name part of a ``Host`` header (port and IPv6 brackets removed)."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        return v[1 : v.find("]")] if "]" in v else v
+    return v.rsplit(":", 1)[0] if v.count(":") == 1 else v
+
+
+class Guard:
+    """The configuration the middleware enforces."""
+
+    def __init__(
+        self,
+        keys: Iterable[str] = (),
+        *,
+        allowed_hosts: Iterable[str] = (),
+        cors_origins: Iterable[str] = (),
+        bind_host: str | None = None,
+    ):
+        # Only digests are kept: (sha256(key), tenant) per key.
+        self._keys = [(hashlib.sha256(k.encode("utf-8")).digest(), tenant_of(k)) for k in keys]
+        hosts = {h.lower().strip("[]") for h in (*LOOPBACK_NAMES, *allowed_hosts)}
+        if bind_host and bind_host not in ("0.0.0.0", "::", ""):
+            hosts.add(bind_host.lower().strip("[]"))
+        self.any_host = "*" in hosts
+        self.hosts = frozenset(hosts - {"*"})
+        self.cors = frozenset(cors_origins)
+        self.any_origin = "*" in self.cors
+
+    @property
+    def needs_key(self) -> bool:
+        return bool(self._keys)
+
+    def host_ok(self, host: str | None) -> bool:
+        return self.any_host or (host is not None and _host_name(host) in self.hosts)
+
+    def origin_ok(self, origin: str | None) -> bool:
+        return origin is None or self.any_origin or origin in self.cors
+
+    def tenant(self, presented: str | None) -> str | None:
+        """The tenant of ``presented``, ``ANONYMOUS`` without keys, None when
+        refused. Every configured key is compared (constant time each)."""
+        if not self._keys:
+            return ANONYMOUS
+        digest = hashlib.sha256((presented or "").encode("utf-8", "surrogatepass")).digest()
+        found = None
+        for d, t in self._keys:
+            if hmac.compare_digest(d, digest) and presented is not None:
+                found = t
+        return found
+
+
+def presented_key(headers: dict[bytes, bytes]) -> str | None:
+    """The key a request presents: ``Authorization: Bearer`` or ``x-api-key``."""
+    auth = headers.get(b"authorization")
+    if auth is not None:
+        scheme, _, value = auth.decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    xk = headers.get(b"x-api-key")
+    return xk.decode("latin-1").strip() if xk else None
+
+
+def _error(message: str, type_: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+
+
+class GuardMiddleware:
+    """The checks of :class:`Guard`, in front of the whole app."""
+
+    def __init__(self, app: ASGIApp, guard: Guard):
+        self.app, self.guard = app, guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        g = self.guard
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        host = headers.get(b"host", b"").decode("latin-1") or None
+        origin_b = headers.get(b"origin")
+        origin = origin_b.decode("latin-1") if origin_b is not None else None
+        if not g.host_ok(host):
+            await _reply(
+                send, 400, _error("the Host header names no allowed host", "invalid_request_error", "invalid_host")
+            )
+            return
+        if not g.origin_ok(origin):
+            await _reply(
+                send,
+                403,
+                _error("cross-origin requests are not allowed", "invalid_request_error", "origin_not_allowed"),
+            )
+            return
+        cors = self._cors_headers(origin)
+        if scope["method"] == "OPTIONS" and g.cors:
+            await _reply(send, 204, b"", cors + self._preflight_headers(headers))
+            return
+        tenant = g.tenant(presented_key(headers))
+        if tenant is None:
+            body = _error(
+                "Incorrect or missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key'",
+                "invalid_request_error",
+                "invalid_api_key",
+            )
+            await _reply(send, 401, body, [*cors, (b"www-authenticate", b"Bearer")])
+            return
+        scope.setdefault("state", {})["ds4_tenant"] = tenant
+        await self.app(scope, receive, self._with_headers(send, cors) if cors else send)
+
+    def _cors_headers(self, origin: str | None) -> list[tuple[bytes, bytes]]:
+        if origin is None or not self.guard.cors:
+            return []
+        return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+
+    @staticmethod
+    def _preflight_headers(headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+        asked = headers.get(b"access-control-request-headers", b"")
+        allow = b"authorization, content-type, x-api-key" + (b", " + asked if asked else b"")
+        return [
+            (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            (b"access-control-allow-headers", allow),
+            (b"access-control-max-age", b"600"),
+        ]
+
+    @staticmethod
+    def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *extra]
+            await send(message)
+
+        return wrapped
+
+
+async def _reply(send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    hs = [*headers]
+    if body:
+        hs += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hs})
+    await send({"type": "http.response.body", "body": body})
+
+
+def add_guard_args(p: Any) -> None:
+    """``ds4 serve``'s access flags."""
+    g = p.add_argument_group("access (docs/DESIGN.md, 'The server's security model')")
+    g.add_argument("--api-key", action="append", default=[], metavar="KEY", help="a key clients must send (repeatable)")
+    g.add_argument("--api-key-file", metavar="FILE", help="a file of keys, one a line ('#' comments)")
+    g.add_argument(
+        "--insecure-no-auth", action="store_true", help="allow a non-loopback --host without any key (not recommended)"
+    )
+    g.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host header to accept besides the loopback names and --host ('*': any; repeatable)",
+    )
+    g.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="an origin browsers may call from ('*': any)",
+    )
+
+
+def guard_from_args(args: Any, env: MutableMapping[str, str] | None = None) -> Guard:
+    """The :class:`Guard` of ``ds4 serve``'s flags; ValueError when the
+    flags are refused (a non-loopback ``--host`` without a key, a bad key)."""
+    try:
+        keys = load_keys(args.api_key, args.api_key_file, env)
+    except OSError as e:
+        raise ValueError(f"cannot read --api-key-file: {e.strerror}") from None
+    if not keys and not is_loopback(args.host) and not args.insecure_no_auth:
+        raise ValueError(
+            f"--host {args.host} accepts connections from other machines: give --api-key, --api-key-file "
+            "or DS4_API_KEY (or --insecure-no-auth to serve without a key)"
+        )
+    return Guard(keys, allowed_hosts=args.allowed_host, cors_origins=args.cors_origin, bind_host=args.host)
