@@ -15,6 +15,7 @@ import pytest
 from ds4.engine import Engine, EngineContext
 from ds4.engines import llamacpp as L
 from ds4.engines.llamacpp import LlamaCppEngine
+from ds4.engines.llamacpp_lib import load_llama_cpp
 from ds4.errors import ContextOverflowError, EngineError, EngineStateError
 
 N_GEN = 32
@@ -287,7 +288,7 @@ def test_decode_failure_raises_engine_error(engine, monkeypatch):
         def __getattr__(self, name):
             if name == "llama_decode":
                 return lambda c, b: -3
-            return getattr(L._llama_cpp(), name)
+            return getattr(load_llama_cpp(), name)
 
     monkeypatch.setattr(ctx, "_lc", Failing())
     with pytest.raises(EngineError):
@@ -478,7 +479,7 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
             ctx.import_state({"llama_state": b, "logits": logits}, 300)
         assert ctx.n_past == 0, f"case {i}"
         # llama.cpp's cache is empty again
-        assert int(L._llama_cpp().llama_memory_seq_pos_max(ctx._mem, 0)) == -1
+        assert int(load_llama_cpp().llama_memory_seq_pos_max(ctx._mem, 0)) == -1
     # a wrong token count (or a cell moved past n) is caught after the load
     with pytest.raises(EngineStateError):
         ctx.import_state({"llama_state": blob, "logits": logits}, 299)
