@@ -489,6 +489,58 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
     ctx.close()
 
 
+def test_rejected_import_leaves_a_fresh_context_empty(engine, checkpoints):
+    """A hostile blob (foreign architecture, truncated, trailing bytes, cells
+    of another sequence, another token count) is refused with
+    EngineStateError before llama.cpp sees it: a fresh context stays empty,
+    in ds4's bookkeeping and in llama.cpp's cache, and still works."""
+    blob, logits = checkpoints[300]["llama_state"], checkpoints[300]["logits"]
+    arch_off = 4 + len(engine.arch)
+    foreign = blob.copy()
+    foreign[4] = ord("x")
+    other_seq = blob.copy()
+    other_seq[arch_off + 8 : arch_off + 8 + 12 * 300].view("<i4").reshape(300, 3)[5, 2] = 1
+    cases = [
+        (foreign, 300, "architecture b'xlama'"),
+        (blob[:-7], 300, "truncated in V rows"),
+        (blob[: arch_off + 3], 300, "truncated in the cache header"),
+        (np.concatenate([blob, blob[:3]]), 300, "3 trailing bytes"),
+        (other_seq, 300, "cells outside sequence 0"),
+        (blob, 299, "holds 300 cells, expected 299"),
+    ]
+    ctx = engine.new_context(512)
+    for b, n, why in cases:
+        with pytest.raises(EngineStateError, match=re.escape(why)):
+            ctx.import_state({"llama_state": b, "logits": logits}, n)
+        assert ctx.n_past == 0 and ctx.tokens == [], why
+        with pytest.raises(EngineError):
+            ctx.export_state()
+        assert int(load_llama_cpp().llama_memory_seq_pos_max(ctx._mem, 0)) == -1, why
+    ctx.import_state({"llama_state": blob, "logits": logits}, 300)
+    assert ctx.n_past == 300 and ctx.tokens is None
+    assert np.array_equal(ctx.export_state()["llama_state"], blob)
+    ctx.close()
+
+
+def test_import_into_a_closed_context_is_refused(engine, checkpoints):
+    """A closed context refuses before it looks at the arrays (llama.cpp
+    would dereference the freed context)."""
+    ctx = engine.new_context(512)
+    ctx.close()
+    with pytest.raises(EngineError, match="the context is closed") as ei:
+        ctx.import_state({"llama_state": checkpoints[300]["llama_state"]}, 300)
+    assert type(ei.value) is EngineError
+
+
+def test_imported_logits_are_a_copy(engine, checkpoints):
+    logits = checkpoints[300]["logits"].copy()
+    ctx = engine.new_context(512)
+    ctx.import_state({"llama_state": checkpoints[300]["llama_state"], "logits": logits}, 300)
+    logits[:] = 0
+    assert np.array_equal(ctx.last_logits(), checkpoints[300]["logits"])
+    ctx.close()
+
+
 # -- truncate -----------------------------------------------------------------
 def test_truncate_then_extend_equals_cold(engine, prompt, cold, checkpoints):
     ctx = engine.new_context(1024)
