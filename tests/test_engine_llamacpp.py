@@ -462,6 +462,9 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
         blob[: meta_end + 20],
         blob[: blob.size // 2],
         blob[:-1],
+        # trailing bytes: llama.cpp loads the state and reads less than it was
+        # given (n_read < size, positions fine): refused on n_read alone
+        np.concatenate([blob, blob[:7]]),
         patched(0, 6),  # arch string length
         # NOT here: an arch length of 2**32-1, which llama.cpp allocates
         # (4 GiB, zero-filled) before failing; ds4's pre-check rejects it.
