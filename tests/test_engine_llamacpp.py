@@ -478,13 +478,14 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
     ]
     for i, b in enumerate(bad):
         ctx.eval([5, 6, 7])
-        with pytest.raises(EngineStateError):
+        with pytest.raises(EngineStateError, match=r"^engine_rejected .*: llama\.cpp rejected the state \(read \d+ of"):
             ctx.import_state({"llama_state": b, "logits": logits}, 300)
         assert ctx.n_past == 0, f"case {i}"
         # llama.cpp's cache is empty again
         assert int(load_llama_cpp().llama_memory_seq_pos_max(ctx._mem, 0)) == -1
     # a wrong token count (or a cell moved past n) is caught after the load
-    with pytest.raises(EngineStateError):
+    why = f"llama.cpp rejected the state (read {blob.size} of {blob.size} bytes, positions 0..299, expected 0..298)"
+    with pytest.raises(EngineStateError, match=re.escape(why)):
         ctx.import_state({"llama_state": blob, "logits": logits}, 299)
     assert ctx.n_past == 0
     ctx.import_state({"llama_state": blob, "logits": logits}, 300)
