@@ -37,19 +37,28 @@ PY_FUNCS=('ds4.session.*' 'ds4.recovery.*' 'ds4.checkpoint.*'
   'ds4.kvstore.xǁKVStoreǁlookup__mutmut_*' 'ds4.kvstore.xǁKVStoreǁ_existing__mutmut_*'
   'ds4.kvstore.xǁKVStoreǁ_maybe_clean_tmp__mutmut_*' 'ds4.kvstore.x_temp_is_orphaned__mutmut_*'
   'ds4.kvstore.x_temp_writer_pid__mutmut_*')
-# The engines are mutated only where a checkpoint's arrays enter them. Only
-# the reference engine so far: the first run died with SIGILL inside
-# llama_decode (a native llama.cpp build using AMX, which these VMs cannot
-# execute; scripts/setup.sh now rebuilds it for generic x86-64), and the
-# llama.cpp tests have not been tried under mutmut since. They stay in the
-# suite; the llama.cpp import path is not mutation-tested yet.
+# The engines are mutated only where a checkpoint's arrays enter them: the
+# reference engine's import_state and its checks, and the llama.cpp engine's
+# import_state with the payload checks and the state-blob walker
+# (llamacpp_state.py, all of it). The llama.cpp tests once died with SIGILL
+# inside llama_decode (a native build using AMX, which these VMs cannot
+# execute); scripts/setup.sh now builds it for generic x86-64 and
+# scripts/llama_probe.py checks the installed build: run it first.
+PY_ENGINE_FILES=(engines/reference.py engines/llamacpp.py engines/llamacpp_state.py)
 PY_ENGINE_FUNCS=(
   'ds4.engines.reference.xǁReferenceContextǁimport_state__mutmut_*'
+  'ds4.engines.reference.xǁReferenceContextǁ_check_state__mutmut_*'
+  'ds4.engines.reference.xǁReferenceContextǁ_stage_kv__mutmut_*'
+  'ds4.engines.reference.x__check_array__mutmut_*'
+  'ds4.engines.reference.x__check_values__mutmut_*'
+  'ds4.engines.llamacpp.xǁLlamaCppContextǁimport_state__mutmut_*'
+  'ds4.engines.llamacpp_state.*'
 )
 # The tests that exercise those paths (the HTTP, CLI and crash suites run
 # subprocesses, which import the unmutated package and cannot kill anything).
 PY_TESTS=(tests/test_invalidation.py tests/test_session.py tests/test_recovery_report.py tests/test_kvstore.py tests/test_kvstore_policy.py tests/test_ladder.py
-          tests/test_errors.py tests/test_core_format.py tests/test_engine_reference.py tests/test_reliability.py)
+          tests/test_errors.py tests/test_core_format.py tests/test_engine_reference.py tests/test_reliability.py
+          tests/test_engine_llamacpp.py tests/test_engine_llamacpp_state.py)
 
 need_tool() {
   if ! command -v "$1" >/dev/null 2>&1; then
@@ -94,12 +103,13 @@ run_python() {
   cp -r rust "$work/rust"
   local only="" t sel=""
   for m in "${PY_MODULES[@]}"; do only+="\"src/ds4/$m.py\", "; done
+  for m in "${PY_ENGINE_FILES[@]}"; do only+="\"src/ds4/$m\", "; done
   for t in "${PY_TESTS[@]}"; do [ -e "$t" ] && sel+="\"$t\", "; done
   cat > "$work/pyproject.toml" <<EOF
 [tool.mutmut]
 source_paths = ["src/ds4"]
-only_mutate = [${only}"src/ds4/engines/reference.py"]
-pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-W", "ignore::DeprecationWarning", "-k", "not llamacpp"]
+only_mutate = [${only%, }]
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-W", "ignore::DeprecationWarning"]
 pytest_add_cli_args_test_selection = [${sel%, }]
 also_copy = ["docs", "rust"]
 

@@ -59,10 +59,14 @@ def python_rows(out: str) -> tuple[dict, list[str]]:
         if status == "survived" and log_only(work, key, cache):
             status = "survived (log text)"
         rows[module][status] += 1
-        if status not in ("killed", "not checked", "timeout", "caught by type check", "survived (log text)"):
+        if status not in (*_CAUGHT, "not checked", "caught by type check", "survived (log text)"):
             survivors.append(f"{key}: {status}")
     return rows, survivors
 
+
+# A mutant that crashes the test process (a NULL pointer handed to llama.cpp)
+# failed the tests as surely as an assertion: caught, like a timeout.
+_CAUGHT = ("killed", "timeout", "segfault")
 
 _LOG_CALLS = {"debug", "info", "warning", "error", "exception", "_event"}
 
@@ -138,8 +142,8 @@ def main() -> int:
             table(
                 "Python (mutmut)",
                 pr,
-                ("killed", "timeout"),
-                ("killed", "timeout", "survived", "survived (log text)", "no tests", "suspicious", "segfault"),
+                _CAUGHT,
+                ("killed", "timeout", "segfault", "survived", "survived (log text)", "no tests", "suspicious"),
             )
         )
         print(

