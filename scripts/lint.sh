@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The lint gates, one entry point for people and CI (.ci/run runs it before
-# the tests). Today: ruff (check and format), stubtest of the extension's
-# stub, and the Rust gates. mypy on the package and ruff's complexity rule
-# join with the reshaping of the package (issue "One house"): they do not
-# pass on today's layout. stubtest needs the built package (scripts/setup.sh).
+# the tests; .pre-commit-config.yaml before each commit): ruff (check with
+# the complexity rule, and format), mypy on the package (strict on the core
+# modules), stubtest of the extension's stub, and the Rust gates (fmt, clippy
+# with the [lints] policy of Cargo.toml). Configuration: pyproject.toml and
+# Cargo.toml. stubtest needs the built package (scripts/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,6 +15,8 @@ echo "== lint: ruff check"
 "$PY" -m ruff check .
 echo "== lint: ruff format --check"
 "$PY" -m ruff format --check .
+echo "== lint: mypy (python/ds4; strict on errors, checkpoint, session, kvstore, recovery)"
+"$PY" -m mypy
 echo "== lint: stubtest ds4._core (the allowlist says what stubtest cannot see)"
 "$PY" -m mypy.stubtest ds4._core --allowlist python/ds4/_core.stubtest-allowlist
 echo "== lint: cargo fmt --check"
