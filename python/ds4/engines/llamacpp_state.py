@@ -73,16 +73,18 @@ def check_payload(
     return np.ascontiguousarray(blob), np.array(logits, dtype=np.float32, copy=True), n
 
 
+# Each reads exactly its field: .item() fails unless the slice holds one value
+# (indexing [0] would also accept a longer slice).
 def _u32(b: np.ndarray, at: int = 0) -> int:
-    return int(b[at : at + 4].view("<u4")[0])
+    return int(b[at : at + 4].view("<u4").item())
 
 
 def _i32(b: np.ndarray, at: int = 0) -> int:
-    return int(b[at : at + 4].view("<i4")[0])
+    return int(b[at : at + 4].view("<i4").item())
 
 
 def _u64(b: np.ndarray, at: int = 0) -> int:
-    return int(b[at : at + 8].view("<u8")[0])
+    return int(b[at : at + 8].view("<u8").item())
 
 
 class _Reader:
