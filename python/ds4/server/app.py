@@ -220,7 +220,7 @@ class _Routes:
 def create_app(
     service: Service,
     *,
-    default_max_tokens: int = 256,
+    default_max_tokens: int = 0,
     model_aliases: Sequence[str] = (),
     guard: Guard | None = None,
     limits: BodyLimits | None = None,
@@ -270,13 +270,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--default-max-tokens",
         type=int,
-        default=256,
+        default=0,
         metavar="N",
-        help="max_tokens when a request gives none (default 256)",
+        help="max_tokens when a request gives none (default 0: until end of generation or the context)",
     )
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
     p.add_argument(
-        "--model-alias", action="append", default=[], metavar="NAME", help="another model id to accept (repeatable)"
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another model id /v1/models/{id} knows (repeatable; requests may name any model)",
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_guard_args(p)

@@ -125,6 +125,11 @@ class RequestParser:
         # a prompt longer than this cannot fit ctx whatever its tokens
         self.max_prompt_bytes = max_prompt_bytes
 
+    def _default_max_tokens(self) -> int:
+        """No ``max_tokens``: the server's default, or (0) until EOS or the
+        context ends (a turn never generates more than ``ctx`` tokens)."""
+        return self.default_max_tokens if self.default_max_tokens > 0 else self.ctx
+
     def _fits(self, n_bytes: int, param: str) -> None:
         """The context check before tokenizing: refuse a prompt whose bytes
         alone prove it does not fit (the worker checks the exact count)."""
@@ -147,14 +152,8 @@ class RequestParser:
             raise _bad("you must provide a model parameter", "model", "missing_required_parameter")
         if not isinstance(model, str):
             raise _bad("'model' must be a string", "model", "invalid_type")
-        if model not in self.model_ids:
-            raise ApiError(
-                404,
-                f"the model '{model}' does not exist (this server serves {', '.join(map(repr, self.model_ids))})",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
+        # Any name is accepted, as ds4-server and llama-server do: agents send
+        # their own model names. The answer names the served model.
         return body
 
     def _sampling(self, body: JSON) -> GenParams:
@@ -179,7 +178,7 @@ class RequestParser:
         for k in ("frequency_penalty", "presence_penalty"):
             _opt_num(body, k, -2.0, 2.0)
         return GenParams(
-            max_tokens=self.default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=self._default_max_tokens() if max_tokens is None else max_tokens,
             stop=self._stop(body),
             temperature=temperature,
             top_p=1.0 if top_p is None else top_p,
