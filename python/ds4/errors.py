@@ -48,6 +48,7 @@ __all__ = [
     "NotPrefixError",
     "NotRegularFileError",
     "PayloadChecksumError",
+    "PrefillCancelledError",
     "PrefixCollisionError",
     "PromptError",
     "QuantMismatchError",
@@ -279,6 +280,19 @@ class SessionError(Ds4Error):
 
 class InvalidSessionError(SessionError, RuntimeError):
     """The session has no valid checkpoint: it cannot be extended or saved."""
+
+
+class PrefillCancelledError(SessionError):
+    """A prefill stopped at a chunk boundary because its caller asked (a
+    client that went away). The session is valid at the tokens evaluated so
+    far, a prefix of the ones asked for; nothing was lost."""
+
+    def __init__(self, n_past: int, n_tokens: int):
+        self.n_past, self.n_tokens = n_past, n_tokens
+        super().__init__(f"prefill cancelled at {n_past} of {n_tokens} tokens")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.__class__, (self.n_past, self.n_tokens))
 
 
 class PromptError(SessionError, ValueError):

@@ -80,12 +80,15 @@ def recover(
     progress: Callable[[int, int], None] | None = None,
     frontier_every: int | None = None,
     on_frontier: Callable[[Session], None] | None = None,
+    cancel: Callable[[], bool] | None = None,
 ) -> RecoveryReport:
     """Bring ``sess`` to the state of ``prompt_text`` as cheaply as the
     verified material allows. ``store`` may be None (no disk rung). With
     ``cold_save``, a full prefill also stores ds4's trimmed/aligned cold
-    prefix on the way."""
+    prefix on the way. ``cancel`` makes the prefill stoppable (see
+    :meth:`Session.sync`: :class:`ds4.errors.PrefillCancelledError`)."""
     ladder = _Ladder(sess, store, prompt_text, evict_save, progress, frontier_every, on_frontier)
+    ladder.cancel = cancel
     return ladder.run(cold_save)
 
 
@@ -118,6 +121,7 @@ class _Ladder:
         self.progress, self.frontier_every, self.on_frontier = progress, frontier_every, on_frontier
         self.tokens: list[int] = []
         self._found: Candidates | None = None
+        self.cancel: Callable[[], bool] | None = None
 
     def found(self) -> Candidates:
         """The store's candidates for this prompt, looked up once."""
@@ -165,7 +169,13 @@ class _Ladder:
         return rep
 
     def sync(self, tokens: Sequence[int]) -> None:
-        self.sess.sync(tokens, progress=self.progress, frontier_every=self.frontier_every, on_frontier=self.on_frontier)
+        self.sess.sync(
+            tokens,
+            progress=self.progress,
+            frontier_every=self.frontier_every,
+            on_frontier=self.on_frontier,
+            cancel=self.cancel,
+        )
 
     def save_evict(self) -> None:
         """Store the live session before it is replaced (never raises)."""

@@ -32,6 +32,7 @@ from .errors import (
     EngineError,
     EngineStateError,
     InvalidSessionError,
+    PrefillCancelledError,
     TokenCountMismatchError,
 )
 
@@ -153,13 +154,19 @@ class Session:
         progress: Callable[[int, int], None] | None = None,
         frontier_every: int | None = None,
         on_frontier: Callable[[Session], None] | None = None,
+        cancel: Callable[[], bool] | None = None,
     ) -> int:
         """Make the session describe ``tokens``; return how many were reused.
 
         Extends the live state when it is valid and ``tokens`` extends it;
         otherwise rebuilds from scratch. With ``frontier_every``, prefill is
         split at absolute multiples of it and ``on_frontier(self)`` runs at
-        each (the state is valid there: continued saves hook in here). On any
+        each (the state is valid there: continued saves hook in here). With
+        ``cancel``, prefill is also split at absolute multiples of the
+        engine's batch (``prefill_chunk``, where the engine's own batches
+        fall, so results are unchanged) and ``cancel()`` is asked before each
+        piece: when it says so, :class:`ds4.errors.PrefillCancelledError` is
+        raised with the session valid at the tokens evaluated. On any other
         failure the session is invalid and the error propagates."""
         tokens = [int(t) for t in tokens]
         self.check_prompt(tokens)
@@ -171,8 +178,21 @@ class Session:
             self._valid = True  # an empty state describes zero tokens exactly
         if reused == len(tokens):
             return reused
-        self._prefill_from(tokens, reused, progress, frontier_every, on_frontier)
+        self._prefill_from(tokens, reused, progress, frontier_every, on_frontier, cancel)
         return reused
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Where a cancellable prefill may stop: absolute multiples of the
+        engine's batch (512 when it has none)."""
+        return int(getattr(self.engine, "n_batch", 0) or 512)
+
+    def _cuts(self, start: int, end: int, frontier_every: int | None, cancellable: bool) -> list[int]:
+        cuts = {end}
+        for every in (frontier_every, self.prefill_chunk if cancellable else None):
+            if every:
+                cuts.update(range((start // every + 1) * every, end, every))
+        return sorted(cuts)
 
     def _prefill_from(
         self,
@@ -181,14 +201,14 @@ class Session:
         progress: Progress | None,
         frontier_every: int | None,
         on_frontier: Callable[[Session], None] | None,
+        cancel: Callable[[], bool] | None = None,
     ) -> None:
         total = len(tokens) - start
-        cuts = [len(tokens)]
-        if frontier_every and on_frontier:
-            first = (start // frontier_every + 1) * frontier_every
-            cuts = [*list(range(first, len(tokens), frontier_every)), len(tokens)]
+        cuts = self._cuts(start, len(tokens), frontier_every if on_frontier else None, cancel is not None)
         pos = start
         for cut in cuts:
+            if cancel is not None and cancel():
+                raise PrefillCancelledError(pos, len(tokens))
             base = pos - start
 
             def prog(done: int, _tot: int, base: int = base, progress: Progress | None = progress) -> None:

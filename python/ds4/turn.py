@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .engine import Engine
-from .errors import InvalidSessionError, PromptError, StoreError
+from .errors import InvalidSessionError, PrefillCancelledError, PromptError, StoreError
 from .kvstore import KVStore
 from .recovery import RecoveryReport, recover
 from .session import Rewrite, Session
@@ -248,7 +248,9 @@ class Generator:
         self._last_continued = n
 
     # -- the ladder ----------------------------------------------------------
-    def prepare(self, prompt_text: str, progress: Progress | None = None) -> RecoveryReport:
+    def prepare(
+        self, prompt_text: str, progress: Progress | None = None, cancel: Callable[[], bool] | None = None
+    ) -> RecoveryReport:
         """Bring the live session to ``prompt_text`` (ds4's steps 1-5)."""
         store = self.store
         saved: list[int] = []
@@ -269,17 +271,20 @@ class Generator:
             progress=progress,
             frontier_every=store.continued_step() if store is not None else None,
             on_frontier=on_frontier if store is not None else None,
+            cancel=cancel,
         )
         if rep.rung not in ("live", "rewrite"):
             # another conversation now: ds4 resets its continued frontier
             self._last_continued = max(saved, default=0)
         return rep
 
-    def _prepare_or_retry(self, prompt_text: str, progress: Progress | None) -> RecoveryReport:
+    def _prepare_or_retry(
+        self, prompt_text: str, progress: Progress | None, cancel: Callable[[], bool] | None
+    ) -> RecoveryReport:
         try:
-            return self.prepare(prompt_text, progress)
-        except PromptError:
-            raise  # refused before the session was touched
+            return self.prepare(prompt_text, progress, cancel)
+        except (PromptError, PrefillCancelledError):
+            raise  # refused before the session was touched; or stopped with it valid
         except Exception as e:
             # A rung failed unexpectedly (an engine bug, a store I/O error):
             # the live state cannot be trusted, but the turn can still be
@@ -292,7 +297,7 @@ class Generator:
             )
             self.sess.invalidate(f"recovery failed: {e}")
             self.counters["ladder_retries"] += 1
-            return self.prepare(prompt_text, progress)
+            return self.prepare(prompt_text, progress, cancel)
 
     # -- a turn --------------------------------------------------------------
     def generate(
@@ -309,18 +314,29 @@ class Generator:
         self.counters["requests"] += 1
         out = TextStream(params.stop, on_text)  # a stop that cannot be encoded is refused here, untouched
         try:
-            rep = self._prepare_or_retry(prompt_text, progress)
+            rep = self._prepare_or_retry(prompt_text, progress, cancel)
             if on_start is not None:
                 on_start(rep)
             return self._decode(t0, rep, params, out, cancel)
         except PromptError:
             raise  # refused before anything was touched
+        except PrefillCancelledError as e:
+            return self._cancelled_in_prefill(t0, e)
         except BaseException as e:
             # Whatever failed (engine, store, a callback, Ctrl+C), the live
             # state may not describe its tokens any more: never keep it.
             if self.sess.checkpoint_valid:
                 self.sess.invalidate(f"request failed: {type(e).__name__}: {e}")
             raise
+
+    def _cancelled_in_prefill(self, t0: float, e: PrefillCancelledError) -> GenResult:
+        """The caller went away during the prefill: it stopped at a chunk
+        boundary, the session valid there (the next turn extends it)."""
+        self.counters["cancelled"] += 1
+        log.info("prefill cancelled at %d of %d tokens; session valid", e.n_past, e.n_tokens)
+        rep = RecoveryReport(rung="cancelled", source="prefill-cancelled", prompt_tokens=e.n_tokens)
+        t = time.perf_counter() - t0
+        return GenResult("", [], "cancelled", rep, e.n_tokens, 0, 0, t, 0.0, t)
 
     def _decode(
         self,

@@ -41,6 +41,13 @@ __all__ = ["add_serve_args", "create_app", "serve_main"]
 
 Event = tuple[str, Any]
 
+#: how long a streamed request waits for its job to start before sending
+#: its headers (a quick refusal still gets its 4xx)
+STREAM_HOLD_S = 0.5
+#: a keepalive comment at least this often while a stream has nothing to say
+SSE_KEEPALIVE_S = 2.0
+SSE_KEEPALIVE = b": keepalive\n\n"
+
 
 class _JobRun:
     """One submitted job seen from the event loop: its events, and a
@@ -86,6 +93,7 @@ class _Routes:
     ):
         self.service = service
         self.debug = debug
+        self.keepalive_s = SSE_KEEPALIVE_S
         self.gen = service.gen
         self.limits = limits
         self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
@@ -119,10 +127,12 @@ class _Routes:
             run = _JobRun(self.service, request, turn)
         except Exception as e:  # refused: queue full or shutting down
             return self.err(exception_to_api(e, None, self.debug))
-        k, v = await run.next()
-        if k == "error":
+        first = await self._first_event(run, turn.stream)
+        if first is not None and first[0] not in ("start", "error"):
+            run.events.put_nowait(first)  # "done" before "start": a prefill cancelled (client gone)
+        if first is not None and first[0] == "error":
             run.watcher.cancel()
-            return self.err(exception_to_api(v, turn.param, self.debug))
+            return self.err(exception_to_api(first[1], turn.param, self.debug))
         prefix = "chatcmpl-" if turn.kind == "chat" else "cmpl-"
         reply = Reply(turn, prefix + uuid.uuid4().hex[:24], int(time.time()), self.service.model_id, self.debug)
         if turn.stream:
@@ -134,6 +144,21 @@ class _Routes:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         return await self.collect(run, reply)
+
+    @staticmethod
+    async def _first_event(run: _JobRun, stream: bool) -> Event | None:
+        """The job's first event; a stream waits for it at most
+        ``STREAM_HOLD_S`` (a quick refusal still gets its 4xx; a long prefill
+        does not hold the headers back), then None."""
+        if not stream:
+            return await run.next()
+        try:
+            return await asyncio.wait_for(run.events.get(), STREAM_HOLD_S)
+        except TimeoutError:
+            return None
+        except BaseException:  # the handler was cancelled: stop the job
+            run.stop()
+            raise
 
     async def collect(self, run: _JobRun, reply: Reply) -> Response:
         from starlette.responses import JSONResponse
@@ -150,11 +175,19 @@ class _Routes:
             run.watcher.cancel()
 
     async def stream(self, run: _JobRun, reply: Reply) -> AsyncIterator[bytes]:
+        """The SSE body: the opening chunk at once, a keepalive comment every
+        ``keepalive_s`` (``--sse-keepalive``) while nothing else is sent (a long prefill), the
+        text, then the closing chunks; a failure after the headers is an
+        error event."""
         try:
             for b in reply.opening():
                 yield b
             while True:
-                k, v = await run.events.get()
+                try:
+                    k, v = await asyncio.wait_for(run.events.get(), self.keepalive_s)
+                except TimeoutError:
+                    yield SSE_KEEPALIVE
+                    continue
                 if k == "text":
                     yield reply.chunk(v)
                     continue
@@ -225,6 +258,7 @@ def create_app(
     guard: Guard | None = None,
     limits: BodyLimits | None = None,
     debug: bool = False,
+    sse_keepalive_s: float = SSE_KEEPALIVE_S,
 ) -> Starlette:
     """The app; ``guard`` (keys, hosts, origins) defaults to no key and the
     loopback names, ``limits`` to a 16 MiB body read within 30 s."""
@@ -234,6 +268,7 @@ def create_app(
     from starlette.routing import Route
 
     r = _Routes(service, default_max_tokens, model_aliases, limits or BodyLimits(), debug)
+    r.keepalive_s = sse_keepalive_s
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -284,6 +319,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_guard_args(p)
+    p.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=SSE_KEEPALIVE_S,
+        metavar="S",
+        help=f"a keepalive comment on a stream silent this long, e.g. during a prefill (default {SSE_KEEPALIVE_S:g})",
+    )
     p.add_argument(
         "--debug", action="store_true", help="show absolute paths and error details in HTTP answers and /health"
     )
@@ -338,6 +380,7 @@ def serve_main(args: argparse.Namespace) -> int:
         guard=guard,
         limits=limits,
         debug=args.debug,
+        sse_keepalive_s=args.sse_keepalive,
     )
     config = uvicorn.Config(
         app,
