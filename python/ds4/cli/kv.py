@@ -20,10 +20,13 @@ from ..kvstore import (
     scan_dir,
     temp_is_orphaned,
 )
-from .kvinfo import Info, inspect_file, print_fields, public, resolve
+from .kvinfo import READABLE, UNVERIFIED, Info, inspect_file, print_fields, public, resolve
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, printable, table
 
 __all__ = ["KV_COMMANDS", "inspect_file"]
+
+
+NOT_VERIFIED = "unverified: header, text and name checked, payload not (--verify, or ds4 kv verify, decides as a load)"
 
 
 def _not_a_dir(d: str) -> bool:
@@ -35,7 +38,7 @@ def _not_a_dir(d: str) -> bool:
 
 
 def _ls_row(i: Info, now: float) -> list[str]:
-    if i["status"] == "ok":
+    if i["status"] in READABLE:
         return [
             i["name"][:12],
             f"v{i['version']}",
@@ -44,7 +47,7 @@ def _ls_row(i: Info, now: float) -> list[str]:
             human_bytes(i["size"]),
             str(i["hits"]),
             age(i["last_used"] or i["created"], now),
-            "ok",
+            i["status"],
             i["preview"],
         ]
     err = i["error"]
@@ -66,7 +69,7 @@ def kv_ls(args: argparse.Namespace) -> int:
     if _not_a_dir(d):
         return EXIT_USAGE
     cks, tmps, other = scan_dir(d)
-    infos = [inspect_file(p) for p in cks + other]
+    infos = [inspect_file(p, full=args.verify) for p in cks + other]
     infos.sort(key=lambda i: (-(i.get("last_used") or 0), i["name"]))
     if args.json:
         files = [public(i) for i in infos]
@@ -81,6 +84,8 @@ def kv_ls(args: argparse.Namespace) -> int:
     table(rows, ["NAME", "VER", "REASON", "TOKENS", "SIZE", "HITS", "LAST USED", "STATUS", "TEXT"], sys.stdout)
     total = sum(i.get("size", 0) for i in infos)
     print(f"{len(infos)} files, {human_bytes(total)}" + (f", {len(tmps)} temp files" if tmps else ""))
+    if any(i["status"] == UNVERIFIED for i in infos):
+        print(NOT_VERIFIED)
     return EXIT_OK
 
 
@@ -106,7 +111,7 @@ def kv_show(args: argparse.Namespace) -> int:
         return rc
     info = inspect_file(path, full=args.verify)
     text = info.pop("_text", None)
-    status = EXIT_OK if info["status"] == "ok" else EXIT_FAIL
+    status = EXIT_OK if info["status"] in READABLE else EXIT_FAIL
     if args.json:
         out = public(info)
         if text is not None:
@@ -114,6 +119,8 @@ def kv_show(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1, ensure_ascii=False))
         return status
     print_fields(info)
+    if info["status"] == UNVERIFIED:
+        print(NOT_VERIFIED)
     if text is not None:
         s = text.decode("utf-8", "replace")
         if not args.text and len(s) > 400:
@@ -134,17 +141,28 @@ def _named_paths(d: str, names: list[str], cmd: str) -> list[str] | None:
     return paths
 
 
+def _verify_paths(args: argparse.Namespace) -> list[str] | None:
+    """The files ``kv verify`` checks: the one file given, the names given
+    in the directory, or every checkpoint of it."""
+    d = args.dir
+    if os.path.isfile(d):
+        if args.names:
+            print("ds4 kv verify: names are looked up in a directory, not in a file", file=sys.stderr)
+            return None
+        return [d]
+    if args.names:
+        return _named_paths(d, args.names, "verify")
+    cks, _, other = scan_dir(d)
+    return cks + other
+
+
 def kv_verify(args: argparse.Namespace) -> int:
     d = args.dir
-    if _not_a_dir(d):
+    if not os.path.isfile(d) and _not_a_dir(d):
         return EXIT_USAGE
-    if args.names:
-        paths = _named_paths(d, args.names, "verify")
-        if paths is None:
-            return EXIT_FAIL
-    else:
-        cks, _, other = scan_dir(d)
-        paths = cks + other
+    paths = _verify_paths(args)
+    if paths is None:
+        return EXIT_FAIL
     t0 = time.perf_counter()
     results = []
     for p in paths:
@@ -341,13 +359,14 @@ def kv_stats(args: argparse.Namespace) -> int:
     if _not_a_dir(d):
         return EXIT_USAGE
     cks, tmps, other = scan_dir(d)
-    infos = [inspect_file(p) for p in cks + other]
-    ok = [i for i in infos if i["status"] == "ok"]
-    bad = [i["status"] for i in infos if i["status"] != "ok"]
+    infos = [inspect_file(p, full=args.verify) for p in cks + other]
+    ok = [i for i in infos if i["status"] in READABLE]  # the facts below are the headers'
+    bad = [i["status"] for i in infos if i["status"] not in READABLE]
     st = {
         "dir": os.path.abspath(d),
         "files": len(infos),
-        "ok": len(ok),
+        "ok": sum(1 for i in ok if i["status"] == "ok"),
+        "unverified": sum(1 for i in ok if i["status"] == UNVERIFIED),
         "unusable": {s: bad.count(s) for s in sorted(set(bad))},
         "bytes": sum(i.get("size", 0) for i in infos),
         "tokens": sum(i["tokens"] for i in ok),
@@ -369,9 +388,9 @@ def kv_stats(args: argparse.Namespace) -> int:
 
 def _print_stats(st: Info) -> None:
     print(f"directory      {st['dir']}")
-    print(
-        f"files          {st['files']} ({st['ok']} ok" + "".join(f", {n} {s}" for s, n in st["unusable"].items()) + ")"
-    )
+    parts = [f"{st['ok']} ok"] + ([f"{st['unverified']} unverified"] if st["unverified"] else [])
+    parts += [f"{n} {s}" for s, n in st["unusable"].items()]
+    print(f"files          {st['files']} ({', '.join(parts)})")
     print(f"size           {human_bytes(st['bytes'])}")
     print(f"tokens         {st['tokens']}")
     print(f"hits           {st['hits']}")
@@ -382,6 +401,8 @@ def _print_stats(st: Info) -> None:
     if st["newest_used"]:
         print(f"last used      {age(st['newest_used'])}")
     print(f"temp files     {st['temp_files']} ({human_bytes(st['temp_bytes'])})")
+    if st["unverified"]:
+        print(NOT_VERIFIED)
 
 
 KV_COMMANDS = {"ls": kv_ls, "show": kv_show, "verify": kv_verify, "gc": kv_gc, "rm": kv_rm, "stats": kv_stats}

@@ -15,9 +15,15 @@ from ..errors import CheckpointError
 from ..kvstore import NOT_REGULAR, Entry, scan_dir, stat_key
 from .term import age, human_bytes, preview, table
 
-__all__ = ["SHOW_KEYS", "Info", "inspect_file", "print_fields", "public", "resolve"]
+__all__ = ["READABLE", "SHOW_KEYS", "UNVERIFIED", "Info", "inspect_file", "print_fields", "public", "resolve"]
 
 Info = dict[str, Any]
+
+#: the status of a file whose header, text and name verify but whose payload
+#: was not checked: what a load decides is not known yet
+UNVERIFIED = "unverified"
+#: the statuses of a file whose header was read
+READABLE = ("ok", UNVERIFIED)
 
 
 def inspect_file(path: str, full: bool = False) -> Info:
@@ -43,7 +49,9 @@ def inspect_file(path: str, full: bool = False) -> Info:
         info.update(status="error", error={"stage": "open", "code": "os_error", "reason": str(e)})
         return info
     info.update(
-        status="ok",
+        # "ok" is what a load would decide; a header alone does not say it
+        status="ok" if full else UNVERIFIED,
+        verified=full,
         version=ck.version,
         reason=ck.reason_name,
         tokens=ck.tokens,
