@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 
 import ds4
@@ -274,7 +275,8 @@ def _hostile_dir(tmp_path, write_ck):
     old = time.time() - 10 * 3600
     for n in entries:
         os.utime(d / n, (old, old), follow_symlinks=False)
-    write_ck(d, TEXT)  # one real checkpoint beside them
+    # one real checkpoint beside them (with the tokens tensor a load checks)
+    write_ck(d, TEXT, {"tokens": np.arange(7, dtype=np.int32), "logits": np.zeros(4, np.float32)})
     snap = {p: _read(p) for p in (good_out, bad_out)}
     return d, entries, snap
 

@@ -42,6 +42,7 @@ __all__ = [
     "EngineStateError",
     "HeaderChecksumError",
     "HeaderTooLargeError",
+    "ImportFailedError",
     "IncompatibleCheckpointError",
     "InvalidSessionError",
     "NameMismatchError",
@@ -270,6 +271,13 @@ class EngineStateError(CorruptCheckpointError):
     """The engine rejected the payload (shapes, dtypes, missing tensors)."""
 
     code, stage = "engine_rejected", "engine"
+
+
+class ImportFailedError(IncompatibleCheckpointError):
+    """Importing the payload failed with an error that does not prove the
+    file corrupt (a limit of numpy or of the engine): skipped and kept."""
+
+    code, stage = "import_failed", "engine"
 
 
 # -- sessions, engines, stores ---------------------------------------------

@@ -24,15 +24,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _core
+from .checkpoint import TOKENS_TENSOR, check_tokens
 from .engine import Engine
 from .errors import (
     CheckpointError,
     ContextOverflowError,
+    ContextTooSmallError,
     EmptyPromptError,
     EngineError,
     EngineStateError,
     InvalidSessionError,
-    TokenCountMismatchError,
 )
 
 if TYPE_CHECKING:
@@ -43,9 +44,6 @@ log = logging.getLogger("ds4.session")
 Progress = Callable[[int, int], None]
 
 __all__ = ["TOKENS_TENSOR", "Rewrite", "Session"]
-
-#: payload tensor holding the session's tokens (int32); reserved name
-TOKENS_TENSOR = "tokens"
 
 
 class Rewrite(enum.Enum):
@@ -271,14 +269,10 @@ class Session:
         """Replace the live state with a checkpoint's arrays, transactionally:
         everything is validated before the live state changes; if the engine
         fails half-way the session is invalid (never half-loaded)."""
-        toks = arrays.get(TOKENS_TENSOR)
-        if toks is None or toks.ndim != 1 or toks.dtype != np.int32:
-            raise EngineStateError("payload has no int32 'tokens' tensor")
-        if toks.shape[0] != n_tokens:
-            raise TokenCountMismatchError(f"payload holds {toks.shape[0]} tokens, the header says {n_tokens}")
-        if n_tokens <= 0 or n_tokens >= self.ctx:
-            raise ContextOverflowError(n_tokens, self.ctx)
-        if int(toks.min()) < 0 or int(toks.max()) >= self.engine.vocab_size:
+        toks = check_tokens(arrays, n_tokens)
+        if n_tokens >= self.ctx:
+            raise ContextTooSmallError(f"{n_tokens} tokens do not fit a context of {self.ctx}")
+        if int(toks.max()) >= self.engine.vocab_size:
             raise EngineStateError("payload tokens are out of the vocabulary's range")
         state = {k: v for k, v in arrays.items() if k != TOKENS_TENSOR}
         if "logits" not in state or state["logits"].shape != (self.engine.vocab_size,):
@@ -305,7 +299,7 @@ class Session:
             from .errors import AbiMismatchError
 
             raise AbiMismatchError(f"payload ABI {ck.abi!r} differs from {self._abi!r}", path=str(ck.path))
-        self.load_arrays(ck.arrays(), ck.tokens)
+        self.load_arrays(ck.load_arrays(), ck.tokens)
         try:
             # The engine has read the mapped bytes: if another process
             # truncated the file meanwhile, what it read is not the file.

@@ -28,7 +28,8 @@ READABLE = ("ok", UNVERIFIED)
 
 def inspect_file(path: str, full: bool = False) -> Info:
     """Facts about one checkpoint file; ``full`` runs the whole pipeline
-    (payload checksum for v2, DSV4 decode for v1)."""
+    (payload checksum and the arrays a load builds, with their token checks,
+    for v2; DSV4 decode for v1)."""
     info: Info = {"name": os.path.basename(path), "path": path}
     try:
         st = os.stat(path, follow_symlinks=False)
@@ -42,6 +43,8 @@ def inspect_file(path: str, full: bool = False) -> Info:
         info["size"] = st.st_size
         info["_key"] = stat_key(st)  # the version judged: a discard removes this one only
         ck = open_checkpoint(path, load_payload=full, verify_checksum=full, mmap=False)
+        if full and ck.version >= 2:
+            ck.load_arrays()  # the views and token checks every load makes before an engine
     except CheckpointError as e:
         info.update(status=e.kind, error={"stage": e.stage, "code": e.code, "reason": e.reason}, _error=e)
         return info

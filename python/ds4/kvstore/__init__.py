@@ -33,7 +33,17 @@ from typing import TYPE_CHECKING
 from .. import _core
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidSessionError, StoreError
-from .entries import HALF_LIFE_S, Candidates, Entry, LoadResult, NamedLoad, Rejection, find_prefixes, plan_eviction
+from .entries import (
+    HALF_LIFE_S,
+    Candidates,
+    Entry,
+    LoadResult,
+    NamedLoad,
+    Rejection,
+    find_prefixes,
+    import_failure,
+    plan_eviction,
+)
 from .files import (
     LOCK_NAME,
     NOT_REGULAR,
@@ -48,6 +58,7 @@ from .files import (
     temp_is_orphaned,
     temp_writer_pid,
 )
+from .named import load_named
 from .remove import evict_entries, is_regular, remove_exact
 from .save import existing_file, write_live
 
@@ -56,6 +67,11 @@ if TYPE_CHECKING:
     from ..session import Session
 
 log = logging.getLogger("ds4.kvstore")
+
+
+def _why(name: str, err: CheckpointError) -> tuple[str, str, str, str]:
+    return (name, err.stage, err.code, err.reason)
+
 
 __all__ = [
     "HALF_LIFE_S",
@@ -334,13 +350,15 @@ class KVStore:
                     sess.invalidate(f"corrupt checkpoint {e.name}")
                     self.discard(e.path, err, "load", judged)
                 else:
-                    log.info(
-                        "kv cache skipped file=%s stage=%s code=%s reason=%s (kept)",
-                        e.name,
-                        err.stage,
-                        err.code,
-                        err.reason,
-                    )
+                    log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", *_why(e.name, err))
+                continue
+            except Exception as err:
+                sess.invalidate(f"checkpoint {e.name} failed to load")
+                self.stats["rejected"] += 1
+                rej = import_failure(e.path, err)
+                log.error("kv cache could not load %s: %s (kept)", e.name, rej[3])
+                if report is not None:
+                    report.rejected.append(rej)
                 continue
             self._hit(e, ck, (time.perf_counter() - t0) * 1000)
             return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
@@ -375,30 +393,7 @@ class KVStore:
         and is discarded; an unusable one invalidates it and is kept. ``sha``
         must be 40 lowercase hex digits: a name from an index file never
         reaches outside the directory."""
-        name = f"{sha}.kv"
-        if not is_checkpoint_name(name):
-            raise ValueError(f"not a checkpoint key: {sha!r}")
-        path = os.path.join(self.dir, name)
-        t0 = time.perf_counter()
-        try:
-            judged = stat_key(os.lstat(path))
-            ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, ctx=sess.ctx - 1)
-            if exact and ck.text != text:
-                return NamedLoad("missing")  # a longer checkpoint is not this text's
-            sess.load_checkpoint(ck)
-        except FileNotFoundError:
-            return NamedLoad("missing")
-        except CorruptCheckpointError as e:
-            if e.code == NOT_REGULAR:  # not ours to judge: kept, like any unusable file
-                sess.invalidate(f"unusable checkpoint {name}")
-                return NamedLoad("unusable", error=e)
-            sess.invalidate(f"corrupt checkpoint {name}")
-            self.discard(path, e, "named load", judged)
-            return NamedLoad("corrupt", error=e)
-        except CheckpointError as e:
-            sess.invalidate(f"unusable checkpoint {name}")
-            return NamedLoad("unusable", error=e)
-        return NamedLoad("loaded", tokens=ck.tokens, ms=(time.perf_counter() - t0) * 1000)
+        return load_named(self, sess, sha, text, exact=exact)
 
     # -- store policy ----------------------------------------------------------
     def cold_store_len(self, n_tokens: int) -> int | None:
