@@ -60,6 +60,7 @@ __all__ = [
     "TensorTableError",
     "TextHashMismatchError",
     "TokenCountMismatchError",
+    "TokensTextMismatchError",
     "TooShortError",
     "TrailingBytesError",
     "TruncatedCheckpointError",
@@ -265,6 +266,12 @@ class TokenCountMismatchError(CorruptCheckpointError):
     """The payload's token count differs from the header's."""
 
     code, stage = "token_count_mismatch", "engine"
+
+
+class TokensTextMismatchError(CorruptCheckpointError):
+    """The payload's tokens do not render the checkpoint's verified text."""
+
+    code, stage = "tokens_text_mismatch", "engine"
 
 
 class EngineStateError(CorruptCheckpointError):

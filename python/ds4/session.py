@@ -34,6 +34,7 @@ from .errors import (
     EngineError,
     EngineStateError,
     InvalidSessionError,
+    TokensTextMismatchError,
 )
 
 if TYPE_CHECKING:
@@ -98,9 +99,11 @@ class Session:
 
     def text_bytes(self, n: int | None = None) -> bytes:
         """The rendered bytes of the first ``n`` live tokens (the store key)."""
-        toks = self._tokens if n is None else self._tokens[:n]
+        return self._render(self._tokens if n is None else self._tokens[:n])
+
+    def _render(self, tokens: Sequence[int]) -> bytes:
         tb = self.engine.token_bytes
-        return b"".join(tb(t) for t in toks)
+        return b"".join(tb(t) for t in tokens)
 
     def argmax(self) -> int:
         if not self._valid or self._logits is None:
@@ -265,10 +268,13 @@ class Session:
         arrays[TOKENS_TENSOR] = np.asarray(self._tokens, dtype=np.int32)
         return arrays
 
-    def load_arrays(self, arrays: Mapping[str, np.ndarray], n_tokens: int) -> None:
+    def load_arrays(self, arrays: Mapping[str, np.ndarray], n_tokens: int, *, text: bytes | None = None) -> None:
         """Replace the live state with a checkpoint's arrays, transactionally:
         everything is validated before the live state changes; if the engine
-        fails half-way the session is invalid (never half-loaded)."""
+        fails half-way the session is invalid (never half-loaded). With
+        ``text`` (the checkpoint's verified text), the tokens must render
+        exactly it: the text is what was verified against the prompt, the
+        tokens are what the engine continues from."""
         toks = check_tokens(arrays, n_tokens)
         if n_tokens >= self.ctx:
             raise ContextTooSmallError(f"{n_tokens} tokens do not fit a context of {self.ctx}")
@@ -278,6 +284,8 @@ class Session:
         if "logits" not in state or state["logits"].shape != (self.engine.vocab_size,):
             raise EngineStateError("payload has no logits of the vocabulary's size")
         new_tokens = [int(t) for t in toks]
+        if text is not None and self._render(new_tokens) != text:
+            raise TokensTextMismatchError(f"the {n_tokens} tokens do not render the checkpoint's {len(text)}-byte text")
         new_logits = np.array(state["logits"], dtype=np.float32)  # own copy
         try:
             self._ectx.import_state(state, n_tokens)
@@ -299,7 +307,7 @@ class Session:
             from .errors import AbiMismatchError
 
             raise AbiMismatchError(f"payload ABI {ck.abi!r} differs from {self._abi!r}", path=str(ck.path))
-        self.load_arrays(ck.load_arrays(), ck.tokens)
+        self.load_arrays(ck.load_arrays(), ck.tokens, text=bytes(ck.text))
         try:
             # The engine has read the mapped bytes: if another process
             # truncated the file meanwhile, what it read is not the file.
