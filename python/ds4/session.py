@@ -307,10 +307,20 @@ class Session:
             from .errors import AbiMismatchError
 
             raise AbiMismatchError(f"payload ABI {ck.abi!r} differs from {self._abi!r}", path=str(ck.path))
-        self.load_arrays(ck.load_arrays(), ck.tokens, text=bytes(ck.text))
         try:
-            # The engine has read the mapped bytes: if another process
-            # truncated the file meanwhile, what it read is not the file.
+            self.load_arrays(ck.load_arrays(), ck.tokens, text=bytes(ck.text))
+        except CheckpointError:
+            # A map that lost its pages reads zeros: tokens that no longer
+            # render the text, or any other check, fail because of it. The
+            # truncation is then the cause, and is what is raised.
+            self._check_intact(ck)
+            raise
+        # The engine has read the mapped bytes: if another process
+        # truncated the file meanwhile, what it read is not the file.
+        self._check_intact(ck)
+
+    def _check_intact(self, ck: Checkpoint) -> None:
+        try:
             ck.check_intact()
         except CheckpointError:
             self.invalidate("checkpoint truncated while loading")
