@@ -147,7 +147,10 @@ def test_kv_commands_on_a_v2_directory(tmp_path):
     assert "3 files" in out and "v2" in out
     ls, _ = ds4_json("kv", "ls", d)
     assert sorted(f["name"] for f in ls["files"]) == sorted(names)
-    assert all(f["status"] == "ok" and f["version"] == 2 for f in ls["files"])
+    # headers only: never "ok", which is what a load decides
+    assert all(f["status"] == "unverified" and not f["verified"] and f["version"] == 2 for f in ls["files"])
+    ls, _ = ds4_json("kv", "ls", d, "--verify")
+    assert all(f["status"] == "ok" and f["verified"] for f in ls["files"])
     assert {f["tokens"] for f in ls["files"]} >= {64, 128}
     # show by unique prefix
     show, _ = ds4_json("kv", "show", d, names[1][:10])
@@ -186,8 +189,26 @@ def test_kv_commands_on_a_v2_directory(tmp_path):
         and v["files"][[f["name"] for f in v["files"]].index(names[1])]["code"] == "payload_checksum"
     )
     assert ds4_cmd("kv", "verify", d, names[0], names[2]).returncode == 0
-    ls, _ = ds4_json("kv", "ls", d)  # ls reads headers only: the payload damage is found by verify
+    ls, _ = ds4_json("kv", "ls", d)  # ls reads headers only: the payload damage is not claimed ok
     assert len(ls["temp_files"]) == 3
+    assert {f["name"]: f["status"] for f in ls["files"]}[names[1]] == "unverified"
+    assert "unverified" in ds4_cmd("kv", "ls", d).stdout
+    ls, _ = ds4_json("kv", "ls", d, "--verify")  # what a load would decide
+    by = {f["name"]: f for f in ls["files"]}
+    assert by[names[1]]["status"] == "corrupt" and by[names[1]]["error"]["code"] == "payload_checksum"
+    assert by[names[0]]["status"] == by[names[2]]["status"] == "ok"
+    assert "corrupt:payload_checksum" in ds4_cmd("kv", "ls", d, "--verify").stdout
+    st, _ = ds4_json("kv", "stats", d, "--verify")
+    assert st["ok"] == 2 and st["unverified"] == 0 and st["unusable"] == {"corrupt": 1}
+    show, rc = ds4_json("kv", "show", d, names[1], "--verify", check=False)
+    assert rc == 1 and show["status"] == "corrupt"
+    show, rc = ds4_json("kv", "show", d, names[1])
+    assert rc == 0 and show["status"] == "unverified"
+    # verify FILE: one file, as a load would judge it
+    p = ds4_cmd("kv", "verify", paths[1], check=False)
+    assert p.returncode == 1 and f"FAIL  {names[1]}" in p.stdout and "payload_checksum" in p.stdout
+    v, rc = ds4_json("kv", "verify", paths[0])
+    assert rc == 0 and v["ok"] == 1 and v["files"][0]["name"] == names[0]
     # gc: dry run changes nothing
     g, _ = ds4_json("kv", "gc", d, "--dry-run")
     assert [r["name"] for r in g["removed_corrupt"]] == [names[1]] and os.path.exists(paths[1])
@@ -295,7 +316,7 @@ def test_kv_commands_on_a_v1_directory(tmp_path):
     by = {f["name"]: f for f in ls["files"]}
     assert len(by) == 5
     g1 = by[name["good1"]]
-    assert g1["status"] == "ok" and g1["version"] == 1 and g1["tokens"] == 12 and g1["quant_bits"] == 4
+    assert g1["status"] == "unverified" and g1["version"] == 1 and g1["tokens"] == 12 and g1["quant_bits"] == 4
     assert g1["hits"] == 3 and g1["ctx"] == 4096 and g1["last_used"] == 1_700_000_600 and g1["reason"] == "cold"
     assert "Hello from ds4-server" in g1["preview"]
     assert by[name["truncated"]]["status"] == "corrupt" and by[name["truncated"]]["error"]["code"] == "truncated"
@@ -318,7 +339,10 @@ def test_kv_commands_on_a_v1_directory(tmp_path):
     assert ds4_cmd("kv", "verify", d, name["good1"], name["good2"]).returncode == 0
     # stats
     st, _ = ds4_json("kv", "stats", d)
-    assert st["files"] == 5 and st["ok"] == 4 and st["by_version"] == {"1": 4} and st["unusable"] == {"corrupt": 1}
+    assert st["files"] == 5 and st["unverified"] == 4 and st["ok"] == 0
+    assert st["by_version"] == {"1": 4} and st["unusable"] == {"corrupt": 1}
+    st, _ = ds4_json("kv", "stats", d, "--verify")  # the DSV4 decode finds the two bad payloads
+    assert st["ok"] == 2 and st["unverified"] == 0 and st["unusable"] == {"corrupt": 3}
     # the text hash is the v1 file's only text check: a renamed file is a mismatch
     os.rename(files["good1"], os.path.join(d, "0" * 40 + ".kv"))
     v, rc = ds4_json("kv", "verify", d, check=False)
@@ -342,6 +366,21 @@ def test_kv_usage_errors(tmp_path):
     p = ds4_cmd("kv", "ls", tmp_path / "missing", check=False)
     assert p.returncode == 2 and "not a directory" in p.stderr
     assert ds4_cmd("kv", "show", tmp_path, check=False).returncode == 2
+
+
+@pytest.mark.parametrize("n", [-1, 0, 40, 49, 32769])
+def test_bench_refuses_sizes_it_cannot_build(n):
+    """Below the smallest chat prompt (50 tokens with the reference
+    engine's template) the prompt builder used to loop forever."""
+    p = ds4_cmd("bench", "--tokens", n, "--sha-mb", 1, check=False, timeout=60)
+    assert p.returncode == 2 and "--tokens must be between 50 and 32768" in p.stderr
+
+
+def test_bench_at_the_smallest_size(tmp_path):
+    rows = json.loads(ds4_cmd("bench", "--tokens", 50, "--sha-mb", 1, "--kv-disk-dir", tmp_path, "--json").stdout)
+    names = [r["name"] for r in rows]
+    assert "TTFT cold (50 tokens, full prefill)" in names
+    assert any(n.startswith("TTFT resumed from disk") and n.endswith("rung=disk)") for n in names)
 
 
 def test_bench_quick(tmp_path):

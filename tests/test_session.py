@@ -13,6 +13,7 @@ import ds4
 from ds4 import Rewrite
 from ds4.errors import (
     ContextOverflowError,
+    ContextTooSmallError,
     EmptyPromptError,
     EngineError,
     EngineStateError,
@@ -557,18 +558,23 @@ def test_load_rejects_a_token_count_that_differs_from_the_header(eng):
 
 @pytest.mark.parametrize("n", [0, 32, 33])
 def test_load_rejects_token_counts_outside_one_to_ctx_minus_one(eng, n):
-    """A checkpoint must leave room for one more token: ``0 < n < ctx``. The
-    typed error names the count and the context; nothing changes."""
+    """A checkpoint must leave room for one more token: ``0 < n < ctx``.
+    Both failures are checkpoint errors (a rejection of that candidate, never
+    a prompt error escaping the ladder, issue 13): no tokens is corrupt, too
+    many for this context is incompatible (kept: a larger context loads it).
+    The reason names the count and the context; nothing changes."""
     s = _live(eng, ctx=32)
     snap = _snapshot(s)
     if n:
         arrays = _donor_arrays(eng, n, ctx=64)
+        with pytest.raises(ContextTooSmallError) as ei:
+            s.load_arrays(arrays, n)
+        assert ei.value.reason == f"{n} tokens do not fit a context of 32"
     else:
         arrays = {**_donor_arrays(eng, 1), "tokens": np.zeros(0, np.int32)}
-    with pytest.raises(ContextOverflowError) as ei:
-        s.load_arrays(arrays, n)
-    assert (ei.value.n_tokens, ei.value.ctx) == (n, 32)
-    assert str(ei.value) == f"prompt of {n} tokens does not fit context 32"
+        with pytest.raises(TokenCountMismatchError) as ei:
+            s.load_arrays(arrays, n)
+        assert ei.value.reason == "payload holds no tokens"
     _assert_same(s, snap)
 
 

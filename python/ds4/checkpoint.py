@@ -16,8 +16,20 @@ from typing import Any
 import numpy as np
 
 from . import _core
+from .errors import CheckpointError, EngineStateError, TensorTableError, TokenCountMismatchError
 
-__all__ = ["REASONS", "Checkpoint", "open_checkpoint", "reason_code", "write_checkpoint"]
+__all__ = [
+    "REASONS",
+    "TOKENS_TENSOR",
+    "Checkpoint",
+    "check_tokens",
+    "open_checkpoint",
+    "reason_code",
+    "write_checkpoint",
+]
+
+#: payload tensor holding the session's tokens (int32); reserved name
+TOKENS_TENSOR = "tokens"
 
 REASONS: tuple[str, ...] = tuple(_core.REASONS)
 
@@ -123,8 +135,38 @@ class Checkpoint:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every payload tensor, by name, as read-only zero-copy arrays (the
-        arrays' base keeps the map alive after this object is gone)."""
-        return {n: self._view(n, dt, shape, nbytes) for n, dt, shape, _off, nbytes in self._core.tensor_table()}
+        arrays' base keeps the map alive after this object is gone). A
+        tensor numpy cannot view is a :class:`TensorTableError` (the Rust
+        table check rules those out; this keeps any miss typed)."""
+        try:
+            return {n: self._view(n, dt, shape, nbytes) for n, dt, shape, _off, nbytes in self._core.tensor_table()}
+        except CheckpointError:
+            raise
+        except (ValueError, TypeError, OverflowError, MemoryError) as e:
+            raise TensorTableError(f"a tensor cannot be viewed: {e}", path=str(self._core.path)) from e
+
+    def load_arrays(self) -> dict[str, np.ndarray]:
+        """:meth:`arrays` and the checks every load makes before an engine
+        sees them (:func:`check_tokens`): what ``ds4 kv verify`` runs too."""
+        arrays = self.arrays()
+        check_tokens(arrays, self._core.tokens)
+        return arrays
+
+
+def check_tokens(arrays: Mapping[str, np.ndarray], n_tokens: int) -> np.ndarray:
+    """The payload's ``tokens`` tensor, checked against the header: int32,
+    one dimension, ``n_tokens`` (at least one) entries, none negative.
+    Raises typed corrupt-checkpoint errors."""
+    toks = arrays.get(TOKENS_TENSOR)
+    if toks is None or toks.ndim != 1 or toks.dtype != np.int32:
+        raise EngineStateError("payload has no int32 'tokens' tensor")
+    if toks.shape[0] != n_tokens:
+        raise TokenCountMismatchError(f"payload holds {toks.shape[0]} tokens, the header says {n_tokens}")
+    if n_tokens <= 0:
+        raise TokenCountMismatchError("payload holds no tokens")
+    if int(toks.min()) < 0:
+        raise EngineStateError("payload tokens are out of the vocabulary's range")  # negative: of any vocabulary
+    return toks
 
 
 def open_checkpoint(

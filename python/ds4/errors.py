@@ -42,6 +42,7 @@ __all__ = [
     "EngineStateError",
     "HeaderChecksumError",
     "HeaderTooLargeError",
+    "ImportFailedError",
     "IncompatibleCheckpointError",
     "InvalidSessionError",
     "NameMismatchError",
@@ -60,6 +61,7 @@ __all__ = [
     "TensorTableError",
     "TextHashMismatchError",
     "TokenCountMismatchError",
+    "TokensTextMismatchError",
     "TooShortError",
     "TrailingBytesError",
     "TruncatedCheckpointError",
@@ -267,10 +269,23 @@ class TokenCountMismatchError(CorruptCheckpointError):
     code, stage = "token_count_mismatch", "engine"
 
 
+class TokensTextMismatchError(CorruptCheckpointError):
+    """The payload's tokens do not render the checkpoint's verified text."""
+
+    code, stage = "tokens_text_mismatch", "engine"
+
+
 class EngineStateError(CorruptCheckpointError):
     """The engine rejected the payload (shapes, dtypes, missing tensors)."""
 
     code, stage = "engine_rejected", "engine"
+
+
+class ImportFailedError(IncompatibleCheckpointError):
+    """Importing the payload failed with an error that does not prove the
+    file corrupt (a limit of numpy or of the engine): skipped and kept."""
+
+    code, stage = "import_failed", "engine"
 
 
 # -- sessions, engines, stores ---------------------------------------------

@@ -24,16 +24,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _core
+from .checkpoint import TOKENS_TENSOR, check_tokens
 from .engine import Engine
 from .errors import (
     CheckpointError,
     ContextOverflowError,
+    ContextTooSmallError,
     EmptyPromptError,
     EngineError,
     EngineStateError,
     InvalidSessionError,
     PrefillCancelledError,
-    TokenCountMismatchError,
+    TokensTextMismatchError,
 )
 
 if TYPE_CHECKING:
@@ -44,9 +46,6 @@ log = logging.getLogger("ds4.session")
 Progress = Callable[[int, int], None]
 
 __all__ = ["TOKENS_TENSOR", "Rewrite", "Session"]
-
-#: payload tensor holding the session's tokens (int32); reserved name
-TOKENS_TENSOR = "tokens"
 
 
 class Rewrite(enum.Enum):
@@ -101,9 +100,11 @@ class Session:
 
     def text_bytes(self, n: int | None = None) -> bytes:
         """The rendered bytes of the first ``n`` live tokens (the store key)."""
-        toks = self._tokens if n is None else self._tokens[:n]
+        return self._render(self._tokens if n is None else self._tokens[:n])
+
+    def _render(self, tokens: Sequence[int]) -> bytes:
         tb = self.engine.token_bytes
-        return b"".join(tb(t) for t in toks)
+        return b"".join(tb(t) for t in tokens)
 
     def argmax(self) -> int:
         if not self._valid or self._logits is None:
@@ -287,23 +288,24 @@ class Session:
         arrays[TOKENS_TENSOR] = np.asarray(self._tokens, dtype=np.int32)
         return arrays
 
-    def load_arrays(self, arrays: Mapping[str, np.ndarray], n_tokens: int) -> None:
+    def load_arrays(self, arrays: Mapping[str, np.ndarray], n_tokens: int, *, text: bytes | None = None) -> None:
         """Replace the live state with a checkpoint's arrays, transactionally:
         everything is validated before the live state changes; if the engine
-        fails half-way the session is invalid (never half-loaded)."""
-        toks = arrays.get(TOKENS_TENSOR)
-        if toks is None or toks.ndim != 1 or toks.dtype != np.int32:
-            raise EngineStateError("payload has no int32 'tokens' tensor")
-        if toks.shape[0] != n_tokens:
-            raise TokenCountMismatchError(f"payload holds {toks.shape[0]} tokens, the header says {n_tokens}")
-        if n_tokens <= 0 or n_tokens >= self.ctx:
-            raise ContextOverflowError(n_tokens, self.ctx)
-        if int(toks.min()) < 0 or int(toks.max()) >= self.engine.vocab_size:
+        fails half-way the session is invalid (never half-loaded). With
+        ``text`` (the checkpoint's verified text), the tokens must render
+        exactly it: the text is what was verified against the prompt, the
+        tokens are what the engine continues from."""
+        toks = check_tokens(arrays, n_tokens)
+        if n_tokens >= self.ctx:
+            raise ContextTooSmallError(f"{n_tokens} tokens do not fit a context of {self.ctx}")
+        if int(toks.max()) >= self.engine.vocab_size:
             raise EngineStateError("payload tokens are out of the vocabulary's range")
         state = {k: v for k, v in arrays.items() if k != TOKENS_TENSOR}
         if "logits" not in state or state["logits"].shape != (self.engine.vocab_size,):
             raise EngineStateError("payload has no logits of the vocabulary's size")
         new_tokens = [int(t) for t in toks]
+        if text is not None and self._render(new_tokens) != text:
+            raise TokensTextMismatchError(f"the {n_tokens} tokens do not render the checkpoint's {len(text)}-byte text")
         new_logits = np.array(state["logits"], dtype=np.float32)  # own copy
         try:
             self._ectx.import_state(state, n_tokens)
@@ -325,10 +327,20 @@ class Session:
             from .errors import AbiMismatchError
 
             raise AbiMismatchError(f"payload ABI {ck.abi!r} differs from {self._abi!r}", path=str(ck.path))
-        self.load_arrays(ck.arrays(), ck.tokens)
         try:
-            # The engine has read the mapped bytes: if another process
-            # truncated the file meanwhile, what it read is not the file.
+            self.load_arrays(ck.load_arrays(), ck.tokens, text=bytes(ck.text))
+        except CheckpointError:
+            # A map that lost its pages reads zeros: tokens that no longer
+            # render the text, or any other check, fail because of it. The
+            # truncation is then the cause, and is what is raised.
+            self._check_intact(ck)
+            raise
+        # The engine has read the mapped bytes: if another process
+        # truncated the file meanwhile, what it read is not the file.
+        self._check_intact(ck)
+
+    def _check_intact(self, ck: Checkpoint) -> None:
+        try:
             ck.check_intact()
         except CheckpointError:
             self.invalidate("checkpoint truncated while loading")

@@ -228,6 +228,13 @@ pub fn check_tensor_table(tensors: &[TensorInfo], payload_bytes: u64) -> Result<
         let want = t.dtype.nbytes(&t.shape).ok_or_else(|| {
             Error::TensorTable(format!("tensor {:?}: shape size overflows", t.name))
         })?;
+        if !numpy_can_hold(t.dtype, &t.shape) {
+            return Err(Error::TensorTable(format!(
+                "tensor {:?}: shape {:?} of {:?} is beyond what an array can describe \
+                 (the bytes of its non-zero dimensions exceed 2^63 - 1)",
+                t.name, t.shape, t.dtype
+            )));
+        }
         if want != t.nbytes {
             return Err(Error::TensorTable(format!(
                 "tensor {:?}: {} bytes for shape {:?} of {:?}, expected {want}",
@@ -257,6 +264,23 @@ pub fn check_tensor_table(tensors: &[TensorInfo], payload_bytes: u64) -> Result<
         )));
     }
     Ok(())
+}
+
+/// True when numpy (and any C array of `isize` extents) can describe an
+/// array of `dtype` and `shape`: numpy skips zero dimensions and refuses
+/// when the product of the others, times the item size, exceeds
+/// `isize::MAX`. A zero-byte tensor can otherwise claim any shape (such as
+/// `[0, 2^63]`), pass every byte-count check, and fail only when a view is
+/// made, after verification said yes.
+pub fn numpy_can_hold(dtype: Dtype, shape: &[u64]) -> bool {
+    const MAX: u64 = u64::MAX >> 1; // isize::MAX on a 64-bit target
+    shape
+        .iter()
+        .filter(|&&d| d != 0)
+        .try_fold(dtype.itemsize(), |acc, &d| {
+            acc.checked_mul(d).filter(|&v| v <= MAX)
+        })
+        .is_some()
 }
 
 /// xxh3-64 of the payload bytes.

@@ -730,6 +730,45 @@ fn table_case(tensors: &[RawTensor<'_>], payload: &[u8]) -> Vec<u8> {
     assemble(&encode_meta(ABI.as_bytes(), tensors), TEXT, payload)
 }
 
+/// The default file with a zero-byte tensor of `dtype` and `shape` first.
+fn zero_byte_tensor_case(dtype: u8, shape: Vec<u64>) -> Vec<u8> {
+    let mut t = default_tensors();
+    t.insert(
+        0,
+        RawTensor {
+            name: b"empty",
+            dtype,
+            shape,
+            offset: 0,
+            nbytes: 0,
+        },
+    );
+    table_case(&t, &default_payload())
+}
+
+#[test]
+fn zero_byte_tensors_open_exactly_when_an_array_can_describe_them() {
+    let d = dir();
+    // u8 [0, 2^63 - 1] and [0, 2^62]: numpy makes these views.
+    for shape in [vec![0, u64::MAX >> 1], vec![0, 1 << 62], vec![0]] {
+        let p = put(d.path(), TEXT, &zero_byte_tensor_case(0, shape.clone()));
+        open_both(&p, &opts()).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+    }
+    // One more byte, or a wider item, and numpy refuses: so does the table.
+    for (dtype, shape) in [
+        (0, vec![0, 1 << 63]),
+        (9, vec![0, 1 << 61]),
+        (0, vec![3, 0, 1 << 62]),
+    ] {
+        let p = put(d.path(), TEXT, &zero_byte_tensor_case(dtype, shape.clone()));
+        let e = expect_err(&p, &opts(), "tensor_table", "payload", Class::Corrupt);
+        assert!(
+            matches!(&e, Error::TensorTable(m) if m.contains("beyond what an array can describe")),
+            "{shape:?}: {e}"
+        );
+    }
+}
+
 #[test]
 fn tensor_table() {
     let d = dir();
@@ -754,6 +793,19 @@ fn tensor_table() {
     let mut t = default_tensors();
     t[0].shape = vec![1 << 62, 8];
     cases.push(("shape overflow", table_case(&t, &payload)));
+    // Zero bytes, so every byte count agrees; numpy still cannot make a view.
+    cases.push((
+        "zero-byte shape [0, 2^63]",
+        zero_byte_tensor_case(0, vec![0, 1 << 63]),
+    ));
+    cases.push((
+        "zero-byte shape [2^62, 2, 0]",
+        zero_byte_tensor_case(0, vec![1 << 62, 2, 0]),
+    ));
+    cases.push((
+        "zero-byte f32 shape [0, 2^62]",
+        zero_byte_tensor_case(9, vec![0, 1 << 62]),
+    ));
     let mut t = default_tensors();
     t[1].name = b"logits";
     cases.push(("duplicate names", table_case(&t, &payload)));

@@ -42,17 +42,19 @@ def _kv_parser(sub: Any) -> None:
     """``ds4 kv`` and its actions, on the top-level subparsers."""
     kp = sub.add_parser("kv", help="inspect a checkpoint directory (ds4 v1 and v2 files)")
     ksub = kp.add_subparsers(dest="kvcmd", metavar="ACTION")
+    verify_help = "run the full verification (what a load would decide); else headers only, marked unverified"
     k = ksub.add_parser("ls", help="list checkpoints")
     k.add_argument("dir")
+    k.add_argument("--verify", action="store_true", help=verify_help)
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("show", help="one checkpoint's header, tensors and text")
     k.add_argument("dir", help="directory (or a checkpoint file)")
     k.add_argument("name", nargs="?", help="file name or unique hex prefix")
     k.add_argument("--text", action="store_true", help="print the whole text")
-    k.add_argument("--verify", action="store_true", help="run the full verification too")
+    k.add_argument("--verify", action="store_true", help=verify_help)
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("verify", help="run the full verification pipeline on every file (exit 1 on any failure)")
-    k.add_argument("dir")
+    k.add_argument("dir", help="directory (or a checkpoint file)")
     k.add_argument("names", nargs="*", help="only these files (names or unique prefixes)")
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("gc", help="remove corrupt and orphaned temp files; evict to a budget")
@@ -71,6 +73,7 @@ def _kv_parser(sub: Any) -> None:
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("stats", help="totals by version, reason and ABI")
     k.add_argument("dir")
+    k.add_argument("--verify", action="store_true", help=verify_help)
     k.add_argument("--json", action="store_true")
 
 

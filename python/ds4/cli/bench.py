@@ -8,6 +8,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -19,17 +20,34 @@ from ..engines.reference import ReferenceEngine
 from ..kvstore import KVStore
 from ..recovery import recover
 from ..session import Session
-from .term import EXIT_OK, human_bytes
+from .term import EXIT_OK, EXIT_USAGE, human_bytes
 
 __all__ = ["cmd_bench"]
 
 Row = tuple[str, float, str]
 
 
+#: the store's shortest prefix in the bench (its one checkpoint must be stored)
+MIN_STORED = 16
+
+
+def _msgs(body: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "You are a benchmark."}, {"role": "user", "content": body}]
+
+
+def token_range(eng: ReferenceEngine) -> tuple[int, int]:
+    """The ``--tokens`` the bench can build: a prompt with a one-token
+    question that the store keeps, up to half the engine's context (the
+    session's context is twice the prompt)."""
+    least = len(eng.tokenize(eng.render_chat(_msgs("?")), special=True))
+    return max(least, MIN_STORED), eng.max_ctx // 2
+
+
 def _prompt(eng: ReferenceEngine, n_tokens: int) -> tuple[str, list[int]]:
-    """A chat prompt of at most ``n_tokens`` tokens, and its tokens."""
+    """A chat prompt of exactly ``n_tokens`` tokens (within
+    :func:`token_range`), and its tokens."""
     body = "The quick brown fox jumps over the lazy dog. " * (n_tokens // 40 + 2)
-    msgs = [{"role": "system", "content": "You are a benchmark."}, {"role": "user", "content": body}]
+    msgs = _msgs(body)
     prompt = eng.render_chat(msgs)
     toks = eng.tokenize(prompt, special=True)
     while len(toks) > n_tokens:
@@ -112,6 +130,10 @@ def _sha_rows(args: argparse.Namespace) -> list[Row]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    lo, hi = token_range(ReferenceEngine())
+    if not lo <= args.tokens <= hi:
+        print(f"ds4 bench: --tokens must be between {lo} and {hi} (a chat prompt the store keeps)", file=sys.stderr)
+        return EXIT_USAGE
     rows = _session_rows(args) + _sha_rows(args)
     if args.json:
         print(json.dumps([{"name": r[0], "value": r[1], "unit": r[2]} for r in rows], indent=1))

@@ -9,9 +9,9 @@ import io
 import json
 import os
 import re
+import secrets
 import signal
 import sys
-import tempfile
 import time
 from types import FrameType
 from typing import Any, TextIO
@@ -34,7 +34,9 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 def atomic_write_json(path: str, obj: object) -> None:
     """Write ``obj`` as JSON durably: temp file, fsync, rename, fsync dir."""
     d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    # O_EXCL | O_NOFOLLOW: a planted symlink (or any existing entry) is never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1, ensure_ascii=False)
@@ -117,7 +119,9 @@ class ChatREPL:
 
     def load_index(self) -> dict[str, Any]:
         try:
-            with open(self.index_path, encoding="utf-8") as f:
+            # never through a symlink: the index is this directory's own file
+            fd = os.open(self.index_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            with open(fd, encoding="utf-8") as f:
                 data = json.load(f)
         except FileNotFoundError:
             return {}

@@ -8,81 +8,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
-from typing import Any
 
-from ..checkpoint import open_checkpoint
-from ..errors import CheckpointError
-from ..kvstore import Entry, KVStore, plan_eviction, remove_orphaned_temp, scan_dir, temp_is_orphaned
-from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, preview, printable, table
+from ..kvstore import (
+    KVStore,
+    is_regular,
+    plan_eviction,
+    remove_orphaned_temp,
+    scan_dir,
+    temp_is_orphaned,
+)
+from .kvinfo import READABLE, UNVERIFIED, Info, inspect_file, print_fields, public, resolve
+from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, printable, table
 
 __all__ = ["KV_COMMANDS", "inspect_file"]
 
-Info = dict[str, Any]
 
-
-def inspect_file(path: str, full: bool = False) -> Info:
-    """Facts about one checkpoint file; ``full`` runs the whole pipeline
-    (payload checksum for v2, DSV4 decode for v1)."""
-    info: Info = {"name": os.path.basename(path), "path": path}
-    try:
-        st = os.stat(path, follow_symlinks=False)
-        info["size"] = st.st_size
-        ck = open_checkpoint(path, load_payload=full, verify_checksum=full, mmap=False)
-    except CheckpointError as e:
-        info.update(status=e.kind, error={"stage": e.stage, "code": e.code, "reason": e.reason}, _error=e)
-        return info
-    except OSError as e:
-        info.update(status="error", error={"stage": "open", "code": "os_error", "reason": str(e)})
-        return info
-    info.update(
-        status="ok",
-        version=ck.version,
-        reason=ck.reason_name,
-        tokens=ck.tokens,
-        text_bytes=ck.text_bytes,
-        hits=ck.hits,
-        ctx=ck.ctx,
-        quant_bits=ck.quant_bits,
-        flags=ck.flags,
-        created=ck.created,
-        last_used=ck.last_used,
-        payload_bytes=ck.payload_bytes,
-        trailer_bytes=ck.trailer_bytes,
-        abi=ck.abi if ck.version >= 2 else "ds4 v1 (DSV4 payload)",
-        preview=preview(ck.text),
-    )
-    if ck.version >= 2:
-        info["tensors"] = [
-            {"name": n, "dtype": dt, "shape": list(sh), "offset": off, "bytes": nb}
-            for (n, dt, sh, off, nb) in ck.tensor_table()
-        ]
-        info["payload_checksum"] = f"{ck.payload_checksum:016x}"
-        info["header_checksum"] = f"{ck.header_checksum:016x}"
-    else:
-        info["dsv4"] = dict(ck.dsv4) if ck.dsv4 else None
-    info["_text"] = ck.text
-    info["_entry"] = Entry.from_checkpoint(ck, path)
-    return info
-
-
-def _public(info: Info) -> Info:
-    return {k: v for k, v in info.items() if not k.startswith("_")}
-
-
-def _resolve(d: str, name: str) -> tuple[str | None, str | None]:
-    """A checkpoint path in ``d`` by file name or unique hex prefix."""
-    if os.sep in name and os.path.exists(name):
-        return name, None
-    cks, _, other = scan_dir(d)
-    cands = [p for p in cks + other if os.path.basename(p) in (name, name + ".kv")]
-    if cands:
-        return cands[0], None
-    hits = [p for p in cks if os.path.basename(p).startswith(name.lower())] if name else []
-    if len(hits) == 1:
-        return hits[0], None
-    return None, ("no checkpoint matches" if not hits else f"ambiguous ({len(hits)} files match)") + f" {name!r}"
+NOT_VERIFIED = "unverified: header, text and name checked, payload not (--verify, or ds4 kv verify, decides as a load)"
 
 
 def _not_a_dir(d: str) -> bool:
@@ -94,7 +38,7 @@ def _not_a_dir(d: str) -> bool:
 
 
 def _ls_row(i: Info, now: float) -> list[str]:
-    if i["status"] == "ok":
+    if i["status"] in READABLE:
         return [
             i["name"][:12],
             f"v{i['version']}",
@@ -103,7 +47,7 @@ def _ls_row(i: Info, now: float) -> list[str]:
             human_bytes(i["size"]),
             str(i["hits"]),
             age(i["last_used"] or i["created"], now),
-            "ok",
+            i["status"],
             i["preview"],
         ]
     err = i["error"]
@@ -125,10 +69,10 @@ def kv_ls(args: argparse.Namespace) -> int:
     if _not_a_dir(d):
         return EXIT_USAGE
     cks, tmps, other = scan_dir(d)
-    infos = [inspect_file(p) for p in cks + other]
+    infos = [inspect_file(p, full=args.verify) for p in cks + other]
     infos.sort(key=lambda i: (-(i.get("last_used") or 0), i["name"]))
     if args.json:
-        files = [_public(i) for i in infos]
+        files = [public(i) for i in infos]
         print(
             json.dumps(
                 {"dir": os.path.abspath(d), "files": files, "temp_files": [os.path.basename(t) for t in tmps]}, indent=1
@@ -140,30 +84,9 @@ def kv_ls(args: argparse.Namespace) -> int:
     table(rows, ["NAME", "VER", "REASON", "TOKENS", "SIZE", "HITS", "LAST USED", "STATUS", "TEXT"], sys.stdout)
     total = sum(i.get("size", 0) for i in infos)
     print(f"{len(infos)} files, {human_bytes(total)}" + (f", {len(tmps)} temp files" if tmps else ""))
+    if any(i["status"] == UNVERIFIED for i in infos):
+        print(NOT_VERIFIED)
     return EXIT_OK
-
-
-_SHOW_KEYS = (
-    "name",
-    "path",
-    "status",
-    "version",
-    "reason",
-    "tokens",
-    "text_bytes",
-    "size",
-    "hits",
-    "ctx",
-    "quant_bits",
-    "flags",
-    "created",
-    "last_used",
-    "payload_bytes",
-    "trailer_bytes",
-    "abi",
-    "header_checksum",
-    "payload_checksum",
-)
 
 
 def _show_path(args: argparse.Namespace) -> tuple[str | None, int]:
@@ -175,43 +98,11 @@ def _show_path(args: argparse.Namespace) -> tuple[str | None, int]:
     if not args.name:
         print("ds4 kv show: give a checkpoint name (or a unique prefix)", file=sys.stderr)
         return None, EXIT_USAGE
-    path, why = _resolve(d, args.name)
+    path, why = resolve(d, args.name)
     if path is None:
         print(f"ds4 kv show: {why}", file=sys.stderr)
         return None, EXIT_FAIL
     return path, EXIT_OK
-
-
-def _print_fields(info: Info) -> None:
-    for k in _SHOW_KEYS:
-        if k not in info:
-            continue
-        v = info[k]
-        if k in ("created", "last_used") and v:
-            v = f"{v} ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(v))}, {age(v)})"
-        elif k == "size":
-            v = f"{v} ({human_bytes(v)})"
-        print(f"{k:16} {v}")
-    if info.get("error"):
-        er = info["error"]
-        print(f"{'error':16} {er['stage']}/{er['code']}: {er['reason']}")
-    if info.get("dsv4"):
-        print("DSV4 payload header:")
-        for k, v in info["dsv4"].items():
-            print(f"  {k:14} {hex(v) if k == 'magic' else v}")
-    if info.get("tensors"):
-        print("tensors:")
-        rows = [
-            [
-                "  " + t["name"],
-                t["dtype"],
-                "x".join(map(str, t["shape"])) or "()",
-                str(t["offset"]),
-                human_bytes(t["bytes"]),
-            ]
-            for t in info["tensors"]
-        ]
-        table(rows, ["  NAME", "DTYPE", "SHAPE", "OFFSET", "BYTES"], sys.stdout)
 
 
 def kv_show(args: argparse.Namespace) -> int:
@@ -220,14 +111,16 @@ def kv_show(args: argparse.Namespace) -> int:
         return rc
     info = inspect_file(path, full=args.verify)
     text = info.pop("_text", None)
-    status = EXIT_OK if info["status"] == "ok" else EXIT_FAIL
+    status = EXIT_OK if info["status"] in READABLE else EXIT_FAIL
     if args.json:
-        out = _public(info)
+        out = public(info)
         if text is not None:
             out["text"] = text.decode("utf-8", "replace")
         print(json.dumps(out, indent=1, ensure_ascii=False))
         return status
-    _print_fields(info)
+    print_fields(info)
+    if info["status"] == UNVERIFIED:
+        print(NOT_VERIFIED)
     if text is not None:
         s = text.decode("utf-8", "replace")
         if not args.text and len(s) > 400:
@@ -240,7 +133,7 @@ def kv_show(args: argparse.Namespace) -> int:
 def _named_paths(d: str, names: list[str], cmd: str) -> list[str] | None:
     paths = []
     for n in names:
-        p, why = _resolve(d, n)
+        p, why = resolve(d, n)
         if p is None:
             print(f"ds4 kv {cmd}: {why}", file=sys.stderr)
             return None
@@ -248,17 +141,28 @@ def _named_paths(d: str, names: list[str], cmd: str) -> list[str] | None:
     return paths
 
 
+def _verify_paths(args: argparse.Namespace) -> list[str] | None:
+    """The files ``kv verify`` checks: the one file given, the names given
+    in the directory, or every checkpoint of it."""
+    d = args.dir
+    if os.path.isfile(d):
+        if args.names:
+            print("ds4 kv verify: names are looked up in a directory, not in a file", file=sys.stderr)
+            return None
+        return [d]
+    if args.names:
+        return _named_paths(d, args.names, "verify")
+    cks, _, other = scan_dir(d)
+    return cks + other
+
+
 def kv_verify(args: argparse.Namespace) -> int:
     d = args.dir
-    if _not_a_dir(d):
+    if not os.path.isfile(d) and _not_a_dir(d):
         return EXIT_USAGE
-    if args.names:
-        paths = _named_paths(d, args.names, "verify")
-        if paths is None:
-            return EXIT_FAIL
-    else:
-        cks, _, other = scan_dir(d)
-        paths = cks + other
+    paths = _verify_paths(args)
+    if paths is None:
+        return EXIT_FAIL
     t0 = time.perf_counter()
     results = []
     for p in paths:
@@ -295,7 +199,16 @@ def kv_verify(args: argparse.Namespace) -> int:
 
 
 def _bytes_of(paths: list[str]) -> int:
-    return sum(os.path.getsize(p) for p in paths if os.path.exists(p))
+    """Bytes of the regular files among ``paths`` (a symlink's target is not
+    the directory's)."""
+    total = 0
+    for p in paths:
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 class _Gc:
@@ -318,7 +231,7 @@ class _Gc:
             i = inspect_file(p, full=True)
             if i["status"] == "corrupt":
                 if not self.args.dry_run:
-                    moved = self.store.discard(p, i["_error"], "gc")
+                    moved = self.store.discard(p, i["_error"], "gc", i["_key"])
                     if moved is None:
                         continue
                     if self.args.quarantine_dir:
@@ -409,7 +322,7 @@ def kv_rm(args: argparse.Namespace) -> int:
     else:
         targets = []
         for n in args.names:
-            p, why = _resolve(d, n)
+            p, why = resolve(d, n)
             if p is None:
                 errors.append(str(why))
             else:
@@ -417,6 +330,9 @@ def kv_rm(args: argparse.Namespace) -> int:
     store = KVStore(d, scan=False)
     removed = []
     for p in targets:
+        if os.path.lexists(p) and not is_regular(p):
+            errors.append(f"{os.path.basename(p)}: not a regular file (ignored, never removed)")
+            continue
         try:
             if store.remove(p):
                 removed.append(os.path.basename(p))
@@ -443,13 +359,14 @@ def kv_stats(args: argparse.Namespace) -> int:
     if _not_a_dir(d):
         return EXIT_USAGE
     cks, tmps, other = scan_dir(d)
-    infos = [inspect_file(p) for p in cks + other]
-    ok = [i for i in infos if i["status"] == "ok"]
-    bad = [i["status"] for i in infos if i["status"] != "ok"]
+    infos = [inspect_file(p, full=args.verify) for p in cks + other]
+    ok = [i for i in infos if i["status"] in READABLE]  # the facts below are the headers'
+    bad = [i["status"] for i in infos if i["status"] not in READABLE]
     st = {
         "dir": os.path.abspath(d),
         "files": len(infos),
-        "ok": len(ok),
+        "ok": sum(1 for i in ok if i["status"] == "ok"),
+        "unverified": sum(1 for i in ok if i["status"] == UNVERIFIED),
         "unusable": {s: bad.count(s) for s in sorted(set(bad))},
         "bytes": sum(i.get("size", 0) for i in infos),
         "tokens": sum(i["tokens"] for i in ok),
@@ -471,9 +388,9 @@ def kv_stats(args: argparse.Namespace) -> int:
 
 def _print_stats(st: Info) -> None:
     print(f"directory      {st['dir']}")
-    print(
-        f"files          {st['files']} ({st['ok']} ok" + "".join(f", {n} {s}" for s, n in st["unusable"].items()) + ")"
-    )
+    parts = [f"{st['ok']} ok"] + ([f"{st['unverified']} unverified"] if st["unverified"] else [])
+    parts += [f"{n} {s}" for s, n in st["unusable"].items()]
+    print(f"files          {st['files']} ({', '.join(parts)})")
     print(f"size           {human_bytes(st['bytes'])}")
     print(f"tokens         {st['tokens']}")
     print(f"hits           {st['hits']}")
@@ -484,6 +401,8 @@ def _print_stats(st: Info) -> None:
     if st["newest_used"]:
         print(f"last used      {age(st['newest_used'])}")
     print(f"temp files     {st['temp_files']} ({human_bytes(st['temp_bytes'])})")
+    if st["unverified"]:
+        print(NOT_VERIFIED)
 
 
 KV_COMMANDS = {"ls": kv_ls, "show": kv_show, "verify": kv_verify, "gc": kv_gc, "rm": kv_rm, "stats": kv_stats}

@@ -33,9 +33,20 @@ from typing import TYPE_CHECKING
 from .. import _core
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidSessionError, StoreError
-from .entries import HALF_LIFE_S, Candidates, Entry, LoadResult, NamedLoad, Rejection, find_prefixes, plan_eviction
+from .entries import (
+    HALF_LIFE_S,
+    Candidates,
+    Entry,
+    LoadResult,
+    NamedLoad,
+    Rejection,
+    find_prefixes,
+    import_failure,
+    plan_eviction,
+)
 from .files import (
     LOCK_NAME,
+    NOT_REGULAR,
     TMP_MAX_AGE_S,
     DirLock,
     StatKey,
@@ -47,6 +58,8 @@ from .files import (
     temp_is_orphaned,
     temp_writer_pid,
 )
+from .named import load_named
+from .remove import evict_entries, is_regular, remove_exact
 from .save import existing_file, write_live
 
 if TYPE_CHECKING:
@@ -55,9 +68,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds4.kvstore")
 
+
+def _why(name: str, err: CheckpointError) -> tuple[str, str, str, str]:
+    return (name, err.stage, err.code, err.reason)
+
+
 __all__ = [
     "HALF_LIFE_S",
     "LOCK_NAME",
+    "NOT_REGULAR",
     "TMP_MAX_AGE_S",
     "Candidates",
     "Entry",
@@ -65,9 +84,11 @@ __all__ = [
     "LoadResult",
     "NamedLoad",
     "is_checkpoint_name",
+    "is_regular",
     "plan_eviction",
     "remove_orphaned_temp",
     "scan_dir",
+    "stat_key",
     "temp_is_orphaned",
     "temp_writer_pid",
 ]
@@ -185,10 +206,10 @@ class KVStore:
         try:
             ck = open_checkpoint(path, load_payload=False)
         except CorruptCheckpointError as e:
-            if e.code == "not_regular_file":
+            if e.code == NOT_REGULAR:
                 log.warning("kv cache ignoring %s: %s", name, e.reason)
                 return
-            self.discard(path, e, "refresh")
+            self.discard(path, e, "refresh", key)
             self._unreported.append((path, e.stage, e.code, e.reason))
             return
         except CheckpointError as e:
@@ -233,50 +254,48 @@ class KVStore:
         return Candidates(prompt, entries, rejected)
 
     # -- removal -------------------------------------------------------------
-    def discard(self, path: str, err: CheckpointError, where: str) -> str | None:
+    def discard(self, path: str, err: CheckpointError, where: str, expect: StatKey | None) -> str | None:
         """Remove (or move to the quarantine directory) a corrupt file, under
         the directory's lock: the one place a corrupt checkpoint leaves.
-        Returns where it went (its quarantine path, or ``path`` when
-        removed), or None when it was already gone or could not be removed."""
+        ``expect`` is the file's stat key taken before it was judged: a file
+        that has changed since (a fresh one in its place) stays, and so does
+        anything that is not a regular file (see :mod:`.remove`). Only the
+        name counts: nothing outside this directory is touched. Returns where
+        it went (its quarantine path, or its own path when removed), or None
+        when it was gone, replaced, ignored or could not be removed."""
         name = os.path.basename(path)
+        if not is_checkpoint_name(name):
+            return None
         self._index.pop(name, None)
-        self.stats["removed_corrupt"] += 1
         how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
         try:
             with self.locked():
-                if self.quarantine_dir:
-                    os.makedirs(self.quarantine_dir, mode=0o700, exist_ok=True)
-                    dest = os.path.join(self.quarantine_dir, f"{name}.{int(time.time())}.{err.code}")
-                    os.replace(path, dest)
-                    log.warning("kv cache quarantined corrupt file=%s %s -> %s", name, how, dest)
-                else:
-                    dest = path
-                    os.unlink(path)
-                    log.warning("kv cache removed corrupt file=%s %s", name, how)
-                _core.sync_dir(self.dir)
-        except FileNotFoundError:
-            return None
+                dest = remove_exact(
+                    self.dir, name, expect, quarantine_dir=self.quarantine_dir, tag=f"{int(time.time())}.{err.code}"
+                )
         except OSError as e:
             log.error("kv cache could not remove corrupt file %s: %s", name, e)
             return None
+        if dest is not None:
+            self.stats["removed_corrupt"] += 1
+            if dest == os.path.join(self.dir, name):
+                log.warning("kv cache removed corrupt file=%s %s", name, how)
+            else:
+                log.warning("kv cache quarantined corrupt file=%s %s -> %s", name, how, dest)
         return dest
 
     def remove(self, name_or_path: str) -> bool:
         """Remove the checkpoint of that name from this directory (a path is
-        reduced to its name: nothing outside the directory is touched).
-        False when there was none."""
+        reduced to its name: nothing outside the directory is touched; an
+        entry that is not a regular file is never removed). False when there
+        was none."""
         name = os.path.basename(name_or_path)
         if not is_checkpoint_name(name):
             raise ValueError(f"not a checkpoint name: {name!r}")
-        path = os.path.join(self.dir, name)
         with self.locked():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                return False
-            _core.sync_dir(self.dir)
+            gone = remove_exact(self.dir, name, None) is not None
         self._index.pop(name, None)
-        return True
+        return gone
 
     # -- load ----------------------------------------------------------------
     def _open_for(self, sess: Session, path: str, prompt: bytes) -> Checkpoint:
@@ -312,6 +331,7 @@ class KVStore:
         for e in found.entries:
             t0 = time.perf_counter()
             try:
+                judged = stat_key(os.lstat(e.path))  # the version a corrupt verdict is about
                 ck = self._open_for(sess, e.path, found.prompt)
                 sess.load_checkpoint(ck)
             except FileNotFoundError:
@@ -326,17 +346,19 @@ class KVStore:
                 self.stats["rejected"] += 1
                 if report is not None:
                     report.rejected.append((e.path, err.stage, err.code, err.reason))
-                if isinstance(err, CorruptCheckpointError):
+                if isinstance(err, CorruptCheckpointError) and err.code != NOT_REGULAR:
                     sess.invalidate(f"corrupt checkpoint {e.name}")
-                    self.discard(e.path, err, "load")
+                    self.discard(e.path, err, "load", judged)
                 else:
-                    log.info(
-                        "kv cache skipped file=%s stage=%s code=%s reason=%s (kept)",
-                        e.name,
-                        err.stage,
-                        err.code,
-                        err.reason,
-                    )
+                    log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", *_why(e.name, err))
+                continue
+            except Exception as err:
+                sess.invalidate(f"checkpoint {e.name} failed to load")
+                self.stats["rejected"] += 1
+                rej = import_failure(e.path, err)
+                log.error("kv cache could not load %s: %s (kept)", e.name, rej[3])
+                if report is not None:
+                    report.rejected.append(rej)
                 continue
             self._hit(e, ck, (time.perf_counter() - t0) * 1000)
             return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
@@ -371,26 +393,7 @@ class KVStore:
         and is discarded; an unusable one invalidates it and is kept. ``sha``
         must be 40 lowercase hex digits: a name from an index file never
         reaches outside the directory."""
-        name = f"{sha}.kv"
-        if not is_checkpoint_name(name):
-            raise ValueError(f"not a checkpoint key: {sha!r}")
-        path = os.path.join(self.dir, name)
-        t0 = time.perf_counter()
-        try:
-            ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, ctx=sess.ctx - 1)
-            if exact and ck.text != text:
-                return NamedLoad("missing")  # a longer checkpoint is not this text's
-            sess.load_checkpoint(ck)
-        except FileNotFoundError:
-            return NamedLoad("missing")
-        except CorruptCheckpointError as e:
-            sess.invalidate(f"corrupt checkpoint {name}")
-            self.discard(path, e, "named load")
-            return NamedLoad("corrupt", error=e)
-        except CheckpointError as e:
-            sess.invalidate(f"unusable checkpoint {name}")
-            return NamedLoad("unusable", error=e)
-        return NamedLoad("loaded", tokens=ck.tokens, ms=(time.perf_counter() - t0) * 1000)
+        return load_named(self, sess, sha, text, exact=exact)
 
     # -- store policy ----------------------------------------------------------
     def cold_store_len(self, n_tokens: int) -> int | None:
@@ -471,25 +474,12 @@ class KVStore:
     def _evict_locked(self, protect: str | None) -> int:
         self.refresh(force=True)
         limit = self.budget_bytes
-        removed = 0
         now = time.time()
-        for victim in plan_eviction(list(self._index.values()), limit, now, protect):
-            try:
-                os.unlink(victim.path)
-                log.info(
-                    "kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB file=%s",
-                    victim.tokens,
-                    victim.hits,
-                    victim.size / 2**20,
-                    victim.name,
-                )
-                removed += 1
-                self.stats["evictions"] += 1
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.error("kv cache eviction could not remove %s: %s (continuing)", victim.name, e)
+        victims = plan_eviction(list(self._index.values()), limit, now, protect)
+        for victim in victims:
             self._index.pop(victim.name, None)
+        removed = evict_entries(self.dir, victims)
+        self.stats["evictions"] += removed
         if removed:
             _core.sync_dir(self.dir)
             self._dir_mtime = None

@@ -24,6 +24,7 @@ __all__ = [
     "NamedLoad",
     "Rejection",
     "find_prefixes",
+    "import_failure",
     "plan_eviction",
 ]
 
@@ -31,6 +32,13 @@ HALF_LIFE_S = 6 * 3600
 
 # (path, stage, code, reason) of a file the store rejected
 Rejection = tuple[str, str, str, str]
+
+
+def import_failure(path: str, err: BaseException) -> Rejection:
+    """The rejection of a candidate whose import failed with an error that
+    is not a checkpoint error (a bug, or a limit of numpy or an engine):
+    skipped and kept, never raised out of the ladder."""
+    return (path, "engine", "import_failed", f"{type(err).__name__}: {err}")
 
 
 @dataclasses.dataclass

@@ -6,14 +6,19 @@ Only :mod:`ds4.kvstore` uses these."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterator
+
+from ..errors import StoreError
 
 __all__ = [
     "LOCK_NAME",
+    "NOT_REGULAR",
     "TMP_MAX_AGE_S",
     "DirLock",
     "StatKey",
@@ -35,6 +40,10 @@ _NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
 # `<sha>.kv.tmp.<pid>`, ds4-agent's `<sha>.kv.tmp.XXXXXX` (mkstemp).
 _TMP_RE = re.compile(r"^\.?[0-9a-f]{40}\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
 LOCK_NAME = ".ds4.lock"
+#: the code of the error for an entry that is not a regular file (a symlink,
+#: a FIFO, a directory with a checkpoint's name): such entries are ignored,
+#: never moved or deleted, by every path of the store and the CLI
+NOT_REGULAR = "not_regular_file"
 TMP_MAX_AGE_S = 3600
 
 
@@ -104,10 +113,23 @@ class DirLock:
         self.fd = -1
         self.depth = 0
 
+    def _open(self) -> int:
+        """The lock file, created without following a symlink, and refused
+        when it is anything but a regular file."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            why = "is a symlink" if e.errno == errno.ELOOP else e.strerror
+            raise StoreError(e.errno, f"cannot open the lock file: {why} (remove it)", self.path) from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StoreError(errno.EINVAL, "the lock file is not a regular file (remove it)", self.path)
+        return fd
+
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         if self.depth == 0:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except BaseException:
@@ -127,11 +149,14 @@ class DirLock:
 
 def remove_orphaned_temp(path: str, now: float, max_age: float = TMP_MAX_AGE_S) -> bool:
     """Remove a writer's temp file when its writer is gone (see
-    :func:`temp_is_orphaned`); True when it was removed."""
+    :func:`temp_is_orphaned`); True when it was removed. Only a regular file
+    is ever removed."""
     name = os.path.basename(path)
     try:
         st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):  # a symlink, FIFO or directory with a temp name: ignored
         return False
     if not temp_is_orphaned(name, st.st_mtime, now, max_age):
         return False

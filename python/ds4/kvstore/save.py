@@ -17,6 +17,7 @@ from ..errors import (
     StoreError,
     StoreFullError,
 )
+from .files import NOT_REGULAR, StatKey, stat_key
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -58,20 +59,24 @@ def write_live(path: str, sess: Session, text: bytes, reason: str, budget_bytes:
 
 
 def existing_file(
-    path: str, sess: Session, text: bytes, discard: Callable[[str, CheckpointError, str], object]
+    path: str, sess: Session, text: bytes, discard: Callable[[str, CheckpointError, str, StatKey], object]
 ) -> str | None:
     """'same' if a file for this engine and text exists (header and text
     verified; its payload is verified when it is loaded, and removed then
     if corrupt), 'foreign' if a valid file of another engine holds the
     key, None otherwise (missing, or corrupt: then it is ``discard``-ed)."""
-    if not os.path.lexists(path):
+    try:
+        judged = stat_key(os.lstat(path))
+    except FileNotFoundError:
         return None
     try:
         ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, load_payload=False)
     except IncompatibleCheckpointError:
         return "foreign"
     except CorruptCheckpointError as e:
-        discard(path, e, "store")
+        if e.code == NOT_REGULAR:
+            return "foreign"  # not a file ds4 may replace: kept, and nothing is stored under its name
+        discard(path, e, "store", judged)
         return None
     except CheckpointError:
         return "foreign"
