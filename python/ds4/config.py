@@ -134,6 +134,11 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         "--kv-cache-reject-different-quant", action="store_true", help="skip checkpoints of another quantization"
     )
     g.add_argument("--kv-quarantine-dir", metavar="DIR", help="move corrupt checkpoints here instead of deleting them")
+    g.add_argument(
+        "--kv-trust-dir",
+        action="store_true",
+        help="use a checkpoint directory owned by another user or writable by others (refused by default)",
+    )
 
 
 def check_kv_args(args: argparse.Namespace) -> str | None:
@@ -166,4 +171,5 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         boundary_align_tokens=args.kv_cache_boundary_align_tokens,
         reject_different_quant=args.kv_cache_reject_different_quant,
         quarantine_dir=args.kv_quarantine_dir,
+        trust_dir=getattr(args, "kv_trust_dir", False),
     )

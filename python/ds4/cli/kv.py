@@ -219,7 +219,12 @@ class _Gc:
     def __init__(self, args: argparse.Namespace):
         self.args, self.d, self.now = args, args.dir, time.time()
         budget = args.budget_mb if args.budget_mb is not None else 1 << 40
-        self.store = KVStore(self.d, budget_mb=budget, min_tokens=1, quarantine_dir=args.quarantine_dir, scan=False)
+        # an explicit clean-up of a named directory (ds4-server's, another
+        # user's): it loads nothing into a session, so the directory's owner
+        # is not what matters here
+        self.store = KVStore(
+            self.d, budget_mb=budget, min_tokens=1, quarantine_dir=args.quarantine_dir, scan=False, trust_dir=True
+        )
         self.removed: list[Info] = []
         self.quarantined: list[str] = []
         self.tmp_removed: list[str] = []
@@ -327,7 +332,7 @@ def kv_rm(args: argparse.Namespace) -> int:
                 errors.append(str(why))
             else:
                 targets.append(p)
-    store = KVStore(d, scan=False)
+    store = KVStore(d, scan=False, trust_dir=True)  # an explicit removal in a named directory
     removed = []
     for p in targets:
         if os.path.lexists(p) and not is_regular(p):

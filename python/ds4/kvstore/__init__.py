@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import time
@@ -52,6 +51,7 @@ from .files import (
     StatKey,
     is_checkpoint_name,
     is_temp_name,
+    open_cache_dir,
     remove_orphaned_temp,
     scan_dir,
     stat_key,
@@ -117,14 +117,9 @@ class KVStore:
         mmap: bool = True,
         consume_over_cold_max: bool = False,
         scan: bool = True,
+        trust_dir: bool = False,
     ):
-        self.dir = os.path.abspath(os.fspath(directory))
-        try:
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise StoreError(e.errno, f"cannot create cache directory: {e.strerror}", self.dir) from e
-        if not os.path.isdir(self.dir) or os.path.islink(self.dir):
-            raise StoreError(errno.ENOTDIR, "cache path is not a directory", self.dir)
+        self.dir = open_cache_dir(directory, trust_dir)
         self.budget_bytes = int(budget_mb * 1024 * 1024)
         self.min_tokens = min_tokens
         self.cold_max_tokens = cold_max_tokens

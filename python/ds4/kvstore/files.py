@@ -24,6 +24,7 @@ __all__ = [
     "StatKey",
     "is_checkpoint_name",
     "is_temp_name",
+    "open_cache_dir",
     "remove_orphaned_temp",
     "scan_dir",
     "stat_key",
@@ -166,3 +167,37 @@ def remove_orphaned_temp(path: str, now: float, max_age: float = TMP_MAX_AGE_S) 
         return False
     log.info("kv cache removed orphaned temp file %s (writer pid %s)", name, temp_writer_pid(name))
     return True
+
+
+def open_cache_dir(directory: str | os.PathLike[str], trust_dir: bool = False) -> str:
+    """The cache directory's absolute path, created (0700) when missing.
+
+    Refused with :class:`ds4.errors.StoreError`: a path that is not a
+    directory or is a symlink; and, unless ``trust_dir``, a directory owned
+    by another user or writable by group or others (anyone who can write
+    there can plant a checkpoint under a prompt's name, or swap one)."""
+    path = os.path.abspath(os.fspath(directory))
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise StoreError(e.errno, f"cannot create cache directory: {e.strerror}", path) from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreError(errno.ENOTDIR, "cache path is not a directory", path)
+    if trust_dir:
+        return path
+    if st.st_uid != os.geteuid():
+        raise StoreError(
+            errno.EPERM,
+            f"cache directory is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): use a directory "
+            "of your own, or pass trust_dir=True (--kv-trust-dir) if you trust its owner",
+            path,
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StoreError(
+            errno.EPERM,
+            f"cache directory is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'} "
+            f"(mode {stat.S_IMODE(st.st_mode):o}): chmod go-w it, or pass trust_dir=True (--kv-trust-dir)",
+            path,
+        )
+    return path
