@@ -16,6 +16,7 @@
 # DS4_MUTMUT_CHILDREN (mutmut --max-children, default nproc),
 # DS4_MUTANTS_FUNCS (mutmut: globs of mangled names, space-separated, to
 # restrict the run, e.g. to an earlier run's survivors),
+# DS4_MUTANTS_TESTS (mutmut: space-separated test files instead of PY_TESTS),
 # DS4_MUTANTS_RESUME=1 (mutmut: keep the staged tree and its finished results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -108,7 +109,11 @@ run_python() {
   local only="" t sel=""
   for m in "${PY_MODULES[@]}"; do only+="\"src/ds4/$m\", "; done
   for m in "${PY_ENGINE_FILES[@]}"; do only+="\"src/ds4/$m\", "; done
-  for t in "${PY_TESTS[@]}"; do [ -e "$t" ] && sel+="\"$t\", "; done
+  local tests=("${PY_TESTS[@]}")
+  # DS4_MUTANTS_TESTS: only these test files (e.g. the fast synthetic ones
+  # first; re-run what survives them with the whole selection)
+  [ -n "${DS4_MUTANTS_TESTS:-}" ] && read -r -a tests <<<"$DS4_MUTANTS_TESTS"
+  for t in "${tests[@]}"; do [ -e "$t" ] && sel+="\"$t\", "; done
   cat > "$work/pyproject.toml" <<EOF
 [tool.mutmut]
 source_paths = ["src/ds4"]

@@ -83,7 +83,7 @@ def _i32(b: np.ndarray, at: int = 0) -> int:
     return int(b[at : at + 4].view("<i4").item())
 
 
-def _u64(b: np.ndarray, at: int = 0) -> int:
+def _u64(b: np.ndarray, at: int) -> int:
     return int(b[at : at + 8].view("<u8").item())
 
 
