@@ -187,13 +187,15 @@ def test_hostile_directory_entries(eng, tmp_path):
 
 
 def _unwritable_child(d, q):
-    os.setgid(65534)
-    os.setuid(65534)
     import ds4 as _ds4
 
+    # everything imported and built first: the other user cannot read root's
+    # Python installation, so nothing may be imported after the switch
     eng = _ds4.ReferenceEngine()
     s = _ds4.Session(eng, ctx=512)
     s.sync(eng.tokenize("this will not be stored " * 4, special=True))
+    os.setgid(65534)
+    os.setuid(65534)
     try:
         st = KVStore(d, min_tokens=8, trust_dir=True)  # root's directory: trusted, so the write itself is what fails
         st.store_live_prefix(s)
