@@ -112,26 +112,9 @@ impl Storage {
 
     /// Reads `len` bytes at `offset` into an aligned heap buffer.
     pub fn pread(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Storage> {
-        let end = offset.checked_add(len).ok_or(Error::SizeOverflow)?;
-        if end > file_len {
-            return Err(Error::Truncated {
-                expected: end,
-                actual: file_len,
-            });
-        }
-        let len = usize::try_from(len).map_err(|_| Error::SizeOverflow)?;
-        let mut buf = AlignedBuf::zeroed(len)?;
-        file.read_exact_at(buf.as_mut_slice(), offset)
-            .map_err(|e| {
-                if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    Error::Truncated {
-                        expected: end,
-                        actual: file_len,
-                    }
-                } else {
-                    Error::Io(e)
-                }
-            })?;
+        let n = checked_range(offset, len, file_len)?;
+        let mut buf = AlignedBuf::zeroed(n)?;
+        read_exact_at(file, buf.as_mut_slice(), offset, file_len)?;
         Ok(Storage::Heap(buf))
     }
 
@@ -273,4 +256,32 @@ mod sigbus {
             }
         }
     }
+}
+
+/// `len` as a buffer size, once `offset + len` is known to lie within a file
+/// of `file_len` bytes (checked before anything is allocated).
+pub(crate) fn checked_range(offset: u64, len: u64, file_len: u64) -> Result<usize> {
+    let end = offset.checked_add(len).ok_or(Error::SizeOverflow)?;
+    if end > file_len {
+        return Err(Error::Truncated {
+            expected: end,
+            actual: file_len,
+        });
+    }
+    usize::try_from(len).map_err(|_| Error::SizeOverflow)
+}
+
+/// Fills `buf` from `offset`; a file that shrank under us (EOF before the
+/// end) is `Truncated` against the length it had.
+pub(crate) fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, file_len: u64) -> Result<()> {
+    file.read_exact_at(buf, offset).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            Error::Truncated {
+                expected: offset + buf.len() as u64,
+                actual: file_len,
+            }
+        } else {
+            Error::Io(e)
+        }
+    })
 }

@@ -20,7 +20,7 @@ use crate::format::{
     v1, v2, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2,
 };
 use crate::hash::{self, Sha1Digest};
-use crate::payload::Storage;
+use crate::payload::{self, Storage};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -209,26 +209,9 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, u64)> {
 }
 
 fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8>> {
-    // Callers have checked offset+len <= file_len; re-check to be safe.
-    let end = offset.checked_add(len).ok_or(Error::SizeOverflow)?;
-    if end > file_len {
-        return Err(Error::Truncated {
-            expected: end,
-            actual: file_len,
-        });
-    }
-    let mut v = vec![0u8; usize::try_from(len).map_err(|_| Error::SizeOverflow)?];
-    file.read_exact_at(&mut v, offset).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            // The file shrank under us.
-            Error::Truncated {
-                expected: end,
-                actual: file_len,
-            }
-        } else {
-            Error::Io(e)
-        }
-    })?;
+    // Callers have checked offset+len <= file_len; re-checked before allocating.
+    let mut v = vec![0u8; payload::checked_range(offset, len, file_len)?];
+    payload::read_exact_at(file, &mut v, offset, file_len)?;
     Ok(v)
 }
 
