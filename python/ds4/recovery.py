@@ -87,8 +87,7 @@ def recover(
     ``cold_save``, a full prefill also stores ds4's trimmed/aligned cold
     prefix on the way. ``cancel`` makes the prefill stoppable (see
     :meth:`Session.sync`: :class:`ds4.errors.PrefillCancelledError`)."""
-    ladder = _Ladder(sess, store, prompt_text, evict_save, progress, frontier_every, on_frontier)
-    ladder.cancel = cancel
+    ladder = _Ladder(sess, store, prompt_text, evict_save, progress, frontier_every, on_frontier, cancel)
     return ladder.run(cold_save)
 
 
@@ -105,6 +104,7 @@ class _Ladder:
         progress: Callable[[int, int], None] | None,
         frontier_every: int | None,
         on_frontier: Callable[[Session], None] | None,
+        cancel: Callable[[], bool] | None = None,
     ):
         self.t_start = time.perf_counter()
         self.rep = RecoveryReport()
@@ -121,7 +121,7 @@ class _Ladder:
         self.progress, self.frontier_every, self.on_frontier = progress, frontier_every, on_frontier
         self.tokens: list[int] = []
         self._found: Candidates | None = None
-        self.cancel: Callable[[], bool] | None = None
+        self.cancel = cancel
 
     def found(self) -> Candidates:
         """The store's candidates for this prompt, looked up once."""
