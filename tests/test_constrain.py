@@ -303,6 +303,23 @@ def test_a_constraint_changes_sampling_only(ref, tmp_path):
             assert np.array_equal(v, seen["constrained/arrays"][n][k]), (n, k)
 
 
+def test_smollm2_control_tokens_are_never_text(smol):
+    """Inside a JSON string any text may come, but no control token
+    (``<|im_end|>``, ``<|im_start|>``, ...): their bytes are not text to
+    the grammar. The end tokens are allowed once the string is closed."""
+    ends = Generator(smol, 256).stop_ids
+    specials = smol.special_token_ids
+    assert {smol.tokenize("<|im_start|>", special=True)[0], smol.tokenize("<|im_end|>", special=True)[0]} <= specials
+    assert ends <= specials
+    guide = Constraint.json_schema({"type": "string"}).start(smol, ends)
+    quote = smol.tokenize('"')
+    assert len(quote) == 1 and not guide.advance(quote[0])
+    allowed = guide.allowed()
+    assert allowed.sum() > 40_000 and not allowed[sorted(specials)].any()
+    guide.advance(smol.tokenize("hi")[0])
+    assert guide.advance(quote[0]) and set(np.flatnonzero(guide.allowed())) == ends
+
+
 def test_smollm2_schemas(smol):
     """A few schemas on the real model: valid JSON, each matching."""
     g = Generator(smol, 1024)
