@@ -16,7 +16,7 @@ import pytest
 
 import ds4
 from ds4.checkpoint import open_checkpoint
-from ds4.constrain import Constraint
+from ds4.constrain import Constraint, json_rule
 from ds4.errors import ConstraintError, PromptError
 from ds4.turn import Generator, GenParams
 
@@ -161,7 +161,7 @@ def test_lark_prefix_json_suffix_repeated(small):
     }
     grammar = f"""
 start: call{{1,3}}
-call: "<tool_call>" %json {json.dumps(args)} "</tool_call>\\n"
+call: "<tool_call>" {json_rule(args)} "</tool_call>\\n"
 """
     c = Constraint.lark(grammar)
     assert c.kind == "lark"
@@ -179,6 +179,32 @@ call: "<tool_call>" %json {json.dumps(args)} "</tool_call>\\n"
 
 def test_the_module_docstring_grammar_compiles():
     assert Constraint.lark('start: call+\ncall: "<tool_call>" %json {"type": "object"} "</tool_call>"').kind == "lark"
+
+
+def _accepts(c: Constraint, eng, text: str) -> bool:
+    guide = c.start(eng)
+    return all(guide.matcher.consume_token(b) for b in text.encode()) and guide.accepting
+
+
+def test_the_json_format_is_ds4s_unless_the_schema_says_otherwise(ref):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "array"}},
+        "required": ["a", "b"],
+    }
+    one_line, compact, free = '{"a": 1, "b": [2, 3]}', '{"a":1,"b":[2,3]}', '{\n  "a": 1,\n  "b": [2]\n}'
+    loose = {**schema, "x-guidance": {"whitespace_flexible": True}}
+    cases = [
+        (Constraint.json_schema(schema), (True, False, False)),
+        (Constraint.json_schema(json.dumps(schema)), (True, False, False)),
+        (Constraint.lark(f"start: {json_rule(schema)}"), (True, False, False)),
+        (Constraint.json_schema(loose), (True, True, True)),
+        (Constraint.lark(f"start: %json {json.dumps(schema)}"), (True, True, True)),  # llguidance's defaults
+    ]
+    for c, want in cases:
+        assert tuple(_accepts(c, ref, t) for t in (one_line, compact, free)) == want, c
+    with pytest.raises(ConstraintError):
+        Constraint.json_schema({**schema, "x-guidance": 5})
 
 
 @pytest.mark.parametrize(

@@ -12,14 +12,18 @@ A :class:`Constraint` is a compiled grammar, independent of any engine:
       start: call+
       call: "<tool_call>" %json {"type": "object", ...} "</tool_call>"
 
+  (``json_rule(schema)`` writes the ``%json`` part in ds4's JSON format).
+
 An invalid, unsupported or too large schema or grammar raises
 :class:`ds4.errors.ConstraintError` from the constructor.
 
 JSON under a schema is written on one line, with ``", "`` between items and
 ``": "`` after keys (``{"a": 1, "b": [2, 3]}``): no free whitespace, so a
-weak model cannot loop on newlines. A schema may override that through
-llguidance's ``"x-guidance"`` key (``{"whitespace_flexible": true}``), and so
-may an embedded ``%json`` (which has llguidance's own defaults otherwise).
+weak model cannot loop on newlines. A schema with its own ``"x-guidance"``
+key gets llguidance's options instead (``{}``: its defaults, free
+whitespace between items; see :data:`JSON_FORMAT`). A bare
+``%json`` in a Lark grammar has llguidance's defaults (free whitespace);
+:func:`json_rule` writes one in ds4's format.
 
 At decode time (:meth:`Constraint.start`) the grammar meets an engine's
 vocabulary, built once per engine from ``Engine.token_bytes``; the engine's
@@ -49,10 +53,37 @@ from .errors import ConstraintError
 
 log = logging.getLogger("ds4.constrain")
 
-__all__ = ["Constraint", "Guide", "engine_tokenizer"]
+__all__ = ["JSON_FORMAT", "Constraint", "Guide", "engine_tokenizer", "json_rule"]
+
+#: how JSON under a schema is written (llguidance's JSON options, given to
+#: it as the schema's "x-guidance", unless the schema has its own)
+JSON_FORMAT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 #: the grammar of any JSON object
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def _schema(schema: Mapping[str, Any] | str) -> dict[str, Any]:
+    """``schema`` as a dict with ds4's JSON format in its "x-guidance"."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ConstraintError(f"the JSON schema is not JSON: {e}") from None
+    if not isinstance(schema, Mapping):
+        raise ConstraintError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    if "x-guidance" in schema:  # the schema's own options, as llguidance reads them
+        if not isinstance(schema["x-guidance"], Mapping):
+            raise ConstraintError("invalid JSON schema: 'x-guidance' must be an object")
+        return dict(schema)
+    return {**schema, "x-guidance": JSON_FORMAT}
+
+
+def json_rule(schema: Mapping[str, Any] | str) -> str:
+    """A Lark ``%json { ... }`` item for ``schema``, in ds4's JSON format:
+    ``f'call: "<tool_call>" {json_rule(schema)} "</tool_call>"'``. The
+    schema is checked when the whole grammar is (:meth:`Constraint.lark`)."""
+    return "%json " + json.dumps(_schema(schema), ensure_ascii=False)
 
 
 def _check(grammar: str, what: str) -> str:
@@ -84,18 +115,8 @@ class Constraint:
     def json_schema(cls, schema: Mapping[str, Any] | str) -> Constraint:
         """JSON that validates against ``schema`` (a JSON Schema object as a
         dict, or its JSON text)."""
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise ConstraintError(f"the JSON schema is not JSON: {e}") from None
-        if not isinstance(schema, Mapping):
-            raise ConstraintError(f"a JSON schema must be an object, not {type(schema).__name__}")
         try:
-            # JSON on one line: ", " between items, ": " after keys, no free whitespace
-            grammar = llg.LLMatcher.grammar_from_json_schema(
-                dict(schema), defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-            )
+            grammar = llg.LLMatcher.grammar_from_json_schema(_schema(schema))
         except (ValueError, TypeError, RuntimeError) as e:
             raise ConstraintError(f"invalid JSON schema: {e}") from None
         return cls("json_schema", _check(grammar, "JSON schema"))
