@@ -142,3 +142,39 @@ def test_bad_schema_through_the_official_client(srv, c):
         )
     assert ei.value.status_code == 400 and "Invalid schema" in str(ei.value)
     assert httpx.get(srv.base + "/health", timeout=10).json()["counters"]["errors"] == 0
+
+
+def test_the_request_is_parsed_off_the_event_loop(monkeypatch):
+    """Compiling a response_format schema can take seconds (5,000 properties
+    with patterns: about 2.7 s here), so /v1/chat/completions parses its
+    body on a worker thread, never on the event loop: while the parser runs,
+    no loop is running in its thread."""
+    import asyncio
+
+    from starlette.testclient import TestClient
+
+    import ds4
+    from ds4.server.app import create_app
+    from ds4.server.openai import RequestParser
+    from ds4.server.worker import Service
+    from ds4.turn import Generator
+
+    seen = []
+    real = RequestParser.chat
+
+    def spy(self, raw):
+        try:
+            asyncio.get_running_loop()
+            seen.append("on the loop")
+        except RuntimeError:
+            seen.append("off the loop")
+        return real(self, raw)
+
+    monkeypatch.setattr(RequestParser, "chat", spy)
+    service = Service(Generator(ds4.ReferenceEngine(), 512), "ds4-reference")
+    with TestClient(create_app(service), base_url="http://127.0.0.1") as client:
+        body = {"model": "any", "messages": _conv("threads"), "max_tokens": 2, "response_format": _fmt()}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        bad = {**body, "response_format": _fmt({"type": "nope"})}
+        assert client.post("/v1/chat/completions", json=bad).status_code == 400
+    assert seen == ["off the loop", "off the loop"]
