@@ -295,8 +295,9 @@ def _unchanged(d, entries, snap):
 def test_the_store_never_moves_or_deletes_a_non_regular_entry(tmp_path, write_ck):
     d, entries, snap = _hostile_dir(tmp_path, write_ck)
     q = tmp_path / "q"
-    store = KVStore(d, budget_mb=1e-6, min_tokens=1, quarantine_dir=q)  # indexing: ignored
+    store = KVStore(d, min_tokens=1, quarantine_dir=q)  # indexing: ignored
     assert [e.name for e in store.entries()] == [_name(TEXT)]
+    store.budget_bytes = 1  # the eviction below would take everything it may
     err = CorruptCheckpointError("forced verdict")
     for n in entries:
         assert store.discard(str(d / n), err, "test", None) is None
