@@ -1,11 +1,14 @@
 //! Where a payload lives once verified: a read-only copy-on-write memory map
-//! of the file, or a 64-byte-aligned heap buffer filled with `pread` (for
-//! filesystems where mapping is unsafe). All `unsafe` for mapping is here.
+//! of the file, made under a read [`Lease`] in a slot of the SIGBUS table,
+//! or a 64-byte-aligned heap buffer filled with `pread` and checksummed as
+//! it is filled (where a lease or a slot cannot be had, or mapping is
+//! unsafe). All `unsafe` for mapping is here.
 //!
 //! ## SIGBUS
 //! If another process truncates a file while we have it mapped, touching a
-//! page past the new end raises SIGBUS, which would kill the process. Maps
-//! made here are registered in a fixed table; a SIGBUS handler that finds
+//! page past the new end raises SIGBUS, which would kill the process. A map
+//! is made only in a claimed slot of a fixed table (none free: the payload
+//! is copied instead); a SIGBUS handler that finds
 //! the faulting address inside a registered map replaces that page with a
 //! zero page (so the access completes) and marks the map *faulted*. Every
 //! consumer checks [`Storage::faulted`] after reading (the payload checksum
