@@ -344,15 +344,9 @@ impl Lease {
     pub fn held(&self) -> bool {
         // SAFETY: fcntl on a descriptor we own.
         let kind = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_GETLEASE) };
-        if kind == libc::F_RDLCK {
-            return true;
-        }
         let limit = self.break_secs.min(lease_break_secs().unwrap_or(0));
-        let Some(now) = boottime_ns() else {
-            return false;
-        };
-        let elapsed = now.saturating_sub(self.since_ns);
-        elapsed + 1_000_000_000 < u128::from(limit) * 1_000_000_000
+        let elapsed = boottime_ns().map(|now| now.saturating_sub(self.since_ns));
+        still_guards(kind, elapsed, limit)
     }
 }
 
@@ -364,6 +358,18 @@ impl Drop for Lease {
             libc::fcntl(self.file.as_raw_fd(), libc::F_SETLEASE, libc::F_UNLCK);
         }
     }
+}
+
+/// The decision of [`Lease::held`]: the lease is intact (`kind` is
+/// `F_RDLCK`), or a writer that broke it still waits: less than `limit`
+/// seconds (the break time), one second of margin, have passed since the
+/// lease was taken (so since any break began). An unknown elapsed time
+/// guards nothing.
+fn still_guards(kind: libc::c_int, elapsed_ns: Option<u128>, limit_secs: u64) -> bool {
+    if kind == libc::F_RDLCK {
+        return true;
+    }
+    elapsed_ns.is_some_and(|e| e + 1_000_000_000 < u128::from(limit_secs) * 1_000_000_000)
 }
 
 /// `fcntl(F_SETSIG)` (Linux; not exported by the libc crate).
@@ -557,4 +563,30 @@ pub(crate) fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, file_len: 
             Error::Io(e)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::still_guards;
+
+    #[test]
+    fn a_broken_lease_guards_only_within_the_break_time() {
+        const S: u128 = 1_000_000_000;
+        // intact: always
+        assert!(still_guards(libc::F_RDLCK, None, 0));
+        // broken (F_UNLCK): the writer waits lease-break-time from the break,
+        // which began after the lease was taken
+        assert!(still_guards(libc::F_UNLCK, Some(0), 45));
+        assert!(still_guards(libc::F_UNLCK, Some(43 * S), 45));
+        assert!(!still_guards(libc::F_UNLCK, Some(44 * S), 45), "the margin");
+        assert!(!still_guards(libc::F_UNLCK, Some(45 * S), 45));
+        assert!(!still_guards(libc::F_UNLCK, Some(3600 * S), 45));
+        // a break time of 0 or 1 s (or unreadable: 0) leaves no margin at all
+        assert!(!still_guards(libc::F_UNLCK, Some(0), 1));
+        assert!(!still_guards(libc::F_UNLCK, Some(0), 0));
+        // the clock unreadable: nothing is vouched for
+        assert!(!still_guards(libc::F_UNLCK, None, 45));
+        // F_GETLEASE failing (-1) is not a lease
+        assert!(!still_guards(-1, Some(100 * S), 45));
+    }
 }
