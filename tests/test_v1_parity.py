@@ -143,6 +143,19 @@ def test_a_store_evicts_to_its_budget_when_it_opens(tmp_path, write_ck):
     assert sum(os.path.getsize(d / n) for n in os.listdir(d) if n.endswith(".kv")) == left
 
 
+def test_a_store_that_cannot_evict_on_open_still_opens(tmp_path, write_ck, caplog):
+    """Over budget but unable to take the directory's lock (here a symlinked
+    lock file, refused): the store opens for reading all the same."""
+    d = tmp_path / "kv"
+    d.mkdir(mode=0o700)
+    p = write_ck(d, "a checkpoint over a tiny budget " * 4)
+    os.symlink(tmp_path / "elsewhere", d / ".ds4.lock")
+    with caplog.at_level("WARNING", logger="ds4.kvstore"):
+        st = KVStore(d, budget_mb=1e-6)
+    assert [e.path for e in st.entries()] == [p] and os.path.exists(p)
+    assert "cannot evict on open" in caplog.text
+
+
 # -- the chat anchor ---------------------------------------------------------
 
 

@@ -156,7 +156,12 @@ class KVStore:
         if scan:
             self.refresh(force=True)
             if self.total_bytes() > self.budget_bytes:
-                self.evict()  # as ds4 does when a store opens: a directory over its budget comes down to it
+                # as ds4 does when a store opens: a directory over its budget
+                # comes down to it (one we cannot write to is still read)
+                try:
+                    self.evict()
+                except OSError as e:
+                    log.warning("kv cache over budget, cannot evict on open: %s", e)
 
     def locked(self) -> contextlib.AbstractContextManager[None]:
         """The directory's exclusive lock (re-entrant within this store):
