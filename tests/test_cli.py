@@ -17,6 +17,7 @@ import pytest
 
 import ds4
 from ds4.checkpoint import open_checkpoint
+from ds4.kvstore.files import pid_space
 
 KV = ["--kv-cache-min-tokens", "32", "--kv-cache-boundary-align-tokens", "64"]
 PROMPT = (
@@ -190,9 +191,9 @@ def test_kv_commands_on_a_v2_directory(tmp_path):
 
     # damage one file's payload, add orphaned temp files and a stranger
     _flip_payload_byte(paths[1])
-    tmp_ours = os.path.join(d, f".{'a' * 40}.kv.tmp.{_dead_pid()}.deadbeef")
+    tmp_ours = os.path.join(d, f".{'a' * 40}.kv.tmp.{_dead_pid()}.{pid_space()}.deadbeef")
     tmp_ds4 = os.path.join(d, f"{'b' * 40}.kv.tmp.12345")
-    tmp_live = os.path.join(d, f".{'c' * 40}.kv.tmp.{os.getpid()}.beef")
+    tmp_live = os.path.join(d, f".{'c' * 40}.kv.tmp.{os.getpid()}.{pid_space()}.beef")
     for t in (tmp_ours, tmp_ds4, tmp_live):
         with open(t, "wb") as f:
             f.write(b"partial")

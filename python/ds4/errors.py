@@ -31,6 +31,7 @@ __all__ = [
     "BadNameError",
     "BadPaddingError",
     "BadV1PayloadError",
+    "CheckpointChangedError",
     "CheckpointError",
     "CheckpointMismatchError",
     "ConstraintError",
@@ -67,6 +68,7 @@ __all__ = [
     "TrailingBytesError",
     "TruncatedCheckpointError",
     "UnsupportedVersionError",
+    "V1IgnoredError",
     "from_core",
 ]
 
@@ -220,6 +222,13 @@ class ContextTooSmallError(IncompatibleCheckpointError):
 
 
 # -- text ------------------------------------------------------------------
+class V1IgnoredError(IncompatibleCheckpointError):
+    """A ds4 v1 header ds4's own reader ignores (quantization not 2 or 4
+    bits, no tokens): skipped and kept, as ds4 keeps it."""
+
+    code, stage = "v1_ignored", "header"
+
+
 class TextHashMismatchError(CorruptCheckpointError):
     """SHA-1 of the stored text differs from the SHA-1 recorded in the header."""
 
@@ -236,6 +245,15 @@ class NotPrefixError(CheckpointMismatchError):
     """The stored text is not a byte prefix of the prompt."""
 
     code, stage = "not_prefix", "text"
+
+
+class CheckpointChangedError(CheckpointMismatchError):
+    """Another process opened the file for writing while its map was being
+    read (its lease was broken long enough for the writer to get through):
+    what was read may not be what was verified. The session that read it is
+    invalidated; the file is skipped and kept (it may be fine now)."""
+
+    code, stage = "changed_while_loading", "payload"
 
 
 class PrefixCollisionError(CorruptCheckpointError):
