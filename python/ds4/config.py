@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 from typing import Any
 
@@ -26,6 +27,8 @@ __all__ = [
     "engine_model_id",
     "make_store",
 ]
+
+log = logging.getLogger("ds4.config")
 
 ENGINE_KINDS = ("reference", "llamacpp", "auto")
 
@@ -139,6 +142,20 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         action="store_true",
         help="use a checkpoint directory owned by another user or writable by others (refused by default)",
     )
+    g.add_argument(
+        "--kv-remote",
+        metavar="URL",
+        help="a shared checkpoint tier on Redis: redis://host:port/db, rediss://... (TLS) or "
+        "redis+cluster://host:port (needs --kv-disk-dir: downloads are verified there)",
+    )
+    g.add_argument(
+        "--kv-remote-ttl",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seconds a remote checkpoint lives after its upload or last hit (default 0: no TTL, "
+        "Redis's maxmemory-policy decides)",
+    )
 
 
 def check_kv_args(args: argparse.Namespace) -> str | None:
@@ -153,6 +170,23 @@ def check_kv_args(args: argparse.Namespace) -> str | None:
         return "boundary trim and align must be >= 0"
     if args.kv_disk_space_mb <= 0:
         return "--kv-disk-space-mb must be > 0"
+    return _check_remote_args(args)
+
+
+def _check_remote_args(args: argparse.Namespace) -> str | None:
+    url = getattr(args, "kv_remote", None)
+    if getattr(args, "kv_remote_ttl", 0) < 0:
+        return "--kv-remote-ttl must be >= 0"
+    if not url:
+        return None
+    if not getattr(args, "kv_disk_dir", None) or getattr(args, "no_kv_cache", False):
+        return "--kv-remote needs --kv-disk-dir (remote checkpoints are verified in the local directory)"
+    from .kvstore.remote import parse_remote_url
+
+    try:
+        parse_remote_url(url)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -161,6 +195,14 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
     ``--no-kv-cache``)."""
     if getattr(args, "no_kv_cache", False) or not args.kv_disk_dir:
         return None
+    if getattr(args, "kv_remote", None):
+        from .kvstore.remote import redact_url
+
+        log.warning(
+            "kv remote %s: shared checkpoints are checked, not authenticated (a checksum is not a signature): "
+            "whoever can write to this Redis can plant a checkpoint that verifies",
+            redact_url(args.kv_remote),
+        )
     return KVStore(
         os.path.expanduser(args.kv_disk_dir),
         budget_mb=args.kv_disk_space_mb,
@@ -172,4 +214,6 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         reject_different_quant=args.kv_cache_reject_different_quant,
         quarantine_dir=args.kv_quarantine_dir,
         trust_dir=getattr(args, "kv_trust_dir", False),
+        remote=getattr(args, "kv_remote", None) or None,
+        remote_ttl_s=getattr(args, "kv_remote_ttl", 0),
     )

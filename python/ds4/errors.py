@@ -53,6 +53,9 @@ __all__ = [
     "PrefixCollisionError",
     "PromptError",
     "QuantMismatchError",
+    "RemoteChunkError",
+    "RemoteManifestError",
+    "RemoteTierError",
     "ReservedBytesError",
     "SessionError",
     "SizeOverflowError",
@@ -117,6 +120,21 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint is intact but does not apply to this prompt."""
 
     kind = "mismatch"
+
+
+# -- the shared tier (ds4/kvstore/remote.py) -------------------------------
+
+
+class RemoteManifestError(CorruptCheckpointError):
+    """A remote checkpoint's manifest is not one ds4 wrote (damaged or forged)."""
+
+    code, stage = "remote_manifest", "header"
+
+
+class RemoteChunkError(CorruptCheckpointError):
+    """A remote checkpoint's payload chunk is missing, truncated or does not match its manifest."""
+
+    code, stage = "remote_chunk", "payload"
 
 
 # -- open ------------------------------------------------------------------
@@ -340,6 +358,11 @@ class StoreError(Ds4Error, OSError):
 
 class StoreFullError(StoreError):
     """The checkpoint does not fit the store's budget."""
+
+
+class RemoteTierError(StoreError):
+    """The shared tier (Redis) cannot be reached or refused an operation;
+    the store goes on with its local directory."""
 
 
 def _all_checkpoint_classes() -> dict[str, type[CheckpointError]]:
