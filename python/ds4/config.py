@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from .engine import Engine
-from .kvstore import KVStore
+from .kvstore import KVStore, RemoteTier
 
 __all__ = [
     "ENGINE_KINDS",
@@ -156,6 +156,13 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         help="seconds a remote checkpoint lives after its upload or last hit (default 0: no TTL, "
         "Redis's maxmemory-policy decides)",
     )
+    g.add_argument(
+        "--kv-remote-cooldown",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="after 3 failures in a row the remote tier is skipped for S seconds (default 30)",
+    )
 
 
 def check_kv_args(args: argparse.Namespace) -> str | None:
@@ -177,6 +184,8 @@ def _check_remote_args(args: argparse.Namespace) -> str | None:
     url = getattr(args, "kv_remote", None)
     if getattr(args, "kv_remote_ttl", 0) < 0:
         return "--kv-remote-ttl must be >= 0"
+    if getattr(args, "kv_remote_cooldown", 30.0) < 0:
+        return "--kv-remote-cooldown must be >= 0"
     if not url:
         return None
     if not getattr(args, "kv_disk_dir", None) or getattr(args, "no_kv_cache", False):
@@ -214,6 +223,12 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         reject_different_quant=args.kv_cache_reject_different_quant,
         quarantine_dir=args.kv_quarantine_dir,
         trust_dir=getattr(args, "kv_trust_dir", False),
-        remote=getattr(args, "kv_remote", None) or None,
-        remote_ttl_s=getattr(args, "kv_remote_ttl", 0),
+        remote=_remote_tier(args),
     )
+
+
+def _remote_tier(args: argparse.Namespace) -> RemoteTier | None:
+    url = getattr(args, "kv_remote", None)
+    if not url:
+        return None
+    return RemoteTier(url, ttl_s=args.kv_remote_ttl, cooldown_s=args.kv_remote_cooldown)
