@@ -84,6 +84,10 @@ pub enum Error {
     PayloadChecksum { stored: u64, computed: u64 },
     #[error("ds4 v1 payload: {0}")]
     BadV1Payload(String),
+    #[error("an authentication key is configured and the checkpoint carries no MAC")]
+    MacMissing,
+    #[error("the checkpoint's MAC does not match (forged, damaged, or written with another key)")]
+    MacMismatch,
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -115,6 +119,8 @@ impl Error {
             Error::TensorTable(_) => "tensor_table",
             Error::PayloadChecksum { .. } => "payload_checksum",
             Error::BadV1Payload(_) => "bad_v1_payload",
+            Error::MacMissing => "mac_missing",
+            Error::MacMismatch => "mac_mismatch",
             Error::Io(_) => "io",
         }
     }
@@ -136,14 +142,16 @@ impl Error {
             | Error::BadPadding { .. }
             | Error::AbiMismatch { .. }
             | Error::QuantMismatch { .. }
-            | Error::CtxTooSmall { .. } => "header",
+            | Error::CtxTooSmall { .. }
+            | Error::MacMissing => "header",
             Error::TextHashMismatch { .. }
             | Error::NameMismatch { .. }
             | Error::NotPrefix { .. }
             | Error::PrefixCollision { .. } => "text",
-            Error::TensorTable(_) | Error::PayloadChecksum { .. } | Error::BadV1Payload(_) => {
-                "payload"
-            }
+            Error::TensorTable(_)
+            | Error::PayloadChecksum { .. }
+            | Error::BadV1Payload(_)
+            | Error::MacMismatch => "payload",
         }
     }
 
@@ -152,7 +160,8 @@ impl Error {
             Error::UnsupportedVersion { .. }
             | Error::AbiMismatch { .. }
             | Error::QuantMismatch { .. }
-            | Error::CtxTooSmall { .. } => Class::Incompatible,
+            | Error::CtxTooSmall { .. }
+            | Error::MacMissing => Class::Incompatible,
             Error::BadName { .. } | Error::NotPrefix { .. } => Class::Mismatch,
             Error::Io(_) => Class::Io,
             _ => Class::Corrupt,

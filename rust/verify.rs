@@ -16,6 +16,7 @@
 
 use crate::error::{Error, Result};
 use crate::format::bytes::le_u32;
+use crate::format::mac::{MacKey, MacState, MAC_BYTES};
 use crate::format::{
     v1, v2, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2,
 };
@@ -49,6 +50,10 @@ pub struct VerifyOptions<'a> {
     pub verify_checksum: bool,
     /// Memory-map the payload (copy-on-write, read-only); else pread it.
     pub mmap: bool,
+    /// Require a valid keyed MAC (FORMAT.md §1.9): a file without one is
+    /// incompatible (`mac_missing`, header stage); a full open computes it
+    /// in the checksum's pass over the payload (`mac_mismatch`, corrupt).
+    pub auth_key: Option<&'a MacKey>,
 }
 
 impl Default for VerifyOptions<'_> {
@@ -62,6 +67,7 @@ impl Default for VerifyOptions<'_> {
             load_payload: true,
             verify_checksum: true,
             mmap: true,
+            auth_key: None,
         }
     }
 }
@@ -263,6 +269,9 @@ fn check_compatible(header: &Header, o: &VerifyOptions<'_>) -> Result<()> {
             });
         }
     }
+    if o.auth_key.is_some() && !header.authenticated {
+        return Err(Error::MacMissing);
+    }
     Ok(())
 }
 
@@ -350,10 +359,28 @@ fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Resu
     };
     ck.storage = Some(Arc::new(storage));
     ck.payload_base = base;
-    if o.verify_checksum && ck.header.version == VERSION_V2 {
-        check_payload_checksum(ck)?;
+    let mac = match o.auth_key {
+        Some(key) if ck.header.version == VERSION_V2 => Some(start_mac(file, ck, key)?),
+        _ => None,
+    };
+    if (o.verify_checksum && ck.header.version == VERSION_V2) || mac.is_some() {
+        check_payload_hashes(file, ck, o.verify_checksum, mac)?;
     }
     ck.check_intact()
+}
+
+/// The MAC of `ck` up to its payload: the header and metadata (read again:
+/// they are small), the verified text and its zero padding.
+fn start_mac(file: &File, ck: &Checkpoint, key: &MacKey) -> Result<MacState> {
+    let head = pread_vec(file, 0, ck.header.text_offset, ck.file_len)?;
+    let (fixed, meta) = head.split_at(V2_FIXED.min(head.len()));
+    let mut mac = MacState::new(key, fixed, meta);
+    mac.update(&ck.text);
+    let text_end = ck.header.text_offset + u64::from(ck.header.text_bytes);
+    let pad =
+        usize::try_from(ck.header.payload_offset - text_end).map_err(|_| Error::SizeOverflow)?;
+    mac.update(&[0u8; 64][..pad.min(64)]); // verified zero by check_padding (fewer than 64 bytes)
+    Ok(mac)
 }
 
 /// v1: the first bytes of the payload, where the 52-byte DSV4 header lives.
@@ -362,20 +389,46 @@ fn read_dsv4_head(file: &File, header: &Header, file_len: u64) -> Result<Vec<u8>
     pread_vec(file, header.payload_offset, n, file_len)
 }
 
-/// Payload stage, v2: the payload's xxh3-64 against the header's. A mismatch
-/// on a map that lost a page is reported as the truncation it is.
-fn check_payload_checksum(ck: &Checkpoint) -> Result<()> {
+/// Payload stage, v2: the payload's xxh3-64 against the header's (when
+/// `checksum`), and the keyed MAC against the trailer (when `mac`), both in
+/// one pass over the payload. A mismatch on a map that lost a page is
+/// reported as the truncation it is.
+fn check_payload_hashes(
+    file: &File,
+    ck: &Checkpoint,
+    checksum: bool,
+    mut mac: Option<MacState>,
+) -> Result<()> {
     let payload = ck.payload().ok_or(Error::Truncated {
         expected: ck.header.total_len,
         actual: ck.file_len,
     })?;
-    let computed = v2::payload_checksum(payload);
-    if computed != ck.header.payload_checksum {
-        ck.check_intact()?;
-        return Err(Error::PayloadChecksum {
-            stored: ck.header.payload_checksum,
-            computed,
-        });
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for piece in payload.chunks(1 << 20) {
+        if checksum {
+            h.update(piece);
+        }
+        if let Some(m) = mac.as_mut() {
+            m.update(piece);
+        }
+    }
+    if checksum {
+        let computed = h.digest();
+        if computed != ck.header.payload_checksum {
+            ck.check_intact()?;
+            return Err(Error::PayloadChecksum {
+                stored: ck.header.payload_checksum,
+                computed,
+            });
+        }
+    }
+    if let Some(m) = mac {
+        let at = ck.header.payload_offset + ck.header.payload_bytes;
+        let stored = pread_vec(file, at, MAC_BYTES, ck.file_len)?;
+        if !m.matches(&stored) {
+            ck.check_intact()?;
+            return Err(Error::MacMismatch);
+        }
     }
     Ok(())
 }

@@ -465,3 +465,58 @@ def test_namespaces_never_share(eng, flushed, replicas):
     a2 = ra.store("a2")
     s = ds4.Session(eng, ctx=2048)
     assert recover(s, a2, prompt + "?").rung == "remote"
+
+
+# -- authentication ----------------------------------------------------------------
+def _fix_checksums(raw: bytearray) -> int:
+    """Recompute a v2 file's payload and header checksums (what a forger can do)."""
+    import xxhash
+
+    meta_len = int.from_bytes(raw[20:24], "little")
+    text_len = int.from_bytes(raw[48:52], "little")
+    payload_len = int.from_bytes(raw[40:48], "little")
+    po = -(-(96 + meta_len + text_len) // 64) * 64
+    raw[80:88] = xxhash.xxh3_64_intdigest(bytes(raw[po : po + payload_len])).to_bytes(8, "little")
+    fixed = bytearray(raw[:96])
+    for a, b in ((12, 16), (32, 40), (88, 96)):
+        fixed[a:b] = bytes(b - a)
+    raw[88:96] = xxhash.xxh3_64_intdigest(bytes(fixed) + bytes(raw[96 : 96 + meta_len])).to_bytes(8, "little")
+    return po
+
+
+def test_forged_remote_checkpoint_without_a_valid_mac_is_rejected(eng, flushed, replicas):
+    from ds4 import _core
+
+    key = _core.derive_auth_key(b"a shared secret of the replicas")
+    r = replicas(flushed.url)
+    a, b = r.store("a", auth_key=key), r.store("b", auth_key=key)
+    short = _prompt("mac", 40)
+    long = short + " " + _prompt("mac2", 40)
+    keys, (top, second) = _two_remote_prefixes(eng, a, short, long)
+    with flushed.client() as c:
+        raw = bytearray(b"".join(c.get(keys.chunk(top.sha, i)) for i in range(len(top.digests))))
+        po = _fix_checksums(raw)
+        raw[po + 200] ^= 0x40  # the forged state
+        _fix_checksums(raw)
+        chunks = [bytes(raw[i : i + CHUNK]) for i in range(0, len(raw), CHUNK)]
+        for i, ch in enumerate(chunks):
+            c.set(keys.chunk(top.sha, i), ch)
+        digests = tuple(hashlib.blake2b(ch, digest_size=16).hexdigest() for ch in chunks)
+        forged = RemoteEntry(top.sha, top.abi, top.tokens, top.text_bytes, top.size, top.chunk_bytes, digests)
+        c.set(keys.manifest(top.sha), forged.to_bytes())
+    plain = r.store("plain")  # a replica without the key
+    follow = long + " question?"
+    s = ds4.Session(eng, ctx=2048)
+    rep = recover(s, b, follow)
+    assert [(x[0], x[2]) for x in rep.rejected] == [(f"remote:{top.name}", "mac_mismatch")]
+    assert rep.rung == "remote" and rep.reused_tokens == second.tokens
+    with flushed.client() as c:
+        assert not c.exists(keys.manifest(top.sha))
+    assert np.array_equal(s.logits, _cold(eng, follow).logits)
+    # an unauthenticated replica's upload is never loaded by a keyed one (kept on the tier)
+    p = _prompt("plain-upload", 50)
+    _stored(plain, eng, p)
+    s = ds4.Session(eng, ctx=2048)
+    rep = recover(s, b, p + "?")
+    assert rep.rung == "prefill" and [x[2] for x in rep.rejected] == ["mac_missing"]
+    assert len([e for e in plain.remote.entries(top.abi) if e.text_bytes < len(p) + 1]) >= 1

@@ -26,6 +26,7 @@ __all__ = [
     "engine_kind",
     "engine_model_id",
     "make_store",
+    "read_auth_key",
 ]
 
 log = logging.getLogger("ds4.config")
@@ -157,6 +158,12 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         "Redis's maxmemory-policy decides)",
     )
     g.add_argument(
+        "--kv-auth-key-file",
+        metavar="PATH",
+        help="authenticate checkpoints with the secret in this file (at least 16 bytes): every checkpoint "
+        "written carries a keyed MAC, every one read must carry a valid one",
+    )
+    g.add_argument(
         "--kv-remote-cooldown",
         type=float,
         default=30.0,
@@ -177,7 +184,33 @@ def check_kv_args(args: argparse.Namespace) -> str | None:
         return "boundary trim and align must be >= 0"
     if args.kv_disk_space_mb <= 0:
         return "--kv-disk-space-mb must be > 0"
+    try:
+        read_auth_key(getattr(args, "kv_auth_key_file", None))
+    except ValueError as e:
+        return str(e)
     return _check_remote_args(args)
+
+
+#: the shortest secret a key file may hold
+AUTH_SECRET_MIN = 16
+
+
+def read_auth_key(path: str | None) -> bytes | None:
+    """The 32-byte MAC key of ``--kv-auth-key-file`` (BLAKE3 ``derive_key``
+    of the file's bytes), or None without one. A missing, unreadable or too
+    short file is a ``ValueError``."""
+    if not path:
+        return None
+    from . import _core
+
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            secret = f.read(1 << 20)
+    except OSError as e:
+        raise ValueError(f"--kv-auth-key-file: cannot read {path}: {e.strerror}") from None
+    if len(secret.strip()) < AUTH_SECRET_MIN:
+        raise ValueError(f"--kv-auth-key-file: {path} holds fewer than {AUTH_SECRET_MIN} bytes of secret")
+    return _core.derive_auth_key(secret)
 
 
 def _check_remote_args(args: argparse.Namespace) -> str | None:
@@ -204,12 +237,13 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
     ``--no-kv-cache``)."""
     if getattr(args, "no_kv_cache", False) or not args.kv_disk_dir:
         return None
-    if getattr(args, "kv_remote", None):
+    auth_key = read_auth_key(getattr(args, "kv_auth_key_file", None))
+    if getattr(args, "kv_remote", None) and auth_key is None:
         from .kvstore.remote import redact_url
 
         log.warning(
             "kv remote %s: shared checkpoints are checked, not authenticated (a checksum is not a signature): "
-            "whoever can write to this Redis can plant a checkpoint that verifies",
+            "whoever can write to this Redis can plant a checkpoint that verifies (use --kv-auth-key-file)",
             redact_url(args.kv_remote),
         )
     return KVStore(
@@ -224,6 +258,7 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         quarantine_dir=args.kv_quarantine_dir,
         trust_dir=getattr(args, "kv_trust_dir", False),
         remote=_remote_tier(args),
+        auth_key=auth_key,
     )
 
 

@@ -45,6 +45,8 @@ __all__ = [
     "ImportFailedError",
     "IncompatibleCheckpointError",
     "InvalidSessionError",
+    "MacMismatchError",
+    "MacMissingError",
     "NameMismatchError",
     "NotPrefixError",
     "NotRegularFileError",
@@ -120,6 +122,21 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint is intact but does not apply to this prompt."""
 
     kind = "mismatch"
+
+
+# -- authentication (FORMAT.md §1.9) ------------------------------------------
+
+
+class MacMissingError(IncompatibleCheckpointError):
+    """An authentication key is configured and the checkpoint carries no MAC."""
+
+    code, stage = "mac_missing", "header"
+
+
+class MacMismatchError(CorruptCheckpointError):
+    """The checkpoint's MAC does not match (forged, damaged, or written with another key)."""
+
+    code, stage = "mac_mismatch", "payload"
 
 
 # -- the shared tier (ds4/kvstore/remote.py) -------------------------------

@@ -136,8 +136,14 @@ class KVStore:
         remote: str | RemoteTier | None = None,
         remote_ttl_s: int = 0,
         remote_namespace: str = DEFAULT_NAMESPACE,
+        auth_key: bytes | None = None,
     ):
         self.dir = open_cache_dir(directory, trust_dir)
+        if auth_key is not None and len(auth_key) != 32:
+            raise ValueError("auth_key must be 32 bytes (ds4._core.derive_auth_key of the key file's bytes)")
+        #: with a key, every checkpoint written carries a MAC and every one
+        #: read must carry a valid one (docs/FORMAT.md §1.9)
+        self.auth_key = auth_key
         #: the shared tier (None: this directory only)
         self.remote = (
             RemoteTier(remote, ttl_s=remote_ttl_s, namespace=remote_namespace) if isinstance(remote, str) else remote
@@ -227,7 +233,7 @@ class KVStore:
 
     def _index_file(self, name: str, path: str, key: StatKey) -> None:
         try:
-            ck = open_checkpoint(path, load_payload=False)
+            ck = open_checkpoint(path, load_payload=False, auth_key=self.auth_key)
         except CorruptCheckpointError as e:
             if e.code == NOT_REGULAR:
                 log.warning("kv cache ignoring %s: %s", name, e.reason)
@@ -344,6 +350,7 @@ class KVStore:
             ctx=sess.ctx - 1,
             verify_checksum=self.verify_checksum,
             mmap=self.mmap,
+            auth_key=self.auth_key,
         )
 
     def try_load_text(
@@ -578,7 +585,7 @@ class KVStore:
         with self.locked():
             # Cheap checks first: an existing file for this key needs no
             # export of the (possibly large) engine state.
-            existing = existing_file(path, sess, text, self.discard)
+            existing = existing_file(path, sess, text, self.discard, self.auth_key)
             if existing == "same":
                 log.info("kv cache store reason=%s: %s already stored", reason, name[:12])
                 return path
@@ -589,7 +596,7 @@ class KVStore:
                     name[:12],
                 )
                 return None
-            size = write_live(path, sess, text, reason, self.budget_bytes)
+            size = write_live(path, sess, text, reason, self.budget_bytes, self.auth_key)
             if size is None:
                 return None
             self.stats["stores"] += 1
