@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import _core
@@ -439,7 +440,7 @@ class KVStore:
             if not tier.available():
                 return None
             t0 = time.perf_counter()
-            e = self._download(sess, prompt, r, report)
+            e = self._download(r, lambda tmp: self._open_for(sess, tmp, prompt, check_name=False), report)
             if e is None:
                 continue
             res = self._load_entries(sess, [e], prompt, report)
@@ -458,11 +459,38 @@ class KVStore:
                 tier.delete(r.sha, r.abi, r)
         return None
 
-    def _download(self, sess: Session, prompt: bytes, r: RemoteEntry, report: RecoveryReport | None) -> Entry | None:
+    def pull(self, r: RemoteEntry, report: RecoveryReport | None = None) -> Entry | None:
+        """Download one remote checkpoint into this directory (``ds4 kv
+        pull``): the whole pipeline (with this store's key) and the checks
+        every load makes on the tensors, then the rename. A damaged entry is
+        deleted from the tier; None when nothing was added."""
+
+        def opener(tmp: str) -> Checkpoint:
+            ck = open_checkpoint(tmp, check_name=False, auth_key=self.auth_key, mmap=self.mmap)
+            ck.load_arrays()
+            return ck
+
+        return self._download(r, opener, report)
+
+    def push(self) -> dict[str, int]:
+        """Upload every checkpoint of this directory to the tier now (``ds4
+        kv push``); counts by outcome (``stored``, ``present``, ...)."""
+        if self.remote is None:
+            raise ValueError("this store has no remote tier")
+        out: dict[str, int] = {}
+        for e in self.entries():
+            res = "skipped_v1" if e.version != 2 else self.remote.upload(e.path, e.abi, e.tokens, e.text_bytes)
+            out[res] = out.get(res, 0) + 1
+        return out
+
+    def _download(
+        self, r: RemoteEntry, opener: Callable[[str], Checkpoint], report: RecoveryReport | None
+    ) -> Entry | None:
         """Stream ``r`` into a temp file of this directory, run the whole
-        verification pipeline on it, and rename it to its name; the index
-        entry of the new file, or None (rejected: deleted from the tier
-        when damaged, kept when another engine's; or the tier failed)."""
+        verification pipeline on it (``opener``), and rename it to its
+        name; the index entry of the new file, or None (rejected: deleted
+        from the tier when damaged, kept when another engine's; or the tier
+        failed)."""
         tier = self.remote
         assert tier is not None
         final = os.path.join(self.dir, r.name)
@@ -478,7 +506,7 @@ class KVStore:
                 os.close(fd)
             if not ok:
                 return None
-            ck = self._open_for(sess, tmp, prompt, check_name=False)
+            ck = opener(tmp)
             if ck.text_sha1 != r.sha:
                 raise NameMismatchError("the downloaded text's SHA-1 is not the key's", path=tmp)
             with self.locked():

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _core
-from ..errors import RemoteChunkError, RemoteManifestError
+from ..errors import RemoteChunkError, RemoteManifestError, RemoteTierError
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -61,6 +61,7 @@ __all__ = [
     "KeyLayout",
     "RemoteEntry",
     "RemoteLookup",
+    "RemoteScan",
     "RemoteTier",
     "parse_remote_url",
     "redact_url",
@@ -226,6 +227,17 @@ class RemoteEntry:
             raise RemoteManifestError("manifest's chunk list does not match its size")
         text_bytes = _nonneg_int(d, "text_bytes", size)
         return cls(sha, abi, _nonneg_int(d, "tokens"), text_bytes, size, chunk_bytes, tuple(chunks))
+
+
+@dataclasses.dataclass
+class RemoteScan:
+    """Everything one namespace of the tier holds (:meth:`RemoteTier.scan`):
+    readable entries; (index, member) pairs whose manifest is gone; and
+    (index, member, why) of manifests that do not parse."""
+
+    entries: list[RemoteEntry]
+    gone: list[tuple[str, str]]
+    damaged: list[tuple[str, str, str]]
 
 
 @dataclasses.dataclass
@@ -559,14 +571,52 @@ class RemoteTier:
 
         return self._call("list", run) or []
 
-    def abis(self) -> list[str]:
-        """The ABI ids with an index in this namespace (``kv stats --remote``)."""
+    def scan(self) -> RemoteScan:
+        """Every remote checkpoint of this namespace, of every ABI (``ds4 kv
+        ls|stats|gc --remote``): the readable ones, the index members whose
+        manifest is gone, and those whose manifest does not parse."""
+        out = self._call("scan", self._scan)
+        if out is None:
+            raise RemoteTierError(0, f"the remote tier {self.url} cannot be read ({self.breaker.last_error})")
+        return out
 
-        def run(c: Client) -> list[str]:
-            pat = f"ds4:{{{self.namespace}/*}}:idx"
-            return sorted({k.decode("ascii", "replace") for k in c.scan_iter(match=pat, count=1000)})
+    def _scan(self, c: Client) -> RemoteScan:
+        found = RemoteScan([], [], [])
+        pat = f"ds4:{{{self.namespace}/*}}:idx"
+        for raw_key in sorted(set(c.scan_iter(match=pat, count=1000))):
+            index = raw_key.decode("ascii", "replace")
+            abi_id = index.split("/", 1)[1].split("}", 1)[0]
+            members = [m.decode("ascii", "replace") for m in c.zrange(index, 0, -1)]
+            shas = [(m, m.partition(":")[2]) for m in members]
+            shas = [(m, s) for m, s in shas if _SHA_RE.match(s)]
+            pipe = c.pipeline(transaction=False)
+            for _, s in shas:
+                pipe.get(f"ds4:{{{self.namespace}/{abi_id}/{s}}}:m")
+            for (m, s), raw in zip(shas, pipe.execute() if shas else [], strict=True):
+                if raw is None:
+                    found.gone.append((index, m))
+                    continue
+                try:
+                    abi = json.loads(raw).get("abi")
+                    if not isinstance(abi, str) or KeyLayout(self.namespace, abi).abi_id != abi_id:
+                        raise RemoteManifestError("manifest's ABI is not its index's")
+                    found.entries.append(RemoteEntry.from_bytes(raw, s, abi))
+                except (RemoteManifestError, ValueError, AttributeError) as e:
+                    found.damaged.append((index, m, str(e)))
+        return found
 
-        return self._call("scan", run) or []
+    def delete_member(self, index: str, member: str) -> bool:
+        """Delete the checkpoint an index member names (its manifest need
+        not parse) and the member."""
+        n_text, _, sha = member.partition(":")
+        abi_id = index.split("/", 1)[1].split("}", 1)[0]
+
+        def run(c: Client) -> bool:
+            keys = KeyLayout(self.namespace, "")
+            keys.abi_id, keys.index = abi_id, index
+            return self._delete(c, keys, sha, None, int(n_text) if n_text.isdigit() else None)
+
+        return bool(self._call("delete", run))
 
     # -- upload ------------------------------------------------------------
     def enqueue(self, path: str, abi: str, tokens: int, text_bytes: int) -> None:
