@@ -120,3 +120,65 @@ def test_redis_killed_mid_conversation_then_restarted(tmp_path, cold):
         a.stop()
         b.stop()
         node.stop()
+
+
+def test_two_servers_200_mixed_requests_each(tmp_path, cold):
+    """Two replicas x 200 requests drawn at random from 12 conversations x 4
+    turns, in parallel, one Redis: every reply equals a cold server's, some
+    come from the tier, and every remote checkpoint verifies afterwards."""
+    import random
+    import threading
+
+    from ds4.cli import main
+
+    node = RedisNode(str(tmp_path)).start()
+    a = _replica(tmp_path, "a", node.url)
+    b = _replica(tmp_path, "b", node.url)
+    try:
+        model = a.model()
+
+        def msgs(conv, turn):
+            out = _conv(f"topic{conv}", 16)
+            for t in range(turn):
+                out += [
+                    {"role": "assistant", "content": f"Noted, part {t}."},
+                    {"role": "user", "content": f"More {t}?"},
+                ]
+            return out
+
+        want = {}
+        for conv in range(12):
+            for turn in range(4):
+                r = cold_chat(cold, msgs(conv, turn), max_tokens=2)
+                want[(conv, turn)] = r.choices[0].message.content
+        rungs: list[str] = []
+        errors: list[str] = []
+
+        def drive(srv, seed):
+            rng = random.Random(seed)
+            c = srv.client()
+            for _ in range(200):
+                key = (rng.randrange(12), rng.randrange(4))
+                try:
+                    r = c.chat.completions.create(model=model, messages=msgs(*key), max_tokens=2)
+                except Exception as e:  # a 5xx (or anything else) is a failure of the test
+                    errors.append(f"{key}: {e}")
+                    continue
+                if r.choices[0].message.content != want[key]:
+                    errors.append(f"{key}: wrong reply (rung {_extra(r)['rung']})")
+                rungs.append(_extra(r)["rung"])
+
+        threads = [threading.Thread(target=drive, args=(srv, i)) for i, srv in enumerate((a, b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:5]
+        assert len(rungs) == 400 and "remote" in rungs
+    finally:
+        a.stop()
+        b.stop()
+    try:
+        assert main(["kv", "verify", "--remote", node.url]) == 0  # every remote checkpoint verifies
+    finally:
+        node.stop()
