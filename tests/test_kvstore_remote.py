@@ -9,7 +9,6 @@ error."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from redis.crc import key_slot
 from redis_servers import RedisClusterNodes, RedisNode
 
@@ -280,7 +280,7 @@ def test_damaged_remote_entry_is_rejected_deleted_and_the_next_one_used(eng, flu
         else:  # forged: a payload byte flipped and the manifest's digests recomputed to match
             _flip(c, keys.chunk(top.sha, 1), at=CHUNK // 2)
             digests = list(top.digests)
-            digests[1] = hashlib.blake2b(c.get(keys.chunk(top.sha, 1)), digest_size=16).hexdigest()
+            digests[1] = xxhash.xxh3_128_hexdigest(c.get(keys.chunk(top.sha, 1)))
             forged = RemoteEntry(
                 top.sha, top.abi, top.tokens, top.text_bytes, top.size, top.chunk_bytes, tuple(digests)
             )
@@ -501,7 +501,7 @@ def test_forged_remote_checkpoint_without_a_valid_mac_is_rejected(eng, flushed, 
         chunks = [bytes(raw[i : i + CHUNK]) for i in range(0, len(raw), CHUNK)]
         for i, ch in enumerate(chunks):
             c.set(keys.chunk(top.sha, i), ch)
-        digests = tuple(hashlib.blake2b(ch, digest_size=16).hexdigest() for ch in chunks)
+        digests = tuple(xxhash.xxh3_128_hexdigest(ch) for ch in chunks)
         forged = RemoteEntry(top.sha, top.abi, top.tokens, top.text_bytes, top.size, top.chunk_bytes, digests)
         c.set(keys.manifest(top.sha), forged.to_bytes())
     plain = r.store("plain")  # a replica without the key
