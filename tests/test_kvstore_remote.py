@@ -520,3 +520,19 @@ def test_forged_remote_checkpoint_without_a_valid_mac_is_rejected(eng, flushed, 
     rep = recover(s, b, p + "?")
     assert rep.rung == "prefill" and [x[2] for x in rep.rejected] == ["mac_missing"]
     assert len([e for e in plain.remote.entries(top.abi) if e.text_bytes < len(p) + 1]) >= 1
+
+
+def test_unreachable_cluster_costs_misses_then_a_cooldown(eng, tmp_path):
+    from redis_servers import free_cluster_port
+
+    tier = RemoteTier(f"redis+cluster://127.0.0.1:{free_cluster_port()}", fail_threshold=2, cooldown_s=60)
+    st = KVStore(tmp_path / "kv", remote=tier, min_tokens=MIN_TOKENS)
+    try:
+        for _ in range(3):
+            s = ds4.Session(eng, ctx=2048)
+            rep = recover(s, st, _prompt("nowhere"), cold_save=True)
+            assert rep.rung in ("prefill", "disk")
+        assert tier.state == "cooldown" and tier.breaker.last_error
+        assert tier.upload(rep.cold_saved or "", s.payload_abi, 1, 1) in ("skipped", "gone")
+    finally:
+        st.close()

@@ -393,25 +393,33 @@ class RemoteTier:
         """Run ``fn(client)``; a Redis or socket failure is logged, counted
         (the breaker) and returns None. Errors of ds4's own (a corrupt
         chunk) pass through."""
-        from redis.exceptions import RedisError, ResponseError
+        from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
 
         if not self.available():
             return None
         try:
             out = fn(self.client())
-        except ResponseError as e:  # the server answered (out of memory, a refused command): not an outage
+        except ResponseError as e:
+            if isinstance(e, ClusterError):  # the cluster is down: an outage
+                self._failed(what, e)
+                return None
+            # the server answered (out of memory, a refused command): not an outage
             self.stats["errors"] += 1
             log.warning("kv remote %s refused: %s", what, e)
             return None
-        except (RedisError, OSError) as e:
-            self.stats["errors"] += 1
-            self.breaker.failure(e)
-            log.warning("kv remote %s failed: %s: %s", what, type(e).__name__, e)
-            if self.cluster:
-                self._drop_client()  # a cluster client re-reads the slot map when rebuilt
+        except (RedisError, RedisClusterException, OSError) as e:
+            self._failed(what, e)
             return None
         self.breaker.success()
         return out
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        """Count a failure of the tier (the breaker) and log it."""
+        self.stats["errors"] += 1
+        self.breaker.failure(e)
+        log.warning("kv remote %s failed: %s: %s", what, type(e).__name__, e)
+        if self.cluster:
+            self._drop_client()  # a cluster client re-reads the slot map when rebuilt
 
     # -- lookup ------------------------------------------------------------
     def lookup(self, prompt: bytes, abi: str, *, min_tokens: int = 1, ctx: int | None = None) -> RemoteLookup:
