@@ -89,3 +89,21 @@ def test_remote_unreachable_is_one_line(capsys):
 
     rc, _, err = _run(capsys, "kv", "ls", "--remote", f"redis://127.0.0.1:{free_port()}/0")
     assert rc == 1 and "cannot be read" in err and "Traceback" not in err
+
+
+def test_run_with_kv_remote_resumes_on_another_directory(tmp_path, node, capsys):
+    with node.client() as c:
+        c.flushall()
+    prompt = " ".join(f"word{i}" for i in range(120))
+    common = ["run", "--engine", "reference", "--ctx", "1024", "--max-tokens", "2", "--json"]
+    kv = ["--kv-cache-min-tokens", "16", "--kv-cache-boundary-align-tokens", "32", "--kv-remote", node.url]
+    rc, out, _ = _run(capsys, *common, "-p", prompt, "--kv-disk-dir", str(tmp_path / "a"), *kv)
+    first = json.loads(out)
+    assert rc == 0 and first["report"]["rung"] == "prefill" and first["report"]["cold_saved"]
+    # the store was closed on exit: its upload is done
+    rc, out, _ = _run(capsys, *common, "-p", prompt, "--kv-disk-dir", str(tmp_path / "b"), *kv)
+    second = json.loads(out)
+    assert rc == 0 and second["report"]["rung"] == "remote" and second["report"]["remote"] == "up"
+    assert second["text"] == first["text"] and second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    rc, _, err = _run(capsys, *common, "-p", prompt, "--kv-remote", node.url)
+    assert rc == 2 and "--kv-disk-dir" in err
