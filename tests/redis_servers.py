@@ -62,6 +62,13 @@ class RedisNode:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> RedisNode:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()  # never leave a half-started server behind
+            raise
+
+    def _start(self, timeout: float) -> RedisNode:
         args = [
             _binary("redis-server"),
             "--port",
@@ -130,6 +137,13 @@ class RedisClusterNodes:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
     def start(self, timeout: float = 30.0) -> RedisClusterNodes:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()  # the nodes that did start
+            raise
+
+    def _start(self, timeout: float) -> RedisClusterNodes:
         for n in self.nodes:
             n.start()
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
