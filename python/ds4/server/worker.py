@@ -146,6 +146,9 @@ class Service:
                     self.gen.shutdown_save()
                 except Exception:  # pragma: no cover - defensive
                     log.exception("shutdown save failed")
+                if self.gen.store is not None:
+                    self.gen.store.close()  # the shared tier's queued uploads, then its connections
+                self.status = self._snapshot(busy=False)
                 return
             with self._lock:
                 self._pending -= 1
