@@ -68,6 +68,9 @@ class GenParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    #: strings that end the turn once generated, kept in the text and the KV
+    #: state (a tool call's closing tag); finish_reason "stop"
+    stop_after: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -122,9 +125,10 @@ class TextStream:
     stop sequence (and an incomplete UTF-8 sequence), finds the first stop,
     and reports where it starts."""
 
-    def __init__(self, stops: tuple[str, ...], on_text: Callable[[str], None] | None):
+    def __init__(self, stops: tuple[str, ...], on_text: Callable[[str], None] | None, stop_after: tuple[str, ...] = ()):
         try:
             self.stops = sorted({s.encode("utf-8") for s in stops if s}, key=len)
+            self.ends = sorted({s.encode("utf-8") for s in stop_after if s}, key=len)
         except UnicodeEncodeError as e:
             raise PromptError(f"a stop sequence is not valid Unicode: {e.reason} at {e.start}") from None
         self.hold = max((len(s) for s in self.stops), default=1) - 1
@@ -147,9 +151,14 @@ class TextStream:
         prev_len = len(self.buf)
         self.buf += data
         self.cum.append(len(self.buf))
-        if self.stops:
+        if self.stops or self.ends:
             lo = max(0, prev_len - self.hold)
             found = [i for i in (self.buf.find(s, lo) for s in self.stops) if i >= 0]
+            # a stop_after string ends the text after itself
+            for e in self.ends:
+                i = self.buf.find(e, max(0, prev_len - len(e) + 1))
+                if i >= 0:
+                    found.append(i + len(e))
             if found:
                 self.stop_at = min(found)
                 return True
@@ -299,6 +308,53 @@ class Generator:
             self.counters["ladder_retries"] += 1
             return self.prepare(prompt_text, progress, cancel)
 
+    # -- ds4's canonicalize_tool_checkpoint ------------------------------------
+    def canonicalize(self, text: str, cancel: Callable[[], bool] | None = None) -> str:
+        """Bring the live state to ``text``, the canonical rendering of the
+        turn just generated (prompt + the reply as the next request will
+        render it): ``rewrite_from_common`` first; on REBUILD_NEEDED (an
+        engine that cannot rewind), the disk rung, then a prefill. Never
+        saves the state it replaces. Returns ``"unchanged"``, ``"rewritten"``,
+        ``"disk"``, ``"full"`` or ``"failed"``; each outcome is logged."""
+        sess = self.sess
+        tokens = self.engine.tokenize(text, special=True)
+        if sess.checkpoint_valid and (sess.tokens == tokens or sess.text_bytes() == text.encode("utf-8")):
+            log.info("tool checkpoint already canonical tokens=%d", sess.n_past)
+            return "unchanged"
+        live = sess.n_past
+        r = sess.rewrite_from_common(tokens) if sess.checkpoint_valid else Rewrite.ERROR
+        if r is Rewrite.OK:
+            log.info("tool checkpoint canonicalized live=%d canonical=%d", live, len(tokens))
+            return "rewritten"
+        common = sess.common_prefix(tokens)
+        log.info(
+            "tool checkpoint needs %d tokens rebuild live=%d canonical=%d reason=canonical-tail-rewrite (%s)",
+            len(tokens) - common,
+            live,
+            len(tokens),
+            sess.last_error or r.value,
+        )
+        store = self.store
+        try:
+            rep = recover(
+                sess,
+                store,
+                text,
+                evict_save=False,
+                cold_save=False,
+                frontier_every=store.continued_step() if store is not None else None,
+                on_frontier=(lambda s: self._continued(s.n_past)) if store is not None else None,
+                cancel=cancel,
+            )
+        except Exception as e:
+            if sess.checkpoint_valid and not isinstance(e, PrefillCancelledError):
+                sess.invalidate(f"tool checkpoint rebuild failed: {e}")
+            log.warning("tool checkpoint rebuild failed: %s: %s", type(e).__name__, e)
+            return "failed"
+        source = "disk" if rep.rung == "disk" else "full" if rep.rung == "prefill" else rep.rung
+        log.info("tool checkpoint rebuild done source=%s reused=%d tokens=%d", source, rep.reused_tokens, sess.n_past)
+        return source
+
     # -- a turn --------------------------------------------------------------
     def generate(
         self,
@@ -312,7 +368,7 @@ class Generator:
     ) -> GenResult:
         t0 = time.perf_counter()
         self.counters["requests"] += 1
-        out = TextStream(params.stop, on_text)  # a stop that cannot be encoded is refused here, untouched
+        out = TextStream(params.stop, on_text, params.stop_after)  # a stop that cannot be encoded: refused, untouched
         try:
             rep = self._prepare_or_retry(prompt_text, progress, cancel)
             if on_start is not None:

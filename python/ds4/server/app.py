@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
 from ..turn import Generator, GenResult
 from .body import BodyLimits, read_json
+from .conversation import AgentTurn, LiveTools
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
 from .openai import SSE_DONE, ApiError, Reply, RequestParser, Turn, exception_to_api, http_error
 from .worker import Job, Service
@@ -63,7 +64,10 @@ class _JobRun:
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
 
-        self.job = Job(turn.kind, turn.payload, turn.params, post)
+        if turn.agent is not None:
+            self.job = Job("agent", turn.agent, turn.params, post)
+        else:
+            self.job = Job(turn.kind, turn.payload, turn.params, post)
         service.submit(self.job)
         self.watcher = asyncio.ensure_future(self._watch(request))
 
@@ -95,6 +99,7 @@ class _Routes:
         self.debug = debug
         self.keepalive_s = SSE_KEEPALIVE_S
         self.gen = service.gen
+        self.live = LiveTools()  # ds4's live tool state (the worker thread's)
         self.limits = limits
         self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
         self.parser = RequestParser(
@@ -123,6 +128,8 @@ class _Routes:
             return self.err(e)
 
     async def run(self, request: Request, turn: Turn) -> Response:
+        if turn.conv is not None:
+            turn.agent = AgentTurn(turn.conv, self.live, self.gen)
         try:
             run = _JobRun(self.service, request, turn)
         except Exception as e:  # refused: queue full or shutting down
@@ -189,7 +196,9 @@ class _Routes:
                     yield SSE_KEEPALIVE
                     continue
                 if k == "text":
-                    yield reply.chunk(v)
+                    b = reply.chunk(v)
+                    if b:
+                        yield b
                     continue
                 if k == "done":
                     for b in reply.closing(v):
