@@ -67,6 +67,7 @@ class GenParams:
     stop: tuple[str, ...] = ()
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
     #: strings that end the turn once generated, kept in the text and the KV
     #: state (a tool call's closing tag); finish_reason "stop"
@@ -86,6 +87,7 @@ class GenResult:
     decode_s: float
     total_s: float
     stop_action: str | None = None  # None, "rewound" or "invalidated"
+    stop_sequence: str | None = None  # the stop sequence that ended the text, if one did
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -101,10 +103,12 @@ def make_picker(p: GenParams) -> Callable[[np.ndarray], int]:
     if not p.temperature or p.temperature <= 0:
         return lambda logits: int(np.argmax(logits))
     rng = np.random.default_rng(p.seed)
-    temp, top_p = float(p.temperature), float(p.top_p)
+    temp, top_p, top_k = float(p.temperature), float(p.top_p), int(p.top_k)
 
     def pick(logits: np.ndarray) -> int:
         z = np.asarray(logits, dtype=np.float64) / temp
+        if 0 < top_k < z.shape[0]:
+            z = np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)
         z -= z.max()
         pr = np.exp(z)
         pr /= pr.sum()
@@ -138,6 +142,7 @@ class TextStream:
         self.pieces: list[str] = []
         self.fed = 0
         self.stop_at: int | None = None
+        self.matched: str | None = None  # the stop sequence found (not a stop_after string)
         self.on_text = on_text
 
     def _emit(self, piece: str) -> None:
@@ -153,7 +158,12 @@ class TextStream:
         self.cum.append(len(self.buf))
         if self.stops or self.ends:
             lo = max(0, prev_len - self.hold)
-            found = [i for i in (self.buf.find(s, lo) for s in self.stops) if i >= 0]
+            hits: dict[int, bytes] = {}
+            for s in self.stops:  # shortest first: at one position the shortest stop wins
+                i = self.buf.find(s, lo)
+                if i >= 0:
+                    hits.setdefault(i, s)
+            found = list(hits)
             # a stop_after string ends the text after itself
             for e in self.ends:
                 i = self.buf.find(e, max(0, prev_len - len(e) + 1))
@@ -161,6 +171,8 @@ class TextStream:
                     found.append(i + len(e))
             if found:
                 self.stop_at = min(found)
+                m = hits.get(self.stop_at)
+                self.matched = None if m is None else m.decode("utf-8")
                 return True
         safe = len(self.buf) - self.hold
         if safe > self.fed:
@@ -449,6 +461,7 @@ class Generator:
             decode_s=t_end - t_first,
             total_s=t_end - t0,
             stop_action=stop_action,
+            stop_sequence=out.matched,
         )
         self._account(res)
         return res

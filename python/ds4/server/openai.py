@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outco
 from .tools import StreamSplitter
 from .worker import Cancelled, QueueFull, ShuttingDown
 
-__all__ = ["ApiError", "RequestParser", "Turn", "exception_to_api"]
+__all__ = ["ApiError", "OpenAIWire", "RequestParser", "Turn", "Wire", "exception_to_api"]
 
 JSON = dict[str, Any]
 
@@ -470,11 +472,37 @@ def _call_json(k: int, c: ToolCall, head: bool) -> JSON:
     return {"index": k, "function": {"arguments": c.arguments}}
 
 
+class Wire:
+    """How one protocol answers (the app's routes are protocol-blind):
+    ``reply(turn)`` builds the response bodies of a turn (an object with
+    ``complete(res)``, and for streams ``opening()``, ``chunk(text)``,
+    ``closing(res)``, ``failed(e)`` and ``terminator``), ``error(e,
+    param)`` the status and body of a refusal or failure."""
+
+    def __init__(self, model: str, debug: bool = False):
+        self.model, self.debug = model, debug
+
+    def reply(self, turn: Turn) -> Any:
+        raise NotImplementedError
+
+    def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
+        api = e if isinstance(e, ApiError) else exception_to_api(e, param, self.debug)
+        return api.status, api.body()
+
+
+class OpenAIWire(Wire):
+    def reply(self, turn: Turn) -> Reply:
+        prefix = "chatcmpl-" if turn.kind == "chat" else "cmpl-"
+        return Reply(turn, prefix + uuid.uuid4().hex[:24], int(time.time()), self.model, self.debug)
+
+
 class Reply:
     """The response bodies of one turn: a whole completion, or its SSE
     chunks. A chat with tools streams its visible text through the
     convention's splitter (a call block is held back) and its calls, each a
     header delta then an arguments delta, at the end."""
+
+    terminator = b"data: [DONE]\n\n"
 
     def __init__(self, turn: Turn, rid: str, created: int, model: str, debug: bool = False):
         self.turn, self.rid, self.created, self.model = turn, rid, created, model
