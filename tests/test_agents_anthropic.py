@@ -43,7 +43,11 @@ def client(srv) -> anthropic.Anthropic:
 def ask(srv, messages, stream=False, **kw):
     """(the assistant message to append, stop_reason, usage)."""
     args = {"model": "claude-x", "max_tokens": 300, "system": SYSTEM, "messages": messages, "tools": ATOOLS, **kw}
-    c = client(srv)
+    with client(srv) as c:
+        return _ask(c, args, stream)
+
+
+def _ask(c, args, stream):
     if stream:
         with c.messages.stream(**args) as s:
             kinds = [ev.type for ev in s]
@@ -104,10 +108,11 @@ def test_ten_turn_tool_loop_is_cached_and_matches_a_cold_server(warm, cold, stre
 
 def test_count_tokens_counts_the_rendered_prompt(warm):
     msgs = [{"role": "user", "content": "Look up 3."}]
-    n = client(warm).messages.count_tokens(model="any", system=SYSTEM, messages=msgs, tools=ATOOLS).input_tokens
-    _, _, usage = ask(warm, msgs)
-    assert n == usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
-    assert client(warm).messages.count_tokens(model="any", messages=msgs).input_tokens < n  # no tools block
+    with client(warm) as c:
+        n = c.messages.count_tokens(model="any", system=SYSTEM, messages=msgs, tools=ATOOLS).input_tokens
+        _, _, usage = ask(warm, msgs)
+        assert n == usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+        assert c.messages.count_tokens(model="any", messages=msgs).input_tokens < n  # no tools block
 
 
 def test_tool_output_live_match_survives_a_reserialized_tool_use(warm, cold):
@@ -130,7 +135,11 @@ def test_tool_output_live_match_survives_a_reserialized_tool_use(warm, cold):
 
 
 def test_stop_sequences_sampling_metadata_and_errors(warm):
-    c = client(warm)
+    with client(warm) as c:
+        _stops_and_errors(c, warm)
+
+
+def _stops_and_errors(c, warm):
     r = c.messages.create(
         model="m",
         max_tokens=50,

@@ -97,7 +97,11 @@ def client(srv) -> openai.OpenAI:
 
 def ask(srv, messages, stream=False, **kw):
     """One chat turn: (message dict to append, finish_reason, usage, ds4 block)."""
-    c = client(srv)
+    with client(srv) as c:
+        return _ask(c, messages, stream, kw)
+
+
+def _ask(c, messages, stream, kw):
     if not stream:
         r = c.chat.completions.create(model="agent-x", messages=messages, tools=TOOLS, **kw)
         m = r.choices[0].message

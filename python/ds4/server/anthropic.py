@@ -29,7 +29,7 @@ import uuid
 
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall
-from .openai import JSON, ApiError, Turn, Wire, exception_to_api
+from .openai import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api
 
 __all__ = ["AnthropicWire", "MessagesParser"]
 
@@ -298,7 +298,7 @@ class MessagesReply:
         content += [
             {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in oc.calls
         ]
-        return self._message(content, res)
+        return {**self._message(content, res), "ds4": ds4_info(res, self.debug)}
 
     # -- the stream ------------------------------------------------------------
     def opening(self) -> list[bytes]:

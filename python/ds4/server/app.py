@@ -28,6 +28,7 @@ from .body import BodyLimits, read_json
 from .conversation import AgentTurn, LiveTools
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
 from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
+from .responses import MemoryRecords, ResponsesParser, ResponsesWire
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -107,6 +108,9 @@ class _Routes:
         self.openai = OpenAIWire(service.model_id, debug)
         self.anthropic = AnthropicWire(service.model_id, debug)
         self.messages_parser = MessagesParser(default_max_tokens, self.gen.ctx, self.parser.max_prompt_bytes)
+        records = self.gen.store.records if self.gen.store is not None else MemoryRecords()
+        self.responses_wire = ResponsesWire(service.model_id, records, debug)
+        self.responses_parser = ResponsesParser(default_max_tokens, self.gen.ctx, records, self.parser.max_prompt_bytes)
 
     @staticmethod
     def err(e: ApiError) -> Response:
@@ -146,6 +150,16 @@ class _Routes:
         assert turn.conv is not None
         turn.agent = AgentTurn(turn.conv, self.live, self.gen, id_prefix="toolu_", label="anthropic")
         return await self.run(request, turn, self.anthropic)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI Responses (ds4.server.responses)."""
+        try:
+            turn = self.responses_parser.parse(await self.read_json(request))
+        except ApiError as e:
+            return self.wire_err(self.responses_wire, e)
+        assert turn.conv is not None
+        turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses", live_only=turn.live_only)
+        return await self.run(request, turn, self.responses_wire)
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's ``count_tokens``: the prompt's tokens, rendered in full."""
@@ -326,6 +340,7 @@ def create_app(
         Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
         Route("/v1/completions", r.completions, methods=["POST"]),
         Route("/v1/messages", r.messages, methods=["POST"]),
+        Route("/v1/responses", r.responses, methods=["POST"]),
         Route("/v1/messages/count_tokens", r.count_tokens, methods=["POST"]),
         Route("/v1/models", r.models, methods=["GET"]),
         Route("/v1/models/{model:path}", r.model_get, methods=["GET"]),
