@@ -28,7 +28,7 @@ from .body import BodyLimits, read_json
 from .conversation import AgentTurn, LiveTools
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
 from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
-from .responses import MemoryRecords, ResponsesParser, ResponsesWire
+from .responses import MemoryRecords, ResponsesParser, ResponsesWire, remember
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -159,6 +159,8 @@ class _Routes:
             return self.wire_err(self.responses_wire, e)
         assert turn.conv is not None
         turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses", live_only=turn.live_only)
+        records = self.responses_wire.records
+        turn.agent.on_outcome = lambda oc: remember(records, turn, oc)  # in the worker thread
         return await self.run(request, turn, self.responses_wire)
 
     async def count_tokens(self, request: Request) -> Response:

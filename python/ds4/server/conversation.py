@@ -250,6 +250,8 @@ class AgentTurn:
         self.live.clear()
         if calls and res.finish_reason == "stop":
             self._canonicalize(rep.content, calls)
+        if self.on_outcome is not None:
+            self.on_outcome(self.outcome)
 
     def _canonicalize(self, content: str, calls: list[ToolCall]) -> None:
         gen = self.gen

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import time
 import uuid
 from typing import Any, Protocol
@@ -40,7 +41,9 @@ from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall
 from .openai import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api
 
-__all__ = ["MemoryRecords", "ResponsesParser", "ResponsesWire"]
+__all__ = ["MemoryRecords", "ResponsesParser", "ResponsesWire", "remember"]
+
+log = logging.getLogger("ds4.server")
 
 KIND = "response"
 MAX_MEMORY_RECORDS = 1000
@@ -334,14 +337,7 @@ class ResponsesReply:
             output.append(self._msg_item(oc.content, "completed"))
         output += [self._call_item(c, "completed") for c in oc.calls]
         status = "incomplete" if oc.finish_reason == "length" else "completed"
-        self._remember(oc, status)
         return status, output, oc
-
-    def _remember(self, oc: Outcome, status: str) -> None:
-        if not self.turn.store or status != "completed":
-            return
-        msgs = [*self.turn.history, Message("assistant", oc.content, list(oc.calls))]
-        self.records.put(KIND, self.turn.rid, {"messages": [_to_json(m) for m in msgs]})
 
     def complete(self, res: GenResult) -> JSON:
         status, output, _ = self._final(res)
@@ -413,6 +409,19 @@ class ResponsesReply:
     def failed(self, e: BaseException) -> list[bytes]:
         api = exception_to_api(e, "input", self.debug)
         return [self._ev("error", code=api.code, message=api.message, param=api.param)]
+
+
+def remember(records: Records, turn: ResponsesTurn, oc: Outcome) -> None:
+    """Store the response's record (the worker runs this, before the final
+    event, so a client's next request finds it): the conversation through
+    its output, without the instructions."""
+    if not turn.store or oc.finish_reason == "cancelled":
+        return
+    msgs = [*turn.history, Message("assistant", oc.content, list(oc.calls))]
+    try:
+        records.put(KIND, turn.rid, {"messages": [_to_json(m) for m in msgs]})
+    except OSError as e:  # the answer still goes out; previous_response_id to it will be unknown
+        log.warning("response %s not stored: %s", turn.rid, e)
 
 
 class ResponsesWire(Wire):
