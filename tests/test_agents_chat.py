@@ -68,11 +68,35 @@ def test_stream_splitter_holds_back_the_block_and_agrees_with_the_parser(cut):
     assert shown + rest == bad and not rep.calls  # not a call: every byte is content
 
 
-def test_tool_call_grammar_names_the_block_and_embeds_each_schema():
-    g = T.tool_call_grammar([t["function"] for t in TOOLS], "lookup")
-    assert g.startswith('start: "<tool_call>[" call') and "</tool_call>" in g
-    assert g.count("%json") == 1 and '"const": "lookup"' in g
-    assert T.tool_call_grammar([t["function"] for t in TOOLS], "required").count("%json") == 2
+class _ByteTokenizer:
+    """A byte-level tokenizer for llguidance (256 bytes + an end token)."""
+
+    def __init__(self):
+        self.eos_token_id, self.bos_token_id = 256, None
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+        self.special_token_ids = [256]
+
+    def __call__(self, s):
+        return list(s) if isinstance(s, bytes) else list(s.encode())
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    import llguidance
+
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+    m = llguidance.LLMatcher(tok, llguidance.grammar_from("lark", grammar))
+    return all(m.consume_token(b) for b in text.encode()) and m.is_accepting()
+
+
+def test_tool_call_grammar_accepts_exactly_the_canonical_calls_it_allows():
+    fns = [t["function"] for t in TOOLS]
+    required, named = T.tool_call_grammar(fns, "required"), T.tool_call_grammar(fns, "note")
+    assert _accepts(required, T.render_calls([("lookup", {"n": 3})]))
+    assert _accepts(required, T.render_calls([("lookup", {"n": 3}), ("note", {"text": "hi"})]))
+    assert not _accepts(required, T.render_calls([("lookup", {"n": "three"})]))  # against the schema
+    assert not _accepts(required, "plain text")
+    assert _accepts(named, T.render_calls([("note", {"text": "a"})]))
+    assert not _accepts(named, T.render_calls([("lookup", {"n": 3})]))  # not the named tool
 
 
 # -- servers -------------------------------------------------------------------
