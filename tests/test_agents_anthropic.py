@@ -6,6 +6,8 @@ the tool-output live match; Anthropic-shaped errors."""
 
 from __future__ import annotations
 
+import signal
+
 import anthropic
 import httpx
 import pytest
@@ -164,3 +166,23 @@ def _stops_and_errors(c, warm):
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
     resp = httpx.post(warm.base + "/v1/messages", headers=h, json={"model": "m", "messages": "x"})
     assert resp.status_code == 400 and resp.json()["type"] == "error"
+
+
+def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, cold):
+    kv = str(tmp_path / "kv")
+    srv = ScriptedServer(tmp_path, "a", "--kv-disk-dir", kv, *KV_FLAGS).start()
+    msgs = [{"role": "user", "content": "Look up 12."}]
+    try:
+        msg, reason, _ = ask(srv, msgs, stream=True)
+        assert reason == "tool_use"
+        msgs += [msg, results(msg)]
+    finally:
+        srv.stop(signal.SIGKILL)  # no shutdown save: what is on disk was saved on the way
+    srv2 = ScriptedServer(tmp_path, "b", "--kv-disk-dir", kv, *KV_FLAGS).start()
+    try:
+        with client(srv2) as c:
+            r = c.messages.create(model="m", max_tokens=300, system=SYSTEM, messages=msgs, tools=ATOOLS)
+    finally:
+        srv2.stop()
+    assert r.model_extra["ds4"]["rung"] == "disk" and r.usage.cache_read_input_tokens > 0
+    assert [b.text for b in r.content] == [b["text"] for b in cold_answer(cold, msgs)[0]["content"]]

@@ -183,6 +183,8 @@ class ResponsesParser:
                 raise _bad(f"tool_choice names {choice!r}, which is not in 'tools'", "tool_choice")
         elif tc in ("auto", "none", "required"):
             choice = str(tc)
+            if choice == "required" and not tools:
+                raise _bad("tool_choice 'required' needs 'tools'", "tool_choice")
         else:
             raise _bad("'tool_choice' must be 'auto', 'none', 'required' or a function", "tool_choice")
         par = body.get("parallel_tool_calls")
