@@ -92,3 +92,30 @@ def test_tool_results_for_the_live_calls_continue_live_and_a_gone_state_is_409()
     # the live state moved since: no match, the history is rendered in full
     gen.sess.invalidate()
     assert AgentTurn(conv, live, gen).render(eng) == eng.render_chat(conv.engine_messages())
+
+
+def test_canonicalize_outcomes(tmp_path):
+    eng = ds4.ReferenceEngine()
+    base = (
+        "<|im_start|>system\n" + "rules " * 60 + "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    canon = base + '<tool_call>[{"name": "f", "arguments": {}}]</tool_call><|im_end|>\n'
+    store = KVStore(tmp_path / "kv", min_tokens=64, boundary_align_tokens=64)
+    gen = Generator(eng, 2048, store)
+
+    def live(text):
+        gen.sess.invalidate()
+        gen.sess.sync(eng.tokenize(text, special=True))
+
+    live(canon)
+    assert gen.canonicalize(canon) == "unchanged"
+    live(canon[: len(canon) - 12])  # the generated call, short of its end: extended
+    assert gen.canonicalize(canon) == "rewritten" and gen.sess.text_bytes() == canon.encode()
+    live(base + '<tool_call>[{"name":"f","arguments":{}}]</tool_call>')  # not canonical: no rewind here
+    assert gen.canonicalize(canon) == "full" and gen.sess.text_bytes() == canon.encode()
+    assert store.store_live_prefix(gen.sess, "cold")  # now the disk holds the canonical turn
+    live(base + "something else entirely")
+    assert gen.canonicalize(canon) == "disk" and gen.sess.text_bytes() == canon.encode()
+    live(base)
+    assert gen.canonicalize(base + "x" * 4096) == "failed"  # does not fit: refused, the live state kept
+    assert gen.sess.checkpoint_valid and gen.sess.text_bytes() == base.encode()

@@ -359,7 +359,9 @@ class Generator:
                 cancel=cancel,
             )
         except Exception as e:
-            if sess.checkpoint_valid and not isinstance(e, PrefillCancelledError):
+            # refused before anything moved (PromptError: it does not fit), or
+            # stopped with the state valid (cancelled): the live state stands
+            if sess.checkpoint_valid and not isinstance(e, (PromptError, PrefillCancelledError)):
                 sess.invalidate(f"tool checkpoint rebuild failed: {e}")
             log.warning("tool checkpoint rebuild failed: %s: %s", type(e).__name__, e)
             return "failed"
