@@ -1,15 +1,14 @@
 #!/usr/bin/env python3
-"""An agent loop replayed on each protocol: prefilled tokens and time with
-ds4 vs the same server without reuse.
+"""An agent loop on each protocol: prefilled tokens and time with ds4 vs
+the same server without reuse.
 
-Workload: a ~2,000-token system prompt with tool schemas, then ``--turns``
-turns of user question -> assistant tool call -> tool result -> the model's
-answer, replayed as an agent client sends it: each request carries the whole
-history (the recorded calls and results), the model answers with at most
-``--max-tokens`` tokens, and that answer joins the history. One loop per
-protocol: ``/v1/chat/completions`` (tools), ``/v1/messages`` and
-``/v1/responses`` (full replay). Three servers on the same engine, one after
-the other, in this one run:
+Workload: a ~2,000-token (SmolLM2; 11,500 bytes for the byte-level
+reference model) system prompt with eight tool schemas, then ``--turns``
+requests of an agent client: each carries the whole history, echoes the
+model's answers, sends a result for each tool call and a new question after
+each plain answer. One loop per protocol: ``/v1/chat/completions`` (tools),
+``/v1/messages`` and ``/v1/responses`` (full replay of the input items).
+Three servers on the same engine, one after the other, in this one run:
 
 * ``ds4``: ``--kv-disk-dir`` (the live session, canonical tool checkpoints,
   the disk rung);
@@ -21,9 +20,16 @@ Per protocol and server: prefilled tokens (prompt - cached) over the loop,
 the cached share of each turn after the first, the total time and the
 server-side time to first token (``ds4.ttft_ms``) of turns 2.. as a ratio of
 the cold server's. Answers are checked equal across the three servers
-(greedy decoding)::
+(greedy decoding).
 
-    python benches/bench_agents.py [--engine llamacpp] [--turns 10] [--max-tokens 8]
+``--engine scripted`` is the reference model whose replies follow the
+agent tests' script (tests/scripted_engine.py: it calls the first tool after
+a question and answers after a result; its KV state is computed as usual):
+SmolLM2-135M never calls a tool, the script does, so the loop is a real
+call -> result -> answer loop::
+
+    python benches/bench_agents.py --engine scripted --ctx 32768 --max-tokens 200 [--turns 10]
+    python benches/bench_agents.py --engine llamacpp [--turns 10] [--max-tokens 8]
 """
 
 from __future__ import annotations
@@ -70,7 +76,12 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
-        args = [sys.executable, "-m", "ds4", "serve", "--engine", engine, "--port", str(self.port), "--ctx", str(ctx)]
+        if engine == "scripted":  # the reference model following the tests' script (it calls tools)
+            here = os.path.dirname(os.path.abspath(__file__))
+            cmd = [sys.executable, os.path.join(here, "..", "tests", "scripted_serve.py"), "--engine", "reference"]
+        else:
+            cmd = [sys.executable, "-m", "ds4", "serve", "--engine", engine]
+        args = [*cmd, "--port", str(self.port), "--ctx", str(ctx)]
         self.proc = subprocess.Popen([*args, *extra], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -96,31 +107,25 @@ class Server:
         self.log.close()
 
 
-# -- one recorded loop, as each protocol carries it ------------------------------
-def call(turn: int) -> tuple[str, str, dict]:
-    name = TOOL_NAMES[turn % len(TOOL_NAMES)]
-    return f"call_{turn:04d}", name, {"arg0": f"src/module_{turn}.py", "arg1": str(turn)}
-
-
-def result(turn: int) -> str:
-    return f"(output of step {turn}) " + " ".join(f"line {k}: ok" for k in range(12))
+# -- one agent loop, as each protocol carries it ---------------------------------
+def result(turn: int, args: str) -> str:
+    return f"(output of step {turn} for {args}) " + " ".join(f"line {k}: ok" for k in range(12))
 
 
 class Chat:
+    """The client of /v1/chat/completions: it echoes each answer, sends a
+    result for each call, and a new question after each plain answer."""
+
     path = "/v1/chat/completions"
 
     def __init__(self, max_tokens: int):
-        self.msgs: list[dict] = [{"role": "system", "content": SYSTEM}]
+        self.msgs: list[dict] = [{"role": "system", "content": SYSTEM}, self.question(0)]
         self.max_tokens = max_tokens
+        self.calls: list[tuple[str, str]] = []  # (id, arguments) of the last answer
 
-    def ask(self, turn: int) -> None:
-        cid, name, args = call(turn)
-        self.msgs += [
-            {"role": "user", "content": f"Step {turn}: look at module {turn}."},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
-            {"role": "tool", "tool_call_id": cid, "content": result(turn)},
-        ]  # fmt: skip
+    @staticmethod
+    def question(turn: int) -> dict:
+        return {"role": "user", "content": f"Step {turn}: look at module {turn} and tell me what it does."}
 
     def body(self) -> dict:
         t = [{"type": "function", "function": f} for f in tools()]
@@ -128,9 +133,18 @@ class Chat:
 
     def answer(self, r: dict) -> str:
         m = r["choices"][0]["message"]
-        text = m["content"] or ""
-        self.msgs.append({"role": "assistant", "content": text, **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})})  # fmt: skip
-        return json.dumps(m.get("tool_calls")) + text
+        calls = m.get("tool_calls") or []
+        self.msgs.append(
+            {"role": "assistant", "content": m["content"] or "", **({"tool_calls": calls} if calls else {})}
+        )
+        self.calls = [(c["id"], c["function"]["arguments"]) for c in calls]
+        return json.dumps([m["content"], [c["function"] for c in calls]])
+
+    def next(self, turn: int) -> None:
+        if self.calls:
+            self.msgs += [{"role": "tool", "tool_call_id": i, "content": result(turn, a)} for i, a in self.calls]
+        else:
+            self.msgs.append(self.question(turn))
 
     @staticmethod
     def usage(r: dict) -> tuple[int, int]:
@@ -142,16 +156,9 @@ class Messages(Chat):
     path = "/v1/messages"
 
     def __init__(self, max_tokens: int):
-        self.msgs = []
+        self.msgs = [self.question(0)]
         self.max_tokens = max_tokens
-
-    def ask(self, turn: int) -> None:
-        cid, name, args = call(turn)
-        self.msgs += [
-            {"role": "user", "content": f"Step {turn}: look at module {turn}."},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": cid, "name": name, "input": args}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": cid, "content": result(turn)}]},
-        ]
+        self.calls = []
 
     def body(self) -> dict:
         t = [{"name": f["name"], "description": f["description"], "input_schema": f["parameters"]} for f in tools()]
@@ -159,7 +166,15 @@ class Messages(Chat):
 
     def answer(self, r: dict) -> str:
         self.msgs.append({"role": "assistant", "content": r["content"]})
-        return json.dumps(r["content"])
+        self.calls = [(b["id"], json.dumps(b["input"])) for b in r["content"] if b["type"] == "tool_use"]
+        return json.dumps([{k: v for k, v in b.items() if k != "id"} for b in r["content"]])
+
+    def next(self, turn: int) -> None:
+        if self.calls:
+            res = [{"type": "tool_result", "tool_use_id": i, "content": result(turn, a)} for i, a in self.calls]
+            self.msgs.append({"role": "user", "content": res})
+        else:
+            self.msgs.append(self.question(turn))
 
     @staticmethod
     def usage(r: dict) -> tuple[int, int]:
@@ -169,33 +184,39 @@ class Messages(Chat):
 
 
 class Responses(Chat):
+    """Full replay of the input items (no previous_response_id)."""
+
     path = "/v1/responses"
 
     def __init__(self, max_tokens: int):
-        self.items = []
+        self.msgs = [self.question(0)]
         self.max_tokens = max_tokens
-
-    def ask(self, turn: int) -> None:
-        cid, name, args = call(turn)
-        self.items += [
-            {"role": "user", "content": f"Step {turn}: look at module {turn}."},
-            {"type": "function_call", "call_id": cid, "name": name, "arguments": json.dumps(args)},
-            {"type": "function_call_output", "call_id": cid, "output": result(turn)},
-        ]
+        self.calls = []
 
     def body(self) -> dict:
         t = [{"type": "function", **f} for f in tools()]
-        return {"model": "m", "instructions": SYSTEM, "input": self.items, "tools": t, "max_output_tokens": self.max_tokens}  # fmt: skip
+        return {"model": "m", "instructions": SYSTEM, "input": self.msgs, "tools": t, "max_output_tokens": self.max_tokens}  # fmt: skip
 
     def answer(self, r: dict) -> str:
+        self.calls = []
         out = []
         for o in r["output"]:
             if o["type"] == "message":
-                self.items.append({"role": "assistant", "content": o["content"][0]["text"]})
+                self.msgs.append({"role": "assistant", "content": o["content"][0]["text"]})
+                out.append(o["content"][0]["text"])
             else:
-                self.items.append({k: o[k] for k in ("type", "call_id", "name", "arguments")})
-            out.append(o)
-        return json.dumps([{k: v for k, v in o.items() if k not in ("id", "call_id")} for o in out])
+                self.msgs.append({k: o[k] for k in ("type", "call_id", "name", "arguments")})
+                self.calls.append((o["call_id"], o["arguments"]))
+                out.append([o["name"], o["arguments"]])
+        return json.dumps(out)
+
+    def next(self, turn: int) -> None:
+        if self.calls:
+            self.msgs += [
+                {"type": "function_call_output", "call_id": i, "output": result(turn, a)} for i, a in self.calls
+            ]
+        else:
+            self.msgs.append(self.question(turn))
 
     @staticmethod
     def usage(r: dict) -> tuple[int, int]:
@@ -208,7 +229,8 @@ def loop(srv: Server, proto: type[Chat], turns: int, max_tokens: int, cold: bool
     rows, answers = [], []
     t0 = time.perf_counter()
     for turn in range(turns):
-        c.ask(turn)
+        if turn:
+            c.next(turn)
         if cold:
             srv.reset()
         t = time.perf_counter()
