@@ -41,12 +41,15 @@ def free_port() -> int:
 
 
 class ScriptedServer:
-    """``ds4 serve`` over the scripted engine, in a subprocess."""
+    """``ds4 serve`` over the scripted engine (or, with ``engine``, a real
+    one), in a subprocess."""
 
-    def __init__(self, tmp, name, *args, ctx=8192):
+    def __init__(self, tmp, name, *args, ctx=8192, engine=None):
         self.port = free_port()
         self.log_path = os.path.join(str(tmp), f"{name}.log")
         self.args = [sys.executable, os.path.join(HERE, "scripted_serve.py"), "--engine", "reference"]
+        if engine is not None:
+            self.args = [sys.executable, "-m", "ds4", "serve", "--engine", engine]
         self.args += ["--port", str(self.port), "--ctx", str(ctx), *args]
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None

@@ -278,3 +278,32 @@ def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, cold):
         srv2.stop()
     assert x["rung"] == "disk" and usage.prompt_tokens_details.cached_tokens > 0, x
     assert strip_ids(msg2) == strip_ids(cold_answer(cold, msgs)[0])
+
+
+def test_smollm2_tool_conversation_streams_and_continues_live(tmp_path):
+    """The one SmolLM2 loop: with tools described, the streamed answer (its
+    BPE pieces through the call splitter) equals a cold server's, and the
+    next turn, the answer echoed, is served from the live state."""
+    import llama_cpp  # noqa: F401  (CI installs it; this test must not be skipped)
+
+    kv = str(tmp_path / "kv")
+    warm = ScriptedServer(tmp_path, "w", "--kv-disk-dir", kv, "--threads", "2", engine="llamacpp", ctx=2048).start()
+    cold = ScriptedServer(tmp_path, "c", "--no-kv-cache", "--threads", "2", engine="llamacpp", ctx=2048).start()
+    try:
+        msgs = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "What is the weather in Paris? Use a tool if you need one."},
+        ]
+        first, finish, _, _ = ask(warm, msgs, stream=True, max_tokens=12)
+        cold_first, cold_finish = cold_answer(cold, msgs, max_tokens=12)
+        assert strip_ids(first) == strip_ids(cold_first) and finish == cold_finish
+        if finish == "tool_calls":  # the model called (it usually answers in prose)
+            msgs += [first, *result_for(first)]
+        else:
+            msgs += [first, {"role": "user", "content": "And in Rome?"}]
+        second, _, usage, x = ask(warm, msgs, max_tokens=12)
+        assert x["rung"] == "live" and usage.prompt_tokens_details.cached_tokens >= 0.95 * usage.prompt_tokens
+        assert strip_ids(second) == strip_ids(cold_answer(cold, msgs, max_tokens=12)[0])
+    finally:
+        warm.stop()
+        cold.stop()
