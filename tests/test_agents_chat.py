@@ -250,12 +250,16 @@ def test_parallel_calls_tool_choice_none_and_validation(warm):
     assert finish == "tool_calls" and len(msg["tool_calls"]) == 1
     msg, finish, _, _ = ask(warm, msgs, tool_choice="none")  # no tools described: no call
     assert finish == "stop" and msg["content"] == "Hello from the script."
-    msg, finish, _, _ = ask(warm, msgs, tool_choice={"type": "function", "function": {"name": "note"}})
-    assert finish == "tool_calls"
+    # forced (a grammar constraint): the call block, canonical, so the live state needs no rebuild
+    msg, finish, _, _ = ask(warm, msgs, tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert finish == "tool_calls" and {t["function"]["name"] for t in msg["tool_calls"]} == {"lookup"}
+    msg, finish, _, _ = ask(warm, msgs, tool_choice="required", parallel_tool_calls=False)
+    assert finish == "tool_calls" and len(msg["tool_calls"]) == 1
     for bad in (
         {"tool_choice": {"type": "function", "function": {"name": "missing"}}},
         {"tool_choice": "sometimes"},
         {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+        {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]},
     ):
         body = {"model": "m", "messages": msgs, "tools": TOOLS, **bad}
         r = httpx.post(warm.base + "/v1/chat/completions", json=body, timeout=30)

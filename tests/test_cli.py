@@ -89,6 +89,28 @@ def test_run_json_cold_then_from_disk(tmp_path):
     assert s1["tokens"] == s2["tokens"] != a["tokens"]
 
 
+def test_run_json_schema(tmp_path):
+    """``--json-schema FILE``: the answer is JSON valid under it; a bad or
+    missing file is a usage error (exit 2) before any engine is built."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"port": {"type": "string", "maxLength": 6}, "ships": {"type": "integer", "minimum": 0}},
+        "required": ["port", "ships"],
+        "additionalProperties": False,
+    }
+    f = tmp_path / "schema.json"
+    f.write_text(json.dumps(schema))
+    a, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 200, "--json-schema", f)
+    assert a["finish_reason"] == "stop", a["text"]
+    jsonschema.validate(json.loads(a["text"]), schema)
+    (tmp_path / "bad.json").write_text('{"type": "no-such-type"}')
+    for bad, why in ((tmp_path / "bad.json", "invalid JSON schema"), (tmp_path / "missing.json", "No such file")):
+        p = ds4_cmd("run", "-p", PROMPT, "--engine", "reference", "--json-schema", bad, check=False)
+        assert p.returncode == 2 and why in p.stderr and not p.stdout, p.stderr
+
+
 def test_run_progress_bar_only_on_a_tty():
     # The bar appears once a prefill has run for 1.5 s; DS4_PROGRESS_DELAY=0
     # shows it at once, so a short prefill (a few 256-token chunks) will do.

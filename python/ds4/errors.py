@@ -33,6 +33,7 @@ __all__ = [
     "BadV1PayloadError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "ConstraintError",
     "ContextOverflowError",
     "ContextTooSmallError",
     "CorruptCheckpointError",
@@ -328,6 +329,14 @@ class ContextOverflowError(PromptError):
 
 class EmptyPromptError(PromptError):
     """The prompt is empty."""
+
+
+class ConstraintError(PromptError):
+    """A constraint on the output (a JSON schema, a grammar) cannot be used:
+    invalid, unsupported or over the grammar library's limits. Raised before
+    the session is touched (a server answers 400)."""
+
+    code = "invalid_constraint"
 
 
 class EngineError(Ds4Error, RuntimeError):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall
 from .openai import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api
@@ -228,7 +229,10 @@ class MessagesParser:
     def messages(self, raw: object) -> Turn:
         conv = self.conversation(raw)
         assert isinstance(raw, dict)
-        params = conv.gen_params(self._params(raw))
+        try:
+            params = conv.gen_params(self._params(raw))
+        except ConstraintError as e:
+            raise _bad(f"tools: the input_schema cannot be enforced: {e}") from None
         stream = raw.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad("stream: must be a boolean")

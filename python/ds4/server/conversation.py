@@ -26,6 +26,7 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..constrain import Constraint
 from . import tools as conv_tools
 
 if TYPE_CHECKING:
@@ -131,15 +132,16 @@ class Conversation:
 
     def gen_params(self, params: GenParams) -> GenParams:
         """The turn's decoding parameters: with tools, decoding stops right
-        after a call block closes."""
+        after a call block closes; ``tool_choice`` ``required`` or a named
+        tool constrains the reply to a call block whose arguments follow the
+        tool's schema (:func:`ds4.server.tools.tool_call_grammar`). Raises
+        :class:`ds4.errors.ConstraintError` for schemas that cannot be
+        enforced."""
         if self.tools_active:
             params = dataclasses.replace(params, stop_after=(*params.stop_after, conv_tools.CALL_END))
-            # >>> constrained decoding (branch `grammar`): for tool_choice
-            # "required" or a named tool, pass
-            #     constraint=Constraint.lark(conv_tools.tool_call_grammar([t.schema() for t in self.tools], self.forced))
-            # here when self.forced is not None. Until then the choice is
-            # asked for in the prompt only, and a reply that is not a call is
-            # returned as content.
+            if self.forced is not None:
+                grammar = conv_tools.tool_call_grammar([t.schema() for t in self.tools], self.forced)
+                params = dataclasses.replace(params, constraint=Constraint.lark(grammar))
         return params
 
 

@@ -37,6 +37,7 @@ import time
 import uuid
 from typing import Any, Protocol
 
+from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall
 from .openai import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api
@@ -259,7 +260,11 @@ class ResponsesParser:
         stream = raw.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad("'stream' must be a boolean", "stream", "invalid_type")
-        turn = ResponsesTurn(conv.gen_params(self._params(raw)), stream, conv, raw, history)
+        try:
+            params = conv.gen_params(self._params(raw))
+        except ConstraintError as e:
+            raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
+        turn = ResponsesTurn(params, stream, conv, raw, history)
         turn.live_only = live_only and not raw.get("previous_response_id")
         return turn
 

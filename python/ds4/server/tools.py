@@ -44,6 +44,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..constrain import json_rule
+
 log = logging.getLogger("ds4.server")
 
 __all__ = [
@@ -223,9 +225,10 @@ class StreamSplitter:
 def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: str | None) -> str:
     """The llguidance lark grammar of a reply that is one call block (for
     ``tool_choice`` ``required`` or a named tool): ``<tool_call>``, a JSON
-    array of calls whose arguments follow each tool's schema, ``</tool_call>``.
-    Built for :meth:`ds4.constrain.Constraint.lark` (see the GenParams place
-    marked in :mod:`ds4.server.conversation`)."""
+    array of calls whose arguments follow each tool's schema, ``</tool_call>``,
+    every JSON item in ds4's format (:func:`ds4.constrain.json_rule`: the
+    canonical form of :func:`render_calls`). For
+    :meth:`ds4.constrain.Constraint.lark` (``Conversation.gen_params``)."""
     chosen = [t for t in tools if choice in (None, "required") or t.get("name") == choice]
     alts = []
     for k, t in enumerate(chosen):
@@ -238,7 +241,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: str | None) ->
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        alts.append(f"call{k}: %json {json.dumps(schema)}")
+        alts.append(f"call{k}: {json_rule(schema)}")
     names = " | ".join(f"call{k}" for k in range(len(chosen))) or "call0"
     rules = [
         f'start: "{CALL_START}[" call ("," " "? call)* "]{CALL_END}"',
