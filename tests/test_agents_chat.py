@@ -259,7 +259,10 @@ def test_parallel_calls_tool_choice_none_and_validation(warm):
         {"tool_choice": {"type": "function", "function": {"name": "missing"}}},
         {"tool_choice": "sometimes"},
         {"tools": [{"type": "function", "function": {"description": "no name"}}]},
-        {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]},
+        {
+            "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
+        },
     ):
         body = {"model": "m", "messages": msgs, "tools": TOOLS, **bad}
         r = httpx.post(warm.base + "/v1/chat/completions", json=body, timeout=30)
