@@ -74,6 +74,7 @@ from .files import (
 )
 from .named import load_named
 from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
+from .records import RecordStore
 from .remove import evict_entries, is_regular, remove_exact
 from .save import CHATML_MARKERS, chat_anchor, existing_file, write_live
 
@@ -172,6 +173,9 @@ class KVStore:
         # name -> stat key when last read, so a rescan reports them once.
         self._kept: dict[str, StatKey] = {}
         self._dir_mtime: int | None = None
+        # small JSON records (stored Responses) in records/: at most 1 % of
+        # the budget, and counted in it (eviction makes room for them)
+        self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
         self.stats = {
             "hits": 0,
             "misses": 0,
@@ -684,7 +688,7 @@ class KVStore:
 
     def _evict_locked(self, protect: str | None) -> int:
         self.refresh(force=True)
-        limit = self.budget_bytes
+        limit = self.budget_bytes - self.records.total_bytes()
         now = time.time()
         victims = plan_eviction(list(self._index.values()), limit, now, protect)
         for victim in victims:
