@@ -73,8 +73,8 @@ from .files import (
     temp_writer_pid,
 )
 from .named import load_named
-from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
 from .records import RecordStore
+from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
 from .remove import evict_entries, is_regular, remove_exact
 from .save import CHATML_MARKERS, chat_anchor, existing_file, write_live
 
