@@ -49,6 +49,7 @@ import numpy as np
 
 from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
+from ..keytext import Prompt
 from .llamacpp_lib import (
     GGUF_NAME,
     Batch,
@@ -134,6 +135,7 @@ class LlamaCppEngine:
         self.flash_attn = False
         self._piece_cache: dict[int, bytes] = {}
         self._eog: frozenset[int] | None = None
+        self._special: frozenset[int] | None = None
         self._abi: str | None = None
         self.state_layout_known = False
         self.state_bytes_per_token = 0
@@ -154,6 +156,15 @@ class LlamaCppEngine:
             size = n + 1
 
     @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The control tokens: what only ``tokenize(..., special=True)``
+        produces (the chat markers); see :mod:`ds4.keytext`."""
+        if self._special is None:
+            f = self._lc.llama_vocab_is_control
+            self._special = frozenset(t for t in range(self.vocab_size) if f(self._vocab, t))
+        return self._special
+
+    @property
     def eog_token_ids(self) -> frozenset[int]:
         """Every end-of-generation token (EOS, EOT, ...)."""
         if self._eog is None:
@@ -171,7 +182,7 @@ class LlamaCppEngine:
         return self._abi
 
     # -- text --------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
         """The GGUF's ChatML template (see :func:`~ds4.engines.llamacpp_lib.render_chatml`)."""
         return render_chatml(messages, add_generation_prompt)
 

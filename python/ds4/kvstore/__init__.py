@@ -239,14 +239,21 @@ class KVStore:
         pb = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
         return find_prefixes(self._index.values(), pb, min_tokens=self.min_tokens, abi=abi, ctx=ctx)
 
-    def candidates(self, prompt: bytes, ctx: int | None = None) -> Candidates:
-        """One lookup for one request: the stored prefixes of ``prompt``
-        (see :meth:`lookup`) and the files rejected while indexing since the
-        last call. The ladder asks once and hands the result to every rung
-        that needs it (:meth:`load_first`)."""
+    def candidates(self, prompt: bytes, ctx: int | None = None, namespace: str | None = None) -> Candidates:
+        """One lookup for one request: the stored prefixes of ``prompt``, a
+        key text (see :meth:`lookup`), and the files rejected while indexing
+        since the last call. The ladder asks once and hands the result to
+        every rung that needs it (:meth:`load_first`).
+
+        ``namespace`` is the one the key text is in (:mod:`ds4.keytext`: its
+        preamble starts ``prompt``, so only that namespace's files can
+        match). A namespaced lookup is not told of files rejected while
+        indexing (they may be any namespace's; they are logged)."""
         entries = self.lookup(prompt, ctx=ctx)
         rejected, self._unreported = self._unreported, []
-        return Candidates(prompt, entries, rejected)
+        if namespace is not None:
+            rejected = []
+        return Candidates(prompt, entries, rejected, namespace)
 
     # -- removal -------------------------------------------------------------
     def discard(self, path: str, err: CheckpointError, where: str, expect: StatKey | None) -> str | None:
@@ -412,7 +419,8 @@ class KVStore:
         self, sess: Session, reason: str = "cold", *, name_text: bytes | None = None, min_tokens: int | None = None
     ) -> str | None:
         """Save the live session (which must be valid) under the SHA-1 of its
-        rendered text. Returns the path, or None when the policy declines
+        key text (:meth:`Session.key_bytes`: its namespace's preamble, then
+        its tokens' rendering). Returns the path, or None when the policy declines
         (too short, over budget, key held by another engine's file).
         ``min_tokens`` overrides the store's minimum (named and system-prompt
         checkpoints may be short)."""
@@ -423,7 +431,7 @@ class KVStore:
         if n < max(1, floor):
             log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, floor)
             return None
-        text = name_text if name_text is not None else sess.text_bytes()
+        text = name_text if name_text is not None else sess.key_bytes()
         name = _core.sha1_hex(text) + ".kv"
         path = os.path.join(self.dir, name)
         t0 = time.perf_counter()

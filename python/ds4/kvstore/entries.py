@@ -99,11 +99,14 @@ class Candidates:
     """What one lookup found for a prompt: the indexed checkpoints whose
     name is the SHA-1 of a prefix of it (longest first; their headers were
     verified when indexed, every load verifies the whole file again), and
-    the files rejected while indexing since the last lookup."""
+    the files rejected while indexing since the last lookup. ``namespace``
+    is the cache namespace of the lookup (:mod:`ds4.keytext`; None: the
+    default): one value a tier beside the directory can key on too."""
 
     prompt: bytes
     entries: list[Entry]
     rejected: list[Rejection]
+    namespace: str | None = None
 
 
 @dataclasses.dataclass
