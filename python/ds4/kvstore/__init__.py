@@ -317,9 +317,12 @@ class KVStore:
         """One rung of the ladder on its own, as in ds4: load the longest
         stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
         invalidate the session and are removed; incompatible ones are kept;
-        the next candidate is tried. Returns None when nothing loaded."""
-        pb = prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
-        found = self.candidates(pb, ctx=sess.ctx)
+        the next candidate is tried. Returns None when nothing loaded.
+        Bytes are a key text (:mod:`ds4.keytext`); a ``str`` is taken as
+        its UTF-8 bytes in the session's namespace (its key text when no
+        marker's lead byte is typed in it as text)."""
+        pb = sess.key_of(()) + prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
+        found = self.candidates(pb, ctx=sess.ctx, namespace=sess.namespace)
         if report is not None:
             report.rejected.extend(found.rejected)
         return self.load_first(sess, found, report)

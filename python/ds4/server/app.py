@@ -28,6 +28,7 @@ from ..turn import Generator, GenResult
 from .body import BodyLimits, read_json
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
 from .openai import SSE_DONE, ApiError, Reply, RequestParser, Turn, exception_to_api, http_error
+from .tenants import ANONYMOUS, namespace_for
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ class _JobRun:
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
 
-        self.job = Job(turn.kind, turn.payload, turn.params, post)
+        tenant = request.scope.get("state", {}).get("ds4_tenant", ANONYMOUS)
+        self.job = Job(turn.kind, turn.payload, turn.params, post, namespace_for(tenant, turn.cache_salt))
         service.submit(self.job)
         self.watcher = asyncio.ensure_future(self._watch(request))
 

@@ -85,6 +85,17 @@ def _opt_bool(body: JSON, key: str) -> bool | None:
     return v
 
 
+def _cache_salt(body: JSON) -> str | None:
+    """``cache_salt`` (vLLM's name): a non-empty string, or absent."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise _bad("'cache_salt' must be a non-empty string", "cache_salt", "invalid_type")
+    _utf8_len(v, "cache_salt")
+    return v
+
+
 def _utf8_len(s: str, param: str) -> int:
     """Bytes of ``s`` in UTF-8; 400 when it holds a lone surrogate (valid
     JSON, but no tokenizer can encode it)."""
@@ -98,12 +109,21 @@ class Turn:
     """One parsed request: what to render (chat messages or a raw prompt),
     how to generate, and how to answer."""
 
-    def __init__(self, kind: str, payload: Any, params: GenParams, stream: bool, include_usage: bool):
+    def __init__(
+        self,
+        kind: str,
+        payload: Any,
+        params: GenParams,
+        stream: bool,
+        include_usage: bool,
+        cache_salt: str | None = None,
+    ):
         self.kind = kind  # "chat" (payload: messages) or "completion" (payload: prompt text)
         self.payload = payload
         self.params = params
         self.stream = stream
         self.include_usage = include_usage
+        self.cache_salt = cache_salt  # vLLM's field: its own cache namespace (ds4.server.tenants)
 
     @property
     def param(self) -> str:
@@ -264,7 +284,7 @@ class RequestParser:
         rf = body.get("response_format")
         if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
             raise _bad("only response_format {'type': 'text'} is supported", "response_format", "unsupported_value")
-        return Turn("chat", out, params, stream, inc)
+        return Turn("chat", out, params, stream, inc, _cache_salt(body))
 
     def completion(self, raw: object) -> Turn:
         body, params, stream, inc = self._common(raw)
@@ -284,7 +304,7 @@ class RequestParser:
             raise _bad("echo is not supported", "echo", "unsupported_value")
         if body.get("suffix"):
             raise _bad("suffix is not supported", "suffix", "unsupported_value")
-        return Turn("completion", prompt, params, stream, inc)
+        return Turn("completion", prompt, params, stream, inc, _cache_salt(body))
 
 
 def invalid_json(e: Exception) -> ApiError:
