@@ -31,7 +31,8 @@ template's own markers (special) and which are text (tokenized as text).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 __all__ = [
@@ -118,34 +119,58 @@ def special_ids(engine: object) -> frozenset[int]:
 
 
 class KeyRenderer:
-    """Renders tokens to key text for one engine (pieces cached)."""
+    """Renders tokens to key text for one engine: one table of every
+    token's key bytes, built on first use (a join over the table is what a
+    turn pays)."""
 
     def __init__(self, engine: _Vocab):
         self.engine = engine
         self.special = special_ids(engine)
         lead = {engine.token_bytes(t)[:1] for t in self.special} - {b""}
         self.escaped = frozenset(b[0] for b in lead) | {ESC}
-        self._pieces: dict[int, bytes] = {}
+        self._table: list[bytes] | None = None
+
+    @classmethod
+    def of(cls, engine: _Vocab) -> KeyRenderer:
+        """The engine's renderer, shared by its sessions (one table each)."""
+        try:
+            r = _RENDERERS.get(engine)
+        except TypeError:  # not weak-referenceable
+            return cls(engine)
+        if r is None:
+            r = _RENDERERS[engine] = cls(engine)
+        return r
+
+    def _piece(self, token: int) -> bytes:
+        raw = self.engine.token_bytes(token)
+        if token in self.special or not self.escaped.intersection(raw):
+            return raw
+        return b"".join(bytes((ESC, c)) if c in self.escaped else bytes((c,)) for c in raw)
+
+    @property
+    def table(self) -> list[bytes]:
+        """Every token's key bytes, by id."""
+        if self._table is None:
+            self._table = [self._piece(t) for t in range(int(self.engine.vocab_size))]
+        return self._table
 
     def piece(self, token: int) -> bytes:
         """One token's key bytes."""
-        p = self._pieces.get(token)
-        if p is None:
-            raw = self.engine.token_bytes(token)
-            if token in self.special or not self.escaped.intersection(raw):
-                p = raw
-            else:
-                p = b"".join(bytes((ESC, c)) if c in self.escaped else bytes((c,)) for c in raw)
-            self._pieces[token] = p
-        return p
+        return self.table[token]
 
     def is_plain(self, token: int) -> bool:
         """True when the token's key bytes are its bytes and it is not special."""
         return token not in self.special and self.piece(token) == self.engine.token_bytes(token)
 
     def render(self, tokens: Iterable[int]) -> bytes:
-        piece = self.piece
-        return b"".join([piece(t) for t in tokens])
+        return b"".join(map(self.table.__getitem__, tokens))
+
+    def lengths(self, tokens: Iterable[int]) -> Iterator[int]:
+        """The key length of each token."""
+        return map(len, map(self.table.__getitem__, tokens))
+
+
+_RENDERERS: weakref.WeakKeyDictionary[_Vocab, KeyRenderer] = weakref.WeakKeyDictionary()
 
 
 class _Tokenizer(Protocol):

@@ -193,7 +193,7 @@ class _Ladder:
         text (preamble included); see :func:`_rest_after`."""
         keys = self.sess.key_renderer
         if self._cum is None:
-            self._cum = [0, *itertools.accumulate(len(keys.piece(t)) for t in self.tokens)]
+            self._cum = [0, *itertools.accumulate(keys.lengths(self.tokens))]
         return _rest_after(keys, self.tokens, self._cum, n_key - (len(self.prompt_b) - self._cum[-1]))
 
     def finish(self, rung: str, source: str, effective: Sequence[int], reused: int) -> RecoveryReport:

@@ -71,7 +71,7 @@ class Session:
         self._valid = False
         self._abi = engine.payload_abi()
         self.last_error: str | None = None
-        self._keys = KeyRenderer(engine)
+        self._keys = KeyRenderer.of(engine)
         self._namespace: str | None = None
         self._preamble = b""
 
