@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import openai
 import pytest
 from test_server import KV_FLAGS, Server
 
@@ -337,13 +338,13 @@ def test_cache_salt_must_be_a_non_empty_string(tmp_path):
     try:
         c = srv.client()
         for bad in ("", 3, ["x"]):
-            with pytest.raises(Exception) as ei:
+            with pytest.raises(openai.BadRequestError) as ei:
                 c.chat.completions.create(
                     model="m",
                     messages=[{"role": "user", "content": "hi"}],
                     max_tokens=1,
                     extra_body={"cache_salt": bad},
                 )
-            assert getattr(ei.value, "status_code", None) == 400
+            assert ei.value.status_code == 400 and ei.value.body["param"] == "cache_salt"
     finally:
         srv.stop()
