@@ -273,9 +273,11 @@ def test_side_channel_closed_between_tenants_and_salts_reference(eng, tmp_path):
     A's own later turns stay cached (>= 90%)."""
     k = 5
     trim = _digit_tail_tokens(eng, _a_messages, "8273645190", k)
+    anchor = len(tokenize_prompt(eng, eng.render_chat(_a_messages("8273645190")[:1], add_generation_prompt=False)))
+    assert anchor < 90 < len(tokenize_prompt(eng, eng.render_chat(_a_messages("8273645190")))) - trim
     flags = [
         "--kv-cache-min-tokens",
-        "32",
+        "90",  # above the chat anchor (82: the system turn), below the digit (104)
         "--kv-cache-boundary-align-tokens",
         "1",
         "--kv-cache-boundary-trim-tokens",

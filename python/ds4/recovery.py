@@ -317,7 +317,8 @@ class _Ladder:
         sess, store, tokens = self.sess, self.store, self.tokens
         sess.invalidate("full prefill")
         if store is not None and cold_save and len(tokens) <= store.cold_max_tokens:
-            cold_len = store.cold_store_len(len(tokens))
+            # the key rendering: a marker typed as text is no anchor
+            cold_len = store.cold_store_at(tokens, sess.key_renderer.piece)
             if cold_len is not None:
                 self.sync(tokens[:cold_len])
                 try:

@@ -28,13 +28,12 @@ class ByteTokenizer:
 
     def __init__(self, specials: Sequence[str], bos: str, eos: str):
         self.special_tokens = {s: 256 + i for i, s in enumerate(specials)}
+        self.special_token_ids = frozenset(self.special_tokens.values())
         self.vocab_size = 256 + len(specials)
         self.bos_token_id = self.special_tokens[bos]
         self.eos_token_id = self.special_tokens[eos]
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")")
         self._token_bytes = [bytes([i]) for i in range(256)] + [s.encode("utf-8") for s in specials]
-        #: the marker ids (what only ``special=True`` produces)
-        self.special_token_ids = frozenset(range(256, self.vocab_size))
 
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
         """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,

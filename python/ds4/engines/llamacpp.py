@@ -156,21 +156,24 @@ class LlamaCppEngine:
             size = n + 1
 
     @property
-    def special_token_ids(self) -> frozenset[int]:
-        """The control tokens: what only ``tokenize(..., special=True)``
-        produces (the chat markers); see :mod:`ds4.keytext`."""
-        if self._special is None:
-            f = self._lc.llama_vocab_is_control
-            self._special = frozenset(t for t in range(self.vocab_size) if f(self._vocab, t))
-        return self._special
-
-    @property
     def eog_token_ids(self) -> frozenset[int]:
         """Every end-of-generation token (EOS, EOT, ...)."""
         if self._eog is None:
             f = self._lc.llama_vocab_is_eog
             self._eog = frozenset(t for t in range(self.vocab_size) if f(self._vocab, t))
         return self._eog
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Control tokens (``<|im_start|>``, ``<|endoftext|>``, ...): what
+        only ``tokenize(..., special=True)`` produces; never text to a
+        grammar (:mod:`ds4.constrain`), and told apart from typed text in the
+        key text (:mod:`ds4.keytext`)."""
+        if self._special is None:
+            lc = self._lc
+            attr, control = lc.llama_vocab_get_attr, int(lc.LLAMA_TOKEN_ATTR_CONTROL)
+            self._special = frozenset(t for t in range(self.vocab_size) if int(attr(self._vocab, t)) & control)
+        return self._special
 
     def payload_abi(self) -> str:
         if self._abi is None:

@@ -153,6 +153,6 @@ def find_prefixes(
         return []
     lengths = sorted({e.text_bytes for e in cands})
     digests = dict(zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True))
-    hits = [e for e in cands if digests.get(e.text_bytes) == e.name[:40]]
+    hits = [e for e in cands if digests.get(e.text_bytes) == e.name[:40].lower()]
     hits.sort(key=lambda e: (-e.text_bytes, -e.tokens))
     return hits
