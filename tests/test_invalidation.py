@@ -335,7 +335,10 @@ def _non_utf8_cut(eng, prompt):
     pytest.fail("no token boundary falls inside a UTF-8 sequence")
 
 
-def test_suffix_not_tokenizable_after_disk_load_falls_to_a_clean_prefill(eng, tmp_path):
+def test_disk_load_cut_inside_a_utf8_sequence_resumes_with_the_prompts_tokens(eng, tmp_path):
+    """The checkpoint ends inside a UTF-8 sequence, but between two of the
+    prompt's tokens: the rest of the prompt's own tokens follow it (no
+    re-tokenizing of a suffix that is not text on its own)."""
     prompt = eng.render_chat([{"role": "user", "content": "héllo wörld, ünïcödé everywhere: ééééé ßßß"}])
     full, cut = _non_utf8_cut(eng, prompt)
     donor = ds4.Session(eng, ctx=CTX)
@@ -344,8 +347,8 @@ def test_suffix_not_tokenizable_after_disk_load_falls_to_a_clean_prefill(eng, tm
     assert store.store_live_prefix(donor, "named") is not None
     s = live_session(eng)
     rep = ds4.recover(s, store, prompt, evict_save=False)
-    assert rep.rung == "prefill" and rep.reused_tokens == 0
-    assert store.stats["hits"] == 1  # the checkpoint did load, then its suffix could not be tokenized
+    assert rep.rung == "disk" and rep.reused_tokens == cut
+    assert store.stats["hits"] == 1
     cold = ds4.Session(eng, ctx=CTX)
     cold.sync(full)
     assert s.tokens == full and np.array_equal(s.logits, cold.logits)

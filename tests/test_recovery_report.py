@@ -17,8 +17,8 @@ import pytest
 
 import ds4
 from ds4 import _core, recovery
-from ds4.checkpoint import open_checkpoint
-from ds4.recovery import RecoveryReport, _tokenize_suffix
+from ds4.checkpoint import open_checkpoint, write_checkpoint
+from ds4.recovery import RecoveryReport, _rest_after
 
 STEP = 0.25  # seconds per perf_counter call: every interval is 250 ms
 MS = STEP * 1000
@@ -132,19 +132,30 @@ def test_event_formats_only_with_arguments():
     assert rep.events == ["reused=3 of ten", "a literal 100% and %d, no arguments"]
 
 
-def test_tokenize_suffix():
-    class Tok:
-        def __init__(self):
-            self.calls = []
+def test_rest_after_a_cut():
+    """The prompt's tokens after a cut of its key text: its own tokens at a
+    token boundary; a plain token's tail re-tokenized as text; None inside a
+    special token or a UTF-8 sequence."""
+    eng = ds4.ReferenceEngine()
+    keys = ds4.Session(eng, ctx=64).key_renderer
+    toks = eng.tokenize("<|im_start|>xé", special=True)  # [257, 120, 195, 169]
+    cum = [0, 12, 13, 14, 15]
+    assert _rest_after(keys, toks, cum, 12) == toks[1:]
+    assert _rest_after(keys, toks, cum, 15) == []
+    assert _rest_after(keys, toks, cum, 5) is None  # inside the marker
+    assert _rest_after(keys, toks, cum, 16) is None  # past the end
+
+    class Tok:  # a tokenizer with multi-byte tokens: "ab" is one
+        vocab_size = 3
+
+        def token_bytes(self, t):
+            return [b"ab", b"a", b"b"][t]
 
         def tokenize(self, text, special=False):
-            self.calls.append((text, special))
-            return [1] if text == "" else [ord(c) for c in text]  # a tokenizer that adds BOS to nothing
+            return [{"a": 1, "b": 2}[c] for c in text]
 
-    t = Tok()
-    assert _tokenize_suffix(t, b"abc", 3) == [] and t.calls == []  # nothing left: no tokenizer call
-    assert _tokenize_suffix(t, b"abcde", 3) == [ord("d"), ord("e")] and t.calls == [("de", True)]
-    assert _tokenize_suffix(t, "xé".encode(), 2) is None  # the cut splits "é"
+    k = ds4.keytext.KeyRenderer(Tok())
+    assert _rest_after(k, [0, 0], [0, 2, 4], 1) == [2, 0]  # "b" then the second "ab"
 
 
 # -- rung 4: full prefill --------------------------------------------------------
@@ -226,60 +237,21 @@ def test_live_token_prefix_same_and_longer_prompt(eng, clock):
     assert s.tokens == longer and np.array_equal(s.logits, cold_logits(eng, longer, 128))
 
 
-def test_live_text_prefix_extends_the_live_tokens(eng):
-    """The live tokens spell the markers in bytes: not a token prefix of the
-    prompt, but a byte prefix. The suffix is tokenized on its own and
-    appended to the live tokens (which are kept, not re-tokenized)."""
+def test_live_markers_spelled_as_text_are_not_reused(eng):
+    """Issue 11, item 5: live tokens that spell the markers as text render
+    the same bytes as the prompt's real markers, but not the same key text:
+    the live rung never extends them (a forged turn is not a real one, nor
+    the reverse); the prompt's own tokens are prefilled."""
     live_text = IM_START + "user\nhi"
     live = byte_toks(eng, live_text)
     s = ds4.Session(eng, ctx=128)
     s.sync(live)
-    rep = ds4.recover(s, None, live_text + " there")
-    effective = live + toks(eng, " there")
-    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == (
-        "live",
-        "memory-text",
-        len(live),
-        len(effective),
-    )
-    assert rep.prompt_tokens != len(toks(eng, live_text + " there"))
-    assert s.tokens == effective and np.array_equal(s.logits, cold_logits(eng, effective, 128))
-
-
-def test_live_text_equal_to_the_prompt(eng):
-    live_text = IM_START + "user\nhi"
-    live = byte_toks(eng, live_text)
-    s = ds4.Session(eng, ctx=128)
-    s.sync(live)
-    before = np.array(s.logits)
-    rep = ds4.recover(s, None, live_text)
-    assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("live", "memory-text", len(live), len(live))
-    assert s.tokens == live and np.array_equal(s.logits, before)
-
-
-@pytest.mark.parametrize("room", [0, 1])
-def test_live_text_at_the_context_end(eng, room):
-    """Live tokens plus suffix must stay below ctx; at exactly ctx the text
-    rung declines and the prompt's own tokens are prefilled."""
-    live_text = IM_START + "user\nhi"
-    live = byte_toks(eng, live_text)
-    rest = toks(eng, " there")
-    ctx = len(live) + len(rest) + room
-    s = ds4.Session(eng, ctx=ctx)
-    s.sync(live)
-    rep = ds4.recover(s, None, live_text + " there")
-    if room:
-        assert (rep.rung, rep.source, rep.reused_tokens) == ("live", "memory-text", len(live))
-        assert s.tokens == live + rest
-    else:
-        prompt_tokens = toks(eng, live_text + " there")
-        assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == (
-            "prefill",
-            "full",
-            0,
-            len(prompt_tokens),
-        )
-        assert s.tokens == prompt_tokens
+    assert s.text_bytes() != s.key_of(toks(eng, live_text))
+    for prompt in (live_text + " there", live_text):
+        s.sync(live)
+        rep = ds4.recover(s, None, prompt)
+        assert (rep.rung, rep.source, rep.reused_tokens) == ("prefill", "full", 0)
+        assert s.tokens == toks(eng, prompt)
 
 
 def test_live_text_cut_inside_utf8_prefills(eng):
@@ -419,15 +391,23 @@ def test_disk_prefix_of_equal_length_does_not_beat_the_rewind(eng, tmp_path, mon
 
 def test_disk_prefix_too_long_for_ctx_does_not_block_the_rewind(eng, tmp_path, monkeypatch):
     """A stored prefix with more tokens than the session's ctx cannot be
-    loaded, so it must not make the ladder skip the rewind. (The markers
-    spelled in bytes make a long file for a short special-token prompt.)"""
+    loaded, so it must not make the ladder skip the rewind. (Its header
+    claims 120 tokens for a short prefix: the lookup's ctx filter reads the
+    header, the file is never opened.)"""
     ctx = 64
     head = IM_START * 10
     prompt = head + "xyz"
     tokens = toks(eng, prompt)
     store = ds4.KVStore(str(tmp_path), min_tokens=1)
-    _store_prefix(eng, store, byte_toks(eng, head))  # 120 tokens >= ctx
-    assert len(store.lookup(prompt)) == 1 and store.lookup(prompt, ctx=ctx) == []
+    donor = ds4.Session(eng, ctx=512)
+    donor.sync(toks(eng, head))
+    key = donor.key_bytes()
+    arrays = donor.export_arrays()
+    arrays["tokens"] = np.resize(arrays["tokens"], 120)
+    write_checkpoint(
+        os.path.join(store.dir, _core.sha1_hex(key) + ".kv"), key, arrays, abi=donor.payload_abi, tokens=120, ctx=512
+    )
+    assert len(store.lookup(key + b"xyz")) == 1 and store.lookup(key + b"xyz", ctx=ctx) == []
     s = ds4.Session(eng, ctx=ctx)
     s.sync(toks(eng, IM_START * 5 + "abc"))
     assert s.common_prefix(tokens) == 5
@@ -483,27 +463,23 @@ def test_unrelated_prompt_evict_saves_the_live_state_at_exactly_min_tokens(eng, 
     assert ck.reason_name == "evict" and ck.tokens == len(live)
 
 
-def test_disk_load_whose_suffix_overflows_the_context_prefills(eng, tmp_path):
-    """A checkpoint holding a longer (non-canonical) tokenization of a prefix:
-    loaded tokens plus the suffix's tokens reach ``ctx`` although the prompt's
-    own tokens fit, so the disk rung gives way to a clean full prefill."""
+def test_disk_checkpoint_of_markers_spelled_as_text_is_never_a_candidate(eng, tmp_path):
+    """Issue 11, item 5: a checkpoint whose tokens spell the chat markers as
+    text renders the same bytes as the prompt with real markers, but is
+    named after another key text: no lookup for the real prompt finds it
+    (and the reverse), so neither loads for the other."""
     prompt = eng.render_chat([{"role": "user", "content": "spelled out byte by byte, then more"}])
-    canonical = toks(eng, prompt)
     head = prompt[: len(prompt) // 2]
-    spelled = byte_toks(eng, head)  # the same bytes, more tokens
-    assert len(spelled) > len(toks(eng, head))
-    rest = _tokenize_suffix(eng, prompt.encode(), len(head.encode()))
-    ctx = len(spelled) + len(rest)  # disk rung would need exactly ctx tokens
-    assert len(canonical) < ctx
-    donor = ds4.Session(eng, ctx=ctx)
-    donor.sync(spelled)
     store = ds4.KVStore(str(tmp_path), min_tokens=1)
-    assert store.store_live_prefix(donor, "named") is not None
-    s = ds4.Session(eng, ctx=ctx)
+    spelled = _store_prefix(eng, store, byte_toks(eng, head))
+    real = ds4.Session(eng, ctx=512)
+    real.sync(toks(eng, prompt))
+    assert store.lookup(real.key_bytes()) == []
+    s = ds4.Session(eng, ctx=512)
     rep = ds4.recover(s, store, prompt)
-    assert store.stats["hits"] == 1  # it loaded, then could not extend within ctx
     assert (rep.rung, rep.reused_tokens, rep.loaded_path) == ("prefill", 0, None)
-    assert s.tokens == canonical and np.array_equal(s.logits, cold_logits(eng, canonical, ctx))
+    assert store.stats["hits"] == 0 and os.path.exists(spelled)
+    assert s.tokens == toks(eng, prompt)
 
 
 def _cold_store(tmp_path, **kw):

@@ -12,7 +12,7 @@ Quick tour::
 
 from typing import Any
 
-from . import errors
+from . import errors, keytext
 from ._core import __version__ as _core_version
 from .checkpoint import Checkpoint, open_checkpoint, write_checkpoint
 from .engine import Engine, EngineContext
@@ -34,6 +34,7 @@ __all__ = [
     "Session",
     "default_engine",
     "errors",
+    "keytext",
     "open_checkpoint",
     "recover",
     "write_checkpoint",

@@ -73,7 +73,11 @@ class Engine(Protocol):
 
     def new_context(self, n_ctx: int) -> EngineContext: ...
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str: ...
+    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat as text; engines return a :class:`ds4.keytext.Prompt`
+        (a ``str``) whose marker spans are special and contents text. An
+        engine may list its special tokens in ``special_token_ids`` (the
+        key text escapes their lead bytes in other tokens)."""
 
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         """Tokens of ``text``; ``special=True`` parses chat markers as special tokens."""

@@ -18,19 +18,22 @@ rung and the disk rung share one :class:`ds4.kvstore.Candidates`.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from .errors import InvalidSessionError, PromptError
+from .keytext import KeyRenderer, tokenize_prompt
 from .kvstore import Candidates, KVStore
 from .session import Rewrite, Session
 
 log = logging.getLogger("ds4.recovery")
 
-__all__ = ["RecoveryReport", "recover"]
+__all__ = ["RecoveryReport", "recover", "switch_namespace"]
 
 
 @dataclasses.dataclass
@@ -60,19 +63,53 @@ class RecoveryReport:
         log.info(text)
 
 
+def _rest_after(keys: KeyRenderer, tokens: Sequence[int], cum: Sequence[int], n_bytes: int) -> list[int] | None:
+    """The prompt's tokens after the first ``n_bytes`` of its key text (no
+    preamble): the prompt's own tokens when the cut falls between two of
+    them; when it falls inside a plain token, that token's tail tokenized as
+    text, then the rest. None when the cut falls inside a special token, an
+    escaped byte or a UTF-8 sequence (the suffix cannot be tokenized on its
+    own). ``cum[i]`` is the key length of the first ``i`` tokens."""
+    i = bisect.bisect_left(cum, n_bytes)
+    if i < len(cum) and cum[i] == n_bytes:
+        return list(tokens[i:])
+    if n_bytes < 0 or i >= len(cum):
+        return None
+    j = i - 1  # the token the cut falls in
+    tok = tokens[j]
+    if not keys.is_plain(tok):
+        return None
+    part = keys.engine.token_bytes(tok)[n_bytes - cum[j] :]
+    try:
+        text = part.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    head = cast("_Tokenizer", keys.engine).tokenize(text, special=False)
+    if keys.render(head) != part:
+        return None
+    return head + list(tokens[j + 1 :])
+
+
 class _Tokenizer(Protocol):
     def tokenize(self, text: str, special: bool = ...) -> list[int]: ...
 
 
-def _tokenize_suffix(engine: _Tokenizer, prompt_b: bytes, n_bytes: int) -> list[int] | None:
-    """Tokens of the prompt's byte suffix after ``n_bytes``, or None when the
-    cut falls inside a UTF-8 sequence (the suffix is then not tokenizable
-    on its own)."""
-    try:
-        suffix = prompt_b[n_bytes:].decode("utf-8")
-    except UnicodeDecodeError:
+def switch_namespace(sess: Session, store: KVStore | None, namespace: str | None) -> str | None:
+    """Make ``sess`` belong to ``namespace`` (a tenant's, see
+    :mod:`ds4.keytext`). When it belonged to another one, its valid live
+    state is saved there first (an evict save, never raising) and then
+    dropped: nothing of it is reused across namespaces. Returns the saved
+    path (the caller's log only: it names the other namespace's file)."""
+    if sess.namespace == namespace:
         return None
-    return engine.tokenize(suffix, special=True) if suffix else []
+    saved = None
+    if store is not None and sess.checkpoint_valid and sess.n_past >= store.min_tokens:
+        try:
+            saved = store.store_live_prefix(sess, "evict")
+        except (OSError, InvalidSessionError) as e:
+            log.warning("ds4 evict save before a namespace switch failed: %s", e)
+    sess.set_namespace(namespace)
+    return saved
 
 
 def recover(
@@ -116,15 +153,17 @@ class _Ladder:
         self.sess, self.store, self.engine = sess, store, sess.engine
         try:
             if isinstance(prompt_text, str):
-                self.prompt_s, self.prompt_b = prompt_text, prompt_text.encode("utf-8")
+                prompt_text.encode("utf-8")
+                self.prompt_s = prompt_text  # a keytext.Prompt keeps its spans
             else:
-                self.prompt_b = bytes(prompt_text)
-                self.prompt_s = self.prompt_b.decode("utf-8")
+                self.prompt_s = bytes(prompt_text).decode("utf-8")
         except (UnicodeEncodeError, UnicodeDecodeError) as e:  # a lone surrogate, or bytes that are not UTF-8
             raise PromptError(f"the prompt is not valid UTF-8 text: {e.reason} at {e.start}") from None
         self.evict_save = evict_save
         self.progress, self.frontier_every, self.on_frontier = progress, frontier_every, on_frontier
         self.tokens: list[int] = []
+        self.prompt_b = b""  # the prompt's key text (in the session's namespace)
+        self._cum: list[int] | None = None
         self._found: Candidates | None = None
         self.cancel = cancel
 
@@ -132,7 +171,9 @@ class _Ladder:
         """The store's candidates for this prompt, looked up once."""
         assert self.store is not None
         if self._found is None:
-            self._found = self.store.candidates(self.prompt_b, ctx=self.sess.ctx, abi=self.sess.payload_abi)
+            self._found = self.store.candidates(
+                self.prompt_b, ctx=self.sess.ctx, abi=self.sess.payload_abi, namespace=self.sess.namespace
+            )
             self.rep.rejected.extend(self._found.rejected)
             self.rep.remote = self._found.remote_state
         return self._found
@@ -140,10 +181,11 @@ class _Ladder:
     def run(self, cold_save: bool) -> RecoveryReport:
         rep, sess = self.rep, self.sess
         t0 = time.perf_counter()
-        self.tokens = self.engine.tokenize(self.prompt_s, special=True)
-        rep.timings["tokenize_ms"] = (time.perf_counter() - t0) * 1000
+        self.tokens = tokenize_prompt(self.engine, self.prompt_s)
         rep.prompt_tokens = len(self.tokens)
         sess.check_prompt(self.tokens)  # typed error before anything is touched
+        self.prompt_b = sess.key_of(self.tokens)
+        rep.timings["tokenize_ms"] = (time.perf_counter() - t0) * 1000
         if sess.checkpoint_valid:
             done = self.live()
             if done is not None:
@@ -153,6 +195,14 @@ class _Ladder:
             if done is not None:
                 return done
         return self.prefill(cold_save)
+
+    def rest_after(self, n_key: int) -> list[int] | None:
+        """The prompt's tokens after the first ``n_key`` bytes of its key
+        text (preamble included); see :func:`_rest_after`."""
+        keys = self.sess.key_renderer
+        if self._cum is None:
+            self._cum = [0, *itertools.accumulate(keys.lengths(self.tokens))]
+        return _rest_after(keys, self.tokens, self._cum, n_key - (len(self.prompt_b) - self._cum[-1]))
 
     def finish(self, rung: str, source: str, effective: Sequence[int], reused: int) -> RecoveryReport:
         rep = self.rep
@@ -199,9 +249,9 @@ class _Ladder:
         live = sess.tokens
         if len(tokens) >= len(live) and tokens[: len(live)] == live:
             return self.finish("live", "memory-token", tokens, len(live))
-        live_text = sess.text_bytes()
+        live_text = sess.key_bytes()
         if len(live_text) <= len(prompt_b) and prompt_b.startswith(live_text):
-            rest = _tokenize_suffix(self.engine, prompt_b, len(live_text))
+            rest = self.rest_after(len(live_text))
             if rest is not None and len(live) + len(rest) < sess.ctx:
                 return self.finish("live", "memory-text", live + rest, len(live))
         done = self.rewrite(live)
@@ -220,7 +270,7 @@ class _Ladder:
             # A rewind keeps only `common` tokens; a longer verified prefix on
             # disk reuses more (ds4 never rewinds, so it never has to choose).
             longest = self.found().longest()
-            common_bytes = len(sess.text_bytes(common))
+            common_bytes = len(sess.key_bytes(common))
             if longest > common_bytes:
                 rep._event("ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", longest, common_bytes)
                 common = -1
@@ -261,7 +311,7 @@ class _Ladder:
         rep.timings["disk_ms"] = (time.perf_counter() - t) * 1000
         if res is None:
             return None
-        rest = _tokenize_suffix(self.engine, self.prompt_b, res.text_bytes)
+        rest = self.rest_after(res.text_bytes)
         if rest is not None and res.tokens + len(rest) < sess.ctx:
             rep.loaded_path = res.path
             if res.tier == "remote":
@@ -275,7 +325,8 @@ class _Ladder:
         sess, store, tokens = self.sess, self.store, self.tokens
         sess.invalidate("full prefill")
         if store is not None and cold_save and len(tokens) <= store.cold_max_tokens:
-            cold_len = store.cold_store_at(tokens, self.engine.token_bytes)
+            # the key rendering: a marker typed as text is no anchor
+            cold_len = store.cold_store_at(tokens, sess.key_renderer.piece)
             if cold_len is not None:
                 self.sync(tokens[:cold_len])
                 try:

@@ -37,6 +37,7 @@ from .errors import (
     PrefillCancelledError,
     TokensTextMismatchError,
 )
+from .keytext import KeyRenderer, preamble
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -70,6 +71,9 @@ class Session:
         self._valid = False
         self._abi = engine.payload_abi()
         self.last_error: str | None = None
+        self._keys = KeyRenderer.of(engine)
+        self._namespace: str | None = None
+        self._preamble = b""
 
     # -- state ---------------------------------------------------------------
     @property
@@ -98,13 +102,41 @@ class Session:
     def payload_abi(self) -> str:
         return self._abi
 
+    @property
+    def namespace(self) -> str | None:
+        """The cache namespace the live state belongs to (None: the default);
+        see :mod:`ds4.keytext`."""
+        return self._namespace
+
+    def set_namespace(self, namespace: str | None) -> None:
+        """Make the session belong to ``namespace``; a change invalidates the
+        live state (it is another namespace's: never reused across)."""
+        pre = preamble(namespace)
+        if namespace != self._namespace:
+            self.invalidate("namespace switch")
+            self._namespace, self._preamble = namespace, pre
+
+    @property
+    def key_renderer(self) -> KeyRenderer:
+        return self._keys
+
     def text_bytes(self, n: int | None = None) -> bytes:
-        """The rendered bytes of the first ``n`` live tokens (the store key)."""
+        """The key rendering of the first ``n`` live tokens (no namespace
+        preamble): their bytes, special markers distinguished from text
+        (:mod:`ds4.keytext`)."""
         return self._render(self._tokens if n is None else self._tokens[:n])
 
+    def key_bytes(self, n: int | None = None) -> bytes:
+        """The key text of the first ``n`` live tokens: the namespace's
+        preamble, then :meth:`text_bytes` (what a checkpoint is named after)."""
+        return self._preamble + (self.text_bytes() if n is None else self.text_bytes(n))
+
+    def key_of(self, tokens: Sequence[int]) -> bytes:
+        """The key text ``tokens`` would have in this session's namespace."""
+        return self._preamble + self._render(tokens)
+
     def _render(self, tokens: Sequence[int]) -> bytes:
-        tb = self.engine.token_bytes
-        return b"".join(tb(t) for t in tokens)
+        return self._keys.render(tokens)
 
     def argmax(self) -> int:
         if not self._valid or self._logits is None:
@@ -293,8 +325,9 @@ class Session:
         everything is validated before the live state changes; if the engine
         fails half-way the session is invalid (never half-loaded). With
         ``text`` (the checkpoint's verified text), the tokens must render
-        exactly it: the text is what was verified against the prompt, the
-        tokens are what the engine continues from."""
+        exactly it, after this session's namespace preamble (:meth:`key_of`):
+        the text is what was verified against the prompt, the tokens are
+        what the engine continues from."""
         toks = check_tokens(arrays, n_tokens)
         if n_tokens >= self.ctx:
             raise ContextTooSmallError(f"{n_tokens} tokens do not fit a context of {self.ctx}")
@@ -304,7 +337,7 @@ class Session:
         if "logits" not in state or state["logits"].shape != (self.engine.vocab_size,):
             raise EngineStateError("payload has no logits of the vocabulary's size")
         new_tokens = [int(t) for t in toks]
-        if text is not None and self._render(new_tokens) != text:
+        if text is not None and self.key_of(new_tokens) != text:
             raise TokensTextMismatchError(f"the {n_tokens} tokens do not render the checkpoint's {len(text)}-byte text")
         new_logits = np.array(state["logits"], dtype=np.float32)  # own copy
         try:

@@ -63,7 +63,7 @@ from .constrain import Constraint, Guide
 from .engine import Engine
 from .errors import InvalidSessionError, PrefillCancelledError, PromptError, StoreError
 from .kvstore import KVStore
-from .recovery import RecoveryReport, recover
+from .recovery import RecoveryReport, recover, switch_namespace
 from .session import Rewrite, Session
 
 log = logging.getLogger("ds4.turn")
@@ -397,12 +397,18 @@ class Generator:
         on_text: Callable[[str], None] | None = None,
         cancel: Callable[[], bool] | None = None,
         progress: Progress | None = None,
+        namespace: str | None = None,
     ) -> GenResult:
-        t0 = time.perf_counter()
+        """One turn of ``prompt_text`` in the cache ``namespace`` (a tenant's,
+        see :mod:`ds4.keytext`; None: the default). A live session of
+        another namespace is saved there and dropped first, before this
+        turn's clock starts: nothing of it is reused, nor timed, here."""
         self.counters["requests"] += 1
         out = TextStream(params.stop, on_text, params.stop_after)  # a stop that cannot be encoded: refused, untouched
         # a constraint this engine cannot use is refused here too
         guide = params.constraint.start(self.engine, self.stop_ids) if params.constraint is not None else None
+        self._enter(namespace)  # after the refusals above: a refused turn never switches the session
+        t0 = time.perf_counter()
         try:
             rep = self._prepare_or_retry(prompt_text, progress, cancel)
             if on_start is not None:
@@ -418,6 +424,13 @@ class Generator:
             if self.sess.checkpoint_valid:
                 self.sess.invalidate(f"request failed: {type(e).__name__}: {e}")
             raise
+
+    def _enter(self, namespace: str | None) -> None:
+        if namespace == self.sess.namespace:
+            return
+        saved = switch_namespace(self.sess, self.store, namespace)
+        self._last_continued = 0
+        log.info("namespace switch%s", " (the other namespace's session saved)" if saved else "")
 
     def _cancelled_in_prefill(self, t0: float, e: PrefillCancelledError) -> GenResult:
         """The caller went away during the prefill: it stopped at a chunk

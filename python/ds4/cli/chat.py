@@ -19,6 +19,7 @@ from typing import Any, TextIO
 from .. import _core
 from ..config import build_engine, check_kv_args, make_store
 from ..errors import ContextOverflowError, EngineError, StoreError
+from ..keytext import tokenize_prompt
 from ..kvstore import KVStore, is_checkpoint_name
 from ..recovery import RecoveryReport, recover
 from ..session import Session
@@ -139,8 +140,9 @@ class ChatREPL:
         if not text:
             self.sess.invalidate("new conversation")
             return
+        toks = tokenize_prompt(self.engine, text)
         if self.store is not None:
-            tb = text.encode("utf-8")
+            tb = self.sess.key_of(toks)  # the key text (ds4.keytext): what the checkpoint is named after
             r = self.store.load_named(self.sess, _core.sha1_hex(tb), tb, exact=True)
             if r.status == "loaded":
                 self.say(f"[system prompt: {r.tokens} tokens loaded from checkpoint in {r.ms:.1f} ms]")
@@ -151,7 +153,6 @@ class ChatREPL:
                 self.say(f"[system prompt checkpoint unusable ({r.error.code}); kept]")
             self.say("Updating system prompt cache...")
         self.sess.invalidate("system prompt prefill")
-        toks = self.engine.tokenize(text, special=True)
         bar = ProgressBar(check=self._check_intr)
         try:
             self.sess.sync(toks, progress=bar)
@@ -250,7 +251,9 @@ class ChatREPL:
         if not isinstance(msgs, list):
             self.say(f"[index entry {name!r} has no transcript]")
             return
-        rendered = self.engine.render_chat(msgs, add_generation_prompt=False).encode("utf-8")
+        rendered = self.sess.key_of(
+            tokenize_prompt(self.engine, self.engine.render_chat(msgs, add_generation_prompt=False))
+        )
         sha = e.get("sha", "")
         if not isinstance(sha, str) or not is_checkpoint_name(f"{sha}.kv"):
             self.sess.invalidate("switch: no valid checkpoint key")

@@ -12,6 +12,7 @@ import stat
 import sys
 import time
 
+from ..keytext import plain_text
 from ..kvstore import (
     KVStore,
     is_regular,
@@ -41,6 +42,7 @@ def _ls_row(i: Info, now: float) -> list[str]:
     if i["status"] in READABLE:
         return [
             i["name"][:12],
+            i["tenant"] or "-",
             f"v{i['version']}",
             i["reason"],
             str(i["tokens"]),
@@ -53,6 +55,7 @@ def _ls_row(i: Info, now: float) -> list[str]:
     err = i["error"]
     return [
         i["name"][:12],
+        "?",
         "?",
         "?",
         "?",
@@ -81,7 +84,9 @@ def kv_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     now = time.time()
     rows = [_ls_row(i, now) for i in infos]
-    table(rows, ["NAME", "VER", "REASON", "TOKENS", "SIZE", "HITS", "LAST USED", "STATUS", "TEXT"], sys.stdout)
+    table(
+        rows, ["NAME", "TENANT", "VER", "REASON", "TOKENS", "SIZE", "HITS", "LAST USED", "STATUS", "TEXT"], sys.stdout
+    )
     total = sum(i.get("size", 0) for i in infos)
     print(f"{len(infos)} files, {human_bytes(total)}" + (f", {len(tmps)} temp files" if tmps else ""))
     if any(i["status"] == UNVERIFIED for i in infos):
@@ -115,14 +120,14 @@ def kv_show(args: argparse.Namespace) -> int:
     if args.json:
         out = public(info)
         if text is not None:
-            out["text"] = text.decode("utf-8", "replace")
+            out["text"] = plain_text(text).decode("utf-8", "replace")
         print(json.dumps(out, indent=1, ensure_ascii=False))
         return status
     print_fields(info)
     if info["status"] == UNVERIFIED:
         print(NOT_VERIFIED)
     if text is not None:
-        s = text.decode("utf-8", "replace")
+        s = plain_text(text).decode("utf-8", "replace")
         if not args.text and len(s) > 400:
             s = s[:200] + f"\n… ({len(text)} bytes; --text shows all) …\n" + s[-200:]
         print("text:")

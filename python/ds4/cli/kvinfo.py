@@ -12,6 +12,7 @@ from typing import Any
 
 from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError
+from ..keytext import namespace_of, plain_text, tenant_of_namespace
 from ..kvstore import NOT_REGULAR, Entry, scan_dir, stat_key
 from .term import age, human_bytes, preview, table
 
@@ -74,7 +75,8 @@ def inspect_file(path: str, full: bool = False) -> Info:
         payload_bytes=ck.payload_bytes,
         trailer_bytes=ck.trailer_bytes,
         abi=ck.abi if ck.version >= 2 else "ds4 v1 (DSV4 payload)",
-        preview=preview(ck.text),
+        preview=preview(plain_text(ck.text)),
+        **_namespace(ck.text),
     )
     if ck.version >= 2:
         info["tensors"] = [
@@ -88,6 +90,16 @@ def inspect_file(path: str, full: bool = False) -> Info:
     info["_text"] = ck.text
     info["_entry"] = Entry.from_checkpoint(ck, path)
     return info
+
+
+def _namespace(text: bytes) -> Info:
+    """The cache namespace and tenant a stored key text names (never a key:
+    a tenant is its name in the key file or a digest of its key)."""
+    try:
+        ns, _ = namespace_of(text)
+    except ValueError:
+        return {"namespace": "?", "tenant": "?"}
+    return {"namespace": ns, "tenant": tenant_of_namespace(ns)}
 
 
 def public(info: Info) -> Info:
@@ -117,6 +129,8 @@ SHOW_KEYS = (
     "status",
     "version",
     "reason",
+    "tenant",
+    "namespace",
     "tokens",
     "text_bytes",
     "size",

@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from ..keytext import Prompt
+
 __all__ = ["ByteTokenizer"]
 
 
@@ -33,10 +35,12 @@ class ByteTokenizer:
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")")
         self._token_bytes = [bytes([i]) for i in range(256)] + [s.encode("utf-8") for s in specials]
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
         """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
-        then ``<|im_start|>assistant\\n`` when ``add_generation_prompt``."""
-        out = []
+        then ``<|im_start|>assistant\\n`` when ``add_generation_prompt``. The
+        markers are special spans, roles and contents text
+        (:class:`ds4.keytext.Prompt`)."""
+        out: list[tuple[str, bool]] = []
         for m in messages:
             try:
                 role, content = m["role"], m["content"]
@@ -44,10 +48,10 @@ class ByteTokenizer:
                 raise ValueError("each message must be a mapping with 'role' and 'content'") from None
             if not isinstance(role, str) or not isinstance(content, str):
                 raise TypeError("message role and content must be str")
-            out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+            out += [("<|im_start|>", True), (f"{role}\n{content}", False), ("<|im_end|>", True), ("\n", False)]
         if add_generation_prompt:
-            out.append("<|im_start|>assistant\n")
-        return "".join(out)
+            out += [("<|im_start|>", True), ("assistant\n", False)]
+        return Prompt(out)
 
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         """UTF-8 bytes as tokens; with ``special=True`` the marker strings in

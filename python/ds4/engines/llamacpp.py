@@ -49,6 +49,7 @@ import numpy as np
 
 from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
+from ..keytext import Prompt
 from .llamacpp_lib import (
     GGUF_NAME,
     Batch,
@@ -164,8 +165,10 @@ class LlamaCppEngine:
 
     @property
     def special_token_ids(self) -> frozenset[int]:
-        """Control tokens (``<|im_start|>``, ``<|endoftext|>``, ...): never
-        text to a grammar (:mod:`ds4.constrain`)."""
+        """Control tokens (``<|im_start|>``, ``<|endoftext|>``, ...): what
+        only ``tokenize(..., special=True)`` produces; never text to a
+        grammar (:mod:`ds4.constrain`), and told apart from typed text in the
+        key text (:mod:`ds4.keytext`)."""
         if self._special is None:
             lc = self._lc
             attr, control = lc.llama_vocab_get_attr, int(lc.LLAMA_TOKEN_ATTR_CONTROL)
@@ -182,7 +185,7 @@ class LlamaCppEngine:
         return self._abi
 
     # -- text --------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
         """The GGUF's ChatML template (see :func:`~ds4.engines.llamacpp_lib.render_chatml`)."""
         return render_chatml(messages, add_generation_prompt)
 

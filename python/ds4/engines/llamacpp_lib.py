@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EngineError
+from ..keytext import Prompt
 
 __all__ = [
     "GGUF_NAME",
@@ -138,20 +139,23 @@ def default_threads() -> int:
     return max(1, min(4, n // 2))
 
 
-def render_chatml(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+def _turn(role: str, content: str) -> list[tuple[str, bool]]:
+    return [("<|im_start|>", True), (f"{role}\n{content}", False), ("<|im_end|>", True), ("\n", False)]
+
+
+def render_chatml(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
     """The GGUF's ChatML template, reimplemented (SmolLM2 inserts a default
-    system message when the first message is not a system one)."""
-    out = []
+    system message when the first message is not a system one). The markers
+    are special spans, roles and contents text (:class:`ds4.keytext.Prompt`)."""
+    out: list[tuple[str, bool]] = []
     for i, m in enumerate(messages):
         role, content = m["role"], m["content"]
         if i == 0 and role != "system":
-            out.append(
-                "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-            )
-        out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+            out += _turn("system", "You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+        out += _turn(role, content)
     if add_generation_prompt:
-        out.append("<|im_start|>assistant\n")
-    return "".join(out)
+        out += [("<|im_start|>", True), ("assistant\n", False)]
+    return Prompt(out)
 
 
 # -- batches -----------------------------------------------------------------

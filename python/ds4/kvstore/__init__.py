@@ -292,22 +292,33 @@ class KVStore:
         pb = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
         return find_prefixes(self._index.values(), pb, min_tokens=self.min_tokens, abi=abi, ctx=ctx)
 
-    def candidates(self, prompt: bytes, ctx: int | None = None, abi: str | None = None) -> Candidates:
-        """One lookup for one request: the stored prefixes of ``prompt``
-        (see :meth:`lookup`) and the files rejected while indexing since the
-        last call. The ladder asks once and hands the result to every rung
-        that needs it (:meth:`load_first`). With a shared tier and ``abi``
-        (the session's payload ABI), the tier's prefixes of ``prompt`` too
-        (skipped while the tier cools down)."""
+    def candidates(
+        self, prompt: bytes, ctx: int | None = None, abi: str | None = None, namespace: str | None = None
+    ) -> Candidates:
+        """One lookup for one request: the stored prefixes of ``prompt``, a
+        key text (see :meth:`lookup`), and the files rejected while indexing
+        since the last call. The ladder asks once and hands the result to
+        every rung that needs it (:meth:`load_first`).
+
+        ``namespace`` is the one the key text is in (:mod:`ds4.keytext`: its
+        preamble starts ``prompt``, so only that namespace's files can
+        match, here and on a shared tier, whose keys are the same SHA-1s). A
+        namespaced lookup is not told of files rejected while indexing (they
+        may be any namespace's; they are logged). With a shared tier and
+        ``abi`` (the session's payload ABI), the tier's prefixes of
+        ``prompt`` too (skipped while the tier cools down)."""
         entries = self.lookup(prompt, ctx=ctx)
         rejected, self._unreported = self._unreported, []
-        found = Candidates(prompt, entries, rejected)
+        if namespace is not None:
+            rejected = []
+        found = Candidates(prompt, entries, rejected, namespace)
         tier = self.remote
         if tier is not None and abi is not None:
             if tier.available():
                 got = tier.lookup(prompt, abi, min_tokens=self.min_tokens, ctx=ctx)
                 found.remote = got.entries
-                found.rejected.extend(got.rejected)
+                if namespace is None:
+                    found.rejected.extend(got.rejected)
             found.remote_state = tier.state
         return found
 
@@ -375,9 +386,12 @@ class KVStore:
         """One rung of the ladder on its own, as in ds4: load the longest
         stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
         invalidate the session and are removed; incompatible ones are kept;
-        the next candidate is tried. Returns None when nothing loaded."""
-        pb = prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
-        found = self.candidates(pb, ctx=sess.ctx, abi=sess.payload_abi)
+        the next candidate is tried. Returns None when nothing loaded.
+        Bytes are a key text (:mod:`ds4.keytext`); a ``str`` is taken as
+        its UTF-8 bytes in the session's namespace (its key text when no
+        marker's lead byte is typed in it as text)."""
+        pb = sess.key_of(()) + prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
+        found = self.candidates(pb, ctx=sess.ctx, abi=sess.payload_abi, namespace=sess.namespace)
         if report is not None:
             report.rejected.extend(found.rejected)
         return self.load_first(sess, found, report)
@@ -630,7 +644,8 @@ class KVStore:
 
     def store_live_prefix(self, sess: Session, reason: str = "cold", *, min_tokens: int | None = None) -> str | None:
         """Save the live session (which must be valid) under the SHA-1 of its
-        rendered text. Returns the path, or None when the policy declines
+        key text (:meth:`Session.key_bytes`: its namespace's preamble, then
+        its tokens' rendering). Returns the path, or None when the policy declines
         (too short, over budget, key held by another engine's file).
         ``min_tokens`` overrides the store's minimum (named and system-prompt
         checkpoints may be short)."""
@@ -641,7 +656,7 @@ class KVStore:
         if n < max(1, floor):
             log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, floor)
             return None
-        text = sess.text_bytes()
+        text = sess.key_bytes()
         name = _core.sha1_hex(text) + ".kv"
         path = os.path.join(self.dir, name)
         t0 = time.perf_counter()

@@ -103,13 +103,16 @@ class Candidates:
     """What one lookup found for a prompt: the indexed checkpoints whose
     name is the SHA-1 of a prefix of it (longest first; their headers were
     verified when indexed, every load verifies the whole file again), and
-    the files rejected while indexing since the last lookup. With a shared
-    tier: its matching checkpoints (longest first; nothing downloaded yet)
-    and its state when asked (``""`` without a tier)."""
+    the files rejected while indexing since the last lookup. ``namespace``
+    is the cache namespace of the lookup (:mod:`ds4.keytext`; None: the
+    default). With a shared tier: its matching checkpoints (longest first;
+    nothing downloaded yet) and its state when asked (``""`` without a
+    tier)."""
 
     prompt: bytes
     entries: list[Entry]
     rejected: list[Rejection]
+    namespace: str | None = None
     remote: list[RemoteEntry] = dataclasses.field(default_factory=list)
     remote_state: str = ""
 

@@ -29,6 +29,7 @@ from .conversation import AgentTurn, LiveTools
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
 from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
 from .responses import MemoryRecords, ResponsesParser, ResponsesWire, remember
+from .tenants import ANONYMOUS, namespace_for
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -64,10 +65,12 @@ class _JobRun:
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
 
+        tenant = request.scope.get("state", {}).get("ds4_tenant", ANONYMOUS)
+        namespace = namespace_for(tenant, turn.cache_salt)
         if turn.agent is not None:
-            self.job = Job("agent", turn.agent, turn.params, post)
+            self.job = Job("agent", turn.agent, turn.params, post, namespace)
         else:
-            self.job = Job(turn.kind, turn.payload, turn.params, post)
+            self.job = Job(turn.kind, turn.payload, turn.params, post, namespace)
         service.submit(self.job)
         self.watcher = asyncio.ensure_future(self._watch(request))
 

@@ -17,8 +17,9 @@ Order of the checks, for every HTTP request:
    configured key's hash by :func:`hmac.compare_digest`, all of them, so the
    time taken says nothing about which key (or which prefix) is close.
 
-The tenant of a request (``scope["state"]["ds4_tenant"]``) is a digest of
-its key, never the key: :func:`tenant_of`.
+The tenant of a request (``scope["state"]["ds4_tenant"]``) is its key's
+name in ``--api-key-file`` or a digest of its key, never the key
+(:mod:`ds4.server.tenants`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import hashlib
 import hmac
 import ipaddress
 import json
-import os
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
 from typing import Any
+
+from .tenants import ANONYMOUS, load_tenant_keys, tenant_of
 
 __all__ = [
     "ANONYMOUS",
@@ -46,17 +48,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: the tenant of every request on a server without keys
-ANONYMOUS = "anonymous"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-_TENANT_DOMAIN = b"ds4 tenant v1\x00"
-
-
-def tenant_of(key: str) -> str:
-    """The tenant a key names: 16 hex digits of a domain-separated SHA-256
-    of the key. Shown in logs and stored beside checkpoints; the key itself
-    is never stored or shown."""
-    return hashlib.sha256(_TENANT_DOMAIN + key.encode("utf-8")).hexdigest()[:16]
 
 
 def is_loopback(host: str) -> bool:
@@ -71,20 +63,8 @@ def is_loopback(host: str) -> bool:
 
 
 def load_keys(cli_keys: Sequence[str], key_file: str | None, env: MutableMapping[str, str] | None = None) -> list[str]:
-    """Every configured key: ``--api-key`` (repeatable), the lines of
-    ``--api-key-file`` (blank lines and ``#`` comments skipped) and
-    ``DS4_API_KEY``. Raises ValueError on an empty or blank-padded key."""
-    env = os.environ if env is None else env
-    keys = list(cli_keys)
-    if key_file:
-        with open(key_file, encoding="utf-8") as f:
-            keys += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
-    if env.get("DS4_API_KEY"):
-        keys.append(env["DS4_API_KEY"])
-    for k in keys:
-        if not k or k != k.strip() or any(c.isspace() for c in k):
-            raise ValueError("an API key must be non-empty and contain no whitespace")
-    return list(dict.fromkeys(keys))
+    """Every configured key (see :func:`ds4.server.tenants.load_tenant_keys`)."""
+    return [k for k, _ in load_tenant_keys(cli_keys, key_file, env)]
 
 
 def _host_name(value: str) -> str:
@@ -100,14 +80,16 @@ class Guard:
 
     def __init__(
         self,
-        keys: Iterable[str] = (),
+        keys: Iterable[str | tuple[str, str]] = (),
         *,
         allowed_hosts: Iterable[str] = (),
         cors_origins: Iterable[str] = (),
         bind_host: str | None = None,
     ):
-        # Only digests are kept: (sha256(key), tenant) per key.
-        self._keys = [(hashlib.sha256(k.encode("utf-8")).digest(), tenant_of(k)) for k in keys]
+        # Only digests are kept: (sha256(key), tenant) per key; a bare key's
+        # tenant is derived from it, a (key, tenant) pair names it.
+        pairs = [(k, tenant_of(k)) if isinstance(k, str) else k for k in keys]
+        self._keys = [(hashlib.sha256(k.encode("utf-8")).digest(), t) for k, t in pairs]
         hosts = {h.lower().strip("[]") for h in (*LOOPBACK_NAMES, *allowed_hosts)}
         if bind_host and bind_host not in ("0.0.0.0", "::", ""):
             hosts.add(bind_host.lower().strip("[]"))
@@ -234,7 +216,11 @@ def add_guard_args(p: Any) -> None:
     """``ds4 serve``'s access flags."""
     g = p.add_argument_group("access (docs/DESIGN.md, 'The server's security model')")
     g.add_argument("--api-key", action="append", default=[], metavar="KEY", help="a key clients must send (repeatable)")
-    g.add_argument("--api-key-file", metavar="FILE", help="a file of keys, one a line ('#' comments)")
+    g.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="a file of keys, one a line: 'name:key' names the key's tenant, a bare 'key' gets a digest ('#' comments)",
+    )
     g.add_argument(
         "--insecure-no-auth", action="store_true", help="allow a non-loopback --host without any key (not recommended)"
     )
@@ -258,7 +244,7 @@ def guard_from_args(args: Any, env: MutableMapping[str, str] | None = None) -> G
     """The :class:`Guard` of ``ds4 serve``'s flags; ValueError when the
     flags are refused (a non-loopback ``--host`` without a key, a bad key)."""
     try:
-        keys = load_keys(args.api_key, args.api_key_file, env)
+        keys = load_tenant_keys(args.api_key, args.api_key_file, env)
     except OSError as e:
         raise ValueError(f"cannot read --api-key-file: {e.strerror}") from None
     if not keys and not is_loopback(args.host) and not args.insecure_no_auth:

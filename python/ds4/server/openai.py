@@ -90,6 +90,17 @@ def _opt_bool(body: JSON, key: str) -> bool | None:
     return v
 
 
+def _cache_salt(body: JSON) -> str | None:
+    """``cache_salt`` (vLLM's name): a non-empty string, or absent."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise _bad("'cache_salt' must be a non-empty string", "cache_salt", "invalid_type")
+    _utf8_len(v, "cache_salt")
+    return v
+
+
 def _utf8_len(s: str, param: str) -> int:
     """Bytes of ``s`` in UTF-8; 400 when it holds a lone surrogate (valid
     JSON, but no tokenizer can encode it)."""
@@ -111,6 +122,7 @@ class Turn:
         stream: bool,
         include_usage: bool,
         conv: Conversation | None = None,
+        cache_salt: str | None = None,
     ):
         self.kind = kind  # "chat" (payload: messages) or "completion" (payload: prompt text)
         self.payload = payload
@@ -121,6 +133,7 @@ class Turn:
         # as an agent turn (ds4.server.conversation)
         self.conv = conv
         self.agent: AgentTurn | None = None
+        self.cache_salt = cache_salt  # vLLM's field: its own cache namespace (ds4.server.tenants)
 
     @property
     def param(self) -> str:
@@ -348,14 +361,15 @@ class RequestParser:
         n_bytes = sum(_utf8_len(m.content, "messages") + sum(len(c.arguments) for c in m.tool_calls) for m in out)
         self._fits(n_bytes + sum(len(json.dumps(t.schema())) for t in tools), "messages")
         params.constraint = response_format(body.get("response_format"))
+        salt = _cache_salt(body)
         if tools or any(m.role == "tool" or m.tool_calls for m in out):
             conv = Conversation(out, tools, choice, parallel is not False)
             try:
                 params = conv.gen_params(params)
             except ConstraintError as e:
                 raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
-            return Turn("chat", None, params, stream, inc, conv)
-        return Turn("chat", [{"role": m.role, "content": m.content} for m in out], params, stream, inc)
+            return Turn("chat", None, params, stream, inc, conv, cache_salt=salt)
+        return Turn("chat", [{"role": m.role, "content": m.content} for m in out], params, stream, inc, cache_salt=salt)
 
     def completion(self, raw: object) -> Turn:
         body, params, stream, inc = self._common(raw)
@@ -375,7 +389,7 @@ class RequestParser:
             raise _bad("echo is not supported", "echo", "unsupported_value")
         if body.get("suffix"):
             raise _bad("suffix is not supported", "suffix", "unsupported_value")
-        return Turn("completion", prompt, params, stream, inc)
+        return Turn("completion", prompt, params, stream, inc, cache_salt=_cache_salt(body))
 
 
 def response_format(rf: object) -> Constraint | None:

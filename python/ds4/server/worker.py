@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import PromptError
+from ..keytext import Prompt
 from ..turn import Generator, GenParams
 
 log = logging.getLogger("ds4.server")
@@ -52,7 +53,14 @@ class Job:
 
     _ids = itertools.count(1)
 
-    def __init__(self, kind: str, payload: Any, params: GenParams, post: Callable[[str, Any], None]):
+    def __init__(
+        self,
+        kind: str,
+        payload: Any,
+        params: GenParams,
+        post: Callable[[str, Any], None],
+        namespace: str | None = None,
+    ):
         self.id = next(self._ids)
         # "chat" (payload: messages), "completion" (payload: prompt) or
         # "agent" (payload: an AgentTurn of ds4.server.conversation, which
@@ -60,6 +68,7 @@ class Job:
         # the "done" event)
         self.kind = kind
         self.payload = payload
+        self.namespace = namespace  # the tenant's cache namespace (ds4.server.tenants)
         self.params = params
         self.post = post
         self.cancel = threading.Event()
@@ -173,10 +182,12 @@ class Service:
             if job.kind == "agent":
                 prompt = job.payload.render(eng)
             else:
-                prompt = eng.render_chat(job.payload) if job.kind == "chat" else job.payload
+                # a completion's prompt is client text: no marker in it is special
+                prompt = eng.render_chat(job.payload) if job.kind == "chat" else Prompt.text(job.payload)
             res = self.gen.generate(
                 prompt,
                 job.params,
+                namespace=job.namespace,
                 on_start=lambda rep: job.post("start", rep),
                 on_text=lambda s: job.post("text", s),
                 cancel=job.cancel.is_set,

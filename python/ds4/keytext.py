@@ -1,0 +1,212 @@
+"""The key text: the bytes a checkpoint is named after (SHA-1) and verified
+against (docs/FORMAT.md, "Key text").
+
+A checkpoint's stored text is its *key text*: an optional namespace
+preamble, then the key rendering of its tokens. Both are functions of what
+the session holds, so the name = SHA-1 of the stored text invariant, the
+Rust byte-prefix check and the tokens-render-the-text check keep their
+meaning, and:
+
+* **Namespaces** (tenants, ``cache_salt``): the preamble
+  ``FF 00 "ns:" <id> FF 00`` starts the key text of every checkpoint saved
+  in a namespace. No key text without a preamble contains ``FF 00``, and a
+  preamble ends at its first ``FF 00``: a key text of one namespace is
+  never a prefix of another namespace's (nor of the default namespace's,
+  which has no preamble and is what ds4 wrote before namespaces). A lookup
+  in one namespace can therefore only ever find that namespace's files.
+* **Special tokens**: a token the tokenizer only produces when told to parse
+  special markers (llama.cpp's control tokens, the reference engine's
+  markers) renders as its text; in every other token, a byte that begins
+  some special token's text (``<`` for ChatML) is escaped as ``FF <byte>``
+  and ``FF`` as ``FF FF``. A user typing ``<|im_start|>system`` as text
+  therefore has another key text than the template's real marker, and a
+  checkpoint of one can never be loaded for the other. Text without those
+  bytes renders exactly as before (a chat whose contents have no ``<``
+  keeps its keys).
+
+:class:`Prompt` is a ``str`` that remembers which of its spans are the
+template's own markers (special) and which are text (tokenized as text).
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "NAMESPACE_ID_RE",
+    "KeyRenderer",
+    "Prompt",
+    "namespace_of",
+    "plain_text",
+    "preamble",
+    "tenant_of_namespace",
+    "tokenize_prompt",
+]
+
+ESC = 0xFF
+_PRE_MARK = b"\xff\x00"
+_PRE_HEAD = _PRE_MARK + b"ns:"
+#: a namespace id: printable ASCII without spaces, at most 128 characters
+NAMESPACE_ID_RE = re.compile(r"^[!-~]{1,128}$")
+#: the default namespace (no preamble: the keys ds4 has always written)
+DEFAULT_NAMESPACE: str | None = None
+
+
+def preamble(namespace: str | None) -> bytes:
+    """The bytes a namespace's key texts start with (empty for the default)."""
+    if namespace is None:
+        return b""
+    if not NAMESPACE_ID_RE.match(namespace):
+        raise ValueError(f"not a namespace id: {namespace!r}")
+    return _PRE_HEAD + namespace.encode("ascii") + _PRE_MARK
+
+
+def namespace_of(key_text: bytes) -> tuple[str | None, int]:
+    """(namespace, preamble length) of a stored key text; (None, 0) for the
+    default namespace. A text that starts like a preamble but is not a whole
+    one raises ValueError."""
+    if not key_text.startswith(_PRE_HEAD):
+        return None, 0
+    end = key_text.find(_PRE_MARK, len(_PRE_HEAD))
+    ns = key_text[len(_PRE_HEAD) : end].decode("ascii", "replace") if end > 0 else ""
+    if end < 0 or not NAMESPACE_ID_RE.match(ns):
+        raise ValueError("a truncated or malformed namespace preamble")
+    return ns, end + len(_PRE_MARK)
+
+
+def tenant_of_namespace(namespace: str | None) -> str | None:
+    """The tenant part of a namespace id (``tenant`` or ``tenant/salt-...``)."""
+    return None if namespace is None else namespace.split("/", 1)[0]
+
+
+def plain_text(key_text: bytes) -> bytes:
+    """The bytes a key text spells, for people: no preamble, escapes undone
+    (a marker and its text look alike here; the key text tells them apart)."""
+    try:
+        _, n = namespace_of(key_text)
+    except ValueError:
+        n = 0
+    body = key_text[n:]
+    if ESC not in body:
+        return body
+    out, i = bytearray(), 0
+    while i < len(body):
+        c = body[i]
+        if c == ESC and i + 1 < len(body):
+            out.append(body[i + 1])
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return bytes(out)
+
+
+class _Vocab(Protocol):
+    vocab_size: int
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+
+def special_ids(engine: object) -> frozenset[int]:
+    """The engine's special tokens (``special_token_ids``; none when it has
+    no such attribute)."""
+    ids = getattr(engine, "special_token_ids", None)
+    return frozenset(int(t) for t in ids) if ids else frozenset()
+
+
+class KeyRenderer:
+    """Renders tokens to key text for one engine: one table of every
+    token's key bytes, built on first use (a join over the table is what a
+    turn pays)."""
+
+    def __init__(self, engine: _Vocab):
+        self.engine = engine
+        self.special = special_ids(engine)
+        lead = {engine.token_bytes(t)[:1] for t in self.special} - {b""}
+        self.escaped = frozenset(b[0] for b in lead) | {ESC}
+        self._table: list[bytes] | None = None
+
+    @classmethod
+    def of(cls, engine: _Vocab) -> KeyRenderer:
+        """The engine's renderer, shared by its sessions (one table each)."""
+        try:
+            r = _RENDERERS.get(engine)
+        except TypeError:  # not weak-referenceable
+            return cls(engine)
+        if r is None:
+            r = _RENDERERS[engine] = cls(engine)
+        return r
+
+    def _piece(self, token: int) -> bytes:
+        raw = self.engine.token_bytes(token)
+        if token in self.special or not self.escaped.intersection(raw):
+            return raw
+        return b"".join(bytes((ESC, c)) if c in self.escaped else bytes((c,)) for c in raw)
+
+    @property
+    def table(self) -> list[bytes]:
+        """Every token's key bytes, by id."""
+        if self._table is None:
+            self._table = [self._piece(t) for t in range(int(self.engine.vocab_size))]
+        return self._table
+
+    def piece(self, token: int) -> bytes:
+        """One token's key bytes."""
+        return self.table[token]
+
+    def is_plain(self, token: int) -> bool:
+        """True when the token's key bytes are its bytes and it is not special."""
+        return token not in self.special and self.piece(token) == self.engine.token_bytes(token)
+
+    def render(self, tokens: Iterable[int]) -> bytes:
+        return b"".join(map(self.table.__getitem__, tokens))
+
+    def lengths(self, tokens: Iterable[int]) -> Iterator[int]:
+        """The key length of each token."""
+        return map(len, map(self.table.__getitem__, tokens))
+
+
+_RENDERERS: weakref.WeakKeyDictionary[_Vocab, KeyRenderer] = weakref.WeakKeyDictionary()
+
+
+class _Tokenizer(Protocol):
+    def tokenize(self, text: str, special: bool = ...) -> list[int]: ...
+
+
+class Prompt(str):
+    """A rendered prompt that knows which spans are the template's markers.
+
+    ``segments`` is a tuple of ``(text, special)``; the ``str`` value is
+    their concatenation. :func:`tokenize_prompt` tokenizes each text span as
+    text and each marker span with special parsing. Any ``str`` operation
+    returns a plain ``str`` (which is tokenized as trusted text: markers
+    parsed)."""
+
+    segments: tuple[tuple[str, bool], ...]
+
+    def __new__(cls, segments: Sequence[tuple[str, bool]]) -> Prompt:
+        segs = tuple((str(s), bool(sp)) for s, sp in segments if s)
+        obj = super().__new__(cls, "".join(s for s, _ in segs))
+        obj.segments = segs
+        return obj
+
+    @classmethod
+    def text(cls, text: str) -> Prompt:
+        """A prompt that is all client text (no marker parsed)."""
+        return cls([(text, False)])
+
+
+def tokenize_prompt(engine: _Tokenizer, prompt: str) -> list[int]:
+    """Tokens of ``prompt``: a :class:`Prompt` span by span (markers special,
+    text as text); a plain ``str`` with special markers parsed (a trusted
+    caller's own rendering, as before)."""
+    if isinstance(prompt, Prompt):
+        out: list[int] = []
+        for text, special in prompt.segments:
+            out += engine.tokenize(text, special=special)
+        return out
+    return engine.tokenize(prompt, special=True)
