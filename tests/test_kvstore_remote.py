@@ -536,3 +536,30 @@ def test_unreachable_cluster_costs_misses_then_a_cooldown(eng, tmp_path):
         assert tier.upload(rep.cold_saved or "", s.payload_abi, 1, 1) in ("skipped", "gone")
     finally:
         st.close()
+
+
+def test_tenant_namespaces_of_sessions_never_share_through_the_tier(eng, flushed, replicas):
+    # The server's tenants (and cache_salt) are session namespaces: their key
+    # texts start with the namespace's preamble, so one tenant's checkpoint
+    # on the shared tier is never a candidate for another tenant's prompt,
+    # even on one tier namespace.
+    r = replicas(flushed.url)
+    a, b, a2 = r.store("a"), r.store("b"), r.store("a2")
+    prompt = _prompt("tenant")
+    s = ds4.Session(eng, ctx=2048)
+    s.set_namespace("key-aaaa")
+    s.sync(eng.tokenize(prompt, special=True))
+    assert a.store_live_prefix(s, "cold") is not None
+    assert a.remote.flush(30)
+    other = ds4.Session(eng, ctx=2048)
+    other.set_namespace("key-bbbb")
+    rep = recover(other, b, prompt + "?")
+    assert rep.rung == "prefill" and rep.reused_tokens == 0
+    default = ds4.Session(eng, ctx=2048)
+    assert recover(default, b, prompt + "?").rung == "prefill"
+    same = ds4.Session(eng, ctx=2048)
+    same.set_namespace("key-aaaa")
+    rep = recover(same, a2, prompt + "?")
+    assert rep.rung == "remote" and rep.reused_tokens > MIN_TOKENS
+    cold = _cold(eng, prompt + "?")
+    assert same.tokens == cold.tokens and np.array_equal(same.logits, cold.logits)
