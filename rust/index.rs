@@ -21,8 +21,9 @@ use crate::format::{self, VERSION_V1};
 use crate::hash::{self, Sha1Digest};
 use crate::payload;
 use crate::verify;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
@@ -137,6 +138,34 @@ pub struct Listing {
     pub gone: usize,
 }
 
+/// Hashes a SHA-1 digest key by its first 8 bytes: the names are digests
+/// already (uniform), and `SipHash` over 100,000 of them is a good part of
+/// an open. (A writer of the directory could pick names that collide here;
+/// whoever can write the directory is trusted already: see
+/// `open_cache_dir` on the Python side.)
+#[derive(Default)]
+pub struct DigestHasher(u64);
+
+impl Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // `Hash for [u8; 20]` writes the 20 bytes once (after a length,
+        // through `write_usize`, which only folds in)
+        let mut b = [0u8; 8];
+        let n = bytes.len().min(8);
+        b[..n].copy_from_slice(&bytes[..n]);
+        self.0 ^= u64::from_le_bytes(b);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = self.0.rotate_left(7) ^ n as u64;
+    }
+}
+
+type DigestMap<V> = HashMap<Sha1Digest, V, BuildHasherDefault<DigestHasher>>;
+type DigestSet = HashSet<Sha1Digest, BuildHasherDefault<DigestHasher>>;
+
 /// The directory an index file describes and when it was scanned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DirStamp {
@@ -152,8 +181,8 @@ pub struct DirStamp {
 /// name with their stat key, and the length-sorted lookup table.
 #[derive(Debug, Default)]
 pub struct Index {
-    entries: HashMap<Sha1Digest, Entry>,
-    kept: HashMap<Sha1Digest, StatKey>,
+    entries: DigestMap<Entry>,
+    kept: DigestMap<StatKey>,
     abis: Vec<Arc<str>>,
     /// (text length, tail, digest), sorted by length; None when stale.
     table: Option<Table>,
@@ -259,8 +288,10 @@ impl Index {
     pub fn sync_listing(&mut self, dir: &Path) -> Result<Listing> {
         use std::os::unix::fs::DirEntryExt;
         let mut out = Listing::default();
-        let mut seen =
-            std::collections::HashSet::with_capacity(self.entries.len() + self.kept.len());
+        let mut seen = DigestSet::with_capacity_and_hasher(
+            self.entries.len() + self.kept.len(),
+            BuildHasherDefault::default(),
+        );
         for de in std::fs::read_dir(dir)? {
             let de = de?;
             let name = de.file_name();
@@ -473,6 +504,7 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
     }
     let mut idx = Index {
         abis: abis.clone(),
+        entries: DigestMap::with_capacity_and_hasher(n, BuildHasherDefault::default()),
         ..Index::default()
     };
     for _ in 0..n {
