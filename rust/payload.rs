@@ -100,9 +100,13 @@ impl Storage {
         // file in place may show through: checkpoints are only ever replaced
         // by rename (the hit fields excepted, which are outside the payload).
         // Truncation by another process is caught by the SIGBUS guard.
+        // `populate` (MAP_POPULATE): the page tables are filled in the map
+        // call, in one pass, instead of one fault per page during the
+        // checksum pass (every byte is read right after anyway).
         let map = unsafe {
             memmap2::MmapOptions::new()
                 .len(len)
+                .populate()
                 .map_copy_read_only(file)?
         };
         let _ = map.advise(memmap2::Advice::Sequential);
