@@ -292,3 +292,28 @@ def test_the_core_index_reports_its_size(tmp_path, write_ck):
     prompt = ("text number 7 " * 3 + "and more").encode()
     [hit] = idx.lookup(prompt, min_tokens=0)
     assert hit[0] == hashlib.sha1(prompt[: len("text number 7 " * 3)]).hexdigest() + ".kv"
+
+
+def test_a_file_damaged_in_place_behind_the_index_is_caught_at_its_load(eng, tmp_path, monkeypatch, cold):
+    """The index does not see a change under the same inode (the open reads
+    no header): the entry stays, and the load's own verification refuses
+    the file, removes it and falls back to the next stored prefix."""
+    _st, paths = _fill(eng, tmp_path)
+    victim = paths[1]
+    raw = bytearray(Path(victim).read_bytes())
+    text = ds4.open_checkpoint(victim, load_payload=False).text
+    raw[raw.index(text) + 5] ^= 0x02
+    with open(victim, "r+b") as f:  # in place: same inode
+        f.write(raw)
+    reads = _reads(monkeypatch)
+    st = _store(tmp_path)
+    assert reads == [] and os.path.basename(victim) in {e.name for e in st.entries()}
+    s = ds4.Session(eng, ctx=4096)
+    rep = ds4.recovery.RecoveryReport()
+    r = st.try_load_text(s, TEXTS[1] + " and then?", report=rep)
+    assert [(p, c) for (p, _s, c, _r) in rep.rejected] == [(victim, "text_sha1_mismatch")]
+    assert r is not None and r.path == paths[0]
+    toks, logits = cold[TEXTS[0]]
+    assert s.tokens == toks and np.array_equal(s.logits, logits)
+    assert not os.path.exists(victim)
+    assert os.path.basename(victim) not in {e.name for e in _store(tmp_path).entries()}
