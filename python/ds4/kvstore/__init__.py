@@ -91,6 +91,7 @@ def _why(name: str, err: CheckpointError) -> tuple[str, str, str, str]:
 
 __all__ = [
     "HALF_LIFE_S",
+    "INDEX_NAME",
     "LOCK_NAME",
     "NOT_REGULAR",
     "TMP_MAX_AGE_S",
