@@ -719,4 +719,39 @@ mod tests {
             assert!(decode(&c).is_err(), "flip at {i}");
         }
     }
+
+    #[test]
+    fn save_load_listing_and_file_policy() {
+        let d = tempfile::tempdir().unwrap();
+        let (path, tmp) = (d.path().join(".ds4.index"), d.path().join(".ds4.index.tmp"));
+        let mut idx = Index::new();
+        let a = entry(b"first text", 3, "x/1");
+        let b = entry(b"second text", 4, "x/1");
+        idx.insert(a.clone());
+        idx.insert(b.clone());
+        save(&idx, &DirStamp::default(), &path, &tmp).unwrap();
+        assert!(!tmp.exists());
+        let (mut back, _) = load(&path).unwrap();
+        assert_eq!(back.len(), 2);
+        // a listing: `a` is on disk (another inode than indexed), `b` is gone
+        let name_a = format!("{}.kv", hash::to_hex(&a.digest));
+        std::fs::write(d.path().join(&name_a), b"x").unwrap();
+        let l = back.sync_listing(d.path()).unwrap();
+        assert_eq!(l.changed, [name_a]);
+        assert_eq!(l.gone, 1);
+        let mut others = l.others;
+        others.sort();
+        assert_eq!(others, [".ds4.index"]);
+        assert!(back.get(&b.digest).is_none() && back.get(&a.digest).is_some());
+        // never written through a symlinked temp file, never over a non-file
+        std::os::unix::fs::symlink(d.path().join("elsewhere"), &tmp).unwrap();
+        assert!(save(&idx, &DirStamp::default(), &path, &tmp).is_err());
+        assert!(!d.path().join("elsewhere").exists());
+        std::fs::remove_file(&tmp).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(save(&idx, &DirStamp::default(), &path, &tmp).is_err());
+        assert!(path.is_dir() && !tmp.exists());
+        assert!(load(&path).is_err());
+    }
 }
