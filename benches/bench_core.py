@@ -185,7 +185,7 @@ def index_file_bytes(entries, tails):
         tail = int.from_bytes(tails[e.name].ljust(8, b"\0"), "little")
         out += bytes.fromhex(e.name[:40]) + bytes([e.version, 0, 1, 0])
         out += struct.pack("<IIIII", e.tokens, e.hits, e.ctx, e.text_bytes, abis.index(e.abi))
-        out += struct.pack("<QQQQQq", e.created, e.last_used, tail, 0, e.size, 0)
+        out += struct.pack("<QQQQQqQ", e.created, e.last_used, tail, 0, e.size, 0, 0)
     return bytes(out) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(out)))
 
 

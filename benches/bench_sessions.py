@@ -203,11 +203,22 @@ def llama_save_load(engine, repeats):
 
         target = ds4.Session(engine, ctx=4096)  # an existing session, as load_state has an existing context
 
+        leased = []
+
         def load_ds4():
-            ck = ds4.open_checkpoint(path, prompt=text, expected_abi=s.payload_abi)  # verification on, checksum incl.
+            # verification on, checksum incl.; the payload mapped under a read lease
+            ck = ds4.open_checkpoint(path, prompt=text, expected_abi=s.payload_abi)
+            leased.append(ck.leased)
             target.load_checkpoint(ck)
 
         t_load = med(load_ds4, repeats)
+
+        def load_ds4_copy():
+            # the other way to load only verified bytes: copy, checksumming the copy
+            ck = ds4.open_checkpoint(path, prompt=text, expected_abi=s.payload_abi, mmap=False)
+            target.load_checkpoint(ck)
+
+        t_load_copy = med(load_ds4_copy, repeats)
 
         # llama-cpp-python's own API on the same model and tokens
         llm = llama_cpp.Llama(model_path=engine.model_path, n_ctx=4096, n_batch=512, verbose=False, logits_all=False)
@@ -253,6 +264,8 @@ def llama_save_load(engine, repeats):
             "ds4_file_mib": size / 2**20,
             "ds4_save_s": t_save,
             "ds4_load_verify_s": t_load,
+            "ds4_load_leased": all(leased),
+            "ds4_load_copy_s": t_load_copy,
             "llama_save_state_s": t_lsave,
             "llama_load_state_s": t_lload,
             "llama_disk_cache_save_s": t_dsave,
@@ -268,6 +281,7 @@ def main():
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--split", action="store_true", help="only the SmolLM2 ~1,000-token resumed/cold split")
     ap.add_argument("--json")
+    ap.add_argument("--save-load-only", action="store_true", help="only SmolLM2's save/load comparison")
     a = ap.parse_args()
     if a.split:
         r = ttft_split(ds4.LlamaCppEngine(), 1000, 3 if a.quick else 7, ctx=2048)
@@ -286,16 +300,17 @@ def main():
     ref = ds4.ReferenceEngine()
     sizes = [1024, 4096] if a.quick else [1024, 4096, 16384]
     print(f"{'engine':<10} {'prompt':>7} {'cold s':>8} {'resumed s':>10} {'resumed/cold':>13}")
-    for n in sizes:
+    for n in [] if a.save_load_only else sizes:
         nt, c, r = ttft(ref, n, 1 if n > 8000 else reps, ctx=20000)
         out["ttft"].append({"engine": "reference", "tokens": nt, "cold_s": c, "resumed_s": r, "ratio": r / c})
         print(f"{'reference':<10} {nt:>7} {c:>8.3f} {r:>10.3f} {r / c:>12.1%}")
         sys.stdout.flush()
     if not a.skip_llama:
         lc = ds4.LlamaCppEngine()
-        nt, c, r = ttft(lc, 2048, reps, ctx=4096)
-        out["ttft"].append({"engine": "smollm2", "tokens": nt, "cold_s": c, "resumed_s": r, "ratio": r / c})
-        print(f"{'smollm2':<10} {nt:>7} {c:>8.3f} {r:>10.3f} {r / c:>12.1%}")
+        if not a.save_load_only:
+            nt, c, r = ttft(lc, 2048, reps, ctx=4096)
+            out["ttft"].append({"engine": "smollm2", "tokens": nt, "cold_s": c, "resumed_s": r, "ratio": r / c})
+            print(f"{'smollm2':<10} {nt:>7} {c:>8.3f} {r:>10.3f} {r / c:>12.1%}")
         sl = llama_save_load(lc, reps)
         out["save_load"] = sl
         print(f"\nSmolLM2 state, {sl['tokens']} tokens, ds4 file {sl['ds4_file_mib']:.1f} MiB")
@@ -304,11 +319,14 @@ def main():
             f"LlamaDiskCache {sl['llama_disk_cache_save_s'] * 1e3:.1f} ms"
         )
         print(
-            f"  load: ds4 {sl['ds4_load_verify_s'] * 1e3:.1f} ms (verified), Llama.load_state {sl['llama_load_state_s'] * 1e3:.1f} ms, "
+            f"  load: ds4 {sl['ds4_load_verify_s'] * 1e3:.1f} ms (verified, leased map: {sl['ds4_load_leased']}), "
+            f"ds4 copy {sl['ds4_load_copy_s'] * 1e3:.1f} ms (verified copy), "
+            f"Llama.load_state {sl['llama_load_state_s'] * 1e3:.1f} ms, "
             f"LlamaDiskCache {sl['llama_disk_cache_load_s'] * 1e3:.1f} ms"
         )
         print(
             f"  load_state / ds4 load = {sl['llama_load_state_s'] / sl['ds4_load_verify_s']:.1f}x; "
+            f"load_state / ds4 copy load = {sl['llama_load_state_s'] / sl['ds4_load_copy_s']:.1f}x; "
             f"LlamaDiskCache load / ds4 load = {sl['llama_disk_cache_load_s'] / sl['ds4_load_verify_s']:.1f}x"
         )
     if a.json:

@@ -36,7 +36,7 @@ impl Class {
 pub enum Error {
     #[error("not a regular file: {what}")]
     NotRegularFile { what: &'static str },
-    #[error("file name {name:?} is not <40 lowercase hex digits>.kv")]
+    #[error("file name {name:?} is not <40 hex digits>.kv")]
     BadName { name: String },
     #[error("file is {have} bytes, shorter than the {need}-byte fixed header")]
     TooShort { need: u64, have: u64 },
@@ -82,6 +82,10 @@ pub enum Error {
     TensorTable(String),
     #[error("payload checksum mismatch: stored {stored:016x}, computed {computed:016x}")]
     PayloadChecksum { stored: u64, computed: u64 },
+    #[error("the file was opened for writing by another process while its map was in use")]
+    Changed,
+    #[error("ds4 v1 header: {0} (ds4's own reader ignores this file)")]
+    V1Ignored(String),
     #[error("ds4 v1 payload: {0}")]
     BadV1Payload(String),
     #[error(transparent)]
@@ -115,6 +119,8 @@ impl Error {
             Error::TensorTable(_) => "tensor_table",
             Error::PayloadChecksum { .. } => "payload_checksum",
             Error::BadV1Payload(_) => "bad_v1_payload",
+            Error::Changed => "changed_while_loading",
+            Error::V1Ignored(_) => "v1_ignored",
             Error::Io(_) => "io",
         }
     }
@@ -136,14 +142,16 @@ impl Error {
             | Error::BadPadding { .. }
             | Error::AbiMismatch { .. }
             | Error::QuantMismatch { .. }
-            | Error::CtxTooSmall { .. } => "header",
+            | Error::CtxTooSmall { .. }
+            | Error::V1Ignored(_) => "header",
             Error::TextHashMismatch { .. }
             | Error::NameMismatch { .. }
             | Error::NotPrefix { .. }
             | Error::PrefixCollision { .. } => "text",
-            Error::TensorTable(_) | Error::PayloadChecksum { .. } | Error::BadV1Payload(_) => {
-                "payload"
-            }
+            Error::TensorTable(_)
+            | Error::PayloadChecksum { .. }
+            | Error::BadV1Payload(_)
+            | Error::Changed => "payload",
         }
     }
 
@@ -152,8 +160,9 @@ impl Error {
             Error::UnsupportedVersion { .. }
             | Error::AbiMismatch { .. }
             | Error::QuantMismatch { .. }
-            | Error::CtxTooSmall { .. } => Class::Incompatible,
-            Error::BadName { .. } | Error::NotPrefix { .. } => Class::Mismatch,
+            | Error::CtxTooSmall { .. }
+            | Error::V1Ignored(_) => Class::Incompatible,
+            Error::BadName { .. } | Error::NotPrefix { .. } | Error::Changed => Class::Mismatch,
             Error::Io(_) => Class::Io,
             _ => Class::Corrupt,
         }

@@ -42,6 +42,7 @@ fn hex_val(c: u8) -> Option<u8> {
     match c {
         b'0'..=b'9' => Some(c - b'0'),
         b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
         _ => None,
     }
 }
@@ -146,6 +147,11 @@ mod tests {
         assert_eq!(common_prefix_len(b"same", b"same"), 4);
         assert_eq!(common_prefix_len_u32(&[1, 2, 3], &[1, 2, 4]), 2);
         assert_eq!(parse_hex_digest(&sha1_hex(b"x")).unwrap(), sha1(b"x"));
-        assert!(parse_hex_digest("A9993E364706816ABA3E25717850C26C9CD0D89D").is_none());
+        // Either case, as ds4 reads names; anything else is not a digest.
+        assert_eq!(
+            parse_hex_digest("A9993E364706816ABA3E25717850C26C9CD0D89D").unwrap(),
+            sha1(b"abc")
+        );
+        assert!(parse_hex_digest("g9993e364706816aba3e25717850c26c9cd0d89d").is_none());
     }
 }

@@ -69,6 +69,30 @@ pub struct Entry {
     /// The last (up to) 8 bytes of the text, little-endian, zero-padded.
     pub tail: u64,
     pub key: StatKey,
+    /// Which of the name's 40 hex digits are upper case (bit i: digit i);
+    /// 0 for the usual lower-case name. ds4 reads names in either case.
+    pub case: u64,
+}
+
+/// The bits of [`Entry::case`] for a file name.
+pub fn case_of(name: &str) -> u64 {
+    name.bytes()
+        .take(40)
+        .enumerate()
+        .filter(|(_, c)| c.is_ascii_uppercase())
+        .fold(0, |m, (i, _)| m | (1 << i))
+}
+
+/// The file name of a digest whose digits have the case `case`.
+pub fn name_of(d: &Sha1Digest, case: u64) -> String {
+    let mut hex = hash::to_hex(d).into_bytes();
+    for (i, c) in hex.iter_mut().enumerate() {
+        if case & (1 << i) != 0 {
+            c.make_ascii_uppercase();
+        }
+    }
+    hex.extend_from_slice(b".kv");
+    String::from_utf8(hex).unwrap_or_default()
 }
 
 /// The last (up to) 8 bytes of `text[..len]` as a little-endian `u64`
@@ -88,6 +112,7 @@ pub fn tail_of(text: &[u8], len: usize) -> u64 {
 /// 8 bytes, never the whole text. The stat key is the opened file's.
 pub fn read_entry(path: &Path) -> Result<Entry> {
     let digest = verify::digest_from_name(path)?;
+    let case = case_of(path.file_name().and_then(|n| n.to_str()).unwrap_or(""));
     let (file, file_len) = verify::open_regular(path, false)?;
     let key = StatKey::of(&file.metadata()?);
     let h = verify::read_header(&file, file_len)?;
@@ -117,6 +142,7 @@ pub fn read_entry(path: &Path) -> Result<Entry> {
         abi: Arc::from(h.abi.as_str()),
         tail: tail_of(&last, last.len()),
         key,
+        case,
     })
 }
 
@@ -182,7 +208,7 @@ pub struct DirStamp {
 #[derive(Debug, Default)]
 pub struct Index {
     entries: DigestMap<Entry>,
-    kept: DigestMap<StatKey>,
+    kept: DigestMap<(StatKey, u64)>,
     abis: Vec<Arc<str>>,
     /// (text length, tail, digest), sorted by length; None when stale.
     table: Option<Table>,
@@ -216,7 +242,15 @@ impl Index {
         self.entries
             .get(d)
             .map(|e| (e.key, true))
-            .or_else(|| self.kept.get(d).map(|k| (*k, false)))
+            .or_else(|| self.kept.get(d).map(|k| (k.0, false)))
+    }
+    /// The file name the index knows for a digest (its case as on disk).
+    pub fn name(&self, d: &Sha1Digest) -> Option<String> {
+        self.entries
+            .get(d)
+            .map(|e| e.case)
+            .or_else(|| self.kept.get(d).map(|k| k.1))
+            .map(|case| name_of(d, case))
     }
     pub fn names(&self) -> impl Iterator<Item = &Sha1Digest> {
         self.entries.keys().chain(self.kept.keys())
@@ -235,12 +269,13 @@ impl Index {
         self.entries.insert(e.digest, e);
         self.table = None;
     }
-    /// Remembers a file that is kept but not indexed, by its stat key.
-    pub fn keep(&mut self, d: Sha1Digest, key: StatKey) {
+    /// Remembers a file that is kept but not indexed, by its stat key (and
+    /// the case of its name).
+    pub fn keep(&mut self, d: Sha1Digest, key: StatKey, case: u64) {
         if self.entries.remove(&d).is_some() {
             self.table = None;
         }
-        self.kept.insert(d, key);
+        self.kept.insert(d, (key, case));
     }
     /// Forgets a name (entry or kept file); true when it was known.
     pub fn remove(&mut self, d: &Sha1Digest) -> bool {
@@ -269,7 +304,7 @@ impl Index {
     /// An estimate of the heap the index holds (bytes).
     pub fn heap_bytes(&self) -> usize {
         let entry = std::mem::size_of::<(Sha1Digest, Entry)>() + 1;
-        let kept = std::mem::size_of::<(Sha1Digest, StatKey)>() + 1;
+        let kept = std::mem::size_of::<(Sha1Digest, (StatKey, u64))>() + 1;
         let table = self.table.as_ref().map_or(0, |t| {
             t.lens.capacity() * 4 + t.tails.capacity() * 8 + t.digests.capacity() * 20
         });
@@ -299,7 +334,8 @@ impl Index {
             match name.strip_suffix(".kv").and_then(hash::parse_hex_digest) {
                 Some(d) => {
                     seen.insert(d);
-                    if self.key_of(&d).is_none_or(|(k, _)| k.ino != de.ino()) {
+                    let same_name = self.name(&d).is_some_and(|n| n == name);
+                    if !same_name || self.key_of(&d).is_none_or(|(k, _)| k.ino != de.ino()) {
                         out.changed.push(name.to_owned());
                     }
                 }
@@ -378,7 +414,7 @@ pub const INDEX_VERSION: u32 = 1;
 /// directory stamp (dev, ino, mtime, scan time).
 const HEAD: usize = 8 + 4 + 4 + 4 + 32;
 /// Bytes of one record.
-pub const RECORD: usize = 92;
+pub const RECORD: usize = 100;
 /// An index file larger than this is not read (10 million entries).
 pub const MAX_INDEX_FILE: u64 = 1 << 30;
 
@@ -420,14 +456,16 @@ pub fn encode(idx: &Index, stamp: &DirStamp) -> Vec<u8> {
             v.extend_from_slice(&x.to_le_bytes());
         }
         v.extend_from_slice(&e.key.mtime_ns.to_le_bytes());
+        v.extend_from_slice(&e.case.to_le_bytes());
     }
-    for (d, k) in &idx.kept {
+    for (d, (k, case)) in &idx.kept {
         v.extend_from_slice(d);
         v.extend_from_slice(&[0, 0, 0, 1]);
         v.extend_from_slice(&[0u8; 20 + 24]);
         v.extend_from_slice(&k.ino.to_le_bytes());
         v.extend_from_slice(&k.size.to_le_bytes());
         v.extend_from_slice(&k.mtime_ns.to_le_bytes());
+        v.extend_from_slice(&case.to_le_bytes());
     }
     let sum = xxh3_64(&v);
     v.extend_from_slice(&sum.to_le_bytes());
@@ -519,6 +557,10 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
             size: r.u64()?,
             mtime_ns: r.i64()?,
         };
+        let case = r.u64()?;
+        if case >> 40 != 0 {
+            return Err(bad("case bits beyond the name"));
+        }
         if idx.entries.contains_key(&digest) || idx.kept.contains_key(&digest) {
             return Err(bad("a name recorded twice"));
         }
@@ -544,11 +586,12 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
                         abi,
                         tail,
                         key,
+                        case,
                     },
                 );
             }
             1 => {
-                idx.kept.insert(digest, key);
+                idx.kept.insert(digest, (key, case));
             }
             _ => return Err(bad("unknown record kind")),
         }
@@ -642,6 +685,7 @@ mod tests {
                 size: 100 + text.len() as u64,
                 mtime_ns: 9,
             },
+            case: 0,
         }
     }
 
@@ -697,7 +741,7 @@ mod tests {
         let mut idx = Index::new();
         idx.insert(entry(b"one text", 3, "x/1"));
         idx.insert(entry(b"two texts here", 4, "y/2"));
-        idx.keep(hash::sha1(b"kept"), StatKey::default());
+        idx.keep(hash::sha1(b"kept"), StatKey::default(), 1 << 39);
         let stamp = DirStamp {
             dev: 1,
             ino: 2,

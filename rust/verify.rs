@@ -20,7 +20,7 @@ use crate::format::{
     v1, v2, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2,
 };
 use crate::hash::{self, Sha1Digest};
-use crate::payload::{self, Storage};
+use crate::payload::{self, Damage, Lease, Storage};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -83,19 +83,33 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Fails with `Truncated` if the mapped file shrank under us (another
-    /// process truncated it: see payload.rs on SIGBUS). Consumers call this
-    /// after they have read the payload, before trusting what they read.
+    /// process truncated it: see payload.rs on SIGBUS), and with `Changed`
+    /// if the map's lease was broken long enough ago that a writer may have
+    /// got through. Consumers call this after they have read the payload,
+    /// before trusting what they read.
     pub fn check_intact(&self) -> Result<()> {
-        if let Some(s) = &self.storage {
-            if s.faulted() {
+        let Some(s) = &self.storage else {
+            return Ok(());
+        };
+        match s.intact() {
+            Ok(()) => Ok(()),
+            Err(Damage::Faulted) => {
                 let actual = std::fs::metadata(&self.path).map_or(0, |m| m.len());
-                return Err(Error::Truncated {
+                Err(Error::Truncated {
                     expected: self.file_len,
                     actual,
-                });
+                })
             }
+            Err(Damage::Changed) => Err(Error::Changed),
         }
-        Ok(())
+    }
+
+    /// Gives back the map's lease (see [`Storage::release`]): called once
+    /// the consumer has read what it needs and checked it.
+    pub fn release(&self) {
+        if let Some(s) = &self.storage {
+            s.release();
+        }
     }
 
     /// The payload bytes; `None` when it was not loaded (or, which
@@ -323,8 +337,15 @@ fn check_padding(file: &File, header: &Header, file_len: u64) -> Result<()> {
 }
 
 /// Payload stage: the payload's own layout (v1: the DSV4 header; v2: the
-/// tensor table), then the payload is mapped or read, then its checksum
+/// tensor table), then the payload is mapped or copied, then its checksum
 /// (v2, when asked) and that the map did not lose a page meanwhile.
+///
+/// A map is made only under a read [`Lease`] taken before the checksum:
+/// the bytes the engine later reads through it are the bytes checked (see
+/// [`Checkpoint::check_intact`]). When the kernel refuses the lease (a
+/// writer has the file open, another user's file, a filesystem without
+/// leases) or every SIGBUS slot is taken, the payload is copied instead,
+/// and the checksum is taken of the copy.
 fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Result<()> {
     if ck.header.version == VERSION_V1 {
         let head = read_dsv4_head(file, &ck.header, ck.file_len)?;
@@ -332,26 +353,32 @@ fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Resu
     } else {
         v2::check_tensor_table(&ck.header.tensors, ck.header.payload_bytes)?;
     }
-    let (storage, base) = if o.mmap {
-        (
-            Storage::map(file, ck.file_len)?,
-            usize::try_from(ck.header.payload_offset).map_err(|_| Error::SizeOverflow)?,
-        )
+    let checked = o.verify_checksum && ck.header.version == VERSION_V2;
+    let mapped = if o.mmap {
+        match Lease::take(file) {
+            Some(lease) => Storage::map(file, ck.file_len, Some(lease))?,
+            None => None,
+        }
     } else {
-        (
-            Storage::pread(
-                file,
-                ck.header.payload_offset,
-                ck.header.payload_bytes,
-                ck.file_len,
-            )?,
-            0,
-        )
+        None
     };
-    ck.storage = Some(Arc::new(storage));
-    ck.payload_base = base;
-    if o.verify_checksum && ck.header.version == VERSION_V2 {
-        check_payload_checksum(ck)?;
+    if let Some(storage) = mapped {
+        ck.storage = Some(Arc::new(storage));
+        ck.payload_base =
+            usize::try_from(ck.header.payload_offset).map_err(|_| Error::SizeOverflow)?;
+        if checked {
+            check_payload_checksum(ck)?;
+        }
+    } else {
+        let storage = Storage::copy(
+            file,
+            ck.header.payload_offset,
+            ck.header.payload_bytes,
+            ck.file_len,
+            checked.then_some(ck.header.payload_checksum),
+        )?;
+        ck.storage = Some(Arc::new(storage));
+        ck.payload_base = 0;
     }
     ck.check_intact()
 }
@@ -362,14 +389,21 @@ fn read_dsv4_head(file: &File, header: &Header, file_len: u64) -> Result<Vec<u8>
     pread_vec(file, header.payload_offset, n, file_len)
 }
 
-/// Payload stage, v2: the payload's xxh3-64 against the header's. A mismatch
-/// on a map that lost a page is reported as the truncation it is.
+/// Payload stage, v2: the payload's xxh3-64 against the header's, over the
+/// map one window at a time (a large payload's pages dropped behind: the
+/// check takes bounded memory). A mismatch on a map that lost a page is
+/// reported as the truncation it is.
 fn check_payload_checksum(ck: &Checkpoint) -> Result<()> {
-    let payload = ck.payload().ok_or(Error::Truncated {
+    let missing = || Error::Truncated {
         expected: ck.header.total_len,
         actual: ck.file_len,
-    })?;
-    let computed = v2::payload_checksum(payload);
+    };
+    let storage = ck.storage.as_deref().ok_or_else(missing)?;
+    let len = usize::try_from(ck.header.payload_bytes).map_err(|_| Error::SizeOverflow)?;
+    let end = ck.payload_base.checked_add(len).ok_or_else(missing)?;
+    let computed = storage
+        .checksum(ck.payload_base..end, len > payload::STREAM_ABOVE)
+        .ok_or_else(missing)?;
     if computed != ck.header.payload_checksum {
         ck.check_intact()?;
         return Err(Error::PayloadChecksum {
@@ -383,8 +417,12 @@ fn check_payload_checksum(ck: &Checkpoint) -> Result<()> {
 /// Records a hit: `hits += 1`, `last_used = now`, under an exclusive `flock`
 /// so concurrent hits from several processes are never lost. Only the
 /// mutable fields are written; they are outside the header checksum.
+///
+/// A file another load holds a read lease on cannot be opened for writing
+/// until that load gives it back (milliseconds): the open is retried for up
+/// to [`TOUCH_WAIT_MS`], then the hit is given up (`Io`, `EWOULDBLOCK`).
 pub fn touch(path: &Path, now: u64) -> Result<u32> {
-    let (file, file_len) = open_regular(path, true)?;
+    let (file, file_len) = open_for_touch(path)?;
     let lock = FileLock::exclusive(&file)?;
     let head = pread_vec(&file, 0, file_len.min(40), file_len)?;
     let v = v2::sniff(&head, file_len)?;
@@ -402,6 +440,26 @@ pub fn touch(path: &Path, now: u64) -> Result<u32> {
     file.write_all_at(&now.to_le_bytes(), LAST_USED_OFFSET as u64)?;
     drop(lock);
     Ok(hits)
+}
+
+/// How long [`touch`] waits for a lease on the file to be given back.
+pub const TOUCH_WAIT_MS: u64 = 2000;
+
+fn open_for_touch(path: &Path) -> Result<(File, u64)> {
+    let mut waited = 0;
+    let mut step = 1;
+    loop {
+        match open_regular(path, true) {
+            Err(Error::Io(e))
+                if e.raw_os_error() == Some(libc::EWOULDBLOCK) && waited < TOUCH_WAIT_MS =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(step));
+                waited += step;
+                step = (step * 2).min(50);
+            }
+            r => return r,
+        }
+    }
 }
 
 /// An advisory `flock` held until dropped.

@@ -15,9 +15,14 @@ concurrency:  N processes x M mixed operations (store, lookup+load, now and then
               updates, eviction) on one directory with a small budget; every
               load is compared with a cold prefill; the budget holds at rest.
 corrupt:      random damage (bit flips, truncation, splices, overwrites,
-              appended bytes) to real session checkpoints, then the public
-              ladder: it must either serve exactly the cold state or reject
-              with a CheckpointError; anything else is a failure.
+              appended bytes) to real session checkpoints, and crafted files
+              whose checksums are all correct but whose contents lie (shapes,
+              dtypes, missing or extra tensors, tokens that do not render the
+              text, token counts, token ids, another conversation's tokens),
+              then the public ladder: it must either serve exactly the cold
+              state or reject with a typed CheckpointError; anything else is
+              a failure, and so is a rejection that is only the catch-all
+              import_failed (an untyped error from below).
 """
 
 from __future__ import annotations
@@ -200,6 +205,84 @@ def _verifies(p):
         return False
 
 
+DAMAGE = ["flip", "truncate", "splice", "overwrite", "append", "multi"]
+# Crafted files: written by the real writer (every checksum right) under the
+# real name and text, each telling one lie the load must catch.
+CRAFTED = [
+    "shape_transpose",
+    "shape_flat",
+    "shape_short",
+    "dtype",
+    "tensor_missing",
+    "tensor_extra",
+    "tokens_changed",
+    "tokens_other",
+    "tokens_count",
+    "tokens_negative",
+    "tokens_vocab",
+    "header_tokens",
+    "logits_shape",
+]
+
+
+def _craft(kind, rnd, arrays, n_tokens, other, vocab):
+    """(arrays, header tokens) of a file lying in the way ``kind`` says."""
+    a = {k: np.array(v) for k, v in arrays.items()}
+    kv = [k for k in a if k not in ("tokens", "logits")]
+    name = rnd.choice(kv)
+    toks = a["tokens"]
+    if kind == "shape_transpose":
+        a[name] = np.ascontiguousarray(np.swapaxes(a[name], 0, -1))
+    elif kind == "shape_flat":
+        a[name] = a[name].reshape(-1)
+    elif kind == "shape_short":
+        a[name] = a[name][:-1]
+    elif kind == "dtype":
+        a[name] = a[name].astype(rnd.choice([np.float64, np.float16, np.int32]))
+    elif kind == "tensor_missing":
+        del a[name]
+    elif kind == "tensor_extra":
+        a["unexpected"] = np.zeros(3, np.float32)
+    elif kind == "tokens_changed":
+        i = rnd.randrange(len(toks))
+        toks[i] = (int(toks[i]) + rnd.randrange(1, 50)) % vocab
+    elif kind == "tokens_other":  # another conversation's tokens, this text and state
+        a["tokens"] = np.resize(other, len(toks)).astype(np.int32)
+    elif kind == "tokens_count":
+        a["tokens"] = toks[: rnd.randrange(1, len(toks))]
+    elif kind == "tokens_negative":
+        toks[rnd.randrange(len(toks))] = -rnd.randrange(1, 1000)
+    elif kind == "tokens_vocab":
+        toks[rnd.randrange(len(toks))] = vocab + rnd.randrange(0, 1000)
+    elif kind == "header_tokens":
+        return a, n_tokens + rnd.choice([-1, 1, 7])
+    else:  # logits_shape
+        a["logits"] = a["logits"][: rnd.randrange(1, len(a["logits"]))]
+    return a, n_tokens
+
+
+def _damage(kind, rnd, b, blobs):
+    """``b`` damaged in the way ``kind`` says (bit rot, torn and mixed writes)."""
+    if kind == "flip":
+        pos = rnd.randrange(len(b))
+        b[pos] ^= 1 << rnd.randrange(8)
+    elif kind == "truncate":
+        del b[rnd.randrange(len(b)) :]
+    elif kind == "splice":
+        o = blobs[rnd.randrange(len(blobs))]
+        cut = rnd.randrange(min(len(b), len(o)))
+        b = b[:cut] + o[cut:]
+    elif kind == "overwrite":
+        pos = rnd.randrange(len(b))
+        b[pos : pos + 16] = bytes(rnd.randrange(256) for _ in range(16))
+    elif kind == "append":
+        b += bytes(rnd.randrange(256) for _ in range(rnd.randrange(1, 200)))
+    else:
+        for _ in range(rnd.randrange(2, 10)):
+            b[rnd.randrange(len(b))] = rnd.randrange(256)
+    return b
+
+
 def corrupt(args):
     eng = ds4.ReferenceEngine()
     base = tempfile.mkdtemp(prefix="ds4-corrupt-")
@@ -212,31 +295,28 @@ def corrupt(args):
         st.store_live_prefix(s)
     files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".kv"))
     blobs = [Path(f).read_bytes() for f in files]
+    cks = [ds4.open_checkpoint(f) for f in files]
+    real = [({k: np.array(v) for k, v in ck.arrays().items()}, ck.tokens, ck.abi, ck.ctx) for ck in cks]
+    del cks
     cold = {}
     rnd = random.Random(args.seed)
-    stats = {"trials": 0, "served_exact": 0, "rejected": {}, "failures": []}
+    stats = {"trials": 0, "crafted": 0, "served_exact": 0, "rejected": {}, "failures": []}
     t_end = time.time() + args.seconds
     while time.time() < t_end:
         i = rnd.randrange(len(files))
         b = bytearray(blobs[i])
-        kind = rnd.choice(["flip", "truncate", "splice", "overwrite", "append", "multi"])
-        if kind == "flip":
-            pos = rnd.randrange(len(b))
-            b[pos] ^= 1 << rnd.randrange(8)
-        elif kind == "truncate":
-            del b[rnd.randrange(len(b)) :]
-        elif kind == "splice":
-            o = blobs[rnd.randrange(len(blobs))]
-            cut = rnd.randrange(min(len(b), len(o)))
-            b = b[:cut] + o[cut:]
-        elif kind == "overwrite":
-            pos = rnd.randrange(len(b))
-            b[pos : pos + 16] = bytes(rnd.randrange(256) for _ in range(16))
-        elif kind == "append":
-            b += bytes(rnd.randrange(256) for _ in range(rnd.randrange(1, 200)))
+        kind = rnd.choice(DAMAGE + CRAFTED)
+        if kind in CRAFTED:
+            arrays, n_tok, abi, ctx = real[i]
+            other = real[(i + 1 + rnd.randrange(len(real) - 1)) % len(real)][0]["tokens"]
+            lie, n_hdr = _craft(kind, rnd, arrays, n_tok, other, eng.vocab_size)
+            text_b = ds4.open_checkpoint(files[i], load_payload=False).text
+            scratch = os.path.join(base, "craft.kv")
+            ds4.write_checkpoint(scratch, text_b, lie, abi=abi, tokens=n_hdr, ctx=ctx)
+            b = bytearray(Path(scratch).read_bytes())
+            stats["crafted"] += 1
         else:
-            for _ in range(rnd.randrange(2, 10)):
-                b[rnd.randrange(len(b))] = rnd.randrange(256)
+            b = _damage(kind, rnd, b, blobs)
         d = os.path.join(base, "t")
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
@@ -255,8 +335,12 @@ def corrupt(args):
             stats["failures"].append(f"{kind}: WRONG state after rung {rep.rung}")
         elif rep.rung == "disk":
             stats["served_exact"] += 1
+        elif kind in CRAFTED and rep.rung == "disk":
+            stats["failures"].append(f"{kind}: a crafted lie was served")
         for _p, _s, code, _r in rep.rejected:
             stats["rejected"][code] = stats["rejected"].get(code, 0) + 1
+            if code == "import_failed":
+                stats["failures"].append(f"{kind}: untyped error while importing: {_r}")
     shutil.rmtree(base, ignore_errors=True)
     return stats
 

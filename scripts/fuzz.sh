@@ -3,13 +3,21 @@
 #
 #   scripts/fuzz.sh [SECONDS] [extra libFuzzer args...]
 #
-# Needs cargo-fuzz (`cargo install cargo-fuzz --locked`). On a stable
-# toolchain the sanitizer flags are enabled with RUSTC_BOOTSTRAP=1.
+# Installs cargo-fuzz (`cargo install cargo-fuzz --locked`, pinned below)
+# when it is missing. On a stable toolchain the sanitizer flags are enabled
+# with RUSTC_BOOTSTRAP=1. Every seed and crash input also replays under
+# `cargo test` (rust/tests/fuzz_corpus.rs): keep a crash input as
+# fuzz/corpus/<target>/seed-crash-<what> once it is fixed.
 # Seeds live in fuzz/corpus/<target>/seed-*; new corpus entries the fuzzer
 # finds are written next to them (git-ignored), crashes to fuzz/artifacts/.
 set -euo pipefail
 secs="${1:-60}"
 shift || true
+CARGO_FUZZ_VERSION=0.13.1
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "== cargo-fuzz is missing: installing cargo-fuzz $CARGO_FUZZ_VERSION"
+    cargo install cargo-fuzz --version "$CARGO_FUZZ_VERSION" --locked
+fi
 cd "$(dirname "$0")/../fuzz"
 export RUSTC_BOOTSTRAP="${RUSTC_BOOTSTRAP:-1}"
 # The targets write one file per input: give them a tmpfs scratch directory.

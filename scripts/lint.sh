@@ -15,7 +15,7 @@ echo "== lint: ruff check"
 "$PY" -m ruff check .
 echo "== lint: ruff format --check"
 "$PY" -m ruff format --check .
-echo "== lint: mypy (python/ds4; strict on errors, checkpoint, session, kvstore, recovery)"
+echo "== lint: mypy (python/ds4; strict on errors, checkpoint, session, kvstore, recovery, constrain)"
 "$PY" -m mypy
 echo "== lint: stubtest ds4._core (the allowlist says what stubtest cannot see)"
 "$PY" -m mypy.stubtest ds4._core --allowlist python/ds4/_core.stubtest-allowlist

@@ -17,6 +17,7 @@ import pytest
 
 import ds4
 from ds4.checkpoint import open_checkpoint
+from ds4.kvstore.files import pid_space
 
 KV = ["--kv-cache-min-tokens", "32", "--kv-cache-boundary-align-tokens", "64"]
 PROMPT = (
@@ -87,6 +88,28 @@ def test_run_json_cold_then_from_disk(tmp_path):
         "run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12, "--temperature", "1.5", "--seed", 7
     )
     assert s1["tokens"] == s2["tokens"] != a["tokens"]
+
+
+def test_run_json_schema(tmp_path):
+    """``--json-schema FILE``: the answer is JSON valid under it; a bad or
+    missing file is a usage error (exit 2) before any engine is built."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"port": {"type": "string", "maxLength": 6}, "ships": {"type": "integer", "minimum": 0}},
+        "required": ["port", "ships"],
+        "additionalProperties": False,
+    }
+    f = tmp_path / "schema.json"
+    f.write_text(json.dumps(schema))
+    a, _ = ds4_json("run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 200, "--json-schema", f)
+    assert a["finish_reason"] == "stop", a["text"]
+    jsonschema.validate(json.loads(a["text"]), schema)
+    (tmp_path / "bad.json").write_text('{"type": "no-such-type"}')
+    for bad, why in ((tmp_path / "bad.json", "invalid JSON schema"), (tmp_path / "missing.json", "No such file")):
+        p = ds4_cmd("run", "-p", PROMPT, "--engine", "reference", "--json-schema", bad, check=False)
+        assert p.returncode == 2 and why in p.stderr and not p.stdout, p.stderr
 
 
 def test_run_progress_bar_only_on_a_tty():
@@ -168,9 +191,9 @@ def test_kv_commands_on_a_v2_directory(tmp_path):
 
     # damage one file's payload, add orphaned temp files and a stranger
     _flip_payload_byte(paths[1])
-    tmp_ours = os.path.join(d, f".{'a' * 40}.kv.tmp.{_dead_pid()}.deadbeef")
+    tmp_ours = os.path.join(d, f".{'a' * 40}.kv.tmp.{_dead_pid()}.{pid_space()}.deadbeef")
     tmp_ds4 = os.path.join(d, f"{'b' * 40}.kv.tmp.12345")
-    tmp_live = os.path.join(d, f".{'c' * 40}.kv.tmp.{os.getpid()}.beef")
+    tmp_live = os.path.join(d, f".{'c' * 40}.kv.tmp.{os.getpid()}.{pid_space()}.beef")
     for t in (tmp_ours, tmp_ds4, tmp_live):
         with open(t, "wb") as f:
             f.write(b"partial")

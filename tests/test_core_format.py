@@ -764,7 +764,6 @@ def test_missing_file_is_oserror(tmp_path):
     "name",
     [
         "foo.kv",
-        "A9993E364706816ABA3E25717850C26C9CD0D89D.kv",
         "a9993e364706816aba3e25717850c26c9cd0d89.kv",
         "a9993e364706816aba3e25717850c26c9cd0d89d0.kv",
         "a9993e364706816aba3e25717850c26c9cd0d89d.kv.tmp",
@@ -782,6 +781,16 @@ def test_bad_names(tmp_path, write_ck, name):
         open_checkpoint(path)
     assert isinstance(ei.value, E.CheckpointMismatchError) and ei.value.stage == "open"
     assert open_checkpoint(path, check_name=False, prompt=b"abcd").text == b"abc"
+
+
+@pytest.mark.parametrize(
+    "name", ["A9993E364706816ABA3E25717850C26C9CD0D89D.kv", "A9993e364706816aba3e25717850c26c9cd0d89D.kv"]
+)
+def test_upper_case_hex_names_are_names(tmp_path, write_ck, name):
+    """ds4 reads names case-insensitively: an upper-case name loads there,
+    so it is a checkpoint name here too (``sha1("abc")`` in either case)."""
+    path = write_ck(tmp_path, b"abc", name=name)
+    assert open_checkpoint(path, prompt=b"abcd").text == b"abc"
 
 
 def test_bad_name_checked_before_opening(tmp_path):
@@ -869,12 +878,15 @@ def test_touch(tmp_path, write_ck):
     path = write_ck(tmp_path, b"touch me", created=1000)
     before = open_checkpoint(path)
     assert (before.hits, before.last_used) == (0, 1000)
+    assert before.leased
+    before.release()  # what a load does at its end; until then a write waits
     assert core.touch(path, 5000) == 1
     assert core.touch(path, 6000) == 2
     after = open_checkpoint(path, prompt=b"touch me")
     assert (after.hits, after.last_used, after.created) == (2, 6000, 1000)
     assert after.header_checksum == before.header_checksum and after.payload_checksum == before.payload_checksum
     assert after.arrays().keys() == before.arrays().keys()
+    after.release()
     patch(path, 12, struct.pack("<I", 0xFFFFFFFF), resign=False)
     assert core.touch(path, 7000) == 0xFFFFFFFF, "hits saturate"
     assert open_checkpoint(path).hits == 0xFFFFFFFF

@@ -157,8 +157,14 @@ donor = ds4.Session(eng, ctx=512)
 donor.sync(eng.tokenize("the donor conversation " * 6, special=True))
 p = os.path.join(sys.argv[1], ds4._core.sha1_hex(donor.text_bytes()) + ".kv")
 ds4.write_checkpoint(p, donor.text_bytes(), donor.export_arrays(), abi=donor.payload_abi, tokens=donor.n_past, ctx=512)
-ck = ds4.open_checkpoint(p)            # verified and mapped
-os.truncate(p, 200)                    # another process truncates it before the engine copies
+ck = ds4.open_checkpoint(p)            # verified and mapped, under a read lease
+try:                                   # while the lease is held, nobody can open it to write
+    os.open(p, os.O_WRONLY | os.O_NONBLOCK)
+    print("writable?!")
+except BlockingIOError:
+    print("write refused")
+ck.release()                           # given back (a load does so at its end) ...
+os.truncate(p, 200)                    # ... another process truncates it before the engine copies
 s = ds4.Session(eng, ctx=512)
 live = eng.tokenize("an unrelated live conversation", special=True)
 s.sync(live)
@@ -184,7 +190,13 @@ def test_truncation_during_load_invalidates(tmp_path):
         [sys.executable, "-c", TRUNCATE_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.splitlines() == ["raised truncated", "state False 0 True 0", "rebuild 0", "equal True"], r.stdout
+    assert r.stdout.splitlines() == [
+        "write refused",
+        "raised truncated",
+        "state False 0 True 0",
+        "rebuild 0",
+        "equal True",
+    ], r.stdout
 
 
 # -- KVStore.try_load_text: a corrupt candidate --------------------------------

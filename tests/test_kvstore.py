@@ -17,6 +17,7 @@ import ds4
 from ds4 import _core
 from ds4.errors import InvalidSessionError, StoreError
 from ds4.kvstore import Candidates, KVStore
+from ds4.kvstore.files import pid_space
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +156,9 @@ def test_orphaned_temp_files_and_corrupt_files_are_cleaned(eng, tmp_path):
     # a temp file of a dead writer, and one of a live writer (this process)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
-    orphan = tmp_path / f".{name}.tmp.{dead_pid}.abc123"
+    orphan = tmp_path / f".{name}.tmp.{dead_pid}.{pid_space()}.abc123"
     orphan.write_bytes(b"partial")
-    mine = tmp_path / f".{name}.tmp.{os.getpid()}.def456"
+    mine = tmp_path / f".{name}.tmp.{os.getpid()}.{pid_space()}.def456"
     mine.write_bytes(b"in progress")
     corrupt = tmp_path / ("0" * 40 + ".kv")
     corrupt.write_bytes(b"KVC\x02garbage")
@@ -315,7 +316,10 @@ def test_quarantine_dir(eng, tmp_path):
 
 def test_ds4_server_and_agent_temp_files_are_cleaned_too(tmp_path):
     """ds4-server leaves `<sha>.kv.tmp.<pid>` and ds4-agent `<sha>.kv.tmp.XXXXXX`
-    (mkstemp) behind when they crash: a dead pid, or an hour of age, removes them."""
+    (mkstemp) behind when they crash: an hour of age removes them. Their pid
+    is not asked about: the writer may live in another PID namespace (a
+    ds4-server in another container sharing the directory), where a pid
+    that is dead here is alive; its save in flight must not be lost."""
     dead = int(
         subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
     )
@@ -327,9 +331,14 @@ def test_ds4_server_and_agent_temp_files_are_cleaned_too(tmp_path):
     fresh_agent_tmp.write_bytes(b"x")
     old = time.time() - 2 * 3600
     os.utime(agent_tmp, (old, old))
+    fresh_server_tmp = tmp_path / ("d" * 40 + f".kv.tmp.{dead}")
+    fresh_server_tmp.write_bytes(b"x")
+    old = time.time() - 2 * 3600
+    os.utime(server_tmp, (old, old))
     KVStore(tmp_path)
     assert not server_tmp.exists() and not agent_tmp.exists()
     assert fresh_agent_tmp.exists()  # no pid, young: may still be written
+    assert fresh_server_tmp.exists()  # a pid dead here, young: may be written in another container
 
 
 def test_reject_different_quant(eng, tmp_path):

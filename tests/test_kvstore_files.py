@@ -295,8 +295,9 @@ def _unchanged(d, entries, snap):
 def test_the_store_never_moves_or_deletes_a_non_regular_entry(tmp_path, write_ck):
     d, entries, snap = _hostile_dir(tmp_path, write_ck)
     q = tmp_path / "q"
-    store = KVStore(d, budget_mb=1e-6, min_tokens=1, quarantine_dir=q)  # indexing: ignored
+    store = KVStore(d, min_tokens=1, quarantine_dir=q)  # indexing: ignored
     assert [e.name for e in store.entries()] == [_name(TEXT)]
+    store.budget_bytes = 1  # the eviction below would take everything it may
     err = CorruptCheckpointError("forced verdict")
     for n in entries:
         assert store.discard(str(d / n), err, "test", None) is None
@@ -416,3 +417,21 @@ def test_a_crafted_chat_index_cannot_reach_outside_the_directory(tmp_path, write
     assert _read(victim) == victim_bytes and os.path.islink(d / f"{sha}.kv")
     with pytest.raises(ValueError):
         repl.store.load_named(repl.sess, f"../{sha}", b"")
+
+
+def test_kv_verify_counts_ignored_entries_apart_from_failures(tmp_path, write_ck):
+    """Symlinks, FIFOs and directories under checkpoint names are ignored by
+    the store: ``kv verify`` reports them as ignored, not as failures, and
+    exits 0 when every real checkpoint verifies."""
+    d, entries, snap = _hostile_dir(tmp_path, write_ck)
+    p = ds4_cmd("kv", "verify", d, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout)
+    kv_entries = {n for n in entries if n.endswith(".kv")}
+    assert out["ok"] == 1 and out["failed"] == 0 and out["ignored"] == len(kv_entries)
+    assert {f["name"] for f in out["files"] if f.get("status") == "ignored"} == kv_entries
+    text = ds4_cmd("kv", "verify", d).stdout
+    assert f"1 ok, 0 failed, {len(kv_entries)} ignored" in text and "FAIL" not in text
+    _corrupt(d / _name(TEXT))
+    assert ds4_cmd("kv", "verify", d).returncode == 1  # a real failure still fails
+    _unchanged(d, entries, snap)

@@ -22,7 +22,7 @@ from ds4.kvstore.files import INDEX_TMP_NAME, is_checkpoint_name, is_temp_name
 
 BASE = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
 TEXTS = [BASE * 2, BASE * 3, "another conversation entirely " * 8]
-RECORD = 92  # bytes of one record of the index file (docs/FORMAT.md)
+RECORD = 100  # bytes of one record of the index file (docs/FORMAT.md)
 
 
 @pytest.fixture(scope="module")
@@ -317,3 +317,20 @@ def test_a_file_damaged_in_place_behind_the_index_is_caught_at_its_load(eng, tmp
     assert s.tokens == toks and np.array_equal(s.logits, logits)
     assert not os.path.exists(victim)
     assert os.path.basename(victim) not in {e.name for e in _store(tmp_path).entries()}
+
+
+def test_an_upper_case_name_keeps_its_case_through_the_index_file(eng, tmp_path, monkeypatch, cold):
+    """ds4 reads names in either case: the index records the name's case,
+    so a store opened from the index file finds and loads the file."""
+    st = _store(tmp_path)
+    p = st.store_live_prefix(_sess(eng, TEXTS[1]))
+    upper = os.path.join(str(tmp_path), os.path.basename(p)[:40].upper() + ".kv")
+    os.rename(p, upper)
+    st = _store(tmp_path)
+    st.store_live_prefix(_sess(eng, TEXTS[2]))  # writes the index file
+    reads = _reads(monkeypatch)
+    again = _store(tmp_path)
+    assert reads == [] and again.stats["index_rebuilds"] == 0
+    assert upper in {e.path for e in again.entries()}
+    other = os.path.join(str(tmp_path), hashlib.sha1(TEXTS[2].encode()).hexdigest() + ".kv")
+    _check_loads(eng, again, cold, {TEXTS[1]: upper, TEXTS[2]: other})

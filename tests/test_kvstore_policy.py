@@ -22,6 +22,7 @@ import ds4
 from ds4 import kvstore
 from ds4.errors import CheckpointError
 from ds4.kvstore import Entry, KVStore, LoadResult, temp_is_orphaned, temp_writer_pid
+from ds4.kvstore.files import pid_space
 from ds4.recovery import RecoveryReport
 
 SHA = "ab" * 20
@@ -138,12 +139,18 @@ def test_temp_is_orphaned_at_exactly_the_age_limit():
     assert temp_is_orphaned(name, 1000.0, 1000.0 + 3600.5) is True
     assert temp_is_orphaned(name, 1000.0, 1010.0, max_age=10) is False
     assert temp_is_orphaned(name, 1000.0, 1011.0, max_age=10) is True
-    # a dead writer's file is orphaned at once, in every naming scheme that has a pid
+    # a dead writer's file of our own writer, in this PID namespace, is orphaned at once
     dead = _dead_pid()
-    for n in (f".{SHA}.kv.tmp.{dead}.9f8e", f"{SHA}.kv.tmp.{dead}"):
-        assert temp_is_orphaned(n, 1000.0, 1000.0) is True
+    here = pid_space()
+    assert here != "x"
+    assert temp_is_orphaned(f".{SHA}.kv.tmp.{dead}.{here}.9f8e", 1000.0, 1000.0) is True
+    # foreign writers are judged by age only: ds4-server's pid, ours from another
+    # namespace or host, or ours without the namespace, may be alive where they were written
+    for n in (f"{SHA}.kv.tmp.{dead}", f".{SHA}.kv.tmp.{dead}.9f8e", f".{SHA}.kv.tmp.{dead}.0123456789abf0000.9f8e"):
+        assert temp_is_orphaned(n, 1000.0, 1000.0) is False, n
+        assert temp_is_orphaned(n, 1000.0, 1000.0 + 3601) is True, n
     # this process's own temp files are live while young
-    assert temp_is_orphaned(f".{SHA}.kv.tmp.{os.getpid()}.9f8e", 1000.0, 1000.0) is False
+    assert temp_is_orphaned(f".{SHA}.kv.tmp.{os.getpid()}.{here}.9f8e", 1000.0, 1000.0) is False
 
 
 def test_probing_a_live_writer_sends_it_no_signal():
@@ -152,7 +159,7 @@ def test_probing_a_live_writer_sends_it_no_signal():
     child = subprocess.Popen(["sleep", "60"])
     try:
         now = time.time()
-        for n in (f".{SHA}.kv.tmp.{child.pid}.9f8e", f"{SHA}.kv.tmp.{child.pid}"):
+        for n in (f".{SHA}.kv.tmp.{child.pid}.{pid_space()}.9f8e", f"{SHA}.kv.tmp.{child.pid}"):
             assert temp_is_orphaned(n, now, now) is False
     finally:
         # Had the probe sent a real signal, it is pending or delivered before
@@ -273,11 +280,11 @@ def test_load_result_hit_recorded_and_counters(eng, tmp_path, monkeypatch):
 
 def test_consume_over_cold_max(eng, tmp_path):
     """With consume_over_cold_max, a load of a checkpoint longer than
-    cold_max_tokens records no hit (it is consumed); a cold_max of 0 means
-    no limit; the option off, every load records its hit."""
+    cold_max_tokens deletes the file, as ds4 does (it is consumed); a
+    cold_max of 0 means no limit; the option off, every load records its
+    hit and keeps the file."""
     text = BASE[:60]
     s = _sess(eng, text)
-    p = KVStore(tmp_path, min_tokens=8).store_live_prefix(s)
     n = s.n_past
     cases = [
         (False, 8, True),
@@ -287,13 +294,37 @@ def test_consume_over_cold_max(eng, tmp_path):
         (True, n - 1, False),
         (True, n, True),  # exactly at the limit is not over it
     ]
-    for consume, cold_max, recorded in cases:
+    for consume, cold_max, kept in cases:
+        p = KVStore(tmp_path, min_tokens=8).store_live_prefix(s)
         st = KVStore(tmp_path, min_tokens=8, cold_max_tokens=cold_max, consume_over_cold_max=consume)
         before = _header(p).hits
         r = st.try_load_text(ds4.Session(eng, ctx=4096), text + "?")
         assert r is not None and r.tokens == n
         assert st.stats["hits"] == 1
-        assert _header(p).hits == before + (1 if recorded else 0), (consume, cold_max)
+        assert os.path.exists(p) == kept, (consume, cold_max)
+        if kept:
+            assert _header(p).hits == before + 1, (consume, cold_max)
+        else:
+            assert st.lookup(text + "?") == []
+
+
+def test_consume_keeps_a_file_replaced_during_the_load(eng, tmp_path, monkeypatch):
+    """Consume removes the version that was loaded only: a file replaced
+    meanwhile (another writer's fresh save under the same name) stays."""
+    text = BASE[:60]
+    s = _sess(eng, text)
+    p = KVStore(tmp_path, min_tokens=8).store_live_prefix(s)
+    st = KVStore(tmp_path, min_tokens=8, cold_max_tokens=1, consume_over_cold_max=True)
+    real = ds4.Session.load_checkpoint
+
+    def load_then_replace(self, ck):
+        real(self, ck)
+        os.unlink(p)
+        KVStore(tmp_path, min_tokens=8).store_live_prefix(s)
+
+    monkeypatch.setattr(ds4.Session, "load_checkpoint", load_then_replace)
+    assert st.try_load_text(ds4.Session(eng, ctx=4096), text + "?") is not None
+    assert os.path.exists(p)
 
 
 def test_corrupt_candidates_are_quarantined(eng, tmp_path, monkeypatch):
@@ -815,14 +846,15 @@ def test_store_under_a_colliding_key_replaces_the_other_text(eng, tmp_path, writ
     from test_kvstore import SHATTERED_1, SHATTERED_2
 
     s = _sess(eng, BASE[:60])
+    s.text_bytes = lambda: SHATTERED_1  # a session whose rendered text is A
     other = write_ck(tmp_path, SHATTERED_2, abi=s.payload_abi, tokens=s.n_past)
     st = KVStore(tmp_path, min_tokens=8)
-    p = st.store_live_prefix(s, name_text=SHATTERED_1)
+    p = st.store_live_prefix(s)
     assert p == other
     assert _header(p).text == SHATTERED_1
     assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 1)
     # now the key holds A: storing A again is a no-op
-    assert st.store_live_prefix(s, name_text=SHATTERED_1) == p
+    assert st.store_live_prefix(s) == p
     assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 1)
 
 

@@ -31,8 +31,10 @@ __all__ = [
     "BadNameError",
     "BadPaddingError",
     "BadV1PayloadError",
+    "CheckpointChangedError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "ConstraintError",
     "ContextOverflowError",
     "ContextTooSmallError",
     "CorruptCheckpointError",
@@ -66,6 +68,7 @@ __all__ = [
     "TrailingBytesError",
     "TruncatedCheckpointError",
     "UnsupportedVersionError",
+    "V1IgnoredError",
     "from_core",
 ]
 
@@ -219,6 +222,13 @@ class ContextTooSmallError(IncompatibleCheckpointError):
 
 
 # -- text ------------------------------------------------------------------
+class V1IgnoredError(IncompatibleCheckpointError):
+    """A ds4 v1 header ds4's own reader ignores (quantization not 2 or 4
+    bits, no tokens): skipped and kept, as ds4 keeps it."""
+
+    code, stage = "v1_ignored", "header"
+
+
 class TextHashMismatchError(CorruptCheckpointError):
     """SHA-1 of the stored text differs from the SHA-1 recorded in the header."""
 
@@ -235,6 +245,15 @@ class NotPrefixError(CheckpointMismatchError):
     """The stored text is not a byte prefix of the prompt."""
 
     code, stage = "not_prefix", "text"
+
+
+class CheckpointChangedError(CheckpointMismatchError):
+    """Another process opened the file for writing while its map was being
+    read (its lease was broken long enough for the writer to get through):
+    what was read may not be what was verified. The session that read it is
+    invalidated; the file is skipped and kept (it may be fine now)."""
+
+    code, stage = "changed_while_loading", "payload"
 
 
 class PrefixCollisionError(CorruptCheckpointError):
@@ -328,6 +347,14 @@ class ContextOverflowError(PromptError):
 
 class EmptyPromptError(PromptError):
     """The prompt is empty."""
+
+
+class ConstraintError(PromptError):
+    """A constraint on the output (a JSON schema, a grammar) cannot be used:
+    invalid, unsupported or over the grammar library's limits. Raised before
+    the session is touched (a server answers 400)."""
+
+    code = "invalid_constraint"
 
 
 class EngineError(Ds4Error, RuntimeError):

@@ -269,7 +269,7 @@ class _Ladder:
         sess, store, tokens = self.sess, self.store, self.tokens
         sess.invalidate("full prefill")
         if store is not None and cold_save and len(tokens) <= store.cold_max_tokens:
-            cold_len = store.cold_store_len(len(tokens))
+            cold_len = store.cold_store_at(tokens, self.engine.token_bytes)
             if cold_len is not None:
                 self.sync(tokens[:cold_len])
                 try:

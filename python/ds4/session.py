@@ -336,15 +336,21 @@ class Session:
             self._check_intact(ck)
             raise
         # The engine has read the mapped bytes: if another process
-        # truncated the file meanwhile, what it read is not the file.
+        # truncated or rewrote the file meanwhile, what it read is not
+        # what was verified.
         self._check_intact(ck)
 
     def _check_intact(self, ck: Checkpoint) -> None:
+        """The load's last step: what the engine read is what was verified
+        (no page of the map lost, its lease not taken by a writer), then the
+        lease goes back so writers waiting for the file go on."""
         try:
             ck.check_intact()
-        except CheckpointError:
-            self.invalidate("checkpoint truncated while loading")
+        except CheckpointError as e:
+            self.invalidate(f"checkpoint {e.code} while loading")
             raise
+        finally:
+            ck.release()
 
     def generate(
         self, max_tokens: int, *, stop_tokens: Sequence[int] = (), on_token: Callable[[int], None] | None = None

@@ -28,9 +28,13 @@ pub const DSV4_FIELDS: [&str; 13] = [
 /// ext flag bit 0: the file carries a tool-map (KTM) trailer.
 pub const EXT_TOOL_MAP: u8 = 1;
 
-/// Parses a v1 header from the first 52 bytes. ds4 allows bytes after the
-/// payload only as its tool-map trailer: when ext bit 0 is set they are
-/// reported as `trailer_bytes`; otherwise they are `TrailingBytes`.
+/// Parses a v1 header from the first 52 bytes, with the accept rules of
+/// ds4's own reader (`ds4_kvstore_read_header`, `read_entry_file`): quant
+/// bits 2 or 4 and at least one token, else ds4 ignores the file
+/// (`V1Ignored`: incompatible, kept); the file at least as long as header,
+/// text and payload, and any bytes after them are trailer room (ds4 writes
+/// its tool-map trailer there when ext bit 0 is set, and allows them
+/// whatever the bit): they are reported as `trailer_bytes`.
 pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
     if file_len < V1_FIXED as u64 || head.len() < V1_FIXED {
         return Err(Error::TooShort {
@@ -39,6 +43,8 @@ pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
         });
     }
     let flags = byte(head, 6);
+    let quant_bits = byte(head, 4);
+    let tokens = le_u32(head, 8);
     let text_bytes = le_u32(head, 48);
     let payload_bytes = le_u64(head, 40);
     let text_offset = V1_FIXED as u64;
@@ -48,18 +54,24 @@ pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
     let end = payload_offset
         .checked_add(payload_bytes)
         .ok_or(Error::SizeOverflow)?;
-    let mut trailer = 0;
-    if flags & EXT_TOOL_MAP != 0 && end <= file_len {
-        trailer = file_len - end;
-    } else {
+    if end > file_len {
         check_total(end, file_len)?;
+    }
+    let trailer = file_len - end;
+    if quant_bits != 2 && quant_bits != 4 {
+        return Err(Error::V1Ignored(format!(
+            "quantization {quant_bits} bits is neither 2 nor 4"
+        )));
+    }
+    if tokens == 0 {
+        return Err(Error::V1Ignored("the header holds no tokens".to_owned()));
     }
     Ok(Header {
         version: VERSION_V1,
-        quant_bits: byte(head, 4),
+        quant_bits,
         reason: byte(head, 5),
         flags,
-        tokens: le_u32(head, 8),
+        tokens,
         hits: le_u32(head, 12),
         ctx: le_u32(head, 16),
         created: le_u64(head, 24),

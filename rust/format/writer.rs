@@ -51,14 +51,44 @@ pub struct Written {
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// Temp files are `.<final name>.tmp.<pid>.<unique>`: hidden from listings,
-/// recognisable by the store's cleanup, unique per process and call.
+/// Temp files are `.<final name>.tmp.<pid>.<where>.<unique>`: hidden from
+/// listings, recognisable by the store's cleanup, unique per process and
+/// call. `<where>` ([`pid_space`]) names the PID namespace the pid means
+/// something in: a store that sees another one (another container, another
+/// host sharing the directory) cannot ask whether that writer is alive, and
+/// judges the file by its age only.
 pub fn temp_name(final_name: &str) -> String {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-    format!(".{final_name}.tmp.{}.{:x}{:x}", std::process::id(), t, n)
+    format!(
+        ".{final_name}.tmp.{}.{}.{:x}{:x}",
+        std::process::id(),
+        pid_space(),
+        t,
+        n
+    )
+}
+
+/// This process's PID namespace on this boot of this host: the first 12 hex
+/// digits of the boot id, then the namespace's inode in hex (`x` when either
+/// cannot be read: then no store treats the pid as one of its own).
+/// `ds4.kvstore.files.pid_space` computes the same string.
+pub fn pid_space() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let boot: String = boot
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(12)
+        .collect();
+    match std::fs::metadata("/proc/self/ns/pid") {
+        Ok(md) if boot.len() == 12 => {
+            use std::os::unix::fs::MetadataExt;
+            format!("{boot}{:x}", md.ino())
+        }
+        _ => "x".to_owned(),
+    }
 }
 
 /// Builds the header and metadata bytes for `text` and `tensors`.

@@ -2,12 +2,15 @@
 //! bytes-like object ([`bytes_of`]) and exporting a payload range without a
 //! copy ([`PayloadView`]).
 
-use crate::payload::Storage;
+use super::errors::to_pyerr;
+use crate::error::Error;
+use crate::payload::{Damage, Storage};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use std::os::raw::{c_char, c_int};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// A contiguous byte view of any buffer-protocol object.
@@ -28,6 +31,7 @@ pub(super) fn bytes_of(buf: &PyBuffer<u8>) -> PyResult<&[u8]> {
 #[pyclass(module = "ds4._core", frozen)]
 pub(super) struct PayloadView {
     storage: Arc<Storage>,
+    path: PathBuf,
     start: usize,
     len: ffi::Py_ssize_t,
 }
@@ -35,7 +39,12 @@ pub(super) struct PayloadView {
 impl PayloadView {
     /// The `len` bytes at `start` of `storage`; `ValueError` when they are
     /// not all inside it.
-    pub(super) fn new(storage: Arc<Storage>, start: u64, len: u64) -> PyResult<Self> {
+    pub(super) fn new(
+        storage: Arc<Storage>,
+        start: u64,
+        len: u64,
+        path: PathBuf,
+    ) -> PyResult<Self> {
         let out_of_bounds = || PyValueError::new_err("tensor out of bounds");
         let end = start.checked_add(len).ok_or_else(out_of_bounds)?;
         if usize::try_from(end).map_or(true, |end| end > storage.bytes().len()) {
@@ -43,6 +52,7 @@ impl PayloadView {
         }
         Ok(PayloadView {
             storage,
+            path,
             start: usize::try_from(start).map_err(|_| out_of_bounds())?,
             len: ffi::Py_ssize_t::try_from(len).map_err(|_| out_of_bounds())?,
         })
@@ -53,6 +63,32 @@ impl PayloadView {
 impl PayloadView {
     fn __len__(&self) -> usize {
         self.len.unsigned_abs()
+    }
+
+    /// Raise `TruncatedCheckpointError` if a page of the map behind this
+    /// view vanished (its file was truncated), `CheckpointChangedError` if
+    /// the map's lease was broken long enough for a writer to get through:
+    /// a view can check itself after its bytes were read, whoever holds it.
+    fn check_intact(&self, py: Python<'_>) -> PyResult<()> {
+        match self.storage.intact() {
+            Ok(()) => Ok(()),
+            Err(Damage::Faulted) => {
+                let actual = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+                let expected = self.storage.bytes().len() as u64;
+                Err(to_pyerr(
+                    py,
+                    Error::Truncated { expected, actual },
+                    Some(&self.path),
+                ))
+            }
+            Err(Damage::Changed) => Err(to_pyerr(py, Error::Changed, Some(&self.path))),
+        }
+    }
+
+    /// True when the bytes behind this view are a map (else a private copy).
+    #[getter]
+    fn mapped(&self) -> bool {
+        matches!(*self.storage, Storage::Mmap { .. })
     }
 
     /// Address of the first byte (for engines that take a raw pointer).

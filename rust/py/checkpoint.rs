@@ -212,11 +212,24 @@ impl PyCheckpoint {
         matches!(self.inner.storage.as_deref(), Some(Storage::Mmap { .. }))
     }
     /// Raise `TruncatedCheckpointError` if the mapped file was truncated by
-    /// another process while we read it (the bytes read are then untrusted).
+    /// another process while we read it, `CheckpointChangedError` if its
+    /// lease was broken long enough for a writer to get through (the bytes
+    /// read are then untrusted).
     fn check_intact(&self, py: Python<'_>) -> PyResult<()> {
         self.inner
             .check_intact()
             .map_err(|e| to_pyerr(py, e, Some(&self.inner.path)))
+    }
+    /// Give back the map's lease (writers of the file that wait for it go
+    /// on): once a load has checked what it read. A no-op for a copy.
+    fn release(&self) {
+        self.inner.release();
+    }
+    /// True while the map holds its read lease (no other process can open
+    /// the file for writing).
+    #[getter]
+    fn leased(&self) -> bool {
+        self.inner.storage.as_deref().is_some_and(Storage::leased)
     }
     #[getter]
     fn payload_loaded(&self) -> bool {
@@ -290,6 +303,6 @@ impl PyCheckpoint {
             .ok()
             .and_then(|base| base.checked_add(offset))
             .ok_or_else(|| PyValueError::new_err("tensor out of bounds"))?;
-        PayloadView::new(storage, start, len)
+        PayloadView::new(storage, start, len, self.inner.path.clone())
     }
 }

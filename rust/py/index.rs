@@ -46,7 +46,7 @@ fn py_key(k: StatKey) -> PyKey {
 
 fn py_entry(e: &Entry) -> PyEntry {
     (
-        format!("{}.kv", hash::to_hex(&e.digest)),
+        index::name_of(&e.digest, e.case),
         e.version,
         e.tokens,
         e.text_bytes,
@@ -162,6 +162,7 @@ impl PyStoreIndex {
                 size: key.1,
                 mtime_ns: key.2,
             },
+            index::case_of(name),
         );
         Ok(())
     }
@@ -180,7 +181,7 @@ impl PyStoreIndex {
             .names()
             .filter_map(|d| {
                 idx.key_of(d)
-                    .map(|(k, ok)| (format!("{}.kv", hash::to_hex(d)), (py_key(k), ok)))
+                    .and_then(|(k, ok)| idx.name(d).map(|n| (n, (py_key(k), ok))))
             })
             .collect())
     }

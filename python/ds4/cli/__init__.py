@@ -3,7 +3,7 @@
 ::
 
     ds4 serve  [--host --port --engine --model --ctx --kv-disk-dir ...]   OpenAI-compatible server
-    ds4 run    -p TEXT [--max-tokens N] [--raw] [--json] ...                one-shot generation
+    ds4 run    -p TEXT [--max-tokens N] [--raw] [--json] [--json-schema F]  one-shot generation
     ds4 chat   [--system TEXT] [--kv-disk-dir DIR] ...                      interactive REPL
     ds4 kv     ls|show|verify|gc|rm|stats DIR [...] [--json]                inspect a checkpoint directory
     ds4 bench  [--tokens N] [--json]                                        headline figures on this machine
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--system", default=None, help="a system message (chat mode)")
     rp.add_argument("--stop", action="append", metavar="TEXT", help="stop sequence (repeatable)")
     rp.add_argument("--json", action="store_true", help="print {text, tokens, report, ...} as JSON")
+    rp.add_argument(
+        "--json-schema", metavar="FILE", default=None, help="constrain the answer to JSON valid under this JSON Schema"
+    )
     rp.add_argument("-v", "--verbose", action="store_true", help="print the ladder report to stderr")
     _gen_args(rp, 128)
     add_engine_args(rp)

@@ -177,14 +177,18 @@ def kv_verify(args: argparse.Namespace) -> int:
                 **({"status": i["status"], **i["error"]} if i["status"] != "ok" else {}),
             }
         )
-    bad = [r for r in results if not r["ok"]]
+    # an entry that is not a regular file is ignored by every path of the
+    # store (never loaded, moved or deleted): not a failure of the directory
+    ignored = [r for r in results if r.get("status") == "ignored"]
+    bad = [r for r in results if not r["ok"] and r.get("status") != "ignored"]
     secs = time.perf_counter() - t0
     if args.json:
         out = {
             "dir": os.path.abspath(d),
             "files": results,
-            "ok": len(results) - len(bad),
+            "ok": len(results) - len(bad) - len(ignored),
             "failed": len(bad),
+            "ignored": len(ignored),
             "seconds": secs,
         }
         print(json.dumps(out, indent=1))
@@ -192,9 +196,11 @@ def kv_verify(args: argparse.Namespace) -> int:
     for r in results:
         if r["ok"]:
             print(f"OK    {r['name']}  v{r['version']} tokens={r['tokens']} {human_bytes(r['size'] or 0)}")
+        elif r.get("status") == "ignored":
+            print(f"SKIP  {r['name']}  {r['reason']}")
         else:
             print(f"FAIL  {r['name']}  {r['status']} {r['stage']}/{r['code']}: {r['reason']}")
-    print(f"{len(results) - len(bad)} ok, {len(bad)} failed ({secs:.2f} s)")
+    print(f"{len(results) - len(bad) - len(ignored)} ok, {len(bad)} failed, {len(ignored)} ignored ({secs:.2f} s)")
     return EXIT_FAIL if bad else EXIT_OK
 
 

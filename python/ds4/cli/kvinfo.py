@@ -42,9 +42,15 @@ def inspect_file(path: str, full: bool = False) -> Info:
             return info
         info["size"] = st.st_size
         info["_key"] = stat_key(st)  # the version judged: a discard removes this one only
-        ck = open_checkpoint(path, load_payload=full, verify_checksum=full, mmap=False)
-        if full and ck.version >= 2:
-            ck.load_arrays()  # the views and token checks every load makes before an engine
+        # mapped: the checksum streams over the map a window at a time, so a
+        # payload of any size (or any claimed size) is verified in bounded memory
+        ck = open_checkpoint(path, load_payload=full, verify_checksum=full)
+        try:
+            if full and ck.version >= 2:
+                ck.load_arrays()  # the views and token checks every load makes before an engine
+            ck.check_intact()
+        finally:
+            ck.release()
     except CheckpointError as e:
         info.update(status=e.kind, error={"stage": e.stage, "code": e.code, "reason": e.reason}, _error=e)
         return info

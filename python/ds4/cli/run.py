@@ -7,7 +7,8 @@ import json
 import sys
 
 from ..config import build_engine, check_kv_args, make_store
-from ..errors import ContextOverflowError, EmptyPromptError
+from ..constrain import Constraint
+from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError
 from ..turn import Generator, GenParams, GenResult
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, ProgressBar, printable
 
@@ -23,6 +24,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not text:
         print("ds4 run: the prompt is empty", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        constraint = _json_schema(args.json_schema)
+    except (OSError, UnicodeDecodeError, ConstraintError) as e:
+        print(f"ds4 run: --json-schema {args.json_schema}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     store = make_store(args)
     engine = build_engine(args.engine, args.model, args.threads)
     gen = Generator(engine, args.ctx, store)
@@ -34,7 +40,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         ]
         prompt = engine.render_chat(msgs)
     params = GenParams(
-        max_tokens=args.max_tokens, stop=tuple(args.stop or ()), temperature=args.temperature, seed=args.seed
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop or ()),
+        temperature=args.temperature,
+        seed=args.seed,
+        constraint=constraint,
     )
     bar = ProgressBar()
     streaming = not args.json
@@ -54,6 +64,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         bar.close()
     _report(args, res)
     return EXIT_OK
+
+
+def _json_schema(path: str | None) -> Constraint | None:
+    """The constraint of ``--json-schema FILE`` (None without the flag)."""
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return Constraint.json_schema(f.read())
 
 
 def _report(args: argparse.Namespace, res: GenResult) -> None:

@@ -26,6 +26,7 @@ class ByteTokenizer:
 
     def __init__(self, specials: Sequence[str], bos: str, eos: str):
         self.special_tokens = {s: 256 + i for i, s in enumerate(specials)}
+        self.special_token_ids = frozenset(self.special_tokens.values())
         self.vocab_size = 256 + len(specials)
         self.bos_token_id = self.special_tokens[bos]
         self.eos_token_id = self.special_tokens[eos]

@@ -142,6 +142,7 @@ class LlamaCppEngine:
         self.flash_attn = False
         self._piece_cache: dict[int, bytes] = {}
         self._eog: frozenset[int] | None = None
+        self._special: frozenset[int] | None = None
         self._abi: str | None = None
         self.state_layout_known = False
         self.state_bytes_per_token = 0
@@ -168,6 +169,16 @@ class LlamaCppEngine:
             f = self._lc.llama_vocab_is_eog
             self._eog = frozenset(t for t in range(self.vocab_size) if f(self._vocab, t))
         return self._eog
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Control tokens (``<|im_start|>``, ``<|endoftext|>``, ...): never
+        text to a grammar (:mod:`ds4.constrain`)."""
+        if self._special is None:
+            lc = self._lc
+            attr, control = lc.llama_vocab_get_attr, int(lc.LLAMA_TOKEN_ATTR_CONTROL)
+            self._special = frozenset(t for t in range(self.vocab_size) if int(attr(self._vocab, t)) & control)
+        return self._special
 
     def payload_abi(self) -> str:
         if self._abi is None:

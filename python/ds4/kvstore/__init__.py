@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .. import _core
@@ -70,7 +71,7 @@ from .files import (
 )
 from .named import load_named
 from .remove import evict_entries, is_regular, remove_exact
-from .save import existing_file, write_live
+from .save import CHATML_MARKERS, chat_anchor, existing_file, write_live
 
 if TYPE_CHECKING:
     from ..recovery import RecoveryReport
@@ -90,6 +91,7 @@ def _why(name: str, err: CheckpointError) -> tuple[str, str, str, str]:
 
 
 __all__ = [
+    "CHATML_MARKERS",
     "HALF_LIFE_S",
     "INDEX_NAME",
     "LOCK_NAME",
@@ -100,6 +102,7 @@ __all__ = [
     "KVStore",
     "LoadResult",
     "NamedLoad",
+    "chat_anchor",
     "is_checkpoint_name",
     "is_regular",
     "plan_eviction",
@@ -135,6 +138,7 @@ class KVStore:
         consume_over_cold_max: bool = False,
         scan: bool = True,
         trust_dir: bool = False,
+        chat_markers: tuple[bytes, bytes] = CHATML_MARKERS,
     ):
         self.dir = open_cache_dir(directory, trust_dir)
         self.budget_bytes = int(budget_mb * 1024 * 1024)
@@ -148,6 +152,7 @@ class KVStore:
         self.verify_checksum = verify_checksum
         self.mmap = mmap
         self.consume_over_cold_max = consume_over_cold_max
+        self.chat_markers = chat_markers
         self._lock = DirLock(self.dir)
         # name -> header facts and stat key; also the files kept but not
         # indexed (another format's), by stat key, so a rescan reports them once
@@ -169,6 +174,13 @@ class KVStore:
         }
         if scan:
             self._open_index()
+            if self.total_bytes() > self.budget_bytes:
+                # as ds4 does when a store opens: a directory over its budget
+                # comes down to it (one we cannot write to is still read)
+                try:
+                    self.evict()
+                except OSError as e:
+                    log.warning("kv cache over budget, cannot evict on open: %s", e)
 
     def locked(self) -> contextlib.AbstractContextManager[None]:
         """The directory's exclusive lock (re-entrant within this store):
@@ -470,15 +482,27 @@ class KVStore:
                 if report is not None:
                     report.rejected.append(rej)
                 continue
-            self._hit(e, ck, (time.perf_counter() - t0) * 1000)
+            self._hit(e, ck, (time.perf_counter() - t0) * 1000, judged)
             return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
         self.stats["misses"] += 1
         return None
 
-    def _hit(self, e: Entry, ck: Checkpoint, ms: float) -> None:
+    def _hit(self, e: Entry, ck: Checkpoint, ms: float, judged: StatKey) -> None:
         now = int(time.time())
-        consumed = self.consume_over_cold_max and self.cold_max_tokens > 0 and ck.tokens > self.cold_max_tokens
-        if not consumed:
+        if self.consume_over_cold_max and 0 < self.cold_max_tokens < ck.tokens:
+            # ds4's consume: a load longer than cold_max_tokens deletes the
+            # file (the version that was loaded; through the one removal).
+            self._forget(e.name)
+            try:
+                with self.locked():
+                    gone = remove_exact(self.dir, e.name, judged) is not None
+                    self._persist()
+            except OSError as ex:
+                log.error("kv cache could not consume %s: %s", e.name, ex)
+                gone = False
+            if gone:
+                log.info("kv cache hit text tokens=%d consumed file=%s", ck.tokens, e.path)
+        else:
             try:
                 e.hits = _core.touch(e.path, now)
                 e.last_used = now
@@ -520,13 +544,22 @@ class KVStore:
                 return aligned
         return trimmed if trimmed >= self.min_tokens else None
 
+    def cold_store_at(self, tokens: Sequence[int], token_bytes: Callable[[int], bytes]) -> int | None:
+        """Where ds4 stores a prompt's cold checkpoint: at the chat anchor
+        (:func:`chat_anchor`: the last user marker before the first
+        assistant marker, so the key leaves out the task's own user turn)
+        when it is at least ``min_tokens``, not aligned, as ds4; otherwise
+        :meth:`cold_store_len`."""
+        anchor = chat_anchor(tokens, token_bytes, self.chat_markers)
+        if anchor is not None and anchor >= max(1, self.min_tokens):
+            return anchor
+        return self.cold_store_len(len(tokens))
+
     def continued_step(self) -> int:
         a = max(1, self.boundary_align_tokens)
         return (self.continued_interval_tokens + a - 1) // a * a
 
-    def store_live_prefix(
-        self, sess: Session, reason: str = "cold", *, name_text: bytes | None = None, min_tokens: int | None = None
-    ) -> str | None:
+    def store_live_prefix(self, sess: Session, reason: str = "cold", *, min_tokens: int | None = None) -> str | None:
         """Save the live session (which must be valid) under the SHA-1 of its
         rendered text. Returns the path, or None when the policy declines
         (too short, over budget, key held by another engine's file).
@@ -539,7 +572,7 @@ class KVStore:
         if n < max(1, floor):
             log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, floor)
             return None
-        text = name_text if name_text is not None else sess.text_bytes()
+        text = sess.text_bytes()
         name = _core.sha1_hex(text) + ".kv"
         path = os.path.join(self.dir, name)
         t0 = time.perf_counter()

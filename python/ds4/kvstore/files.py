@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -27,6 +28,7 @@ __all__ = [
     "is_checkpoint_name",
     "is_temp_name",
     "open_cache_dir",
+    "pid_space",
     "remove_orphaned_temp",
     "scan_dir",
     "stat_key",
@@ -38,10 +40,11 @@ log = logging.getLogger("ds4.kvstore")
 
 StatKey = tuple[int, int, int]
 
-_NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
+# ds4 reads names case-insensitively (an upper-case name loads there): so do we.
+_NAME_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv$")
 # Temp files of writers: ours `.<sha>.kv.tmp.<pid>.<hex>`, ds4-server's
 # `<sha>.kv.tmp.<pid>`, ds4-agent's `<sha>.kv.tmp.XXXXXX` (mkstemp).
-_TMP_RE = re.compile(r"^\.?[0-9a-f]{40}\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
+_TMP_RE = re.compile(r"^\.?[0-9a-fA-F]{40}\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
 LOCK_NAME = ".ds4.lock"
 #: the persisted index (header facts and a stat key per file) and the one
 #: temp file it is written through (under the lock, so by one writer at a
@@ -63,7 +66,8 @@ def stat_key(st: os.stat_result) -> StatKey:
 
 
 def is_checkpoint_name(name: str) -> bool:
-    """True for ``<40 hex>.kv``, the only names the store reads or removes."""
+    """True for ``<40 hex>.kv`` (either case, as ds4 reads them), the only
+    names the store reads or removes."""
     return _NAME_RE.match(name) is not None
 
 
@@ -93,17 +97,47 @@ def temp_writer_pid(name: str) -> int | None:
     if not m:
         return None
     tail = m.group("tail")
-    if name.startswith("."):  # ours: .<sha>.kv.tmp.<pid>.<hex>
+    if name.startswith("."):  # ours: .<sha>.kv.tmp.<pid>.<space>.<hex> (older: .<pid>.<hex>)
         head = tail.split(".")[0]
         return int(head) if head.isdigit() else None
     return int(tail) if tail.isdigit() else None  # ds4-server: <pid>; ds4-agent (mkstemp): none
 
 
+@functools.cache
+def pid_space() -> str:
+    """This process's PID namespace on this boot of this host, as our writer
+    puts it in its temp names (``rust/format/writer.rs``, ``pid_space``):
+    the first 12 hex digits of the boot id and the namespace's inode in hex;
+    ``x`` when either cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = "".join(c for c in f.read() if c in "0123456789abcdefABCDEF")[:12]
+        ino = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return "x"
+    return f"{boot}{ino:x}" if len(boot) == 12 else "x"
+
+
+def _pid_is_ours_to_probe(name: str) -> bool:
+    """True when the pid in ``name`` means a process of this PID namespace:
+    only our own writer's names say so (ds4-server's and ds4-agent's do not,
+    and another container's or host's pid 1234 is not our pid 1234)."""
+    m = _TMP_RE.match(name)
+    if not m or not name.startswith("."):
+        return False
+    parts = m.group("tail").split(".")
+    here = pid_space()
+    return len(parts) == 3 and here != "x" and parts[1] == here
+
+
 def temp_is_orphaned(name: str, mtime: float, now: float, max_age: float = TMP_MAX_AGE_S) -> bool:
-    """A temp file whose writer is gone (its pid no longer exists), or that
-    is older than ``max_age`` seconds (pid unknown, reused, or on another host)."""
+    """A temp file older than ``max_age`` seconds; or one of our own
+    writer's, from this PID namespace, whose writer is gone. A foreign
+    writer's file (ds4-server's ``<sha>.kv.tmp.<pid>``, ds4-agent's, or ours
+    from another container or host) is judged by its age only: its pid may
+    be alive where it was written, whatever it is here."""
     pid = temp_writer_pid(name)
-    if pid is not None and pid > 0 and pid != os.getpid():
+    if pid is not None and pid > 0 and pid != os.getpid() and _pid_is_ours_to_probe(name):
         try:
             os.kill(pid, 0)
         except ProcessLookupError:

@@ -106,14 +106,22 @@ def _copy_durably(src: str, dest: str) -> None:
 
 
 def remove_exact(
-    directory: str, name: str, expect: StatKey | None, *, quarantine_dir: str | None = None, tag: str = ""
+    directory: str,
+    name: str,
+    expect: StatKey | None,
+    *,
+    quarantine_dir: str | None = None,
+    tag: str = "",
+    sync: bool = True,
 ) -> str | None:
     """Remove (or quarantine, as ``<name>.<tag>``) the entry ``name`` of
     ``directory`` when it is a regular file whose stat key is ``expect``
     (any regular file when ``expect`` is None: an explicit ``kv rm``). The
     caller holds the directory's lock. Returns where it went (the quarantine
     path, or its own path when removed), or None when it was gone, replaced,
-    or not a regular file. Raises OSError when it could not be removed."""
+    or not a regular file. Raises OSError when it could not be removed.
+    With ``sync`` False the directory is not fsync'd: a caller removing
+    several files fsyncs it once after the last."""
     if os.sep in name or name in ("", ".", ".."):
         raise ValueError(f"not a file name: {name!r}")
     path = os.path.join(directory, name)
@@ -136,10 +144,10 @@ def remove_exact(
     if not stat.S_ISREG(got.st_mode) or stat_key(got) != stat_key(st):
         _put_back(aside, path)  # swapped between the check and the rename
         return None
-    return _dispose(directory, aside, path, quarantine_dir, f"{name}.{tag}" if tag else name)
+    return _dispose(directory, aside, path, quarantine_dir, f"{name}.{tag}" if tag else name, sync)
 
 
-def _dispose(directory: str, aside: str, path: str, quarantine_dir: str | None, dest_name: str) -> str:
+def _dispose(directory: str, aside: str, path: str, quarantine_dir: str | None, dest_name: str, sync: bool) -> str:
     dest = path
     if quarantine_dir:
         try:
@@ -148,18 +156,20 @@ def _dispose(directory: str, aside: str, path: str, quarantine_dir: str | None, 
             log.error("kv cache could not quarantine %s (%s): removed instead", os.path.basename(path), e)
     if dest == path:
         os.unlink(aside)
-    _core.sync_dir(directory)
+    if sync:
+        _core.sync_dir(directory)
     return dest
 
 
 def evict_entries(directory: str, victims: Iterable[Entry]) -> int:
     """Remove eviction's ``victims`` (each only as it was indexed: a file
     replaced since stays); one failure does not stop the others. The caller
-    holds the directory's lock. Returns how many were removed."""
+    holds the directory's lock, and fsyncs the directory once after the
+    pass (each removal does not). Returns how many were removed."""
     removed = 0
     for victim in victims:
         try:
-            if remove_exact(directory, victim.name, victim.stat_key or None) is None:
+            if remove_exact(directory, victim.name, victim.stat_key or None, sync=False) is None:
                 continue
         except OSError as e:
             log.error("kv cache eviction could not remove %s: %s (continuing)", victim.name, e)

@@ -3,10 +3,11 @@ budget estimate, and the durable write with its typed errors."""
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..checkpoint import open_checkpoint, reason_code, write_checkpoint
@@ -24,7 +25,35 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["existing_file", "write_live"]
+__all__ = ["CHATML_MARKERS", "chat_anchor", "existing_file", "write_live"]
+
+#: the user and assistant turn markers of the ChatML template both engines
+#: render (ds4's own template has its own User and Assistant marker tokens)
+CHATML_MARKERS = (b"<|im_start|>user", b"<|im_start|>assistant")
+
+
+def chat_anchor(
+    tokens: Sequence[int], token_bytes: Callable[[int], bytes], markers: tuple[bytes, bytes] = CHATML_MARKERS
+) -> int | None:
+    """ds4's chat anchor (``ds4_kvstore_chat_anchor_pos``): the token
+    position where the last user marker before the first assistant marker
+    begins, in the text ``tokens`` render. A prefix ending there is the
+    conversation's shared head (system prompt, earlier turns) without the
+    task's own user turn. None when there is no such marker, or when it
+    does not begin on a token boundary."""
+    user, assistant = markers
+    text = bytearray()
+    starts: list[int] = []  # byte offset where each token begins
+    for t in tokens:
+        starts.append(len(text))
+        text += token_bytes(t)
+    first_asst = text.find(assistant)
+    head = text if first_asst < 0 else text[:first_asst]
+    at = head.rfind(user)
+    if at <= 0:
+        return None
+    i = bisect.bisect_left(starts, at)
+    return i if i < len(starts) and starts[i] == at else None
 
 
 def write_live(path: str, sess: Session, text: bytes, reason: str, budget_bytes: int) -> int | None:

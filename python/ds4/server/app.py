@@ -112,7 +112,9 @@ class _Routes:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            return await self.run(request, self.parser.chat(await self.read_json(request)))
+            # parsed off the loop: compiling a response_format schema can take seconds
+            turn = await asyncio.to_thread(self.parser.chat, await self.read_json(request))
+            return await self.run(request, turn)
         except ApiError as e:
             return self.err(e)
 

@@ -14,7 +14,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ContextOverflowError, EmptyPromptError, EngineError
+from ..constrain import Constraint
+from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError, EngineError
 from ..turn import GenParams, GenResult
 from .worker import Cancelled, QueueFull, ShuttingDown
 
@@ -261,9 +262,7 @@ class RequestParser:
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
         if body.get("tools"):
             raise _bad("tools are not supported", "tools", "unsupported_value")
-        rf = body.get("response_format")
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise _bad("only response_format {'type': 'text'} is supported", "response_format", "unsupported_value")
+        params.constraint = response_format(body.get("response_format"))
         return Turn("chat", out, params, stream, inc)
 
     def completion(self, raw: object) -> Turn:
@@ -285,6 +284,39 @@ class RequestParser:
         if body.get("suffix"):
             raise _bad("suffix is not supported", "suffix", "unsupported_value")
         return Turn("completion", prompt, params, stream, inc)
+
+
+def response_format(rf: object) -> Constraint | None:
+    """``response_format`` as a constraint: ``text`` (none), ``json_object``
+    (any JSON object), ``json_schema`` (JSON valid under its ``schema``;
+    enforced whether ``strict`` is true or not). A bad one is a 400."""
+    p = "response_format"
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _bad(f"'{p}' must be an object with a string 'type'", p, "invalid_type")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind != "json_schema":
+        raise _bad(f"'{p}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{p}.type")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise _bad(f"'{p}.json_schema' must be an object", f"{p}.json_schema", "invalid_type")
+    name = js.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise _bad(f"'{p}.json_schema.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{p}.json_schema.name")
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise _bad(f"'{p}.json_schema.strict' must be a boolean", f"{p}.json_schema.strict", "invalid_type")
+    schema = js.get("schema", {})
+    if not isinstance(schema, dict):
+        raise _bad(f"'{p}.json_schema.schema' must be an object", f"{p}.json_schema.schema", "invalid_type")
+    try:
+        return Constraint.json_schema(schema)
+    except ConstraintError as e:
+        raise _bad(f"Invalid schema for response_format '{name}': {e}", p, "invalid_json_schema") from None
 
 
 def invalid_json(e: Exception) -> ApiError:
