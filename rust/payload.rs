@@ -130,17 +130,18 @@ impl Storage {
         // before it checksums) no other process can open the file for
         // writing, and `intact` tells whether the lease held. Truncation is
         // caught by the SIGBUS guard (the slot, published below).
-        // `populate` (MAP_POPULATE): the page tables are filled in the map
-        // call, in one pass, instead of one fault per page during the
-        // checksum pass (every byte is read right after anyway). It never
-        // faults: pages past a truncation are simply not filled.
         let map = unsafe {
             memmap2::MmapOptions::new()
                 .len(len)
-                .populate()
                 .map_copy_read_only(file)?
         };
         let _ = map.advise(memmap2::Advice::Sequential);
+        // WILLNEED: the kernel reads the file into the page cache ahead of
+        // the checksum pass, in large requests, whichever way its pages got
+        // there before. (Not MAP_POPULATE: that maps every page at once, and
+        // a 2 GiB file would cost 2 GiB of resident memory; see
+        // tests/test_bounded_verify.py.)
+        let _ = map.advise(memmap2::Advice::WillNeed);
         slot.publish(map.as_ptr() as usize, map.len());
         Ok(Some(Storage::Mmap {
             map,
