@@ -88,6 +88,10 @@ pub enum Error {
     V1Ignored(String),
     #[error("ds4 v1 payload: {0}")]
     BadV1Payload(String),
+    #[error("an authentication key is configured and the checkpoint carries no MAC")]
+    MacMissing,
+    #[error("the checkpoint's MAC does not match (forged, damaged, or written with another key)")]
+    MacMismatch,
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -121,6 +125,8 @@ impl Error {
             Error::BadV1Payload(_) => "bad_v1_payload",
             Error::Changed => "changed_while_loading",
             Error::V1Ignored(_) => "v1_ignored",
+            Error::MacMissing => "mac_missing",
+            Error::MacMismatch => "mac_mismatch",
             Error::Io(_) => "io",
         }
     }
@@ -143,7 +149,8 @@ impl Error {
             | Error::AbiMismatch { .. }
             | Error::QuantMismatch { .. }
             | Error::CtxTooSmall { .. }
-            | Error::V1Ignored(_) => "header",
+            | Error::V1Ignored(_)
+            | Error::MacMissing => "header",
             Error::TextHashMismatch { .. }
             | Error::NameMismatch { .. }
             | Error::NotPrefix { .. }
@@ -151,7 +158,8 @@ impl Error {
             Error::TensorTable(_)
             | Error::PayloadChecksum { .. }
             | Error::BadV1Payload(_)
-            | Error::Changed => "payload",
+            | Error::Changed
+            | Error::MacMismatch => "payload",
         }
     }
 
@@ -161,7 +169,8 @@ impl Error {
             | Error::AbiMismatch { .. }
             | Error::QuantMismatch { .. }
             | Error::CtxTooSmall { .. }
-            | Error::V1Ignored(_) => Class::Incompatible,
+            | Error::V1Ignored(_)
+            | Error::MacMissing => Class::Incompatible,
             Error::BadName { .. } | Error::NotPrefix { .. } | Error::Changed => Class::Mismatch,
             Error::Io(_) => Class::Io,
             _ => Class::Corrupt,

@@ -17,6 +17,7 @@
 //! handler (or the default action), exactly as if ds4 were not there.
 
 use crate::error::{Error, Result};
+use crate::format::mac::MacState;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -152,12 +153,13 @@ impl Storage {
 
     /// Reads `len` bytes at `offset` into an aligned heap buffer.
     pub fn pread(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Storage> {
-        Storage::copy(file, offset, len, file_len, None)
+        Storage::copy(file, offset, len, file_len, None, None)
     }
 
     /// Copies `len` bytes at `offset` into an aligned heap buffer and, with
     /// `checksum`, checks the xxh3-64 of the bytes copied (what is checked is
-    /// what is kept, whatever happens to the file meanwhile). Above
+    /// what is kept, whatever happens to the file meanwhile), and feeds `mac`
+    /// (when given) the same copied bytes. Above
     /// [`STREAM_ABOVE`] bytes a first pass checks the file through one
     /// [`WINDOW`]-sized buffer, so a file whose payload is a lie costs no
     /// more memory than that, however large it claims to be.
@@ -167,6 +169,7 @@ impl Storage {
         len: u64,
         file_len: u64,
         checksum: Option<u64>,
+        mut mac: Option<&mut MacState>,
     ) -> Result<Storage> {
         let n = checked_range(offset, len, file_len)?;
         if let Some(stored) = checksum {
@@ -183,6 +186,9 @@ impl Storage {
         for chunk in buf.as_mut_slice().chunks_mut(WINDOW) {
             read_exact_at(file, chunk, at, file_len)?;
             h.update(chunk);
+            if let Some(m) = mac.as_deref_mut() {
+                m.update(chunk);
+            }
             at += chunk.len() as u64;
         }
         if let Some(stored) = checksum {
@@ -201,16 +207,25 @@ impl Storage {
         }
     }
 
-    /// xxh3-64 of `range` of these bytes, one [`WINDOW`] at a time. With
-    /// `drop_behind`, a map's pages are given back after each window (they
-    /// are read again from the page cache when used), so checking a map
-    /// takes no more memory than one window.
-    pub fn checksum(&self, range: std::ops::Range<usize>, drop_behind: bool) -> Option<u64> {
+    /// xxh3-64 of `range` of these bytes, one [`WINDOW`] at a time, feeding
+    /// `mac` (when given) in the same pass. With `drop_behind`, a map's
+    /// pages are given back after each window (they are read again from the
+    /// page cache when used), so checking a map takes no more memory than
+    /// one window.
+    pub fn checksum(
+        &self,
+        range: std::ops::Range<usize>,
+        drop_behind: bool,
+        mut mac: Option<&mut MacState>,
+    ) -> Option<u64> {
         let bytes = self.bytes().get(range.clone())?;
         let mut h = Xxh3::new();
         let mut at = range.start;
         for w in bytes.chunks(WINDOW) {
             h.update(w);
+            if let Some(m) = mac.as_deref_mut() {
+                m.update(w);
+            }
             if drop_behind {
                 if let Storage::Mmap { map, .. } = self {
                     // SAFETY: DONTNEED on a private, read-only file map

@@ -16,6 +16,7 @@
 
 use crate::error::{Error, Result};
 use crate::format::bytes::le_u32;
+use crate::format::mac::{MacKey, MacState, MAC_BYTES};
 use crate::format::{
     v1, v2, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2,
 };
@@ -49,6 +50,10 @@ pub struct VerifyOptions<'a> {
     pub verify_checksum: bool,
     /// Memory-map the payload (copy-on-write, read-only); else pread it.
     pub mmap: bool,
+    /// Require a valid keyed MAC (FORMAT.md §1.9): a file without one is
+    /// incompatible (`mac_missing`, header stage); a full open computes it
+    /// in the checksum's pass over the payload (`mac_mismatch`, corrupt).
+    pub auth_key: Option<&'a MacKey>,
 }
 
 impl Default for VerifyOptions<'_> {
@@ -62,6 +67,7 @@ impl Default for VerifyOptions<'_> {
             load_payload: true,
             verify_checksum: true,
             mmap: true,
+            auth_key: None,
         }
     }
 }
@@ -277,6 +283,9 @@ fn check_compatible(header: &Header, o: &VerifyOptions<'_>) -> Result<()> {
             });
         }
     }
+    if o.auth_key.is_some() && !header.authenticated {
+        return Err(Error::MacMissing);
+    }
     Ok(())
 }
 
@@ -362,12 +371,16 @@ fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Resu
     } else {
         None
     };
+    let mut mac = match o.auth_key {
+        Some(key) if ck.header.version == VERSION_V2 => Some(start_mac(file, ck, key)?),
+        _ => None,
+    };
     if let Some(storage) = mapped {
         ck.storage = Some(Arc::new(storage));
         ck.payload_base =
             usize::try_from(ck.header.payload_offset).map_err(|_| Error::SizeOverflow)?;
-        if checked {
-            check_payload_checksum(ck)?;
+        if checked || mac.is_some() {
+            check_payload_hashes(ck, checked, mac.as_mut())?;
         }
     } else {
         let storage = Storage::copy(
@@ -376,11 +389,34 @@ fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Resu
             ck.header.payload_bytes,
             ck.file_len,
             checked.then_some(ck.header.payload_checksum),
+            mac.as_mut(),
         )?;
         ck.storage = Some(Arc::new(storage));
         ck.payload_base = 0;
     }
+    if let Some(m) = mac {
+        let at = ck.header.payload_offset + ck.header.payload_bytes;
+        let stored = pread_vec(file, at, MAC_BYTES, ck.file_len)?;
+        if !m.matches(&stored) {
+            ck.check_intact()?;
+            return Err(Error::MacMismatch);
+        }
+    }
     ck.check_intact()
+}
+
+/// The MAC of `ck` up to its payload: the header and metadata (read again:
+/// they are small), the verified text and its zero padding.
+fn start_mac(file: &File, ck: &Checkpoint, key: &MacKey) -> Result<MacState> {
+    let head = pread_vec(file, 0, ck.header.text_offset, ck.file_len)?;
+    let (fixed, meta) = head.split_at(V2_FIXED.min(head.len()));
+    let mut mac = MacState::new(key, fixed, meta);
+    mac.update(&ck.text);
+    let text_end = ck.header.text_offset + u64::from(ck.header.text_bytes);
+    let pad =
+        usize::try_from(ck.header.payload_offset - text_end).map_err(|_| Error::SizeOverflow)?;
+    mac.update(&[0u8; 64][..pad.min(64)]); // verified zero by check_padding (fewer than 64 bytes)
+    Ok(mac)
 }
 
 /// v1: the first bytes of the payload, where the 52-byte DSV4 header lives.
@@ -389,11 +425,12 @@ fn read_dsv4_head(file: &File, header: &Header, file_len: u64) -> Result<Vec<u8>
     pread_vec(file, header.payload_offset, n, file_len)
 }
 
-/// Payload stage, v2: the payload's xxh3-64 against the header's, over the
-/// map one window at a time (a large payload's pages dropped behind: the
-/// check takes bounded memory). A mismatch on a map that lost a page is
-/// reported as the truncation it is.
-fn check_payload_checksum(ck: &Checkpoint) -> Result<()> {
+/// Payload stage, v2: the payload's xxh3-64 against the header's (when
+/// `checksum`) and the keyed MAC fed (when `mac`), in one pass over the map,
+/// one window at a time (a large payload's pages dropped behind: the check
+/// takes bounded memory). A mismatch on a map that lost a page is reported
+/// as the truncation it is.
+fn check_payload_hashes(ck: &Checkpoint, checksum: bool, mac: Option<&mut MacState>) -> Result<()> {
     let missing = || Error::Truncated {
         expected: ck.header.total_len,
         actual: ck.file_len,
@@ -402,9 +439,9 @@ fn check_payload_checksum(ck: &Checkpoint) -> Result<()> {
     let len = usize::try_from(ck.header.payload_bytes).map_err(|_| Error::SizeOverflow)?;
     let end = ck.payload_base.checked_add(len).ok_or_else(missing)?;
     let computed = storage
-        .checksum(ck.payload_base..end, len > payload::STREAM_ABOVE)
+        .checksum(ck.payload_base..end, len > payload::STREAM_ABOVE, mac)
         .ok_or_else(missing)?;
-    if computed != ck.header.payload_checksum {
+    if checksum && computed != ck.header.payload_checksum {
         ck.check_intact()?;
         return Err(Error::PayloadChecksum {
             stored: ck.header.payload_checksum,

@@ -15,6 +15,19 @@ fi
 # these VMs the CPU reports AMX, which the VM cannot execute: such a build dies
 # with SIGILL in the first llama_decode. Build for the generic x86-64 target.
 export CMAKE_ARGS=${CMAKE_ARGS:--DGGML_NATIVE=OFF}
+# The shared checkpoint tier's tests start their own redis-server processes
+# (Debian's package: redis-server and redis-cli).
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== setup: installing redis-server (Debian package)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  else
+    echo "setup: redis-server is missing and cannot be installed here (needs root and apt-get):" >&2
+    echo "       install Debian's redis-server package (sudo apt-get install redis-server), then run this again" >&2
+    exit 1
+  fi
+fi
 echo "== setup: Python dependencies (requirements-dev.txt)"
 "$PY" -m pip install -q -r requirements-dev.txt
 # A wheel cached by an earlier native build is reused by pip whatever

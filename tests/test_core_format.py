@@ -614,8 +614,16 @@ def test_metadata_length(tmp_path, write_ck):
 @pytest.mark.parametrize("offset", [7, 52, 53, 54, 55, 76, 77, 78, 79])
 def test_reserved_bytes(tmp_path, write_ck, offset):
     path = small(write_ck, tmp_path)
-    patch(path, offset, b"\x01")
+    # byte 52 is `auth` (FORMAT.md §1.9): 1 is the MAC marker, 2 and above are reserved
+    patch(path, offset, b"\x02" if offset == 52 else b"\x01")
     with pytest.raises(E.ReservedBytesError):
+        open_checkpoint(path)
+
+
+def test_auth_marker_without_its_trailer_is_truncated(tmp_path, write_ck):
+    path = small(write_ck, tmp_path)
+    patch(path, 52, b"\x01")
+    with pytest.raises(E.TruncatedCheckpointError):
         open_checkpoint(path)
 
 

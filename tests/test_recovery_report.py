@@ -104,6 +104,7 @@ def test_as_dict_spells_out_every_field():
         evict_saved="/c/e.kv",
         cold_saved=None,
         events=["one"],
+        remote="up",
     )
     assert rep.as_dict() == {
         "rung": "disk",
@@ -119,6 +120,7 @@ def test_as_dict_spells_out_every_field():
         "evict_saved": "/c/e.kv",
         "cold_saved": None,
         "events": ["one"],
+        "remote": "up",
     }
     assert RecoveryReport().as_dict()["rejected"] == []
 
@@ -179,6 +181,7 @@ def test_prefill_report_progress_and_frontiers(eng, clock):
         "evict_saved": None,
         "cold_saved": None,
         "events": [ladder_event("prefill", "full", 0, 41, 0, 5 * MS)],
+        "remote": "",
     }
 
 
@@ -320,6 +323,7 @@ def test_rewind_report(eng, clock, monkeypatch):
         "evict_saved": None,
         "cold_saved": None,
         "events": [f"ds4 ladder rung=rewrite reused={common} prompt={len(b)}"],
+        "remote": "",
     }
     assert s.tokens == b and np.array_equal(s.logits, cold_logits(eng, b, 128))
 

@@ -17,6 +17,7 @@ __all__ = [
     "__version__",
     "common_prefix_len",
     "common_token_prefix",
+    "derive_auth_key",
     "is_byte_prefix",
     "open_checkpoint",
     "sha1_hex",
@@ -50,6 +51,7 @@ def write_checkpoint(
     quant_bits: int = 0,
     flags: int = 0,
     created: int = 0,
+    auth_key: bytes | None = None,
 ) -> tuple[int, int]: ...
 def open_checkpoint(
     path: _Path,
@@ -62,7 +64,9 @@ def open_checkpoint(
     load_payload: bool = True,
     verify_checksum: bool = True,
     mmap: bool = True,
+    auth_key: bytes | None = None,
 ) -> Checkpoint: ...
+def derive_auth_key(secret: Buffer) -> bytes: ...
 def touch(path: _Path, now: int) -> int: ...
 def sync_dir(path: _Path) -> None: ...
 
@@ -122,6 +126,8 @@ class Checkpoint:
     def payload_checksum(self) -> int: ...
     @property
     def trailer_bytes(self) -> int: ...
+    @property
+    def authenticated(self) -> bool: ...
     @property
     def mapped(self) -> bool: ...
     @property

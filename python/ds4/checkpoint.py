@@ -76,12 +76,15 @@ def write_checkpoint(
     quant_bits: int = 0,
     flags: int = 0,
     created: int | None = None,
+    auth_key: bytes | None = None,
 ) -> int:
     """Write a v2 checkpoint durably (temp file, fsync, rename, fsync dir).
 
     ``arrays`` maps tensor names to numpy arrays (any supported dtype) or
     bytes-like blobs (stored as uint8). They are streamed to disk in order,
-    never concatenated. Returns the file size in bytes."""
+    never concatenated. With ``auth_key`` (32 bytes, from
+    :func:`ds4._core.derive_auth_key`) the file carries a keyed MAC
+    (docs/FORMAT.md §1.9). Returns the file size in bytes."""
     entries = [_tensor_entry(n, a) for n, a in arrays.items()]
     size, _ = _core.write_checkpoint(
         os.fspath(path),
@@ -94,6 +97,7 @@ def write_checkpoint(
         quant_bits=quant_bits,
         flags=flags,
         created=int(time.time()) if created is None else created,
+        auth_key=auth_key,
     )
     return size
 
@@ -180,9 +184,11 @@ def open_checkpoint(
     load_payload: bool = True,
     verify_checksum: bool = True,
     mmap: bool = True,
+    auth_key: bytes | None = None,
 ) -> Checkpoint:
     """Run the verification pipeline on ``path``; raise a
-    :class:`ds4.errors.CheckpointError` subclass at the first failure."""
+    :class:`ds4.errors.CheckpointError` subclass at the first failure. With
+    ``auth_key``, the file must carry a valid MAC (docs/FORMAT.md §1.9)."""
     return Checkpoint(
         _core.open_checkpoint(
             os.fspath(path),
@@ -194,5 +200,6 @@ def open_checkpoint(
             load_payload=load_payload,
             verify_checksum=verify_checksum,
             mmap=mmap,
+            auth_key=auth_key,
         )
     )

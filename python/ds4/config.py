@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 from typing import Any
 
 from .engine import Engine
-from .kvstore import KVStore
+from .kvstore import KVStore, RemoteTier
 
 __all__ = [
     "ENGINE_KINDS",
@@ -25,7 +26,10 @@ __all__ = [
     "engine_kind",
     "engine_model_id",
     "make_store",
+    "read_auth_key",
 ]
+
+log = logging.getLogger("ds4.config")
 
 ENGINE_KINDS = ("reference", "llamacpp", "auto")
 
@@ -139,6 +143,33 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         action="store_true",
         help="use a checkpoint directory owned by another user or writable by others (refused by default)",
     )
+    g.add_argument(
+        "--kv-remote",
+        metavar="URL",
+        help="a shared checkpoint tier on Redis: redis://host:port/db, rediss://... (TLS) or "
+        "redis+cluster://host:port (needs --kv-disk-dir: downloads are verified there)",
+    )
+    g.add_argument(
+        "--kv-remote-ttl",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seconds a remote checkpoint lives after its upload or last hit (default 0: no TTL, "
+        "Redis's maxmemory-policy decides)",
+    )
+    g.add_argument(
+        "--kv-auth-key-file",
+        metavar="PATH",
+        help="authenticate checkpoints with the secret in this file (at least 16 bytes): every checkpoint "
+        "written carries a keyed MAC, every one read must carry a valid one",
+    )
+    g.add_argument(
+        "--kv-remote-cooldown",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="after 3 failures in a row the remote tier is skipped for S seconds (default 30)",
+    )
 
 
 def check_kv_args(args: argparse.Namespace) -> str | None:
@@ -153,6 +184,51 @@ def check_kv_args(args: argparse.Namespace) -> str | None:
         return "boundary trim and align must be >= 0"
     if args.kv_disk_space_mb <= 0:
         return "--kv-disk-space-mb must be > 0"
+    try:
+        read_auth_key(getattr(args, "kv_auth_key_file", None))
+    except ValueError as e:
+        return str(e)
+    return _check_remote_args(args)
+
+
+#: the shortest secret a key file may hold
+AUTH_SECRET_MIN = 16
+
+
+def read_auth_key(path: str | None) -> bytes | None:
+    """The 32-byte MAC key of ``--kv-auth-key-file`` (BLAKE3 ``derive_key``
+    of the file's bytes), or None without one. A missing, unreadable or too
+    short file is a ``ValueError``."""
+    if not path:
+        return None
+    from . import _core
+
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            secret = f.read(1 << 20)
+    except OSError as e:
+        raise ValueError(f"--kv-auth-key-file: cannot read {path}: {e.strerror}") from None
+    if len(secret.strip()) < AUTH_SECRET_MIN:
+        raise ValueError(f"--kv-auth-key-file: {path} holds fewer than {AUTH_SECRET_MIN} bytes of secret")
+    return _core.derive_auth_key(secret)
+
+
+def _check_remote_args(args: argparse.Namespace) -> str | None:
+    url = getattr(args, "kv_remote", None)
+    if getattr(args, "kv_remote_ttl", 0) < 0:
+        return "--kv-remote-ttl must be >= 0"
+    if getattr(args, "kv_remote_cooldown", 30.0) < 0:
+        return "--kv-remote-cooldown must be >= 0"
+    if not url:
+        return None
+    if not getattr(args, "kv_disk_dir", None) or getattr(args, "no_kv_cache", False):
+        return "--kv-remote needs --kv-disk-dir (remote checkpoints are verified in the local directory)"
+    from .kvstore.remote import parse_remote_url
+
+    try:
+        parse_remote_url(url)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -161,6 +237,15 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
     ``--no-kv-cache``)."""
     if getattr(args, "no_kv_cache", False) or not args.kv_disk_dir:
         return None
+    auth_key = read_auth_key(getattr(args, "kv_auth_key_file", None))
+    if getattr(args, "kv_remote", None) and auth_key is None:
+        from .kvstore.remote import redact_url
+
+        log.warning(
+            "kv remote %s: shared checkpoints are checked, not authenticated (a checksum is not a signature): "
+            "whoever can write to this Redis can plant a checkpoint that verifies (use --kv-auth-key-file)",
+            redact_url(args.kv_remote),
+        )
     return KVStore(
         os.path.expanduser(args.kv_disk_dir),
         budget_mb=args.kv_disk_space_mb,
@@ -172,4 +257,13 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         reject_different_quant=args.kv_cache_reject_different_quant,
         quarantine_dir=args.kv_quarantine_dir,
         trust_dir=getattr(args, "kv_trust_dir", False),
+        remote=_remote_tier(args),
+        auth_key=auth_key,
     )
+
+
+def _remote_tier(args: argparse.Namespace) -> RemoteTier | None:
+    url = getattr(args, "kv_remote", None)
+    if not url:
+        return None
+    return RemoteTier(url, ttl_s=args.kv_remote_ttl, cooldown_s=args.kv_remote_cooldown)

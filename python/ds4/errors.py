@@ -47,6 +47,8 @@ __all__ = [
     "ImportFailedError",
     "IncompatibleCheckpointError",
     "InvalidSessionError",
+    "MacMismatchError",
+    "MacMissingError",
     "NameMismatchError",
     "NotPrefixError",
     "NotRegularFileError",
@@ -55,6 +57,9 @@ __all__ = [
     "PrefixCollisionError",
     "PromptError",
     "QuantMismatchError",
+    "RemoteChunkError",
+    "RemoteManifestError",
+    "RemoteTierError",
     "ReservedBytesError",
     "SessionError",
     "SizeOverflowError",
@@ -120,6 +125,36 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint is intact but does not apply to this prompt."""
 
     kind = "mismatch"
+
+
+# -- authentication (FORMAT.md §1.9) ------------------------------------------
+
+
+class MacMissingError(IncompatibleCheckpointError):
+    """An authentication key is configured and the checkpoint carries no MAC."""
+
+    code, stage = "mac_missing", "header"
+
+
+class MacMismatchError(CorruptCheckpointError):
+    """The checkpoint's MAC does not match (forged, damaged, or written with another key)."""
+
+    code, stage = "mac_mismatch", "payload"
+
+
+# -- the shared tier (ds4/kvstore/remote.py) -------------------------------
+
+
+class RemoteManifestError(CorruptCheckpointError):
+    """A remote checkpoint's manifest is not one ds4 wrote (damaged or forged)."""
+
+    code, stage = "remote_manifest", "header"
+
+
+class RemoteChunkError(CorruptCheckpointError):
+    """A remote checkpoint's payload chunk is missing, truncated or does not match its manifest."""
+
+    code, stage = "remote_chunk", "payload"
 
 
 # -- open ------------------------------------------------------------------
@@ -367,6 +402,11 @@ class StoreError(Ds4Error, OSError):
 
 class StoreFullError(StoreError):
     """The checkpoint does not fit the store's budget."""
+
+
+class RemoteTierError(StoreError):
+    """The shared tier (Redis) cannot be reached or refused an operation;
+    the store goes on with its local directory."""
 
 
 def _all_checkpoint_classes() -> dict[str, type[CheckpointError]]:

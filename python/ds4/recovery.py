@@ -3,7 +3,9 @@
 1. The live session: token-prefix match, then rendered byte-prefix match.
 2. ``rewrite_from_common``; on REBUILD_NEEDED go on.
 3. Disk checkpoints, longest first (corrupt: invalidate and remove, then the
-   next; incompatible: skip and keep).
+   next; incompatible: skip and keep). With a shared tier, a remote
+   checkpoint longer than every local one is downloaded, verified and
+   loaded first: the rung is then ``remote``.
 4. Full prefill.
 
 Before the live session is replaced by an unrelated prompt, it is saved
@@ -43,6 +45,9 @@ class RecoveryReport:
     evict_saved: str | None = None
     cold_saved: str | None = None
     events: list[str] = dataclasses.field(default_factory=list)
+    #: the shared tier's state when the store was asked (``up``,
+    #: ``degraded``, ``cooldown``, ``closed``); ``""``: no tier, or not asked
+    remote: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -127,8 +132,9 @@ class _Ladder:
         """The store's candidates for this prompt, looked up once."""
         assert self.store is not None
         if self._found is None:
-            self._found = self.store.candidates(self.prompt_b, ctx=self.sess.ctx)
+            self._found = self.store.candidates(self.prompt_b, ctx=self.sess.ctx, abi=self.sess.payload_abi)
             self.rep.rejected.extend(self._found.rejected)
+            self.rep.remote = self._found.remote_state
         return self._found
 
     def run(self, cold_save: bool) -> RecoveryReport:
@@ -213,12 +219,10 @@ class _Ladder:
         if 0 < common < len(live) and self.store is not None:
             # A rewind keeps only `common` tokens; a longer verified prefix on
             # disk reuses more (ds4 never rewinds, so it never has to choose).
-            cands = self.found().entries
+            longest = self.found().longest()
             common_bytes = len(sess.text_bytes(common))
-            if cands and cands[0].text_bytes > common_bytes:
-                rep._event(
-                    "ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", cands[0].text_bytes, common_bytes
-                )
+            if longest > common_bytes:
+                rep._event("ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", longest, common_bytes)
                 common = -1
         if common == 0:
             rep._event(
@@ -260,6 +264,8 @@ class _Ladder:
         rest = _tokenize_suffix(self.engine, self.prompt_b, res.text_bytes)
         if rest is not None and res.tokens + len(rest) < sess.ctx:
             rep.loaded_path = res.path
+            if res.tier == "remote":
+                return self.finish("remote", "remote-text", sess.tokens + rest, res.tokens)
             return self.finish("disk", "disk-text", sess.tokens + rest, res.tokens)
         sess.invalidate("suffix not tokenizable after disk load")
         return None

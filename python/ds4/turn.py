@@ -79,8 +79,12 @@ class GenParams:
     stop: tuple[str, ...] = ()
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
     constraint: Constraint | None = None
+    #: strings that end the turn once generated, kept in the text and the KV
+    #: state (a tool call's closing tag); finish_reason "stop"
+    stop_after: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -96,6 +100,7 @@ class GenResult:
     decode_s: float
     total_s: float
     stop_action: str | None = None  # None, "rewound" or "invalidated"
+    stop_sequence: str | None = None  # the stop sequence that ended the text, if one did
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -111,10 +116,12 @@ def make_picker(p: GenParams) -> Callable[[np.ndarray], int]:
     if not p.temperature or p.temperature <= 0:
         return lambda logits: int(np.argmax(logits))
     rng = np.random.default_rng(p.seed)
-    temp, top_p = float(p.temperature), float(p.top_p)
+    temp, top_p, top_k = float(p.temperature), float(p.top_p), int(p.top_k)
 
     def pick(logits: np.ndarray) -> int:
         z = np.asarray(logits, dtype=np.float64) / temp
+        if 0 < top_k < z.shape[0]:
+            z = np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)
         z -= z.max()
         pr = np.exp(z)
         pr /= pr.sum()
@@ -140,9 +147,10 @@ class TextStream:
     stop sequence (and an incomplete UTF-8 sequence), finds the first stop,
     and reports where it starts."""
 
-    def __init__(self, stops: tuple[str, ...], on_text: Callable[[str], None] | None):
+    def __init__(self, stops: tuple[str, ...], on_text: Callable[[str], None] | None, stop_after: tuple[str, ...] = ()):
         try:
             self.stops = sorted({s.encode("utf-8") for s in stops if s}, key=len)
+            self.ends = sorted({s.encode("utf-8") for s in stop_after if s}, key=len)
         except UnicodeEncodeError as e:
             raise PromptError(f"a stop sequence is not valid Unicode: {e.reason} at {e.start}") from None
         self.hold = max((len(s) for s in self.stops), default=1) - 1
@@ -152,6 +160,7 @@ class TextStream:
         self.pieces: list[str] = []
         self.fed = 0
         self.stop_at: int | None = None
+        self.matched: str | None = None  # the stop sequence found (not a stop_after string)
         self.on_text = on_text
 
     def _emit(self, piece: str) -> None:
@@ -165,11 +174,23 @@ class TextStream:
         prev_len = len(self.buf)
         self.buf += data
         self.cum.append(len(self.buf))
-        if self.stops:
+        if self.stops or self.ends:
             lo = max(0, prev_len - self.hold)
-            found = [i for i in (self.buf.find(s, lo) for s in self.stops) if i >= 0]
+            hits: dict[int, bytes] = {}
+            for s in self.stops:  # shortest first: at one position the shortest stop wins
+                i = self.buf.find(s, lo)
+                if i >= 0:
+                    hits.setdefault(i, s)
+            found = list(hits)
+            # a stop_after string ends the text after itself
+            for e in self.ends:
+                i = self.buf.find(e, max(0, prev_len - len(e) + 1))
+                if i >= 0:
+                    found.append(i + len(e))
             if found:
                 self.stop_at = min(found)
+                m = hits.get(self.stop_at)
+                self.matched = None if m is None else m.decode("utf-8")
                 return True
         safe = len(self.buf) - self.hold
         if safe > self.fed:
@@ -317,6 +338,55 @@ class Generator:
             self.counters["ladder_retries"] += 1
             return self.prepare(prompt_text, progress, cancel)
 
+    # -- ds4's canonicalize_tool_checkpoint ------------------------------------
+    def canonicalize(self, text: str, cancel: Callable[[], bool] | None = None) -> str:
+        """Bring the live state to ``text``, the canonical rendering of the
+        turn just generated (prompt + the reply as the next request will
+        render it): ``rewrite_from_common`` first; on REBUILD_NEEDED (an
+        engine that cannot rewind), the disk rung, then a prefill. Never
+        saves the state it replaces. Returns ``"unchanged"``, ``"rewritten"``,
+        ``"disk"``, ``"full"`` or ``"failed"``; each outcome is logged."""
+        sess = self.sess
+        tokens = self.engine.tokenize(text, special=True)
+        if sess.checkpoint_valid and (sess.tokens == tokens or sess.text_bytes() == text.encode("utf-8")):
+            log.info("tool checkpoint already canonical tokens=%d", sess.n_past)
+            return "unchanged"
+        live = sess.n_past
+        r = sess.rewrite_from_common(tokens) if sess.checkpoint_valid else Rewrite.ERROR
+        if r is Rewrite.OK:
+            log.info("tool checkpoint canonicalized live=%d canonical=%d", live, len(tokens))
+            return "rewritten"
+        common = sess.common_prefix(tokens)
+        log.info(
+            "tool checkpoint needs %d tokens rebuild live=%d canonical=%d reason=canonical-tail-rewrite (%s)",
+            len(tokens) - common,
+            live,
+            len(tokens),
+            sess.last_error or r.value,
+        )
+        store = self.store
+        try:
+            rep = recover(
+                sess,
+                store,
+                text,
+                evict_save=False,
+                cold_save=False,
+                frontier_every=store.continued_step() if store is not None else None,
+                on_frontier=(lambda s: self._continued(s.n_past)) if store is not None else None,
+                cancel=cancel,
+            )
+        except Exception as e:
+            # refused before anything moved (PromptError: it does not fit), or
+            # stopped with the state valid (cancelled): the live state stands
+            if sess.checkpoint_valid and not isinstance(e, (PromptError, PrefillCancelledError)):
+                sess.invalidate(f"tool checkpoint rebuild failed: {e}")
+            log.warning("tool checkpoint rebuild failed: %s: %s", type(e).__name__, e)
+            return "failed"
+        source = "disk" if rep.rung == "disk" else "full" if rep.rung == "prefill" else rep.rung
+        log.info("tool checkpoint rebuild done source=%s reused=%d tokens=%d", source, rep.reused_tokens, sess.n_past)
+        return source
+
     # -- a turn --------------------------------------------------------------
     def generate(
         self,
@@ -330,7 +400,7 @@ class Generator:
     ) -> GenResult:
         t0 = time.perf_counter()
         self.counters["requests"] += 1
-        out = TextStream(params.stop, on_text)  # a stop that cannot be encoded is refused here, untouched
+        out = TextStream(params.stop, on_text, params.stop_after)  # a stop that cannot be encoded: refused, untouched
         # a constraint this engine cannot use is refused here too
         guide = params.constraint.start(self.engine, self.stop_ids) if params.constraint is not None else None
         try:
@@ -416,6 +486,7 @@ class Generator:
             decode_s=t_end - t_first,
             total_s=t_end - t0,
             stop_action=stop_action,
+            stop_sequence=out.matched,
         )
         self._account(res)
         return res

@@ -9,6 +9,7 @@
 #![deny(clippy::indexing_slicing)]
 
 pub(crate) mod bytes;
+pub mod mac;
 pub mod v1;
 pub mod v2;
 pub mod writer;
@@ -164,8 +165,11 @@ pub struct Header {
     pub payload_offset: u64,
     /// Total length the header declares (== the file length once verified).
     pub total_len: u64,
-    /// v1 only: bytes after the payload (ds4's optional tool-map trailer).
+    /// Bytes after the payload: v1, ds4's optional tool-map trailer; v2,
+    /// the MAC of an authenticated checkpoint (§1.9).
     pub trailer_bytes: u64,
+    /// v2: header byte 52 says a MAC trailer follows the payload.
+    pub authenticated: bool,
 }
 
 pub fn align_up(x: u64) -> Option<u64> {

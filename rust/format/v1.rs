@@ -87,6 +87,7 @@ pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
         payload_offset,
         total_len: file_len,
         trailer_bytes: trailer,
+        authenticated: false,
     })
 }
 

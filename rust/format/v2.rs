@@ -4,6 +4,7 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::bytes::{byte, le_u32, le_u64, Cursor};
+use super::mac::{AUTH_BLAKE3, AUTH_OFFSET, MAC_BYTES};
 use super::{
     align_up, check_total, Dtype, Header, TensorInfo, MAGIC, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM,
     MAX_TENSORS, V2_FIXED, VERSION_V2,
@@ -89,7 +90,15 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
     if stored != computed {
         return Err(Error::HeaderChecksum { stored, computed });
     }
-    for off in [7usize, 52, 53, 54, 55, 76, 77, 78, 79] {
+    let auth = byte(fixed, AUTH_OFFSET);
+    if auth > AUTH_BLAKE3 {
+        return Err(Error::ReservedNonZero {
+            offset: AUTH_OFFSET as u64,
+            value: auth,
+        });
+    }
+    let trailer = if auth == AUTH_BLAKE3 { MAC_BYTES } else { 0 };
+    for off in [7usize, 53, 54, 55, 76, 77, 78, 79] {
         let v = byte(fixed, off);
         if v != 0 {
             return Err(Error::ReservedNonZero {
@@ -107,6 +116,7 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
         .ok_or(Error::SizeOverflow)?;
     let total = payload_offset
         .checked_add(payload_bytes)
+        .and_then(|t| t.checked_add(trailer))
         .ok_or(Error::SizeOverflow)?;
     check_total(total, file_len)?;
     let mut sha = [0u8; 20];
@@ -134,7 +144,8 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
         text_offset,
         payload_offset,
         total_len: total,
-        trailer_bytes: 0,
+        trailer_bytes: trailer,
+        authenticated: trailer != 0,
     })
 }
 

@@ -7,6 +7,7 @@
 // 96-byte header it allocates, `zeros[..n]` with `n < ALIGN`).
 #![allow(clippy::indexing_slicing)]
 
+use super::mac::{MacKey, MacState, AUTH_BLAKE3, AUTH_OFFSET, MAC_BYTES};
 use super::v2::{check_tensor_table, header_checksum};
 use super::{
     align_up, Dtype, TensorInfo, ALIGN, MAGIC, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM, MAX_TENSORS,
@@ -229,12 +230,23 @@ fn zeros(n: u64) -> &'static [u8] {
 
 /// Computes the payload checksum over tensors and their zero padding.
 pub fn checksum_tensors(tensors: &[TensorSrc<'_>]) -> u64 {
+    checksum_and_mac(tensors, None)
+}
+
+/// The payload checksum, and the MAC's payload part in the same pass (each
+/// tensor is read once while both hashes take it).
+fn checksum_and_mac(tensors: &[TensorSrc<'_>], mut mac: Option<&mut MacState>) -> u64 {
     let mut h = Xxh3::new();
     let mut pos = 0u64;
     for t in tensors {
         let aligned = align_up(pos).unwrap_or(pos);
-        h.update(zeros(aligned - pos));
-        h.update(t.data);
+        let pad = zeros(aligned - pos);
+        for piece in std::iter::once(pad).chain(t.data.chunks(1 << 20)) {
+            h.update(piece);
+            if let Some(m) = mac.as_deref_mut() {
+                m.update(piece);
+            }
+        }
         pos = aligned + t.data.len() as u64;
     }
     h.digest()
@@ -249,15 +261,36 @@ pub fn write_checkpoint(
     text: &[u8],
     tensors: &[TensorSrc<'_>],
 ) -> Result<Written> {
+    write_checkpoint_keyed(path, meta, text, tensors, None)
+}
+
+/// [`write_checkpoint`], authenticated when `key` is given: header byte 52
+/// says so and the file ends with the keyed MAC (FORMAT.md §1.9), computed
+/// in the same pass over the tensors as the payload checksum.
+pub fn write_checkpoint_keyed(
+    path: &Path,
+    meta: &WriteMeta,
+    text: &[u8],
+    tensors: &[TensorSrc<'_>],
+    key: Option<&MacKey>,
+) -> Result<Written> {
     let (mut head, _infos, payload_len) = encode_header(meta, text, tensors)?;
-    let sum = checksum_tensors(tensors);
+    let text_end = head.len() as u64 + text.len() as u64;
+    let payload_off = align_up(text_end).ok_or(Error::SizeOverflow)?;
+    let mut mac = key.map(|k| {
+        head[AUTH_OFFSET] = AUTH_BLAKE3;
+        let mut m = MacState::new(k, &head[..V2_FIXED], &head[V2_FIXED..]);
+        m.update(text);
+        m.update(zeros(payload_off - text_end));
+        m
+    });
+    let sum = checksum_and_mac(tensors, mac.as_mut());
+    let tag = mac.map(|m| m.finalize());
     head[80..88].copy_from_slice(&sum.to_le_bytes());
     let hsum = header_checksum(&head[..V2_FIXED], &head[V2_FIXED..]);
     head[88..96].copy_from_slice(&hsum.to_le_bytes());
 
-    let text_end = head.len() as u64 + text.len() as u64;
-    let payload_off = align_up(text_end).ok_or(Error::SizeOverflow)?;
-    let total = payload_off + payload_len;
+    let total = payload_off + payload_len + if tag.is_some() { MAC_BYTES } else { 0 };
 
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -287,6 +320,9 @@ pub fn write_checkpoint(
             w.write_all(zeros(aligned - pos))?;
             w.write_all(t.data)?;
             pos = aligned + t.data.len() as u64;
+        }
+        if let Some(tag) = &tag {
+            w.write_all(tag)?;
         }
         let file = w.into_inner().map_err(|e| Error::Io(e.into_error()))?;
         let written = file.metadata()?.len();

@@ -3,6 +3,7 @@
 
 use super::buffer::{bytes_of, PayloadView};
 use super::errors::{to_pyerr, write_pyerr};
+use crate::format::mac::{self, MacKey};
 use crate::format::{self, writer, Dtype};
 use crate::hash;
 use crate::payload::Storage;
@@ -18,7 +19,7 @@ use std::sync::Arc;
 /// `(name, numpy dtype str, shape, buffer)`; buffers are streamed, never
 /// concatenated. Returns `(file_len, payload_checksum)`.
 #[pyfunction]
-#[pyo3(signature = (path, text, tensors, *, abi, tokens, ctx, reason=0, quant_bits=0, flags=0, created=0))]
+#[pyo3(signature = (path, text, tensors, *, abi, tokens, ctx, reason=0, quant_bits=0, flags=0, created=0, auth_key=None))]
 #[expect(
     clippy::too_many_arguments,
     reason = "the Python keyword arguments of write_checkpoint"
@@ -35,7 +36,9 @@ pub(super) fn write_checkpoint(
     quant_bits: u8,
     flags: u8,
     created: u64,
+    auth_key: Option<Vec<u8>>,
 ) -> PyResult<(u64, u64)> {
+    let key = auth_key.as_deref().map(mac_key).transpose()?;
     let text_b = bytes_of(&text)?;
     let mut srcs = Vec::with_capacity(tensors.len());
     for (name, dt, shape, buf) in &tensors {
@@ -58,14 +61,14 @@ pub(super) fn write_checkpoint(
         created,
         abi,
     };
-    py.detach(|| writer::write_checkpoint(&path, &meta, text_b, &srcs))
+    py.detach(|| writer::write_checkpoint_keyed(&path, &meta, text_b, &srcs, key.as_ref()))
         .map(|w| (w.file_len, w.payload_checksum))
         .map_err(|e| write_pyerr(py, e, &path))
 }
 
 /// Runs the verification pipeline and returns an open checkpoint.
 #[pyfunction]
-#[pyo3(signature = (path, *, expected_abi=None, quant_bits=None, ctx=None, check_name=true, prompt=None, load_payload=true, verify_checksum=true, mmap=true))]
+#[pyo3(signature = (path, *, expected_abi=None, quant_bits=None, ctx=None, check_name=true, prompt=None, load_payload=true, verify_checksum=true, mmap=true, auth_key=None))]
 #[expect(
     clippy::too_many_arguments,
     clippy::fn_params_excessive_bools,
@@ -82,7 +85,9 @@ pub(super) fn open_checkpoint(
     load_payload: bool,
     verify_checksum: bool,
     mmap: bool,
+    auth_key: Option<Vec<u8>>,
 ) -> PyResult<PyCheckpoint> {
+    let key = auth_key.as_deref().map(mac_key).transpose()?;
     let prompt_b = prompt.as_ref().map(bytes_of).transpose()?;
     let opts = VerifyOptions {
         expected_abi: expected_abi.as_deref(),
@@ -93,12 +98,31 @@ pub(super) fn open_checkpoint(
         load_payload,
         verify_checksum,
         mmap,
+        auth_key: key.as_ref(),
     };
     py.detach(|| verify::open(&path, &opts))
         .map(|ck| PyCheckpoint {
             inner: Arc::new(ck),
         })
         .map_err(|e| to_pyerr(py, e, Some(&path)))
+}
+
+/// A MAC key passed from Python: exactly 32 bytes (`derive_auth_key`'s output).
+fn mac_key(b: &[u8]) -> PyResult<MacKey> {
+    <MacKey>::try_from(b).map_err(|_| {
+        PyValueError::new_err(format!(
+            "auth_key must be 32 bytes (from derive_auth_key), not {}",
+            b.len()
+        ))
+    })
+}
+
+/// The 32-byte MAC key for the secret bytes of a key file (BLAKE3
+/// `derive_key`, FORMAT.md §1.9).
+#[pyfunction]
+pub(super) fn derive_auth_key(py: Python<'_>, secret: PyBuffer<u8>) -> PyResult<Py<PyBytes>> {
+    let s = bytes_of(&secret)?;
+    Ok(PyBytes::new(py, &mac::derive_key(s)).unbind())
 }
 
 /// Records a hit (`hits += 1`, `last_used = now`) under an exclusive file lock.
@@ -206,6 +230,12 @@ impl PyCheckpoint {
     #[getter]
     fn trailer_bytes(&self) -> u64 {
         self.inner.header.trailer_bytes
+    }
+    /// True when the file carries a MAC trailer (FORMAT.md §1.9); it was
+    /// checked when the open was given the key.
+    #[getter]
+    fn authenticated(&self) -> bool {
+        self.inner.header.authenticated
     }
     #[getter]
     fn mapped(&self) -> bool {

@@ -24,7 +24,9 @@ mod _core {
     #[pymodule_export]
     use super::buffer::PayloadView;
     #[pymodule_export]
-    use super::checkpoint::{open_checkpoint, sync_dir, touch, write_checkpoint, PyCheckpoint};
+    use super::checkpoint::{
+        derive_auth_key, open_checkpoint, sync_dir, touch, write_checkpoint, PyCheckpoint,
+    };
     #[pymodule_export]
     use super::hash::{
         common_prefix_len, common_token_prefix, is_byte_prefix, sha1_hex, sha1_prefixes,

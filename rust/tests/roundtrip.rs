@@ -350,3 +350,72 @@ fn empty_and_edge_inputs_roundtrip() {
     assert_eq!(offs, [0, 64, 64]);
     assert_eq!(ck.header.payload_bytes, 66);
 }
+
+/// An authenticated file (FORMAT.md §1.9) opens with its key, with no key,
+/// and never with another key; with a key, a file without a MAC is
+/// `mac_missing` (incompatible) and any single flipped bit outside the
+/// mutable fields fails.
+#[test]
+fn keyed_mac_roundtrip_and_bit_flips() {
+    use ds4::format::mac::derive_key;
+    use ds4::format::writer::write_checkpoint_keyed;
+    let key = derive_key(b"a secret of at least sixteen bytes");
+    let other = derive_key(b"another secret of sixteen bytes!");
+    let d = tempfile::tempdir().unwrap();
+    let text = b"authenticated text";
+    let name = format!("{}.kv", ds4::hash::sha1_hex(text));
+    let p = d.path().join(&name);
+    let data = bytes_from(7, 300);
+    let t = [TensorSrc {
+        name: "blob",
+        dtype: Dtype::U8,
+        shape: &[300],
+        data: &data,
+    }];
+    let meta = WriteMeta {
+        abi: "t/1".into(),
+        tokens: 1,
+        ..Default::default()
+    };
+    let w = write_checkpoint_keyed(&p, &meta, text, &t, Some(&key)).unwrap();
+    let with = |k| VerifyOptions {
+        auth_key: k,
+        ..VerifyOptions::default()
+    };
+    let ck = open(&p, &with(Some(&key))).unwrap();
+    assert!(ck.header.authenticated);
+    assert_eq!(ck.header.trailer_bytes, 32);
+    assert_eq!(ck.file_len, w.file_len);
+    assert_eq!(ck.payload().unwrap(), &data[..]);
+    open(&p, &VerifyOptions::default()).unwrap();
+    assert_eq!(
+        open(&p, &with(Some(&other))).unwrap_err().code(),
+        "mac_mismatch"
+    );
+    let orig = std::fs::read(&p).unwrap();
+    for byte in 0..orig.len() {
+        if (12..16).contains(&byte) || (32..40).contains(&byte) {
+            continue;
+        }
+        let mut bad = orig.clone();
+        bad[byte] ^= 0x04;
+        std::fs::write(&p, &bad).unwrap();
+        let e = open(&p, &with(Some(&key))).expect_err("a flipped bit loaded");
+        assert!(matches!(
+            e.class(),
+            Class::Corrupt | Class::Incompatible | Class::Mismatch
+        ));
+    }
+    let q = d.path().join("plain");
+    std::fs::create_dir(&q).unwrap();
+    let plain = q.join(&name);
+    ds4::write_checkpoint(&plain, &meta, text, &t).unwrap();
+    assert_eq!(
+        open(&plain, &with(Some(&key))).unwrap_err().code(),
+        "mac_missing"
+    );
+    assert_eq!(
+        open(&plain, &with(Some(&key))).unwrap_err().class(),
+        Class::Incompatible
+    );
+}

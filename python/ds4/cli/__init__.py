@@ -6,6 +6,7 @@
     ds4 run    -p TEXT [--max-tokens N] [--raw] [--json] [--json-schema F]  one-shot generation
     ds4 chat   [--system TEXT] [--kv-disk-dir DIR] ...                      interactive REPL
     ds4 kv     ls|show|verify|gc|rm|stats DIR [...] [--json]                inspect a checkpoint directory
+    ds4 kv     ls|stats|verify|gc|rm --remote URL, push|pull DIR --remote URL   the shared tier
     ds4 bench  [--tokens N] [--json]                                        headline figures on this machine
     ds4 demo   [--engine ...]                                               the end-to-end demo
 
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import add_engine_args, add_kv_args
+from .kvremote import add_remote_args
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
 __all__ = ["build_parser", "main"]
@@ -44,7 +46,8 @@ def _kv_parser(sub: Any) -> None:
     ksub = kp.add_subparsers(dest="kvcmd", metavar="ACTION")
     verify_help = "run the full verification (what a load would decide); else headers only, marked unverified"
     k = ksub.add_parser("ls", help="list checkpoints")
-    k.add_argument("dir")
+    k.add_argument("dir", nargs="?", help="directory (not with --remote)")
+    add_remote_args(k)
     k.add_argument("--verify", action="store_true", help=verify_help)
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("show", help="one checkpoint's header, tensors and text")
@@ -54,11 +57,13 @@ def _kv_parser(sub: Any) -> None:
     k.add_argument("--verify", action="store_true", help=verify_help)
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("verify", help="run the full verification pipeline on every file (exit 1 on any failure)")
-    k.add_argument("dir", help="directory (or a checkpoint file)")
+    k.add_argument("dir", nargs="?", help="directory (or a checkpoint file; not with --remote)")
     k.add_argument("names", nargs="*", help="only these files (names or unique prefixes)")
+    add_remote_args(k)
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("gc", help="remove corrupt and orphaned temp files; evict to a budget")
-    k.add_argument("dir")
+    k.add_argument("dir", nargs="?", help="directory (not with --remote)")
+    add_remote_args(k)
     k.add_argument("--budget-mb", type=float, default=None, help="evict (ds4's score) until the directory fits")
     k.add_argument(
         "--tmp-age", type=float, default=3600, help="temp files older than this (s) are orphans (default 3600)"
@@ -67,13 +72,26 @@ def _kv_parser(sub: Any) -> None:
     k.add_argument("--dry-run", action="store_true")
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("rm", help="remove checkpoints")
-    k.add_argument("dir")
+    k.add_argument("dir", nargs="?", help="directory (with --remote: the first name)")
+    add_remote_args(k)
     k.add_argument("names", nargs="*", help="file names or unique hex prefixes")
     k.add_argument("--all", action="store_true", help="every checkpoint in the directory")
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("stats", help="totals by version, reason and ABI")
-    k.add_argument("dir")
+    k.add_argument("dir", nargs="?", help="directory (not with --remote)")
+    add_remote_args(k)
     k.add_argument("--verify", action="store_true", help=verify_help)
+    k.add_argument("--json", action="store_true")
+    k = ksub.add_parser("push", help="upload a directory's checkpoints to the shared tier")
+    k.add_argument("dir")
+    add_remote_args(k, required=True)
+    k.add_argument("--kv-trust-dir", action="store_true", help="a directory owned by another user")
+    k.add_argument("--json", action="store_true")
+    k = ksub.add_parser("pull", help="download (and verify) the shared tier's checkpoints into a directory")
+    k.add_argument("dir")
+    k.add_argument("names", nargs="*", help="only these (names or unique prefixes)")
+    add_remote_args(k, required=True)
+    k.add_argument("--kv-trust-dir", action="store_true", help="a directory owned by another user")
     k.add_argument("--json", action="store_true")
 
 
@@ -143,9 +161,34 @@ def _command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int] | 
         from .bench import cmd_bench
 
         return cmd_bench
+    if getattr(args, "remote", None):
+        return _remote_command(args)
+    if getattr(args, "kvcmd", None) and getattr(args, "dir", "") is None:
+        return _usage(f"ds4 kv {args.kvcmd}: give a directory (or --remote URL)")
     from .kv import KV_COMMANDS
 
     return KV_COMMANDS.get(args.kvcmd)
+
+
+def _usage(msg: str) -> Callable[[argparse.Namespace], int]:
+    def fail(_args: argparse.Namespace) -> int:
+        print(msg, file=sys.stderr)
+        return EXIT_USAGE
+
+    return fail
+
+
+def _remote_command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int] | None:
+    """``ds4 kv ACTION --remote URL``: the shared tier's action. rm and
+    verify take names (the first lands in ``dir``); the others no directory,
+    except push and pull, whose directory is the local side."""
+    from .kvremote import REMOTE_COMMANDS
+
+    if args.kvcmd in ("rm", "verify"):
+        args.names = ([args.dir] if args.dir else []) + list(args.names)
+    elif args.kvcmd not in ("push", "pull") and args.dir is not None:
+        return _usage(f"ds4 kv {args.kvcmd} --remote: no directory (the tier is the URL)")
+    return REMOTE_COMMANDS.get(args.kvcmd)
 
 
 def main(argv: list[str] | None = None) -> int:

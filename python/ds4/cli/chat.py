@@ -406,5 +406,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     store = make_store(args)
     gen = Generator(build_engine(args.engine, args.model, args.threads), args.ctx, store)
-    repl = ChatREPL(gen, args.system, args.max_tokens, temperature=args.temperature, seed=args.seed)
-    return repl.loop()
+    try:
+        repl = ChatREPL(gen, args.system, args.max_tokens, temperature=args.temperature, seed=args.seed)
+        return repl.loop()
+    finally:
+        if store is not None:
+            store.close()  # the shared tier's queued uploads finish first

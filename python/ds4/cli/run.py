@@ -62,6 +62,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     finally:
         bar.close()
+        if store is not None:
+            store.close()  # the shared tier's queued uploads finish first
     _report(args, res)
     return EXIT_OK
 

@@ -28,6 +28,10 @@
 * Stores, evictions, discards and removals take an exclusive ``flock`` on
   ``.ds4.lock`` in the directory, so several processes can share one
   directory. No other module removes a checkpoint or knows the file names.
+* With ``remote=`` (a Redis URL, :mod:`.remote`), a shared second tier: a
+  lookup also asks it, a remote checkpoint longer than every local one is
+  downloaded into a temp file here, verified, renamed and loaded as a local
+  file; every local store is queued for upload.
 """
 
 from __future__ import annotations
@@ -41,7 +45,15 @@ from typing import TYPE_CHECKING
 
 from .. import _core
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..errors import CheckpointError, CorruptCheckpointError, InvalidSessionError, StoreError
+from ..errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    InvalidSessionError,
+    NameMismatchError,
+    RemoteChunkError,
+    StoreError,
+)
 from .entries import (
     HALF_LIFE_S,
     Candidates,
@@ -60,6 +72,7 @@ from .files import (
     TMP_MAX_AGE_S,
     DirLock,
     StatKey,
+    create_temp,
     is_checkpoint_name,
     is_temp_name,
     open_cache_dir,
@@ -70,6 +83,8 @@ from .files import (
     temp_writer_pid,
 )
 from .named import load_named
+from .records import RecordStore
+from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
 from .remove import evict_entries, is_regular, remove_exact
 from .save import CHATML_MARKERS, chat_anchor, existing_file, write_live
 
@@ -102,6 +117,7 @@ __all__ = [
     "KVStore",
     "LoadResult",
     "NamedLoad",
+    "RemoteTier",
     "chat_anchor",
     "is_checkpoint_name",
     "is_regular",
@@ -139,8 +155,21 @@ class KVStore:
         scan: bool = True,
         trust_dir: bool = False,
         chat_markers: tuple[bytes, bytes] = CHATML_MARKERS,
+        remote: str | RemoteTier | None = None,
+        remote_ttl_s: int = 0,
+        remote_namespace: str = DEFAULT_NAMESPACE,
+        auth_key: bytes | None = None,
     ):
         self.dir = open_cache_dir(directory, trust_dir)
+        if auth_key is not None and len(auth_key) != 32:
+            raise ValueError("auth_key must be 32 bytes (ds4._core.derive_auth_key of the key file's bytes)")
+        #: with a key, every checkpoint written carries a MAC and every one
+        #: read must carry a valid one (docs/FORMAT.md §1.9)
+        self.auth_key = auth_key
+        #: the shared tier (None: this directory only)
+        self.remote = (
+            RemoteTier(remote, ttl_s=remote_ttl_s, namespace=remote_namespace) if isinstance(remote, str) else remote
+        )
         self.budget_bytes = int(budget_mb * 1024 * 1024)
         self.min_tokens = min_tokens
         self.cold_max_tokens = cold_max_tokens
@@ -162,6 +191,9 @@ class KVStore:
         self._dir_mtime: int | None = None
         # the in-memory index differs from the index file
         self._dirty = False
+        # small JSON records (stored Responses) in records/: at most 1 % of
+        # the budget, and counted in it (eviction makes room for them)
+        self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
         self.stats = {
             "hits": 0,
             "misses": 0,
@@ -181,6 +213,12 @@ class KVStore:
                     self.evict()
                 except OSError as e:
                     log.warning("kv cache over budget, cannot evict on open: %s", e)
+
+    def close(self) -> None:
+        """Finish the shared tier's queued uploads and close its connections
+        (nothing to do without one)."""
+        if self.remote is not None:
+            self.remote.close()
 
     def locked(self) -> contextlib.AbstractContextManager[None]:
         """The directory's exclusive lock (re-entrant within this store):
@@ -346,7 +384,10 @@ class KVStore:
     def summary(self) -> dict[str, object]:
         """The directory, its indexed files and bytes, and the counters
         (what a status page shows), from the index as it stands."""
-        return {"dir": self.dir, "files": len(self._idx), "bytes": self.total_bytes(), **self.stats}
+        out: dict[str, object] = {"dir": self.dir, "files": len(self._idx), "bytes": self.total_bytes(), **self.stats}
+        if self.remote is not None:
+            out["remote"] = self.remote.status()
+        return out
 
     # -- lookup --------------------------------------------------------------
     def lookup(self, prompt: str | bytes, abi: str | None = None, ctx: int | None = None) -> list[Entry]:
@@ -360,14 +401,24 @@ class KVStore:
         rows = self._idx.lookup(pb, min_tokens=max(0, self.min_tokens), abi=abi, ctx=ctx)
         return [Entry.from_row(self.dir, row) for row in rows]
 
-    def candidates(self, prompt: bytes, ctx: int | None = None) -> Candidates:
+    def candidates(self, prompt: bytes, ctx: int | None = None, abi: str | None = None) -> Candidates:
         """One lookup for one request: the stored prefixes of ``prompt``
         (see :meth:`lookup`) and the files rejected while indexing since the
         last call. The ladder asks once and hands the result to every rung
-        that needs it (:meth:`load_first`)."""
+        that needs it (:meth:`load_first`). With a shared tier and ``abi``
+        (the session's payload ABI), the tier's prefixes of ``prompt`` too
+        (skipped while the tier cools down)."""
         entries = self.lookup(prompt, ctx=ctx)
         rejected, self._unreported = self._unreported, []
-        return Candidates(prompt, entries, rejected)
+        found = Candidates(prompt, entries, rejected)
+        tier = self.remote
+        if tier is not None and abi is not None:
+            if tier.available():
+                got = tier.lookup(prompt, abi, min_tokens=self.min_tokens, ctx=ctx)
+                found.remote = got.entries
+                found.rejected.extend(got.rejected)
+            found.remote_state = tier.state
+        return found
 
     # -- removal -------------------------------------------------------------
     def discard(self, path: str, err: CheckpointError, where: str, expect: StatKey | None) -> str | None:
@@ -420,15 +471,17 @@ class KVStore:
             self._dirty = True
 
     # -- load ----------------------------------------------------------------
-    def _open_for(self, sess: Session, path: str, prompt: bytes) -> Checkpoint:
+    def _open_for(self, sess: Session, path: str, prompt: bytes, *, check_name: bool = True) -> Checkpoint:
         return open_checkpoint(
             path,
             prompt=prompt,
+            check_name=check_name,
             expected_abi=sess.payload_abi,
             quant_bits=getattr(sess.engine, "quant_bits", 0) if self.reject_different_quant else None,
             ctx=sess.ctx - 1,
             verify_checksum=self.verify_checksum,
             mmap=self.mmap,
+            auth_key=self.auth_key,
         )
 
     def try_load_text(
@@ -439,7 +492,7 @@ class KVStore:
         invalidate the session and are removed; incompatible ones are kept;
         the next candidate is tried. Returns None when nothing loaded."""
         pb = prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
-        found = self.candidates(pb, ctx=sess.ctx)
+        found = self.candidates(pb, ctx=sess.ctx, abi=sess.payload_abi)
         if report is not None:
             report.rejected.extend(found.rejected)
         return self.load_first(sess, found, report)
@@ -449,12 +502,28 @@ class KVStore:
         the whole verification pipeline into ``sess``; see
         :meth:`try_load_text`. The candidates rejected at load time are
         added to ``report`` (those rejected at indexing are the caller's,
-        in ``found.rejected``)."""
-        for e in found.entries:
+        in ``found.rejected``). A remote candidate longer than every local
+        one is tried first (:meth:`_load_remote`)."""
+        res = None
+        if found.remote and self.remote is not None:
+            local_best = found.entries[0].text_bytes if found.entries else -1
+            longer = [r for r in found.remote if r.text_bytes > local_best]
+            if longer:
+                res = self._load_remote(sess, found.prompt, longer, report)
+        if res is None:
+            res = self._load_entries(sess, found.entries, found.prompt, report)
+        if res is None:
+            self.stats["misses"] += 1
+        return res
+
+    def _load_entries(
+        self, sess: Session, entries: list[Entry], prompt: bytes, report: RecoveryReport | None
+    ) -> LoadResult | None:
+        for e in entries:
             t0 = time.perf_counter()
             try:
                 judged = stat_key(os.lstat(e.path))  # the version a corrupt verdict is about
-                ck = self._open_for(sess, e.path, found.prompt)
+                ck = self._open_for(sess, e.path, prompt)
                 sess.load_checkpoint(ck)
             except FileNotFoundError:
                 self._forget(e.name)  # removed by another process
@@ -484,8 +553,127 @@ class KVStore:
                 continue
             self._hit(e, ck, (time.perf_counter() - t0) * 1000, judged)
             return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
-        self.stats["misses"] += 1
         return None
+
+    # -- the shared tier -----------------------------------------------------
+    def _load_remote(
+        self, sess: Session, prompt: bytes, entries: list[RemoteEntry], report: RecoveryReport | None
+    ) -> LoadResult | None:
+        """Download the first remote candidate that verifies, then load it
+        as a local file. A remote entry that fails any check (chunks, the
+        whole pipeline, the engine's own) is deleted from the tier and the
+        next one is tried; the tier failing stops here (the local
+        candidates are tried next)."""
+        tier = self.remote
+        assert tier is not None
+        for r in entries:
+            if not tier.available():
+                return None
+            t0 = time.perf_counter()
+            e = self._download(r, lambda tmp: self._open_for(sess, tmp, prompt, check_name=False), report)
+            if e is None:
+                continue
+            res = self._load_entries(sess, [e], prompt, report)
+            if res is not None:
+                tier.touch(r)
+                tier.stats["hits"] += 1
+                log.info(
+                    "kv remote hit tokens=%d key=%s download+load=%.1f ms",
+                    r.tokens,
+                    r.name[:12],
+                    (time.perf_counter() - t0) * 1000,
+                )
+                res.tier = "remote"
+                return res
+            if not os.path.lexists(e.path):  # judged corrupt by the load (and discarded here)
+                tier.delete(r.sha, r.abi, r)
+        return None
+
+    def pull(self, r: RemoteEntry, report: RecoveryReport | None = None) -> Entry | None:
+        """Download one remote checkpoint into this directory (``ds4 kv
+        pull``): the whole pipeline (with this store's key) and the checks
+        every load makes on the tensors, then the rename. A damaged entry is
+        deleted from the tier; None when nothing was added."""
+
+        def opener(tmp: str) -> Checkpoint:
+            ck = open_checkpoint(tmp, check_name=False, auth_key=self.auth_key, mmap=self.mmap)
+            ck.load_arrays()
+            return ck
+
+        return self._download(r, opener, report)
+
+    def push(self) -> dict[str, int]:
+        """Upload every checkpoint of this directory to the tier now (``ds4
+        kv push``); counts by outcome (``stored``, ``present``, ...)."""
+        if self.remote is None:
+            raise ValueError("this store has no remote tier")
+        out: dict[str, int] = {}
+        for e in self.entries():
+            res = "skipped_v1" if e.version != 2 else self.remote.upload(e.path, e.abi, e.tokens, e.text_bytes)
+            out[res] = out.get(res, 0) + 1
+        return out
+
+    def _download(
+        self, r: RemoteEntry, opener: Callable[[str], Checkpoint], report: RecoveryReport | None
+    ) -> Entry | None:
+        """Stream ``r`` into a temp file of this directory, run the whole
+        verification pipeline on it (``opener``), and rename it to its
+        name; the index entry of the new file, or None (rejected: deleted
+        from the tier when damaged, kept when another engine's; or the tier
+        failed)."""
+        tier = self.remote
+        assert tier is not None
+        final = os.path.join(self.dir, r.name)
+        if os.path.lexists(final):  # a local file holds the name (another engine's, or not a file): kept
+            return None
+        fd, tmp = create_temp(self.dir, r.name)
+        try:
+            try:
+                ok = tier.fetch(r, fd)
+                if ok:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not ok:
+                return None
+            ck = opener(tmp)
+            if ck.text_sha1 != r.sha:
+                raise NameMismatchError("the downloaded text's SHA-1 is not the key's", path=tmp)
+            with self.locked():
+                if os.path.lexists(final):
+                    return None
+                os.rename(tmp, final)
+                _core.sync_dir(self.dir)
+                key = stat_key(os.lstat(final))
+                e = Entry.from_checkpoint(ck, final, key)
+                self._index_file(r.name, final, key)
+                self._evict_locked(protect=r.name)
+                self._persist()
+            del ck
+            return e if self._idx.get(r.name) is not None else None
+        except (RemoteChunkError, CorruptCheckpointError, CheckpointMismatchError) as err:
+            self._reject_remote(r, err, report, delete=True)
+            return None
+        except CheckpointError as err:  # another engine's or context's: kept on the tier
+            self._reject_remote(r, err, report, delete=False)
+            return None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def _reject_remote(
+        self, r: RemoteEntry, err: CheckpointError, report: RecoveryReport | None, *, delete: bool
+    ) -> None:
+        assert self.remote is not None
+        self.stats["rejected"] += 1
+        self.remote.stats["rejected"] += 1
+        if report is not None:
+            report.rejected.append((f"remote:{r.name}", err.stage, err.code, err.reason))
+        if delete:
+            self.remote.delete(r.sha, r.abi, r)
+            log.warning("kv remote rejected %s: %s (deleted from the tier)", r.name[:12], err)
+        else:
+            log.info("kv remote skipped %s: %s (kept)", r.name[:12], err)
 
     def _hit(self, e: Entry, ck: Checkpoint, ms: float, judged: StatKey) -> None:
         now = int(time.time())
@@ -579,7 +767,7 @@ class KVStore:
         with self.locked():
             # Cheap checks first: an existing file for this key needs no
             # export of the (possibly large) engine state.
-            existing = existing_file(path, sess, text, self.discard)
+            existing = existing_file(path, sess, text, self.discard, self.auth_key)
             if existing == "same":
                 log.info("kv cache store reason=%s: %s already stored", reason, name[:12])
                 return path
@@ -590,11 +778,13 @@ class KVStore:
                     name[:12],
                 )
                 return None
-            size = write_live(path, sess, text, reason, self.budget_bytes)
+            size = write_live(path, sess, text, reason, self.budget_bytes, self.auth_key)
             if size is None:
                 return None
             self.stats["stores"] += 1
             self._index_file(name, path, stat_key(os.lstat(path)))
+            if self.remote is not None:  # shared in the background: never adds to this request's latency
+                self.remote.enqueue(path, sess.payload_abi, n, len(text))
             log.info(
                 "kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
                 n,
@@ -616,7 +806,7 @@ class KVStore:
 
     def _evict_locked(self, protect: str | None) -> int:
         self.refresh(force=True)
-        limit = self.budget_bytes
+        limit = self.budget_bytes - self.records.total_bytes()
         now = time.time()
         victims = plan_eviction(self._entries(), limit, now, protect)
         for victim in victims:

@@ -13,6 +13,7 @@ from .files import StatKey
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
     from ..errors import CheckpointError
+    from .remote import RemoteEntry
 
 __all__ = [
     "HALF_LIFE_S",
@@ -99,6 +100,9 @@ class LoadResult:
     path: str
     tokens: int
     text_bytes: int
+    #: ``local`` (a file of the directory) or ``remote`` (downloaded from
+    #: the shared tier, verified, then loaded as a local file)
+    tier: str = "local"
 
 
 @dataclasses.dataclass
@@ -106,11 +110,20 @@ class Candidates:
     """What one lookup found for a prompt: the indexed checkpoints whose
     name is the SHA-1 of a prefix of it (longest first; their headers were
     verified when indexed, every load verifies the whole file again), and
-    the files rejected while indexing since the last lookup."""
+    the files rejected while indexing since the last lookup. With a shared
+    tier: its matching checkpoints (longest first; nothing downloaded yet)
+    and its state when asked (``""`` without a tier)."""
 
     prompt: bytes
     entries: list[Entry]
     rejected: list[Rejection]
+    remote: list[RemoteEntry] = dataclasses.field(default_factory=list)
+    remote_state: str = ""
+
+    def longest(self) -> int:
+        """The longest stored prefix in bytes, local or remote (-1: none)."""
+        best = self.entries[0].text_bytes if self.entries else -1
+        return max(best, self.remote[0].text_bytes) if self.remote else best
 
 
 @dataclasses.dataclass

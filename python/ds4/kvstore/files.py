@@ -25,6 +25,7 @@ __all__ = [
     "TMP_MAX_AGE_S",
     "DirLock",
     "StatKey",
+    "create_temp",
     "is_checkpoint_name",
     "is_temp_name",
     "open_cache_dir",
@@ -219,6 +220,18 @@ class DirLock:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
                 os.close(self.fd)
                 self.fd = -1
+
+
+def create_temp(directory: str, name: str) -> tuple[int, str]:
+    """A new temp file for checkpoint ``name`` in ``directory``, named as
+    our writer names its own (``.<sha>.kv.tmp.<pid>.<space>.<hex>``: a
+    crashed writer's leftover is found and removed by a refresh); created
+    exclusively, mode 0600, without following a symlink. Returns (fd, path)."""
+    if not is_checkpoint_name(name):
+        raise ValueError(f"not a checkpoint name: {name!r}")
+    path = os.path.join(directory, f".{name}.tmp.{os.getpid()}.{pid_space()}.{os.urandom(6).hex()}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return fd, path
 
 
 def remove_orphaned_temp(path: str, now: float, max_age: float = TMP_MAX_AGE_S) -> bool:

@@ -28,7 +28,9 @@ def load_named(store: KVStore, sess: Session, sha: str, text: bytes, *, exact: b
     t0 = time.perf_counter()
     try:
         judged = stat_key(os.lstat(path))
-        ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, ctx=sess.ctx - 1)
+        ck = open_checkpoint(
+            path, prompt=text, expected_abi=sess.payload_abi, ctx=sess.ctx - 1, auth_key=store.auth_key
+        )
         if exact and ck.text != text:
             return NamedLoad("missing")  # a longer checkpoint is not this text's
         sess.load_checkpoint(ck)

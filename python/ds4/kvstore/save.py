@@ -15,6 +15,7 @@ from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    MacMissingError,
     StoreError,
     StoreFullError,
 )
@@ -56,10 +57,13 @@ def chat_anchor(
     return i if i < len(starts) and starts[i] == at else None
 
 
-def write_live(path: str, sess: Session, text: bytes, reason: str, budget_bytes: int) -> int | None:
-    """Export ``sess`` and write it durably to ``path`` under ``text``;
-    returns the file size, or None when the estimate does not fit
-    ``budget_bytes``. Disk full is :class:`ds4.errors.StoreFullError`."""
+def write_live(
+    path: str, sess: Session, text: bytes, reason: str, budget_bytes: int, auth_key: bytes | None = None
+) -> int | None:
+    """Export ``sess`` and write it durably to ``path`` under ``text`` (with
+    a MAC when ``auth_key`` is given); returns the file size, or None when
+    the estimate does not fit ``budget_bytes``. Disk full is
+    :class:`ds4.errors.StoreFullError`."""
     arrays = sess.export_arrays()
     est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
     if est + est // 100 > budget_bytes:
@@ -80,6 +84,7 @@ def write_live(path: str, sess: Session, text: bytes, reason: str, budget_bytes:
             ctx=sess.ctx,
             reason=reason_code(reason),
             quant_bits=getattr(sess.engine, "quant_bits", 0),
+            auth_key=auth_key,
         )
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -88,18 +93,25 @@ def write_live(path: str, sess: Session, text: bytes, reason: str, budget_bytes:
 
 
 def existing_file(
-    path: str, sess: Session, text: bytes, discard: Callable[[str, CheckpointError, str, StatKey], object]
+    path: str,
+    sess: Session,
+    text: bytes,
+    discard: Callable[[str, CheckpointError, str, StatKey], object],
+    auth_key: bytes | None = None,
 ) -> str | None:
     """'same' if a file for this engine and text exists (header and text
     verified; its payload is verified when it is loaded, and removed then
     if corrupt), 'foreign' if a valid file of another engine holds the
-    key, None otherwise (missing, or corrupt: then it is ``discard``-ed)."""
+    key, None otherwise (missing, without the MAC a configured key needs:
+    replaced; or corrupt: then it is ``discard``-ed)."""
     try:
         judged = stat_key(os.lstat(path))
     except FileNotFoundError:
         return None
     try:
-        ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, load_payload=False)
+        ck = open_checkpoint(path, prompt=text, expected_abi=sess.payload_abi, load_payload=False, auth_key=auth_key)
+    except MacMissingError:
+        return None  # written before the key was configured: the new, authenticated file replaces it
     except IncompatibleCheckpointError:
         return "foreign"
     except CorruptCheckpointError as e:

@@ -18,16 +18,17 @@ import asyncio
 import contextlib
 import logging
 import sys
-import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
 from ..turn import Generator, GenResult
+from .anthropic import AnthropicWire, MessagesParser
 from .body import BodyLimits, read_json
+from .conversation import AgentTurn, LiveTools
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
-from .openai import SSE_DONE, ApiError, Reply, RequestParser, Turn, exception_to_api, http_error
+from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
+from .responses import MemoryRecords, ResponsesParser, ResponsesWire, remember
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -63,7 +64,10 @@ class _JobRun:
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
 
-        self.job = Job(turn.kind, turn.payload, turn.params, post)
+        if turn.agent is not None:
+            self.job = Job("agent", turn.agent, turn.params, post)
+        else:
+            self.job = Job(turn.kind, turn.payload, turn.params, post)
         service.submit(self.job)
         self.watcher = asyncio.ensure_future(self._watch(request))
 
@@ -95,17 +99,32 @@ class _Routes:
         self.debug = debug
         self.keepalive_s = SSE_KEEPALIVE_S
         self.gen = service.gen
+        self.live = LiveTools()  # ds4's live tool state (the worker thread's)
         self.limits = limits
         self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
         self.parser = RequestParser(
             self.model_ids, default_max_tokens, self.gen.ctx, max_prompt_bytes=self.gen.max_prompt_bytes()
         )
+        self.openai = OpenAIWire(service.model_id, debug)
+        self.anthropic = AnthropicWire(service.model_id, debug)
+        self.messages_parser = MessagesParser(default_max_tokens, self.gen.ctx, self.parser.max_prompt_bytes)
+        records = self.gen.store.records if self.gen.store is not None else MemoryRecords()
+        self.responses_wire = ResponsesWire(service.model_id, records, debug)
+        self.responses_parser = ResponsesParser(default_max_tokens, self.gen.ctx, records, self.parser.max_prompt_bytes)
 
     @staticmethod
     def err(e: ApiError) -> Response:
         from starlette.responses import JSONResponse
 
         return JSONResponse(e.body(), status_code=e.status)
+
+    @staticmethod
+    def wire_err(wire: Wire, e: BaseException, param: str | None = None) -> Response:
+        """``e`` (an ApiError, a refusal or a failed job) in ``wire``'s error shape."""
+        from starlette.responses import JSONResponse
+
+        status, body = wire.error(e, param)
+        return JSONResponse(body, status_code=status)
 
     async def read_json(self, request: Request) -> object:
         return await read_json(request, self.limits)
@@ -124,19 +143,59 @@ class _Routes:
         except ApiError as e:
             return self.err(e)
 
-    async def run(self, request: Request, turn: Turn) -> Response:
+    async def messages(self, request: Request) -> Response:
+        """Anthropic Messages (ds4.server.anthropic)."""
+        try:
+            turn = self.messages_parser.messages(await self.read_json(request))
+        except ApiError as e:
+            return self.wire_err(self.anthropic, e)
+        assert turn.conv is not None
+        turn.agent = AgentTurn(turn.conv, self.live, self.gen, id_prefix="toolu_", label="anthropic")
+        return await self.run(request, turn, self.anthropic)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI Responses (ds4.server.responses)."""
+        try:
+            turn = self.responses_parser.parse(await self.read_json(request))
+        except ApiError as e:
+            return self.wire_err(self.responses_wire, e)
+        assert turn.conv is not None
+        turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses", live_only=turn.live_only)
+        records = self.responses_wire.records
+        turn.agent.on_outcome = lambda oc: remember(records, turn, oc)  # in the worker thread
+        return await self.run(request, turn, self.responses_wire)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's ``count_tokens``: the prompt's tokens, rendered in full."""
+        from starlette.responses import JSONResponse
+
+        try:
+            conv = self.messages_parser.conversation(await self.read_json(request))
+        except ApiError as e:
+            return self.wire_err(self.anthropic, e)
+        eng = self.gen.engine
+
+        def count() -> int:
+            return len(eng.tokenize(eng.render_chat(conv.engine_messages()), special=True))
+
+        return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
+
+    async def run(self, request: Request, turn: Turn, wire: Wire | None = None) -> Response:
+        """Submit ``turn`` and answer it in ``wire``'s protocol (OpenAI's by default)."""
+        wire = wire or self.openai
+        if turn.conv is not None and turn.agent is None:
+            turn.agent = AgentTurn(turn.conv, self.live, self.gen)
         try:
             run = _JobRun(self.service, request, turn)
         except Exception as e:  # refused: queue full or shutting down
-            return self.err(exception_to_api(e, None, self.debug))
+            return self.wire_err(wire, e)
         first = await self._first_event(run, turn.stream)
         if first is not None and first[0] not in ("start", "error"):
             run.events.put_nowait(first)  # "done" before "start": a prefill cancelled (client gone)
         if first is not None and first[0] == "error":
             run.watcher.cancel()
-            return self.err(exception_to_api(first[1], turn.param, self.debug))
-        prefix = "chatcmpl-" if turn.kind == "chat" else "cmpl-"
-        reply = Reply(turn, prefix + uuid.uuid4().hex[:24], int(time.time()), self.service.model_id, self.debug)
+            return self.wire_err(wire, first[1], turn.param)
+        reply = wire.reply(turn)
         if turn.stream:
             from starlette.responses import StreamingResponse
 
@@ -145,7 +204,7 @@ class _Routes:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await self.collect(run, reply)
+        return await self.collect(run, reply, wire)
 
     @staticmethod
     async def _first_event(run: _JobRun, stream: bool) -> Event | None:
@@ -162,7 +221,7 @@ class _Routes:
             run.stop()
             raise
 
-    async def collect(self, run: _JobRun, reply: Reply) -> Response:
+    async def collect(self, run: _JobRun, reply: Any, wire: Wire) -> Response:
         from starlette.responses import JSONResponse
 
         try:
@@ -172,11 +231,11 @@ class _Routes:
                     res: GenResult = v
                     return JSONResponse(reply.complete(res))
                 if k == "error":
-                    return self.err(exception_to_api(v, reply.turn.param, self.debug))
+                    return self.wire_err(wire, v, reply.turn.param)
         finally:
             run.watcher.cancel()
 
-    async def stream(self, run: _JobRun, reply: Reply) -> AsyncIterator[bytes]:
+    async def stream(self, run: _JobRun, reply: Any) -> AsyncIterator[bytes]:
         """The SSE body: the opening chunk at once, a keepalive comment every
         ``keepalive_s`` (``--sse-keepalive``) while nothing else is sent (a long prefill), the
         text, then the closing chunks; a failure after the headers is an
@@ -191,7 +250,9 @@ class _Routes:
                     yield SSE_KEEPALIVE
                     continue
                 if k == "text":
-                    yield reply.chunk(v)
+                    b = reply.chunk(v)
+                    if b:
+                        yield b
                     continue
                 if k == "done":
                     for b in reply.closing(v):
@@ -201,7 +262,8 @@ class _Routes:
                     for b in reply.failed(v):
                         yield b
                     break
-            yield SSE_DONE
+            if reply.terminator:
+                yield reply.terminator
         finally:
             run.stop()  # a no-op when the job is done; stops it when the client left
 
@@ -281,6 +343,9 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
         Route("/v1/completions", r.completions, methods=["POST"]),
+        Route("/v1/messages", r.messages, methods=["POST"]),
+        Route("/v1/responses", r.responses, methods=["POST"]),
+        Route("/v1/messages/count_tokens", r.count_tokens, methods=["POST"]),
         Route("/v1/models", r.models, methods=["GET"]),
         Route("/v1/models/{model:path}", r.model_get, methods=["GET"]),
         Route("/health", r.health, methods=["GET"]),

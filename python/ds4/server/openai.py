@@ -11,15 +11,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from ..constrain import Constraint
 from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError, EngineError
 from ..turn import GenParams, GenResult
+from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outcome, Tool, ToolCall
+from .tools import StreamSplitter
 from .worker import Cancelled, QueueFull, ShuttingDown
 
-__all__ = ["ApiError", "RequestParser", "Turn", "exception_to_api"]
+__all__ = ["ApiError", "OpenAIWire", "RequestParser", "Turn", "Wire", "exception_to_api"]
 
 JSON = dict[str, Any]
 
@@ -99,12 +103,24 @@ class Turn:
     """One parsed request: what to render (chat messages or a raw prompt),
     how to generate, and how to answer."""
 
-    def __init__(self, kind: str, payload: Any, params: GenParams, stream: bool, include_usage: bool):
+    def __init__(
+        self,
+        kind: str,
+        payload: Any,
+        params: GenParams,
+        stream: bool,
+        include_usage: bool,
+        conv: Conversation | None = None,
+    ):
         self.kind = kind  # "chat" (payload: messages) or "completion" (payload: prompt text)
         self.payload = payload
         self.params = params
         self.stream = stream
         self.include_usage = include_usage
+        # a chat with tools, tool calls or tool results: the worker runs it
+        # as an agent turn (ds4.server.conversation)
+        self.conv = conv
+        self.agent: AgentTurn | None = None
 
     @property
     def param(self) -> str:
@@ -115,7 +131,7 @@ class Turn:
 class RequestParser:
     """Validates ``/v1/chat/completions`` and ``/v1/completions`` bodies."""
 
-    ROLES = ("system", "developer", "user", "assistant")
+    ROLES = ("system", "developer", "user", "assistant", "tool")
 
     def __init__(
         self, model_ids: Sequence[str], default_max_tokens: int, ctx: int, max_prompt_bytes: int | None = None
@@ -220,7 +236,7 @@ class RequestParser:
         stream, include_usage = self._stream(body)
         return body, params, stream, include_usage
 
-    def _message(self, i: int, m: object) -> dict[str, str]:
+    def _message(self, i: int, m: object) -> Message:
         p = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(f"{p} must be an object", p, "invalid_type")
@@ -228,7 +244,7 @@ class RequestParser:
         if not isinstance(role, str):
             raise _bad(f"{p}.role must be a string", f"{p}.role", "invalid_type")
         if role not in self.ROLES:
-            raise _bad(f"{p}.role {role!r} is not supported (system, developer, user, assistant)", f"{p}.role")
+            raise _bad(f"{p}.role {role!r} is not supported (system, developer, user, assistant, tool)", f"{p}.role")
         content = m.get("content")
         if isinstance(content, list):
             parts = []
@@ -241,13 +257,80 @@ class RequestParser:
             content = ""
         if not isinstance(content, str):
             raise _bad(f"{p}.content must be a string or an array of text parts", f"{p}.content", "invalid_type")
-        if m.get("tool_calls"):
-            raise _bad("tool calls are not supported", f"{p}.tool_calls", "unsupported_value")
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise _bad(f"{p}.name must be a string", f"{p}.name", "invalid_type")
         _utf8_len(name or "", f"{p}.name")
-        return {"role": "system" if role == "developer" else role, "content": content}
+        msg = Message("system" if role == "developer" else role, content)
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg.tool_calls = self._calls(p, m["tool_calls"])
+        if role == "tool":
+            tcid = m.get("tool_call_id")
+            if not isinstance(tcid, str):
+                raise _bad(f"{p}.tool_call_id must be a string", f"{p}.tool_call_id", "invalid_type")
+            msg.tool_call_id = tcid
+        return msg
+
+    @staticmethod
+    def _calls(p: str, raw: object) -> list[ToolCall]:
+        if not isinstance(raw, list):
+            raise _bad(f"{p}.tool_calls must be an array", f"{p}.tool_calls", "invalid_type")
+        out = []
+        for j, c in enumerate(raw):
+            q = f"{p}.tool_calls[{j}]"
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise _bad(
+                    f"{q} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", q, "invalid_type"
+                )
+            args = fn.get("arguments", "")
+            if not isinstance(args, str):
+                raise _bad(f"{q}.function.arguments must be a JSON string", q, "invalid_type")
+            _utf8_len(args, q)
+            out.append(ToolCall(str(c.get("id") or ""), fn["name"], args))
+        return out
+
+    @staticmethod
+    def _tools(body: JSON) -> list[Tool]:
+        raw = body.get("tools")
+        if raw is None:
+            return []
+        if not isinstance(raw, list):
+            raise _bad("'tools' must be an array", "tools", "invalid_type")
+        out = []
+        for i, t in enumerate(raw):
+            fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}", "tools")
+            params = fn.get("parameters") or {}
+            if not isinstance(params, dict):
+                raise _bad(f"tools[{i}].function.parameters must be an object", "tools", "invalid_type")
+            desc = fn.get("description") or ""
+            if not isinstance(desc, str):
+                raise _bad(f"tools[{i}].function.description must be a string", "tools", "invalid_type")
+            out.append(Tool(fn["name"], desc, params))
+        return out
+
+    @staticmethod
+    def _tool_choice(body: JSON, tools: list[Tool]) -> str:
+        tc = body.get("tool_choice")
+        if tc is None:
+            return "auto"
+        if tc in ("auto", "none", "required"):
+            if tc == "required" and not tools:
+                raise _bad("tool_choice 'required' needs 'tools'", "tool_choice")
+            return str(tc)
+        fn = tc.get("function") if isinstance(tc, dict) and tc.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise _bad(
+                "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name'}}",
+                "tool_choice",
+                "invalid_type",
+            )
+        if name not in {t.name for t in tools}:
+            raise _bad(f"tool_choice names the function {name!r}, which is not in 'tools'", "tool_choice")
+        return name
 
     def chat(self, raw: object) -> Turn:
         body, params, stream, inc = self._common(raw)
@@ -257,13 +340,22 @@ class RequestParser:
         if not isinstance(msgs, list) or not msgs:
             raise _bad("'messages' must be a non-empty array", "messages", "invalid_type")
         out = [self._message(i, m) for i, m in enumerate(msgs)]
-        self._fits(sum(_utf8_len(m["content"], "messages") for m in out), "messages")
         if _opt_bool(body, "logprobs"):
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
-        if body.get("tools"):
-            raise _bad("tools are not supported", "tools", "unsupported_value")
+        tools = self._tools(body)
+        choice = self._tool_choice(body, tools)
+        parallel = _opt_bool(body, "parallel_tool_calls")
+        n_bytes = sum(_utf8_len(m.content, "messages") + sum(len(c.arguments) for c in m.tool_calls) for m in out)
+        self._fits(n_bytes + sum(len(json.dumps(t.schema())) for t in tools), "messages")
         params.constraint = response_format(body.get("response_format"))
-        return Turn("chat", out, params, stream, inc)
+        if tools or any(m.role == "tool" or m.tool_calls for m in out):
+            conv = Conversation(out, tools, choice, parallel is not False)
+            try:
+                params = conv.gen_params(params)
+            except ConstraintError as e:
+                raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
+            return Turn("chat", None, params, stream, inc, conv)
+        return Turn("chat", [{"role": m.role, "content": m.content} for m in out], params, stream, inc)
 
     def completion(self, raw: object) -> Turn:
         body, params, stream, inc = self._common(raw)
@@ -362,6 +454,8 @@ def _exception_to_api(e: BaseException, param: str | None) -> ApiError:
         )
     if isinstance(e, EmptyPromptError):
         return _bad("the prompt is empty", param)
+    if isinstance(e, LiveStateGone):
+        return ApiError(409, str(e), "invalid_request_error", param, "live_state_gone")
     if isinstance(e, (ValueError, TypeError)):
         return _bad(str(e), param)
     if isinstance(e, Cancelled):
@@ -408,26 +502,68 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
     }
 
 
+def _call_json(k: int, c: ToolCall, head: bool) -> JSON:
+    if head:
+        return {"index": k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+    return {"index": k, "function": {"arguments": c.arguments}}
+
+
+class Wire:
+    """How one protocol answers (the app's routes are protocol-blind):
+    ``reply(turn)`` builds the response bodies of a turn (an object with
+    ``complete(res)``, and for streams ``opening()``, ``chunk(text)``,
+    ``closing(res)``, ``failed(e)`` and ``terminator``), ``error(e,
+    param)`` the status and body of a refusal or failure."""
+
+    def __init__(self, model: str, debug: bool = False):
+        self.model, self.debug = model, debug
+
+    def reply(self, turn: Turn) -> Any:
+        raise NotImplementedError
+
+    def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
+        api = e if isinstance(e, ApiError) else exception_to_api(e, param, self.debug)
+        return api.status, api.body()
+
+
+class OpenAIWire(Wire):
+    def reply(self, turn: Turn) -> Reply:
+        prefix = "chatcmpl-" if turn.kind == "chat" else "cmpl-"
+        return Reply(turn, prefix + uuid.uuid4().hex[:24], int(time.time()), self.model, self.debug)
+
+
 class Reply:
     """The response bodies of one turn: a whole completion, or its SSE
-    chunks."""
+    chunks. A chat with tools streams its visible text through the
+    convention's splitter (a call block is held back) and its calls, each a
+    header delta then an arguments delta, at the end."""
+
+    terminator = b"data: [DONE]\n\n"
 
     def __init__(self, turn: Turn, rid: str, created: int, model: str, debug: bool = False):
         self.turn, self.rid, self.created, self.model = turn, rid, created, model
         self.debug = debug
         self.chat = turn.kind == "chat"
+        self.splitter: StreamSplitter | None = turn.conv.splitter() if turn.conv is not None else None
 
     def _head(self, obj: str) -> JSON:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
+    def _outcome(self, res: GenResult) -> Outcome:
+        oc = self.turn.agent.outcome if self.turn.agent is not None else None
+        return oc if oc is not None else Outcome(res.text, [], res.finish_reason)
+
     def complete(self, res: GenResult) -> JSON:
         if self.chat:
-            choice: JSON = {
-                "index": 0,
-                "message": {"role": "assistant", "content": res.text},
-                "logprobs": None,
-                "finish_reason": res.finish_reason,
-            }
+            oc = self._outcome(res)
+            msg: JSON = {"role": "assistant", "content": oc.content}
+            if oc.calls:
+                msg["content"] = oc.content or None
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in oc.calls
+                ]
+            choice: JSON = {"index": 0, "message": msg, "logprobs": None, "finish_reason": oc.finish_reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
@@ -444,16 +580,23 @@ class Reply:
     def _chunk_obj(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
+    def _delta(self, d: JSON, finish: str | None = None) -> bytes:
+        ch = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        return sse({**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch]}, ensure_ascii=False)
+
     def chunk(self, delta: str | None, finish: str | None = None, first: bool = False) -> bytes:
         if self.chat:
+            if self.splitter is not None and delta:
+                delta = self.splitter.push(delta)
+                if not delta and finish is None:
+                    return b""
             d: JSON = {}
             if first:
                 d["role"] = "assistant"
             if delta is not None:
                 d["content"] = delta
-            ch: JSON = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-        else:
-            ch = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            return self._delta(d, finish)
+        ch = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
         o = {**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch]}
         return sse(o, ensure_ascii=False)
 
@@ -461,7 +604,20 @@ class Reply:
         return [self.chunk("", first=True)] if self.chat else []
 
     def closing(self, res: GenResult) -> list[bytes]:
-        out = [self.chunk(None if self.chat else "", res.finish_reason)]
+        out = []
+        finish = res.finish_reason
+        if self.chat and self.splitter is not None:
+            oc = self._outcome(res)
+            _, rest = self.splitter.finish()
+            if not oc.calls:
+                rest = self.splitter.buf[self.splitter.shown :]
+            if rest:
+                out.append(self._delta({"content": rest}))
+            for k, c in enumerate(oc.calls):
+                out.append(self._delta({"tool_calls": [_call_json(k, c, True)]}))
+                out.append(self._delta({"tool_calls": [_call_json(k, c, False)]}))
+            finish = oc.finish_reason
+        out.append(self.chunk(None if self.chat else "", finish))
         if self.turn.include_usage:
             o = {**self._head(self._chunk_obj), "choices": [], "usage": res.usage(), "ds4": ds4_info(res, self.debug)}
             out.append(sse(o))

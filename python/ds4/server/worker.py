@@ -54,7 +54,11 @@ class Job:
 
     def __init__(self, kind: str, payload: Any, params: GenParams, post: Callable[[str, Any], None]):
         self.id = next(self._ids)
-        self.kind = kind  # "chat" (payload: messages) or "completion" (payload: prompt)
+        # "chat" (payload: messages), "completion" (payload: prompt) or
+        # "agent" (payload: an AgentTurn of ds4.server.conversation, which
+        # renders the prompt in this thread and runs its done() hook before
+        # the "done" event)
+        self.kind = kind
         self.payload = payload
         self.params = params
         self.post = post
@@ -146,6 +150,9 @@ class Service:
                     self.gen.shutdown_save()
                 except Exception:  # pragma: no cover - defensive
                     log.exception("shutdown save failed")
+                if self.gen.store is not None:
+                    self.gen.store.close()  # the shared tier's queued uploads, then its connections
+                self.status = self._snapshot(busy=False)
                 return
             with self._lock:
                 self._pending -= 1
@@ -163,7 +170,10 @@ class Service:
         self.status = self._snapshot(busy=True)
         eng = self.gen.engine
         try:
-            prompt = eng.render_chat(job.payload) if job.kind == "chat" else job.payload
+            if job.kind == "agent":
+                prompt = job.payload.render(eng)
+            else:
+                prompt = eng.render_chat(job.payload) if job.kind == "chat" else job.payload
             res = self.gen.generate(
                 prompt,
                 job.params,
@@ -188,4 +198,9 @@ class Service:
                 "valid" if self.gen.sess.checkpoint_valid else "invalid",
                 self.gen.sess.n_past,
             )
+        elif job.kind == "agent":
+            try:
+                job.payload.done(res)  # parse, canonicalize: before the final event
+            except Exception:  # the reply still goes out (as text)
+                log.exception("job %d: the agent turn's done hook failed", job.id)
         job.post("done", res)

@@ -1,0 +1,137 @@
+"""Small JSON records kept beside the checkpoints (the server's stored
+Responses, so that ``previous_response_id`` still resolves after a
+restart), in the ``records/`` subdirectory of the cache directory.
+
+* Names are ``<kind>-<key>.json`` with ``kind`` and ``key`` of letters,
+  digits, ``_`` and ``-`` only (a key can never name a path elsewhere);
+  entries that are not regular files are ignored, never read or removed.
+* Writes are atomic (a temp file in the same directory, fsync, rename,
+  fsync of the directory), mode 0600, under the store's lock.
+* Bounded: the records together stay within ``max_bytes`` (the oldest
+  removed first), and :class:`ds4.kvstore.KVStore` counts their bytes in
+  its budget (its checkpoints are evicted to make room for them).
+* A record that cannot be read or parsed is reported as missing (and
+  removed): it is a cache, the client can replay its history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import stat
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from .. import _core
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = ["RECORDS_DIR", "RecordStore"]
+
+RECORDS_DIR = "records"
+_PART = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}-[A-Za-z0-9_-]{1,128}\.json$")
+
+
+class RecordStore:
+    """``<cache dir>/records/``: put, get and the bytes they take."""
+
+    def __init__(
+        self, cache_dir: str, max_bytes: int, lock: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+    ):
+        self.dir = os.path.join(cache_dir, RECORDS_DIR)
+        self.max_bytes = int(max_bytes)
+        self._lock = lock
+        self._sizes: dict[str, tuple[int, int]] | None = None  # name -> (size, mtime_ns)
+
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return self._lock() if self._lock is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _name(kind: str, key: str) -> str:
+        if not _PART.match(kind) or not _PART.match(key):
+            raise ValueError(f"a record is named by [A-Za-z0-9_-] only: {kind!r}, {key!r}")
+        return f"{kind}-{key}.json"
+
+    def _scan(self) -> dict[str, tuple[int, int]]:
+        if self._sizes is None:
+            sizes = {}
+            with contextlib.suppress(FileNotFoundError), os.scandir(self.dir) as it:
+                for de in it:
+                    if _NAME.match(de.name):
+                        st = de.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            sizes[de.name] = (st.st_size, st.st_mtime_ns)
+            self._sizes = sizes
+        return self._sizes
+
+    def total_bytes(self) -> int:
+        return sum(s for s, _ in self._scan().values())
+
+    def put(self, kind: str, key: str, data: Any) -> bool:
+        """Store ``data`` (JSON) as the record ``kind``/``key``; False when
+        it alone exceeds ``max_bytes`` (nothing is written)."""
+        name = self._name(kind, key)
+        blob = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        if len(blob) > self.max_bytes:
+            log.info("record %s not stored: %d bytes > the records' bound %d", name, len(blob), self.max_bytes)
+            return False
+        with self._locked():
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            sizes = self._scan()
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.dir)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, os.path.join(self.dir, name))
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            st = os.stat(os.path.join(self.dir, name), follow_symlinks=False)
+            sizes[name] = (st.st_size, st.st_mtime_ns)
+            self._trim(sizes, keep=name)
+            _core.sync_dir(self.dir)
+        return True
+
+    def _trim(self, sizes: dict[str, tuple[int, int]], keep: str) -> None:
+        """Remove the oldest records until the rest fit ``max_bytes``."""
+        total = sum(s for s, _ in sizes.values())
+        for name in sorted(sizes, key=lambda n: sizes[n][1]):
+            if total <= self.max_bytes:
+                break
+            if name == keep:
+                continue
+            path = os.path.join(self.dir, name)
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode):
+                    os.unlink(path)
+            total -= sizes.pop(name)[0]
+            log.info("record %s evicted (records over %d bytes)", name, self.max_bytes)
+
+    def get(self, kind: str, key: str) -> Any | None:
+        """The record's data, or None when there is none (or it is unreadable)."""
+        name = self._name(kind, key)
+        path = os.path.join(self.dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    return None
+                raw = f.read(self.max_bytes + 1)
+            return json.loads(raw)
+        except (OSError, ValueError) as e:
+            log.warning("record %s unreadable (%s): removed", name, e)
+            with self._locked(), contextlib.suppress(OSError):
+                os.unlink(path)
+                self._sizes = None
+            return None

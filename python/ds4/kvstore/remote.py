@@ -1,0 +1,838 @@
+"""The shared checkpoint tier: checkpoint files kept in Redis (one node, or a
+Redis Cluster) so that several ``ds4 serve`` replicas share their prefixes.
+
+The local directory stays the first tier; this module only moves a
+checkpoint file's bytes to and from Redis. Nothing read from Redis is
+trusted: a download lands in a temp file of the local directory and goes
+through the whole verification pipeline (:mod:`ds4.kvstore`) before it is
+renamed and loaded like any local checkpoint.
+
+Key layout (every key of one checkpoint shares one hash tag, so a cluster
+keeps them on one node and a commit is one transaction)::
+
+    ds4:{<namespace>/<abi id>/<sha1>}:m      the manifest (JSON: header facts, size,
+                                             XXH3-128 of each chunk), written last
+    ds4:{<namespace>/<abi id>/<sha1>}:c:<i>  payload chunk i (<= 8 MiB)
+    ds4:{<namespace>/<abi id>/<sha1>}:u      an uploader's claim (expires)
+    ds4:{<namespace>/<abi id>}:idx           per-ABI index: sorted set of
+                                             "<text bytes>:<sha1>", score = text bytes
+
+``<abi id>`` is the first 16 hex digits of SHA-1 of the payload ABI string;
+``<namespace>`` separates whatever must never share checkpoints (tenants:
+the default namespace is ``shared``). A lookup reads the index once (the
+members no longer than the prompt), hashes the prompt once at every stored
+length (``_core.sha1_prefixes``) and asks for every matching manifest in one
+pipelined round trip, longest first.
+
+Failures of the tier never fail a request: every operation has bounded
+connect and socket timeouts, errors are counted, and after
+``fail_threshold`` consecutive failures the tier is skipped for
+``cooldown_s`` seconds (:class:`Breaker`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .. import _core
+from ..errors import RemoteChunkError, RemoteManifestError, RemoteTierError
+
+if TYPE_CHECKING:
+    from redis import Redis
+    from redis.cluster import RedisCluster
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DEFAULT_NAMESPACE",
+    "SCHEMES",
+    "Breaker",
+    "KeyLayout",
+    "RemoteEntry",
+    "RemoteLookup",
+    "RemoteScan",
+    "RemoteTier",
+    "chunk_digest",
+    "parse_remote_url",
+    "redact_url",
+]
+
+#: the largest payload chunk (Redis's value limit is 512 MiB; large values
+#: block the server's one thread)
+CHUNK_BYTES = 8 * 2**20
+#: a manifest larger than this is not one ds4 wrote (a 1 TiB checkpoint
+#: has 131,072 chunks: about 4.5 MiB of digests)
+MANIFEST_MAX_BYTES = 8 * 2**20
+MANIFEST_VERSION = 1
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+DEFAULT_NAMESPACE = "shared"
+#: chunks of an upload that has not committed its manifest expire after this
+UPLOAD_TTL_S = 600
+#: chunks fetched per pipelined round trip (bounds the memory of a download)
+FETCH_BATCH_BYTES = 16 * 2**20
+#: index members checked for a vanished checkpoint after each upload
+PRUNE_SAMPLE = 16
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
+
+Client = Any  # redis.Redis or redis.cluster.RedisCluster
+T = TypeVar("T")
+
+
+def parse_remote_url(url: str) -> tuple[bool, str]:
+    """(is a cluster, the URL for the redis client) of a ``--kv-remote``
+    URL: ``redis://host:port/db``, ``rediss://`` (TLS), or
+    ``redis+cluster://host:port`` (any node of a cluster; ``rediss+cluster``
+    with TLS). A bad URL is a ``ValueError``."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in SCHEMES:
+        raise ValueError(f"--kv-remote must be a redis://, rediss:// or redis+cluster:// URL, not {redact_url(url)!r}")
+    try:
+        port = u.port
+    except ValueError as e:
+        raise ValueError(f"bad port in {redact_url(url)!r}") from e
+    if not u.hostname or port == 0:
+        raise ValueError(f"no host in {redact_url(url)!r}")
+    cluster = u.scheme.endswith("+cluster")
+    if cluster and u.path not in ("", "/", "/0"):
+        raise ValueError("a Redis Cluster has one database: no /db in a redis+cluster:// URL")
+    if not cluster and u.path not in ("", "/") and not u.path.lstrip("/").isdigit():
+        raise ValueError(f"the database in {redact_url(url)!r} must be a number")
+    scheme = u.scheme.split("+")[0]
+    return cluster, urllib.parse.urlunsplit((scheme, u.netloc, u.path, u.query, ""))
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (what logs and ``/health`` show)."""
+    u = urllib.parse.urlsplit(url)
+    if u.password is None:
+        return url
+    host = u.hostname or ""
+    netloc = f"{u.username or ''}:***@{host}" + (f":{u.port}" if u.port else "")
+    return urllib.parse.urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+
+
+class KeyLayout:
+    """The keys of one namespace and payload ABI (see the module doc).
+
+    ``namespace`` is where a tenant's separation goes: checkpoints stored
+    under one namespace are never candidates in another."""
+
+    def __init__(self, namespace: str, abi: str):
+        if not _NAMESPACE_RE.match(namespace):
+            raise ValueError(f"a remote namespace is 1-64 of [A-Za-z0-9._-], not {namespace!r}")
+        self.namespace = namespace
+        self.abi = abi
+        self.abi_id = hashlib.sha1(abi.encode("utf-8")).hexdigest()[:16]
+        self.index = f"ds4:{{{namespace}/{self.abi_id}}}:idx"
+
+    def tag(self, sha: str) -> str:
+        return f"ds4:{{{self.namespace}/{self.abi_id}/{sha}}}"
+
+    def manifest(self, sha: str) -> str:
+        return self.tag(sha) + ":m"
+
+    def chunk(self, sha: str, i: int) -> str:
+        return f"{self.tag(sha)}:c:{i}"
+
+    def claim(self, sha: str) -> str:
+        return self.tag(sha) + ":u"
+
+    @staticmethod
+    def member(text_bytes: int, sha: str) -> str:
+        return f"{text_bytes}:{sha}"
+
+
+def chunk_digest(data: bytes | memoryview) -> str:
+    """A chunk's digest in the manifest: XXH3-128, hex (finds damage in
+    transit or in Redis early and names the chunk; what makes a download
+    trusted is the whole pipeline that runs on the file afterwards).
+    ``xxhash`` comes with ``ds4[redis]``; ds4 without a tier never imports it."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _nonneg_int(d: dict[str, Any], key: str, limit: int = 2**62) -> int:
+    v = d.get(key)
+    if type(v) is not int or not 0 <= v <= limit:
+        raise RemoteManifestError(f"manifest field {key!r} is not an integer in range")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteEntry:
+    """One remote checkpoint, as its manifest describes it: the header
+    facts a lookup needs, and the size and digest of every chunk."""
+
+    sha: str
+    abi: str
+    tokens: int
+    text_bytes: int
+    size: int
+    chunk_bytes: int
+    digests: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.sha + ".kv"
+
+    def chunk_len(self, i: int) -> int:
+        return min(self.chunk_bytes, self.size - i * self.chunk_bytes)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "v": MANIFEST_VERSION,
+                "sha1": self.sha,
+                "abi": self.abi,
+                "tokens": self.tokens,
+                "text_bytes": self.text_bytes,
+                "size": self.size,
+                "chunk_bytes": self.chunk_bytes,
+                "chunks": list(self.digests),
+            },
+            separators=(",", ":"),
+            sort_keys=True,
+        ).encode("ascii")
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, sha: str, abi: str) -> RemoteEntry:
+        """The manifest stored under ``sha``'s key for ``abi``: every field
+        checked (types, ranges, the chunk count against the size) before
+        anything uses it; :class:`RemoteManifestError` otherwise."""
+        if len(raw) > MANIFEST_MAX_BYTES:
+            raise RemoteManifestError(f"manifest of {len(raw)} bytes")
+        try:
+            d = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RemoteManifestError(f"manifest is not JSON: {e}") from None
+        if not isinstance(d, dict) or d.get("v") != MANIFEST_VERSION:
+            raise RemoteManifestError("manifest is not a version 1 object")
+        if d.get("sha1") != sha or d.get("abi") != abi:
+            raise RemoteManifestError("manifest names another checkpoint or ABI than its key")
+        size = _nonneg_int(d, "size")
+        chunk_bytes = _nonneg_int(d, "chunk_bytes", CHUNK_BYTES)
+        chunks = d.get("chunks")
+        if size == 0 or chunk_bytes == 0 or not isinstance(chunks, list):
+            raise RemoteManifestError("manifest has no payload")
+        if len(chunks) != -(-size // chunk_bytes) or not all(
+            isinstance(c, str) and _DIGEST_RE.match(c) for c in chunks
+        ):
+            raise RemoteManifestError("manifest's chunk list does not match its size")
+        text_bytes = _nonneg_int(d, "text_bytes", size)
+        return cls(sha, abi, _nonneg_int(d, "tokens"), text_bytes, size, chunk_bytes, tuple(chunks))
+
+
+@dataclasses.dataclass
+class RemoteScan:
+    """Everything one namespace of the tier holds (:meth:`RemoteTier.scan`):
+    readable entries; (index, member) pairs whose manifest is gone; and
+    (index, member, why) of manifests that do not parse."""
+
+    entries: list[RemoteEntry]
+    gone: list[tuple[str, str]]
+    damaged: list[tuple[str, str, str]]
+
+
+@dataclasses.dataclass
+class RemoteLookup:
+    """What one remote lookup found: matching entries (longest first) and
+    the remote entries rejected on the way (deleted from Redis)."""
+
+    entries: list[RemoteEntry]
+    rejected: list[tuple[str, str, str, str]]
+
+
+class Breaker:
+    """Consecutive failures of the tier; after ``threshold`` of them the
+    tier is skipped for ``cooldown_s`` seconds, then tried again."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.threshold = max(1, threshold)
+        self.cooldown_s = cooldown_s
+        self.clock = clock
+        self.failures = 0
+        self.open_until = 0.0
+        self.last_error = ""
+        self.cooldowns = 0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        return self.clock() >= self.open_until
+
+    def success(self) -> None:
+        with self._lock:
+            self.failures = 0
+
+    def failure(self, err: BaseException) -> None:
+        with self._lock:
+            self.failures += 1
+            self.last_error = type(err).__name__
+            if self.failures >= self.threshold:
+                self.open_until = self.clock() + self.cooldown_s
+                self.failures = 0
+                self.cooldowns += 1
+                log.warning(
+                    "kv remote tier unavailable after %d failures (%s): served locally for %.0f s",
+                    self.threshold,
+                    self.last_error,
+                    self.cooldown_s,
+                )
+
+    @property
+    def state(self) -> str:
+        """``up``, ``degraded`` (failing, not yet cooling down) or ``cooldown``."""
+        if self.clock() < self.open_until:
+            return "cooldown"
+        return "degraded" if self.failures else "up"
+
+
+class RemoteTier:
+    """A Redis (or Redis Cluster) tier for one store. Thread-safe: lookups
+    and downloads run on the caller's thread, uploads on one background
+    thread fed by a bounded queue (a full queue drops its oldest entry)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: int = 0,
+        namespace: str = DEFAULT_NAMESPACE,
+        connect_timeout_s: float = 1.0,
+        op_timeout_s: float = 2.0,
+        fail_threshold: int = 3,
+        cooldown_s: float = 30.0,
+        queue_max: int = 8,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
+        self.cluster, self._url = parse_remote_url(url)
+        self.url = redact_url(url)
+        if ttl_s < 0:
+            raise ValueError("--kv-remote-ttl must be >= 0 (0: no TTL)")
+        if not 0 < chunk_bytes <= CHUNK_BYTES:
+            raise ValueError(f"chunk size must be in 1..{CHUNK_BYTES}")
+        KeyLayout(namespace, "")  # validates the namespace
+        self.ttl_s = int(ttl_s)
+        self.namespace = namespace
+        self.connect_timeout_s = connect_timeout_s
+        self.op_timeout_s = op_timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.queue_max = max(1, queue_max)
+        self.breaker = Breaker(fail_threshold, cooldown_s)
+        self.stats = {
+            "lookups": 0,
+            "hits": 0,
+            "rejected": 0,
+            "deleted": 0,
+            "pruned": 0,
+            "uploads": 0,
+            "upload_present": 0,
+            "upload_dropped": 0,
+            "upload_failed": 0,
+            "errors": 0,
+        }
+        self._client: Client | None = None
+        self._client_lock = threading.Lock()
+        self._queue: collections.deque[tuple[str, str, int, int]] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- connection ---------------------------------------------------------
+    def client(self) -> Redis | RedisCluster:
+        """The client, created on first use (a cluster's slot map is read then)."""
+        with self._client_lock:
+            if self._client is None:
+                from redis.backoff import NoBackoff
+                from redis.retry import Retry
+
+                kw: dict[str, Any] = {
+                    "socket_connect_timeout": self.connect_timeout_s,
+                    "socket_timeout": self.op_timeout_s,
+                    "retry": Retry(NoBackoff(), 0),
+                }
+                if self.cluster:
+                    from redis.cluster import RedisCluster
+
+                    self._client = RedisCluster.from_url(self._url, **kw)
+                else:
+                    from redis import Redis
+
+                    self._client = Redis.from_url(self._url, **kw)
+            return self._client
+
+    def _drop_client(self) -> None:
+        with self._client_lock:
+            c, self._client = self._client, None
+        if c is not None:
+            try:
+                c.close()
+            except Exception as e:  # closing a broken client must not fail a request
+                log.debug("kv remote close failed: %s", e)
+
+    def available(self) -> bool:
+        return not self._closed and self.breaker.allow()
+
+    def _call(self, what: str, fn: Callable[[Client], T]) -> T | None:
+        """Run ``fn(client)``; a Redis or socket failure is logged, counted
+        (the breaker) and returns None. Errors of ds4's own (a corrupt
+        chunk) pass through."""
+        from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
+
+        if not self.available():
+            return None
+        try:
+            out = fn(self.client())
+        except ResponseError as e:
+            if isinstance(e, ClusterError):  # the cluster is down: an outage
+                self._failed(what, e)
+                return None
+            # the server answered (out of memory, a refused command): not an outage
+            self.stats["errors"] += 1
+            log.warning("kv remote %s refused: %s", what, e)
+            return None
+        except (RedisError, RedisClusterException, OSError) as e:
+            self._failed(what, e)
+            return None
+        self.breaker.success()
+        return out
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        """Count a failure of the tier (the breaker) and log it."""
+        self.stats["errors"] += 1
+        self.breaker.failure(e)
+        log.warning("kv remote %s failed: %s: %s", what, type(e).__name__, e)
+        if self.cluster:
+            self._drop_client()  # a cluster client re-reads the slot map when rebuilt
+
+    # -- lookup ------------------------------------------------------------
+    def lookup(self, prompt: bytes, abi: str, *, min_tokens: int = 1, ctx: int | None = None) -> RemoteLookup:
+        """The remote checkpoints of ``abi`` whose text is a prefix of
+        ``prompt``, longest first. Index members whose manifest is gone are
+        pruned; a manifest that does not parse is deleted (and reported)."""
+        keys = KeyLayout(self.namespace, abi)
+        self.stats["lookups"] += 1
+        found = self._call("lookup", lambda c: self._lookup(c, keys, prompt, min_tokens, ctx))
+        return found if found is not None else RemoteLookup([], [])
+
+    def _lookup(self, c: Client, keys: KeyLayout, prompt: bytes, min_tokens: int, ctx: int | None) -> RemoteLookup:
+        members: list[tuple[int, str]] = []
+        for raw in c.zrangebyscore(keys.index, 1, len(prompt)):
+            text_len, _, sha = raw.decode("ascii", "replace").partition(":")
+            if text_len.isdigit() and _SHA_RE.match(sha):
+                members.append((int(text_len), sha))
+        if not members:
+            return RemoteLookup([], [])
+        lengths = sorted({n for n, _ in members if n <= len(prompt)})
+        digests = dict(zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True))
+        hits = sorted(((n, sha) for n, sha in members if digests.get(n) == sha), reverse=True)
+        if not hits:
+            return RemoteLookup([], [])
+        pipe = c.pipeline(transaction=False)
+        for _, sha in hits:
+            pipe.get(keys.manifest(sha))
+        raws = pipe.execute()
+        out, rejected, gone = [], [], []
+        for (n, sha), raw in zip(hits, raws, strict=True):
+            if raw is None:
+                gone.append(keys.member(n, sha))
+                continue
+            try:
+                e = RemoteEntry.from_bytes(raw, sha, keys.abi)
+                if e.text_bytes != n:
+                    raise RemoteManifestError("manifest's text length differs from the index")
+            except RemoteManifestError as err:
+                rejected.append((f"remote:{sha}.kv", err.stage, err.code, err.reason))
+                self.stats["rejected"] += 1
+                log.warning("kv remote rejected manifest of %s: %s (deleted)", sha[:12], err.reason)
+                self._delete(c, keys, sha, None, n)
+                continue
+            if e.tokens >= min_tokens and (ctx is None or e.tokens < ctx):
+                out.append(e)
+        if gone:
+            self.stats["pruned"] += c.zrem(keys.index, *gone)
+        return RemoteLookup(out, rejected)
+
+    # -- download ----------------------------------------------------------
+    def fetch(self, entry: RemoteEntry, fd: int) -> bool:
+        """Write ``entry``'s bytes to ``fd``, each chunk checked against its
+        length and digest on the way (:class:`RemoteChunkError`: missing,
+        truncated or altered). False when the tier failed meanwhile."""
+        keys = KeyLayout(self.namespace, entry.abi)
+        return self._call("download", lambda c: self._fetch(c, keys, entry, fd)) is not None
+
+    def _fetch(self, c: Client, keys: KeyLayout, entry: RemoteEntry, fd: int) -> bool:
+        """Pipelined batches of chunks, each checked, handed to a writer
+        thread: the file is written while the next batch is on the wire."""
+        n = len(entry.digests)
+        batch = max(1, FETCH_BATCH_BYTES // entry.chunk_bytes)
+        writer = _FileWriter(fd)
+        try:
+            for start in range(0, n, batch):
+                pipe = c.pipeline(transaction=False)
+                for i in range(start, min(n, start + batch)):
+                    pipe.get(keys.chunk(entry.sha, i))
+                for i, raw in enumerate(pipe.execute(), start):
+                    if raw is None:
+                        raise RemoteChunkError(f"chunk {i} of {n} is missing")
+                    if len(raw) != entry.chunk_len(i):
+                        raise RemoteChunkError(
+                            f"chunk {i} holds {len(raw)} bytes, its manifest says {entry.chunk_len(i)}"
+                        )
+                    if chunk_digest(raw) != entry.digests[i]:
+                        raise RemoteChunkError(f"chunk {i} does not match its manifest's digest")
+                    writer.put(raw)
+        finally:
+            writer.finish()
+        return True
+
+    def touch(self, entry: RemoteEntry) -> None:
+        """Refresh the TTL of a checkpoint that served a request."""
+        if not self.ttl_s:
+            return
+        keys, ttl = KeyLayout(self.namespace, entry.abi), self.ttl_s
+
+        def run(c: Client) -> None:
+            pipe = c.pipeline(transaction=False)
+            pipe.expire(keys.manifest(entry.sha), ttl)
+            for i in range(len(entry.digests)):
+                pipe.expire(keys.chunk(entry.sha, i), ttl)
+            pipe.expire(keys.index, ttl)
+            pipe.execute()
+
+        self._call("touch", run)
+
+    # -- removal -----------------------------------------------------------
+    def delete(self, sha: str, abi: str, entry: RemoteEntry | None = None, text_bytes: int | None = None) -> bool:
+        """Delete one remote checkpoint (manifest first, so that nobody sees
+        it while its chunks go) and its index member."""
+        keys = KeyLayout(self.namespace, abi)
+        n_text = entry.text_bytes if entry is not None else text_bytes
+        return bool(self._call("delete", lambda c: self._delete(c, keys, sha, entry, n_text)))
+
+    def _delete(self, c: Client, keys: KeyLayout, sha: str, entry: RemoteEntry | None, text_bytes: int | None) -> bool:
+        gone = bool(c.delete(keys.manifest(sha)))
+        if entry is not None:
+            pipe = c.pipeline(transaction=False)
+            for i in range(len(entry.digests)):
+                pipe.delete(keys.chunk(sha, i))
+            pipe.execute()
+        else:  # chunk count unknown (a damaged manifest): delete until a batch finds none
+            start = 0
+            while True:
+                pipe = c.pipeline(transaction=False)
+                for i in range(start, start + 64):
+                    pipe.delete(keys.chunk(sha, i))
+                if not any(pipe.execute()):
+                    break
+                start += 64
+        if text_bytes is not None:
+            c.zrem(keys.index, keys.member(text_bytes, sha))
+        else:
+            stale = [m for m in c.zrange(keys.index, 0, -1) if m.decode("ascii", "replace").endswith(":" + sha)]
+            if stale:
+                c.zrem(keys.index, *stale)
+        self.stats["deleted"] += 1
+        return gone
+
+    def prune(self, abi: str, sample: int | None = None) -> int:
+        """Remove index members whose checkpoint is gone (expired, evicted
+        by ``maxmemory-policy``, deleted): all of them, or a random
+        ``sample``. Returns how many went."""
+        keys = KeyLayout(self.namespace, abi)
+
+        def run(c: Client) -> int:
+            if sample is None:
+                members = c.zrange(keys.index, 0, -1)
+            else:
+                members = c.zrandmember(keys.index, sample) or []
+            parsed = [(m, m.decode("ascii", "replace").partition(":")[2]) for m in members]
+            parsed = [(m, sha) for m, sha in parsed if _SHA_RE.match(sha)]
+            pipe = c.pipeline(transaction=False)
+            for _, sha in parsed:
+                pipe.exists(keys.manifest(sha))
+            gone = [m for (m, _), there in zip(parsed, pipe.execute() if parsed else [], strict=True) if not there]
+            n = int(c.zrem(keys.index, *gone)) if gone else 0
+            self.stats["pruned"] += n
+            return n
+
+        return self._call("prune", run) or 0
+
+    def entries(self, abi: str) -> list[RemoteEntry]:
+        """Every readable remote checkpoint of ``abi`` (``ds4 kv ls --remote``)."""
+        keys = KeyLayout(self.namespace, abi)
+
+        def run(c: Client) -> list[RemoteEntry]:
+            shas = [m.decode("ascii", "replace").partition(":")[2] for m in c.zrange(keys.index, 0, -1)]
+            shas = [s for s in shas if _SHA_RE.match(s)]
+            pipe = c.pipeline(transaction=False)
+            for s in shas:
+                pipe.get(keys.manifest(s))
+            out = []
+            for s, raw in zip(shas, pipe.execute() if shas else [], strict=True):
+                if raw is None:
+                    continue
+                try:
+                    out.append(RemoteEntry.from_bytes(raw, s, abi))
+                except RemoteManifestError:
+                    continue
+            return out
+
+        return self._call("list", run) or []
+
+    def scan(self) -> RemoteScan:
+        """Every remote checkpoint of this namespace, of every ABI (``ds4 kv
+        ls|stats|gc --remote``): the readable ones, the index members whose
+        manifest is gone, and those whose manifest does not parse."""
+        out = self._call("scan", self._scan)
+        if out is None:
+            raise RemoteTierError(0, f"the remote tier {self.url} cannot be read ({self.breaker.last_error})")
+        return out
+
+    def _scan(self, c: Client) -> RemoteScan:
+        found = RemoteScan([], [], [])
+        pat = f"ds4:{{{self.namespace}/*}}:idx"
+        for raw_key in sorted(set(c.scan_iter(match=pat, count=1000))):
+            index = raw_key.decode("ascii", "replace")
+            abi_id = index.split("/", 1)[1].split("}", 1)[0]
+            members = [m.decode("ascii", "replace") for m in c.zrange(index, 0, -1)]
+            shas = [(m, m.partition(":")[2]) for m in members]
+            shas = [(m, s) for m, s in shas if _SHA_RE.match(s)]
+            pipe = c.pipeline(transaction=False)
+            for _, s in shas:
+                pipe.get(f"ds4:{{{self.namespace}/{abi_id}/{s}}}:m")
+            for (m, s), raw in zip(shas, pipe.execute() if shas else [], strict=True):
+                if raw is None:
+                    found.gone.append((index, m))
+                    continue
+                try:
+                    abi = json.loads(raw).get("abi")
+                    if not isinstance(abi, str) or KeyLayout(self.namespace, abi).abi_id != abi_id:
+                        raise RemoteManifestError("manifest's ABI is not its index's")
+                    found.entries.append(RemoteEntry.from_bytes(raw, s, abi))
+                except (RemoteManifestError, ValueError, AttributeError) as e:
+                    found.damaged.append((index, m, str(e)))
+        return found
+
+    def delete_member(self, index: str, member: str) -> bool:
+        """Delete the checkpoint an index member names (its manifest need
+        not parse) and the member."""
+        n_text, _, sha = member.partition(":")
+        abi_id = index.split("/", 1)[1].split("}", 1)[0]
+
+        def run(c: Client) -> bool:
+            keys = KeyLayout(self.namespace, "")
+            keys.abi_id, keys.index = abi_id, index
+            return self._delete(c, keys, sha, None, int(n_text) if n_text.isdigit() else None)
+
+        return bool(self._call("delete", run))
+
+    # -- upload ------------------------------------------------------------
+    def enqueue(self, path: str, abi: str, tokens: int, text_bytes: int) -> None:
+        """Queue a freshly stored checkpoint for upload; returns at once. A
+        full queue drops its oldest entry (logged)."""
+        with self._cv:
+            if self._closed:
+                return
+            if len(self._queue) >= self.queue_max:
+                old = self._queue.popleft()
+                self.stats["upload_dropped"] += 1
+                log.warning("kv remote upload queue full (%d): dropped %s", self.queue_max, os.path.basename(old[0]))
+            self._queue.append((path, abi, tokens, text_bytes))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ds4-kv-upload", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                self.upload(*item)
+            except Exception:
+                self.stats["upload_failed"] += 1
+                log.exception("kv remote upload of %s failed", os.path.basename(item[0]))
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until the upload queue is empty and idle; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def upload(self, path: str, abi: str, tokens: int, text_bytes: int) -> str:
+        """Upload one checkpoint file now: ``stored``, ``present`` (already
+        there: its TTL refreshed), ``claimed`` (another uploader is at it),
+        ``gone`` (the file went first), ``skipped`` (the tier is down) or
+        ``failed``."""
+        sha = os.path.basename(path)[:40]
+        keys = KeyLayout(self.namespace, abi)
+        if not self.available():
+            return "skipped"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return "gone"
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            out = self._call("upload", lambda c: self._upload(c, keys, sha, f, size, tokens, text_bytes))
+        if out is None:
+            self.stats["upload_failed"] += 1
+            return "failed"
+        if out == "stored":
+            self.stats["uploads"] += 1
+            self.prune(abi, PRUNE_SAMPLE)
+        elif out == "present":
+            self.stats["upload_present"] += 1
+        return out
+
+    def _upload(self, c: Client, keys: KeyLayout, sha: str, f: Any, size: int, tokens: int, text_bytes: int) -> str:
+        ttl = self.ttl_s
+        if c.exists(keys.manifest(sha)):
+            if ttl:
+                c.expire(keys.manifest(sha), ttl)
+            return "present"
+        if not c.set(keys.claim(sha), str(os.getpid()), nx=True, ex=UPLOAD_TTL_S):
+            return "claimed"
+        digests: list[str] = []
+        total = 0
+        for chunk in _read_chunks(f, self.chunk_bytes):
+            digests.append(chunk_digest(chunk))
+            c.set(keys.chunk(sha, len(digests) - 1), chunk, ex=UPLOAD_TTL_S)
+            total += len(chunk)
+        entry = RemoteEntry(sha, keys.abi, tokens, text_bytes, total, self.chunk_bytes, tuple(digests))
+        if total != size or total == 0:  # the file changed under us: leave nothing behind
+            self._delete(c, keys, sha, entry, None)
+            return "gone"
+        # The commit, in one transaction on the tag's node: chunks made
+        # permanent (or given the TTL), then the manifest; nobody sees a
+        # manifest whose chunks are not all there.
+        pipe = c.pipeline(transaction=True)
+        for i in range(len(digests)):
+            if ttl:
+                pipe.expire(keys.chunk(sha, i), ttl)
+            else:
+                pipe.persist(keys.chunk(sha, i))
+        pipe.set(keys.manifest(sha), entry.to_bytes(), ex=ttl or None)
+        pipe.delete(keys.claim(sha))
+        pipe.execute()
+        c.zadd(keys.index, {keys.member(text_bytes, sha): text_bytes})
+        if ttl:
+            c.expire(keys.index, ttl)
+        return "stored"
+
+    # -- state -------------------------------------------------------------
+    def status(self) -> dict[str, object]:
+        """What ``/health`` and the ladder report show of the tier."""
+        return {
+            "url": self.url,
+            "cluster": self.cluster,
+            "namespace": self.namespace,
+            "state": "closed" if self._closed else self.breaker.state,
+            "ttl_s": self.ttl_s,
+            "queued": len(self._queue),
+            "cooldowns": self.breaker.cooldowns,
+            "last_error": self.breaker.last_error,
+            **self.stats,
+        }
+
+    @property
+    def state(self) -> str:
+        return "closed" if self._closed else self.breaker.state
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish the queued uploads (up to ``timeout``), stop the uploader
+        and close the connections."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            dropped = len(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        if dropped:
+            log.warning("kv remote closed with %d uploads not done", dropped)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._drop_client()
+
+
+def _read_chunks(f: Any, size: int) -> Iterator[bytes]:
+    while True:
+        buf = f.read(size)
+        if not buf:
+            return
+        yield buf
+
+
+class _FileWriter:
+    """Writes chunks to ``fd`` on a thread of its own (a bounded queue), so
+    that a download's disk writes overlap its network reads. ``finish``
+    waits for the last write and raises the writer's error, if any."""
+
+    def __init__(self, fd: int, depth: int = 4):
+        self.fd = fd
+        self.q: queue.Queue[bytes | None] = queue.Queue(depth)
+        self.error: OSError | None = None
+        self.thread = threading.Thread(target=self._run, name="ds4-kv-download", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            data = self.q.get()
+            if data is None:
+                return
+            if self.error is None:
+                try:
+                    _write_all(self.fd, data)
+                except OSError as e:
+                    self.error = e
+
+    def put(self, data: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        self.q.put(data)
+
+    def finish(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]

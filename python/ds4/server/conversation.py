@@ -1,0 +1,276 @@
+"""The one internal conversation model the agent protocols share (OpenAI
+chat completions with tools, Anthropic Messages, OpenAI Responses): messages,
+tool calls, tool results, and their rendering to the engine's chat messages
+(through the convention of :mod:`ds4.server.tools`).
+
+It also holds what ds4 remembers between the turns of an agent loop
+(:class:`LiveTools`: the ids of the calls generated at the live end and the
+canonical conversation the live state holds) and the per-request hooks the
+worker runs (:class:`AgentTurn`): render the prompt (continuing from the
+live tool state when the request's trailing tool results answer exactly the
+calls generated at the live end: ds4's ``anthropic-tool-output`` /
+``responses-tool-output`` match), then, after decoding and before the final
+event, parse the reply and bring the live state to its canonical rendering
+(ds4's ``canonicalize_tool_checkpoint``) so that the next request, the
+history plus the tool results, is a live hit.
+
+Nothing here knows HTTP; the protocol modules build a :class:`Conversation`
+from their request bodies and format :class:`Outcome` back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..constrain import Constraint
+from . import tools as conv_tools
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..turn import Generator, GenParams, GenResult
+
+log = logging.getLogger("ds4.server")
+
+__all__ = ["AgentTurn", "Conversation", "LiveStateGone", "LiveTools", "Message", "Outcome", "Tool", "ToolCall"]
+
+
+class LiveStateGone(ValueError):
+    """The request continues from live tool state that is no longer there
+    (ds4's 409: replay the full history). Raised by the worker before the
+    session is touched."""
+
+
+@dataclasses.dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text (as the client sent it, or canonical when generated)
+
+
+@dataclasses.dataclass
+class Message:
+    role: str  # "system", "user", "assistant" or "tool"
+    content: str = ""
+    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+    tool_call_id: str | None = None  # role "tool": the call it answers
+
+
+@dataclasses.dataclass
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def schema(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name}
+        if self.description:
+            d["description"] = self.description
+        d["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        return d
+
+
+def new_call_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(16)
+
+
+@dataclasses.dataclass
+class Conversation:
+    messages: list[Message]
+    tools: list[Tool] = dataclasses.field(default_factory=list)
+    tool_choice: str = "auto"  # "auto", "none", "required" or a tool's name
+    parallel_tool_calls: bool = True
+
+    @property
+    def tools_active(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced(self) -> str | None:
+        """``"required"`` or the forced tool's name; None for auto/none."""
+        return None if self.tool_choice in ("auto", "none") else self.tool_choice
+
+    def names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.tools)
+
+    # -- rendering to the engine's chat --------------------------------------
+    def engine_messages(self) -> list[dict[str, str]]:
+        """The engine-level chat (role/content only): the tools block opens
+        the first system turn (one is added when there is none), assistant
+        calls and tool results in the convention's blocks."""
+        out = turns(self.messages)
+        if self.tools_active:
+            block = conv_tools.tools_block([t.schema() for t in self.tools], self.forced, self.parallel_tool_calls)
+            if out and out[0]["role"] == "system":
+                out[0] = {"role": "system", "content": f"{block}\n\n{out[0]['content']}"}
+            else:
+                out.insert(0, {"role": "system", "content": block})
+        return out
+
+    def trailing_results(self) -> list[Message]:
+        """The run of tool results the conversation ends with."""
+        k = len(self.messages)
+        while k > 0 and self.messages[k - 1].role == "tool":
+            k -= 1
+        return self.messages[k:]
+
+    # -- the reply -----------------------------------------------------------
+    def parse(self, text: str) -> conv_tools.ParsedReply:
+        if not self.tools_active:
+            return conv_tools.ParsedReply(text)
+        rep = conv_tools.parse_reply(text, self.names())
+        if rep.calls and not self.parallel_tool_calls and len(rep.calls) > 1:
+            log.warning("parallel_tool_calls=false: %d calls generated, the first kept", len(rep.calls))
+            rep = conv_tools.ParsedReply(rep.content, rep.calls[:1])
+        return rep
+
+    def splitter(self) -> conv_tools.StreamSplitter | None:
+        return conv_tools.StreamSplitter(self.names()) if self.tools_active else None
+
+    def gen_params(self, params: GenParams) -> GenParams:
+        """The turn's decoding parameters: with tools, decoding stops right
+        after a call block closes; ``tool_choice`` ``required`` or a named
+        tool constrains the reply to a call block whose arguments follow the
+        tool's schema (:func:`ds4.server.tools.tool_call_grammar`). Raises
+        :class:`ds4.errors.ConstraintError` for schemas that cannot be
+        enforced."""
+        if self.tools_active:
+            params = dataclasses.replace(params, stop_after=(*params.stop_after, conv_tools.CALL_END))
+            if self.forced is not None:
+                grammar = conv_tools.tool_call_grammar([t.schema() for t in self.tools], self.forced)
+                params = dataclasses.replace(params, constraint=Constraint.lark(grammar))
+        return params
+
+
+def turns(messages: Sequence[Message]) -> list[dict[str, str]]:
+    """Messages to engine chat turns: a run of tool results is one ``tool``
+    turn; an assistant turn's calls follow its content."""
+    out: list[dict[str, str]] = []
+    run: list[str] = []
+    for m in messages:
+        if m.role == "tool":
+            run.append(m.content)
+            continue
+        if run:
+            out.append({"role": "tool", "content": conv_tools.render_results(run)})
+            run = []
+        if m.role == "assistant":
+            calls = [(c.name, c.arguments) for c in m.tool_calls]
+            out.append({"role": "assistant", "content": conv_tools.render_assistant(m.content, calls)})
+        else:
+            out.append({"role": m.role, "content": m.content})
+    if run:
+        out.append({"role": "tool", "content": conv_tools.render_results(run)})
+    return out
+
+
+class LiveTools:
+    """What the live state holds after a turn that ended in tool calls: the
+    calls' ids and the engine chat it is the canonical rendering of. Read
+    and written by the worker thread only."""
+
+    def __init__(self) -> None:
+        self.ids: frozenset[str] = frozenset()
+        self.messages: list[dict[str, str]] = []
+        self.text = ""
+
+    def remember(self, ids: frozenset[str], messages: list[dict[str, str]], text: str) -> None:
+        self.ids, self.messages, self.text = ids, messages, text
+
+    def clear(self) -> None:
+        self.ids, self.messages, self.text = frozenset(), [], ""
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A finished turn as the protocols answer it."""
+
+    content: str
+    calls: list[ToolCall]
+    finish_reason: str  # "stop", "length", "tool_calls" or "cancelled"
+
+
+class AgentTurn:
+    """The worker's hooks for one agent request: :meth:`render` the prompt
+    and, once decoded, :meth:`done` (parse, canonicalize, remember)."""
+
+    def __init__(
+        self,
+        conv: Conversation,
+        live: LiveTools,
+        gen: Generator,
+        *,
+        id_prefix: str = "call_",
+        label: str = "chat",
+        live_only: bool = False,
+    ):
+        self.conv, self.live, self.gen = conv, live, gen
+        self.id_prefix, self.label = id_prefix, label
+        self.live_only = live_only  # the request has no history: only the live state can serve it
+        self.messages: list[dict[str, str]] = []
+        self.outcome: Outcome | None = None
+        self.on_outcome: Callable[[Outcome], None] | None = None
+
+    def render(self, engine: Engine) -> str:
+        msgs = self._live_continuation()
+        if msgs is None:
+            if self.live_only:
+                raise LiveStateGone(
+                    "Responses continuation state is not available; retry by replaying the full input history"
+                )
+            msgs = self.conv.engine_messages()
+        self.messages = msgs
+        return engine.render_chat(msgs)
+
+    def _live_continuation(self) -> list[dict[str, str]] | None:
+        """ds4's tool-output match: the request ends in results for exactly
+        the calls generated at the live end, and the live state still holds
+        that turn: continue from it (whatever the client made of the
+        earlier history)."""
+        tail = self.conv.trailing_results()
+        live = self.live
+        ids = frozenset(m.tool_call_id or "" for m in tail)
+        if not tail or not live.ids or ids != live.ids:
+            return None
+        if self.gen.sess.text_bytes() != live.text.encode("utf-8"):
+            log.info("%s live continuation lost: the live state moved since the calls", self.label)
+            return None
+        log.info("%s live continuation match=tool-output-ids ids=%d", self.label, len(ids))
+        return [*live.messages, *turns(tail)]
+
+    def done(self, res: GenResult) -> None:
+        """Parse the reply, give its calls ids; after a turn that ended in
+        calls, bring the live state to the turn's canonical rendering
+        (before the final event is sent) and remember it."""
+        rep = self.conv.parse(res.text)
+        calls = [ToolCall(new_call_id(self.id_prefix), c.name, c.arguments) for c in rep.calls]
+        finish = "tool_calls" if calls else res.finish_reason
+        self.outcome = Outcome(rep.content if calls else res.text, calls, finish)
+        self.live.clear()
+        if calls and res.finish_reason == "stop":
+            self._canonicalize(rep.content, calls)
+        if self.on_outcome is not None:
+            self.on_outcome(self.outcome)
+
+    def _canonicalize(self, content: str, calls: list[ToolCall]) -> None:
+        gen = self.gen
+        turn = conv_tools.render_assistant(content, [(c.name, c.arguments) for c in calls])
+        msgs = [*self.messages, {"role": "assistant", "content": turn}]
+        text = gen.engine.render_chat(msgs, add_generation_prompt=False)
+        try:
+            outcome = gen.canonicalize(text)
+        except Exception as e:  # the reply stands; the next turn recovers as usual
+            log.warning("tool checkpoint rebuild failed: %s: %s", type(e).__name__, e)
+            return
+        if outcome != "failed" and gen.sess.text_bytes() == text.encode("utf-8"):
+            self.live.remember(frozenset(c.id for c in calls), msgs, text)
+
+
+def message_text(parts: Sequence[Mapping[str, Any]] | str) -> str:
+    """Text parts joined (helper for the protocols' block lists)."""
+    if isinstance(parts, str):
+        return parts
+    return "".join(str(p.get("text", "")) for p in parts)

@@ -1,0 +1,441 @@
+"""The OpenAI Responses protocol: ``POST /v1/responses`` (whole, or streamed
+as typed events ``response.created`` ... ``response.completed``), over the
+shared conversation model (:mod:`ds4.server.conversation`) and the one turn
+driver.
+
+Input
+    ``input`` is a string or a list of items: messages (``input_text`` /
+    ``output_text`` parts), ``function_call`` and ``function_call_output``;
+    ``reasoning`` items are dropped (no hidden reasoning here).
+    ``instructions`` is the system turn (not carried over from a previous
+    response, as in OpenAI's API). Function ``tools``, ``tool_choice``,
+    ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``,
+    ``top_p``.
+
+State
+    With ``store`` (the default), each response is kept as a record: the
+    conversation through its output (calls with their ids). With a cache
+    directory the records are files in it (:mod:`ds4.kvstore.records`,
+    counted in its budget), so ``previous_response_id`` resolves after a
+    restart; without one they live in memory (the last 1,000). An unknown
+    ``previous_response_id`` gets OpenAI's 400 ``previous_response_not_found``.
+    An input of tool outputs only, with no previous response, is served
+    from the live tool state when it answers exactly the calls generated at
+    the live end (ds4's ``responses-tool-output`` match); when that state is
+    gone, ds4's 409 ("replay the full input history"). ds4's
+    ``responses-visible`` match is the ladder's ``memory-text`` rung: after a
+    turn the live state is the canonical rendering of the conversation, so a
+    request that extends it continues from the live tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+import uuid
+from typing import Any, Protocol
+
+from ..errors import ConstraintError
+from ..turn import GenParams, GenResult
+from .conversation import Conversation, Message, Outcome, Tool, ToolCall
+from .openai import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api
+
+__all__ = ["MemoryRecords", "ResponsesParser", "ResponsesWire", "remember"]
+
+log = logging.getLogger("ds4.server")
+
+KIND = "response"
+MAX_MEMORY_RECORDS = 1000
+
+
+class Records(Protocol):
+    def get(self, kind: str, key: str) -> Any | None: ...
+
+    def put(self, kind: str, key: str, data: Any) -> bool: ...
+
+
+class MemoryRecords:
+    """The records of a server without a cache directory (lost on restart)."""
+
+    def __init__(self, limit: int = MAX_MEMORY_RECORDS):
+        self.limit = limit
+        self._d: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def get(self, kind: str, key: str) -> Any | None:
+        return self._d.get(f"{kind}-{key}")
+
+    def put(self, kind: str, key: str, data: Any) -> bool:
+        self._d[f"{kind}-{key}"] = data
+        while len(self._d) > self.limit:
+            self._d.popitem(last=False)
+        return True
+
+
+def _bad(msg: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, msg, "invalid_request_error", param, code)
+
+
+def _str(v: object, param: str) -> str:
+    if not isinstance(v, str):
+        raise _bad(f"'{param}' must be a string", param, "invalid_type")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string") from None
+    return v
+
+
+def _text(v: object, param: str) -> str:
+    """A string, or a list of text parts, as one string."""
+    if isinstance(v, str):
+        return _str(v, param)
+    if not isinstance(v, list):
+        raise _bad(f"'{param}' must be a string or an array of text parts", param, "invalid_type")
+    out = []
+    for j, p in enumerate(v):
+        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
+            raise _bad(f"'{param}[{j}]': only text parts are supported", param)
+        out.append(_str(p.get("text"), f"{param}[{j}].text"))
+    return "".join(out)
+
+
+def _to_json(m: Message) -> JSON:
+    d: JSON = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [[c.id, c.name, c.arguments] for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+def _from_json(d: JSON) -> Message:
+    calls = [ToolCall(str(i), str(n), str(a)) for i, n, a in d.get("tool_calls", [])]
+    return Message(str(d["role"]), str(d["content"]), calls, d.get("tool_call_id"))
+
+
+class ResponsesTurn(Turn):
+    """A Responses request: the Turn, plus what its answer and record need."""
+
+    def __init__(self, params: GenParams, stream: bool, conv: Conversation, body: JSON, history: list[Message]):
+        super().__init__("chat", None, params, stream, True, conv)
+        self.body = body
+        self.history = history  # the conversation without the instructions
+        self.rid = "resp_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.store = body.get("store") is not False
+        self.live_only = False
+
+    @property
+    def param(self) -> str:
+        return "input"
+
+
+class ResponsesParser:
+    """Validates ``/v1/responses`` bodies (previous responses from ``records``)."""
+
+    def __init__(self, default_max_tokens: int, ctx: int, records: Records, max_prompt_bytes: int | None = None):
+        self.default_max_tokens = default_max_tokens if default_max_tokens > 0 else ctx
+        self.records = records
+        self.max_prompt_bytes = max_prompt_bytes
+
+    @staticmethod
+    def _item(i: int, it: object, out: list[Message]) -> None:
+        p = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise _bad(f"'{p}' must be an object", "input", "invalid_type")
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _bad(f"'{p}.role' must be user, assistant, system or developer", "input")
+            out.append(Message("system" if role == "developer" else str(role), _text(it.get("content"), p)))
+        elif kind == "function_call":
+            call = ToolCall(_str(it.get("call_id"), f"{p}.call_id"), _str(it.get("name"), f"{p}.name"), "")
+            call.arguments = _str(it.get("arguments", "{}"), f"{p}.arguments")
+            if out and out[-1].role == "assistant":
+                out[-1].tool_calls.append(call)  # calls follow the assistant's text in one turn
+            else:
+                out.append(Message("assistant", "", [call]))
+        elif kind == "function_call_output":
+            call_id = _str(it.get("call_id"), f"{p}.call_id")
+            out.append(Message("tool", _text(it.get("output", ""), f"{p}.output"), tool_call_id=call_id))
+        elif kind != "reasoning":
+            raise _bad(f"'{p}.type' {kind!r} is not supported", "input")
+
+    @staticmethod
+    def _tools(body: JSON) -> tuple[list[Tool], str, bool]:
+        raw = body.get("tools") or []
+        if not isinstance(raw, list):
+            raise _bad("'tools' must be an array", "tools", "invalid_type")
+        tools = []
+        for i, t in enumerate(raw):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                raise _bad(f"tools[{i}]: only function tools are supported", "tools")
+            params = t.get("parameters") or {}
+            if not isinstance(params, dict):
+                raise _bad(f"tools[{i}].parameters must be an object", "tools", "invalid_type")
+            tools.append(Tool(_str(t.get("name"), "tools"), _str(t.get("description") or "", "tools"), params))
+        tc = body.get("tool_choice", "auto")
+        if isinstance(tc, dict) and tc.get("type") == "function":
+            choice = _str(tc.get("name"), "tool_choice")
+            if choice not in {t.name for t in tools}:
+                raise _bad(f"tool_choice names {choice!r}, which is not in 'tools'", "tool_choice")
+        elif tc in ("auto", "none", "required"):
+            choice = str(tc)
+            if choice == "required" and not tools:
+                raise _bad("tool_choice 'required' needs 'tools'", "tool_choice")
+        else:
+            raise _bad("'tool_choice' must be 'auto', 'none', 'required' or a function", "tool_choice")
+        par = body.get("parallel_tool_calls")
+        if par is not None and not isinstance(par, bool):
+            raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
+        return tools, choice, par is not False
+
+    @staticmethod
+    def _num(body: JSON, key: str, lo: float, hi: float) -> float | None:
+        v = body.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise _bad(f"'{key}' must be a number between {lo} and {hi}", key)
+        return float(v)
+
+    def _params(self, body: JSON) -> GenParams:
+        mot = body.get("max_output_tokens")
+        if mot is not None and (isinstance(mot, bool) or not isinstance(mot, int) or mot < 1):
+            raise _bad("'max_output_tokens' must be an integer >= 1", "max_output_tokens")
+        top_p = self._num(body, "top_p", 0.0, 1.0)
+        return GenParams(
+            max_tokens=self.default_max_tokens if mot is None else mot,
+            temperature=self._num(body, "temperature", 0.0, 2.0) or 0.0,
+            top_p=top_p or 1.0,
+        )
+
+    def _previous(self, body: JSON) -> list[Message]:
+        prev = body.get("previous_response_id")
+        if prev is None:
+            return []
+        prev = _str(prev, "previous_response_id")
+        try:
+            rec = self.records.get(KIND, prev)
+        except ValueError:  # not a name a record can have
+            rec = None
+        if rec is None:
+            raise ApiError(
+                400,
+                f"Previous response with id '{prev}' not found.",
+                "invalid_request_error",
+                "previous_response_id",
+                "previous_response_not_found",
+            )
+        return [_from_json(m) for m in rec["messages"]]
+
+    def parse(self, raw: object) -> ResponsesTurn:
+        if not isinstance(raw, dict):
+            raise _bad("the request body must be a JSON object", None, "invalid_type")
+        _str(raw.get("model"), "model")
+        history = self._previous(raw)
+        inp = raw.get("input")
+        new: list[Message] = []
+        if isinstance(inp, str):
+            new.append(Message("user", inp))
+        elif isinstance(inp, list) and inp:
+            for i, it in enumerate(inp):
+                self._item(i, it, new)
+        else:
+            raise _bad("'input' must be a string or a non-empty array of items", "input", "missing_required_parameter")
+        known = {c.id for m in (*history, *new) for c in m.tool_calls}
+        live_only = bool(new) and all(m.role == "tool" for m in new) and not any(m.tool_call_id in known for m in new)
+        history = history + new
+        msgs = list(history)
+        if raw.get("instructions") is not None:
+            msgs.insert(0, Message("system", _str(raw["instructions"], "instructions")))
+        tools, choice, parallel = self._tools(raw)
+        conv = Conversation(msgs, tools, choice, parallel)
+        n = sum(len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in msgs)
+        if self.max_prompt_bytes is not None and n > self.max_prompt_bytes:
+            raise _bad(f"the input has {n} bytes, more than fit the context", "input", "context_length_exceeded")
+        stream = raw.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad("'stream' must be a boolean", "stream", "invalid_type")
+        try:
+            params = conv.gen_params(self._params(raw))
+        except ConstraintError as e:
+            raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
+        turn = ResponsesTurn(params, stream, conv, raw, history)
+        turn.live_only = live_only and not raw.get("previous_response_id")
+        return turn
+
+
+def _usage(res: GenResult) -> JSON:
+    return {
+        "input_tokens": res.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": res.cached_tokens},
+        "output_tokens": res.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": res.prompt_tokens + res.completion_tokens,
+    }
+
+
+class ResponsesReply:
+    """The bodies of one ``/v1/responses`` answer (events carry ``event:``
+    lines and a ``sequence_number``)."""
+
+    terminator = b""
+
+    def __init__(self, turn: ResponsesTurn, model: str, records: Records, debug: bool):
+        self.turn, self.model, self.records, self.debug = turn, model, records, debug
+        self.seq = 0
+        self.msg_id = "msg_" + uuid.uuid4().hex
+        self.splitter = turn.conv.splitter() if turn.conv is not None else None
+        self.msg_open = False
+
+    def _ev(self, kind: str, **data: Any) -> bytes:
+        d = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(d, ensure_ascii=False)}\n\n".encode()
+
+    def _outcome(self, res: GenResult) -> Outcome:
+        oc = self.turn.agent.outcome if self.turn.agent is not None else None
+        return oc if oc is not None else Outcome(res.text, [], res.finish_reason)
+
+    def _msg_item(self, text: str, status: str) -> JSON:
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+        return {"id": self.msg_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def _call_item(c: ToolCall, status: str) -> JSON:
+        args = c.arguments if status == "completed" else ""
+        item = {"id": "fc_" + c.id, "type": "function_call", "status": status, "call_id": c.id, "name": c.name}
+        return {**item, "arguments": args}
+
+    def _response(self, status: str, output: list[JSON], res: GenResult | None) -> JSON:
+        b = self.turn.body
+        return {
+            "id": self.turn.rid,
+            "object": "response",
+            "created_at": self.turn.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": self.turn.conv.parallel_tool_calls if self.turn.conv else True,
+            "previous_response_id": b.get("previous_response_id"),
+            "store": self.turn.store,
+            "temperature": b.get("temperature", 1.0),
+            "top_p": b.get("top_p", 1.0),
+            "tool_choice": b.get("tool_choice", "auto"),
+            "tools": b.get("tools") or [],
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "metadata": b.get("metadata") or {},
+            "usage": _usage(res) if res is not None else None,
+        }
+
+    def _final(self, res: GenResult) -> tuple[str, list[JSON], Outcome]:
+        oc = self._outcome(res)
+        output: list[JSON] = []
+        if oc.content or not oc.calls:
+            output.append(self._msg_item(oc.content, "completed"))
+        output += [self._call_item(c, "completed") for c in oc.calls]
+        status = "incomplete" if oc.finish_reason == "length" else "completed"
+        return status, output, oc
+
+    def complete(self, res: GenResult) -> JSON:
+        status, output, _ = self._final(res)
+        return {**self._response(status, output, res), "ds4": ds4_info(res, self.debug)}
+
+    # -- the stream ------------------------------------------------------------
+    def opening(self) -> list[bytes]:
+        r = self._response("in_progress", [], None)
+        return [self._ev("response.created", response=r), self._ev("response.in_progress", response=r)]
+
+    def _open_message(self) -> list[bytes]:
+        if self.msg_open:
+            return []
+        self.msg_open = True
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [
+            self._ev("response.output_item.added", output_index=0, item=self._msg_item("", "in_progress")),
+            self._ev("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0, part=part),
+        ]
+
+    def _delta(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out = self._open_message()
+        out.append(
+            self._ev("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0, delta=text)
+        )
+        return out
+
+    def chunk(self, text: str) -> bytes:
+        if self.splitter is not None:
+            text = self.splitter.push(text)
+        return b"".join(self._delta(text))
+
+    def closing(self, res: GenResult) -> list[bytes]:
+        status, output, oc = self._final(res)
+        out: list[bytes] = []
+        if self.splitter is not None:
+            _, rest = self.splitter.finish()
+            out += self._delta(rest if oc.calls else self.splitter.buf[self.splitter.shown :])
+        if not oc.calls:
+            out += self._open_message()  # an empty answer is still a message
+        k = 0
+        if self.msg_open:
+            text = oc.content
+            ids = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+            part = {"type": "output_text", "text": text, "annotations": []}
+            out.append(self._ev("response.output_text.done", **ids, text=text))
+            out.append(self._ev("response.content_part.done", **ids, part=part))
+            out.append(self._ev("response.output_item.done", output_index=0, item=self._msg_item(text, "completed")))
+            k = 1
+        for c in oc.calls:
+            item_id = "fc_" + c.id
+            out.append(self._ev("response.output_item.added", output_index=k, item=self._call_item(c, "in_progress")))
+            out.append(
+                self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=k, delta=c.arguments)
+            )
+            out.append(
+                self._ev(
+                    "response.function_call_arguments.done", item_id=item_id, output_index=k, arguments=c.arguments
+                )
+            )
+            out.append(self._ev("response.output_item.done", output_index=k, item=self._call_item(c, "completed")))
+            k += 1
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        out.append(self._ev(kind, response=self._response(status, output, res)))
+        return out
+
+    def failed(self, e: BaseException) -> list[bytes]:
+        api = exception_to_api(e, "input", self.debug)
+        return [self._ev("error", code=api.code, message=api.message, param=api.param)]
+
+
+def remember(records: Records, turn: ResponsesTurn, oc: Outcome) -> None:
+    """Store the response's record (the worker runs this, before the final
+    event, so a client's next request finds it): the conversation through
+    its output, without the instructions."""
+    if not turn.store or oc.finish_reason == "cancelled":
+        return
+    msgs = [*turn.history, Message("assistant", oc.content, list(oc.calls))]
+    try:
+        records.put(KIND, turn.rid, {"messages": [_to_json(m) for m in msgs]})
+    except OSError as e:  # the answer still goes out; previous_response_id to it will be unknown
+        log.warning("response %s not stored: %s", turn.rid, e)
+
+
+class ResponsesWire(Wire):
+    def __init__(self, model: str, records: Records, debug: bool = False):
+        super().__init__(model, debug)
+        self.records = records
+
+    def reply(self, turn: Turn) -> ResponsesReply:
+        assert isinstance(turn, ResponsesTurn)
+        return ResponsesReply(turn, self.model, self.records, self.debug)

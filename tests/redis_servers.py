@@ -1,0 +1,169 @@
+"""Real ``redis-server`` processes for the shared-tier tests: a single node
+and a three-master Redis Cluster, each on free loopback ports in a temp
+directory, stopped at the end. ``scripts/setup.sh`` installs the server."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import time
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too (Redis
+    refuses a port above 55535 in cluster mode)."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 55535)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"{name} is not installed: run scripts/setup.sh (it installs Debian's redis-server)")
+    return path
+
+
+class RedisNode:
+    """One ``redis-server`` on 127.0.0.1, no persistence."""
+
+    def __init__(self, workdir: str, *extra: str, port: int | None = None):
+        self.port = port or free_port()
+        self.dir = os.path.join(workdir, f"redis-{self.port}")
+        os.makedirs(self.dir, exist_ok=True)
+        self.extra = list(extra)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> RedisNode:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()  # never leave a half-started server behind
+            raise
+
+    def _start(self, timeout: float) -> RedisNode:
+        args = [
+            _binary("redis-server"),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.dir,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            *self.extra,
+        ]
+        self.log = open(os.path.join(self.dir, "redis.log"), "ab")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1) as c:
+                    if c.ping():
+                        return self
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not answer")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+        if getattr(self, "log", None) is not None:
+            self.log.close()
+            self.log = None
+
+
+class RedisClusterNodes:
+    """Three masters (``--cluster-enabled yes``) joined by ``redis-cli
+    --cluster create ... --cluster-yes``."""
+
+    def __init__(self, workdir: str):
+        self.nodes = [
+            RedisNode(
+                workdir,
+                "--cluster-enabled",
+                "yes",
+                "--cluster-node-timeout",
+                "2000",
+                "--cluster-config-file",
+                port=free_cluster_port(),
+            )
+            for _ in range(3)
+        ]
+        for n in self.nodes:
+            n.extra.append(os.path.join(n.dir, "nodes.conf"))
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self, timeout: float = 30.0) -> RedisClusterNodes:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()  # the nodes that did start
+            raise
+
+    def _start(self, timeout: float) -> RedisClusterNodes:
+        for n in self.nodes:
+            n.start()
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(
+            [_binary("redis-cli"), "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = []
+            for n in self.nodes:
+                with n.client() as c:
+                    states.append(c.execute_command("CLUSTER", "INFO").decode().split("\r\n")[0])
+            if all(s == "cluster_state:ok" for s in states):
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()

@@ -1,0 +1,127 @@
+"""A reference engine that follows a script: the agent-protocol tests need a
+model that calls tools, and the reference model's random weights never do.
+
+:class:`ScriptedEngine` is the reference transformer (its KV state is
+computed, saved, verified and loaded as usual) whose next-token logits are
+overridden while it writes an assistant turn: the reply is a deterministic
+function of the prompt text (:func:`script`), so a resumed session answers
+exactly what a cold prefill answers, and a wrong resume shows. The token
+history travels with the state (an extra ``script.tokens`` array), so a
+checkpoint loaded from disk goes on with the same script.
+
+The script, for a prompt whose system turn describes tools:
+    * after a tool turn: ``Result: <the last result's first 24 characters>.``
+    * after a user turn: a call of the first tool, ``{"n": <a number taken
+      from the prompt>}``; the user text steers it: ``MALFORMED`` (a broken
+      call block), ``COMPACT`` (a valid call not in the canonical spacing),
+      ``TWO`` (two parallel calls), ``TALK`` (plain text, no call).
+Without tools: ``Hello from the script.``
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+
+from ds4.engines.reference import ReferenceContext, ReferenceEngine
+
+IM_START, IM_END = 257, 258
+ASSISTANT = b"assistant\n"
+
+
+def _first_tool(prompt: str) -> str:
+    m = re.search(r"<tools>\n(.*)\n", prompt)
+    return json.loads(m.group(1))["name"] if m else "none"
+
+
+def script(prompt: str) -> str:
+    if "<tools>" not in prompt:
+        return "Hello from the script."
+    last = prompt.rsplit("<|im_start|>", 1)[-1]
+    if last.startswith("tool\n"):
+        res = last.rsplit("<tool_response>\n", 1)[-1].split("\n</tool_response>", 1)[0]
+        return f"Result: {res[:24]}."
+    name = _first_tool(prompt)
+    n = len(prompt) % 97
+    if "MALFORMED" in last:
+        return '<tool_call>[{"name": "' + name + '", "arguments": {"n": </tool_call>'
+    if "COMPACT" in last:
+        return f'<tool_call>[{{"name":"{name}","arguments":{{"n":{n}}}}}]</tool_call>'
+    if "TALK" in last:
+        return "No tool needed."
+    calls = [{"name": name, "arguments": {"n": n}}]
+    if "TWO" in last:
+        calls.append({"name": name, "arguments": {"n": n + 1}})
+    return "<tool_call>" + json.dumps(calls) + "</tool_call>"
+
+
+class ScriptedContext(ReferenceContext):
+    def reset(self) -> None:
+        super().reset()
+        self.hist: list[int] = []
+        self._cache: tuple[int, bytes] | None = None
+
+    def _reply(self) -> tuple[bytes, bytes] | None:
+        """(the script's reply, what was generated so far) while an
+        assistant turn is being written."""
+        h = self.hist
+        for i in range(len(h) - 1, -1, -1):
+            if h[i] == IM_END:
+                return None
+            if h[i] == IM_START:
+                break
+        else:
+            return None
+        gen = bytes(t for t in h[i + 1 :] if t < 256)
+        if not gen.startswith(ASSISTANT) or any(t >= 256 for t in h[i + 1 :]):
+            return None
+        if self._cache is None or self._cache[0] != i:
+            text = self.engine.detokenize(h[:i])
+            self._cache = (i, script(text).encode("utf-8"))
+        return self._cache[1], gen[len(ASSISTANT) :]
+
+    def _script(self) -> None:
+        r = self._reply()
+        if r is None or self._logits is None:
+            return
+        want, got = r
+        if not want.startswith(got):
+            return
+        target = want[len(got)] if len(got) < len(want) else IM_END
+        z = np.full(self.engine.vocab_size, -30.0, np.float32)
+        z[target] = 30.0
+        self._logits = z
+
+    def eval(self, tokens, progress=None):
+        super().eval(tokens, progress)
+        self.hist.extend(int(t) for t in tokens)
+        self._script()
+        return self.last_logits()
+
+    def truncate(self, n_tokens: int) -> bool:
+        ok = super().truncate(n_tokens)
+        if ok:
+            del self.hist[int(n_tokens) :]
+        return ok
+
+    def export_state(self):
+        out = super().export_state()
+        out["script.tokens"] = np.asarray(self.hist, dtype=np.int32)
+        return out
+
+    def import_state(self, arrays, n_tokens):
+        arrays = dict(arrays)
+        hist = [int(t) for t in np.asarray(arrays.pop("script.tokens"))]
+        super().import_state(arrays, n_tokens)
+        self.hist = hist
+        self._cache = None
+
+
+class ScriptedEngine(ReferenceEngine):
+    def payload_abi(self) -> str:
+        return super().payload_abi() + "+scripted"
+
+    def new_context(self, n_ctx: int) -> ScriptedContext:
+        return ScriptedContext(self, n_ctx)

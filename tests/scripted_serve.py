@@ -1,0 +1,18 @@
+"""``ds4 serve`` over :class:`scripted_engine.ScriptedEngine` (the agent
+tests' server processes): the same command line, another engine."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from scripted_engine import ScriptedEngine
+
+import ds4.server.app as app
+from ds4.cli import main
+
+app.build_engine = lambda *a, **k: ScriptedEngine()  # type: ignore[assignment]
+app.engine_model_id = lambda e: "ds4-scripted"  # type: ignore[assignment]
+
+if __name__ == "__main__":
+    sys.exit(main(["serve", *sys.argv[1:]]))

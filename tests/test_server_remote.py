@@ -1,0 +1,184 @@
+"""Two ``ds4 serve`` replicas with separate local directories and one Redis
+(a single node, then a three-master cluster): turn one on A, turn two on B,
+served from the shared tier with the reply of a cold server. Redis killed
+in the middle of a conversation, then restarted: no 5xx, served locally
+meanwhile, the tier used again afterwards."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from redis_servers import RedisClusterNodes, RedisNode
+from test_server import KV_FLAGS, Server, _cached, _conv, _extra, cold_chat
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    srv = Server(str(tmp_path_factory.mktemp("cold")), "cold", "--no-kv-cache").start()
+    yield srv
+    srv.stop()
+
+
+def _replica(tmp, name, url, *extra):
+    srv = Server(str(tmp), name, "--kv-disk-dir", str(tmp / f"kv-{name}"), "--kv-remote", url, *KV_FLAGS, *extra)
+    return srv.start()
+
+
+def _wait_uploaded(redis_clients, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(c.keys("ds4:*:m") for c in redis_clients):
+            return
+        time.sleep(0.05)
+    raise AssertionError("nothing was uploaded to the tier")
+
+
+def _two_turns(tmp, cold, url, clients, topic):
+    a = _replica(tmp, "a", url)
+    b = _replica(tmp, "b", url)
+    try:
+        model = a.model()
+        msgs = _conv(topic, 24)
+        r1 = a.client().chat.completions.create(model=model, messages=msgs, max_tokens=2)
+        ref1 = cold_chat(cold, msgs, max_tokens=2)
+        assert r1.choices[0].message.content == ref1.choices[0].message.content
+        _wait_uploaded(clients)
+        msgs = [
+            *msgs,
+            {"role": "assistant", "content": r1.choices[0].message.content},
+            {"role": "user", "content": "And?"},
+        ]
+        r2 = b.client().chat.completions.create(model=model, messages=msgs, max_tokens=6)
+        ref2 = cold_chat(cold, msgs, max_tokens=6)
+        assert r2.choices[0].message.content == ref2.choices[0].message.content
+        assert r2.usage.prompt_tokens == ref2.usage.prompt_tokens
+        x = _extra(r2)
+        assert x["rung"] == "remote", x
+        assert _cached(r2) == x["reused_tokens"] > 0  # counted as cached
+        h = b.health()["kv"]["remote"]
+        assert h["state"] == "up" and h["hits"] == 1
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_turn_two_on_another_replica_is_served_from_redis(tmp_path, cold):
+    node = RedisNode(str(tmp_path)).start()
+    try:
+        with node.client() as c:
+            _two_turns(tmp_path, cold, node.url, [c], "harbours")
+    finally:
+        node.stop()
+
+
+def test_turn_two_on_another_replica_is_served_from_a_cluster(tmp_path, cold):
+    cluster = RedisClusterNodes(str(tmp_path)).start()
+    clients = [n.client() for n in cluster.nodes]
+    try:
+        _two_turns(tmp_path, cold, cluster.url, clients, "glaciers")
+    finally:
+        for c in clients:
+            c.close()
+        cluster.stop()
+
+
+def test_redis_killed_mid_conversation_then_restarted(tmp_path, cold):
+    node = RedisNode(str(tmp_path)).start()
+    a = _replica(tmp_path, "a", node.url, "--kv-remote-cooldown", "1")
+    b = _replica(tmp_path, "b", node.url, "--kv-remote-cooldown", "1")
+    try:
+        model = a.model()
+        msgs = _conv("volcanoes", 24)
+        r1 = a.client().chat.completions.create(model=model, messages=msgs, max_tokens=2)
+        node.stop()  # killed
+        msgs = [
+            *msgs,
+            {"role": "assistant", "content": r1.choices[0].message.content},
+            {"role": "user", "content": "Go on."},
+        ]
+        for srv in (a, b, b, b):  # every request answered (the client never retries: a 5xx would raise)
+            r = srv.client().chat.completions.create(model=model, messages=msgs, max_tokens=4)
+            assert r.choices[0].message.content == cold_chat(cold, msgs, max_tokens=4).choices[0].message.content
+        assert _extra(r)["rung"] != "remote"  # served locally
+        assert b.health()["kv"]["remote"]["state"] in ("cooldown", "degraded")
+        node = RedisNode(str(tmp_path), port=node.port).start()  # back, empty
+        time.sleep(1.2)
+        with node.client() as c:
+            msgs2 = _conv("deserts", 24)
+            r = a.client().chat.completions.create(model=model, messages=msgs2, max_tokens=2)
+            _wait_uploaded([c])
+        msgs2 = [
+            *msgs2,
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "Then?"},
+        ]
+        r = b.client().chat.completions.create(model=model, messages=msgs2, max_tokens=4)
+        assert _extra(r)["rung"] == "remote"
+        assert b.health()["kv"]["remote"]["state"] == "up"
+    finally:
+        a.stop()
+        b.stop()
+        node.stop()
+
+
+def test_two_servers_200_mixed_requests_each(tmp_path, cold):
+    """Two replicas x 200 requests drawn at random from 12 conversations x 4
+    turns, in parallel, one Redis: every reply equals a cold server's, some
+    come from the tier, and every remote checkpoint verifies afterwards."""
+    import random
+    import threading
+
+    from ds4.cli import main
+
+    node = RedisNode(str(tmp_path)).start()
+    a = _replica(tmp_path, "a", node.url)
+    b = _replica(tmp_path, "b", node.url)
+    try:
+        model = a.model()
+
+        def msgs(conv, turn):
+            out = _conv(f"topic{conv}", 16)
+            for t in range(turn):
+                out += [
+                    {"role": "assistant", "content": f"Noted, part {t}."},
+                    {"role": "user", "content": f"More {t}?"},
+                ]
+            return out
+
+        want = {}
+        for conv in range(12):
+            for turn in range(4):
+                r = cold_chat(cold, msgs(conv, turn), max_tokens=2)
+                want[(conv, turn)] = r.choices[0].message.content
+        rungs: list[str] = []
+        errors: list[str] = []
+
+        def drive(srv, seed):
+            rng = random.Random(seed)
+            c = srv.client()
+            for _ in range(200):
+                key = (rng.randrange(12), rng.randrange(4))
+                try:
+                    r = c.chat.completions.create(model=model, messages=msgs(*key), max_tokens=2)
+                except Exception as e:  # a 5xx (or anything else) is a failure of the test
+                    errors.append(f"{key}: {e}")
+                    continue
+                if r.choices[0].message.content != want[key]:
+                    errors.append(f"{key}: wrong reply (rung {_extra(r)['rung']})")
+                rungs.append(_extra(r)["rung"])
+
+        threads = [threading.Thread(target=drive, args=(srv, i)) for i, srv in enumerate((a, b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:5]
+        assert len(rungs) == 400 and "remote" in rungs
+    finally:
+        a.stop()
+        b.stop()
+    try:
+        assert main(["kv", "verify", "--remote", node.url]) == 0  # every remote checkpoint verifies
+    finally:
+        node.stop()
