@@ -11,10 +11,10 @@ says otherwise; each row has its target and PASS/MISS.
 
 1. sha1_hex vs hashlib.sha1 on 64 MiB                        target >= 1.0x
 2. longest stored prefix of a 1 MiB prompt among 1,000 checkpoints:
-   find_prefixes (KVStore.lookup's one-pass match) vs ds4's
-   find_text_prefix (directory order, hash only what could
-   beat the best match so far)                               target >= 50x
-   find_prefixes vs one hashlib.sha1 of the prompt           target: ds4 <= 2x its time
+   StoreIndex.lookup (what KVStore.lookup runs: tail filter,
+   one SHA-1 pass) vs ds4's find_text_prefix (directory
+   order, hash only what could beat the best match so far)   target >= 50x
+   StoreIndex.lookup vs one hashlib.sha1 of the prompt       target: ds4 <= 2x its time
 3. open_checkpoint (checksum on) + arrays() of a 256 MiB payload
    vs open().read() + np.frombuffer                          target: faster (> 1.0x)
 4. write_checkpoint of that payload vs write() + fsync       target: plain/ds4 >= 0.8
@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -80,9 +81,10 @@ def bench_prefix_lookup(size, n_candidates, repeats):
     ``n_candidates`` checkpoints (a few of them prefixes of the prompt, the
     rest other texts), on the same in-memory listing for both sides:
 
-    - ds4 (this package): ``find_prefixes``, what ``KVStore.lookup`` runs on
-      its index: filter the entries, then SHA-1 at every candidate length in
-      one pass over the prompt;
+    - ds4 (this package): ``StoreIndex.lookup``, what ``KVStore.lookup``
+      runs on its index (loaded here from an index file the bench writes):
+      an 8-byte tail of each text filters the entries, then one SHA-1 pass
+      over the prompt hashes it at the remaining lengths;
     - ds4's C algorithm (``ds4_kvstore_find_text_prefix``, reimplemented from
       its description): entries in directory order; an entry is hashed only
       when it could beat the best match so far (longer text, or as long with
@@ -91,7 +93,6 @@ def bench_prefix_lookup(size, n_candidates, repeats):
       this row compares the hashing policies alone.
     """
     from ds4.kvstore import Entry
-    from ds4.kvstore.entries import find_prefixes
 
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
@@ -104,9 +105,18 @@ def bench_prefix_lookup(size, n_candidates, repeats):
         entries.append(Entry(key + ".kv", key + ".kv", 2, max(1, n // 4), n, 0, 0, 0, n, "abi", "cold", 1 << 30, ()))
     rng.shuffle(entries)  # directory order: unrelated to length
     mv = memoryview(prompt)
+    tails = {
+        e.name: (prompt[max(0, e.text_bytes - 8) : e.text_bytes] if e.text_bytes in matching else rng.bytes(8))
+        for e in entries
+    }
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "index")
+        with open(path, "wb") as f:
+            f.write(index_file_bytes(entries, tails))
+        index, _stamp = _core.StoreIndex.load(path)
 
     def ds4_lookup():
-        return find_prefixes(entries, prompt, min_tokens=1)[0].text_bytes
+        return index.lookup(prompt, min_tokens=1)[0][3]
 
     def c_find_text_prefix():
         best = None
@@ -142,7 +152,7 @@ def bench_prefix_lookup(size, n_candidates, repeats):
     t_ds4 = min(t_ds4, t_ds4b)
     return [
         dict(
-            name=f"longest prefix, {size >> 20} MiB prompt, {len(lengths)} checkpoints: find_prefixes vs ds4's find_text_prefix",
+            name=f"longest prefix, {size >> 20} MiB prompt, {len(lengths)} checkpoints: StoreIndex.lookup vs ds4's find_text_prefix",
             ds4_s=t_ds4,
             base_s=t_c,
             ratio=t_c / t_ds4,
@@ -160,6 +170,23 @@ def bench_prefix_lookup(size, n_candidates, repeats):
             extra="ratio is a cost here: lower is better",
         ),
     ]
+
+
+def index_file_bytes(entries, tails):
+    """An index file (docs/FORMAT.md, "The index file") holding ``entries``
+    with the given text tails (name -> the text's last 8 bytes or fewer)."""
+    import xxhash
+
+    abis = sorted({e.abi for e in entries})
+    out = bytearray(b"DS4INDEX" + struct.pack("<III", 1, len(entries), len(abis)) + struct.pack("<QQqq", 0, 0, 0, 0))
+    for a in abis:
+        out += struct.pack("<I", len(a.encode())) + a.encode()
+    for e in entries:
+        tail = int.from_bytes(tails[e.name].ljust(8, b"\0"), "little")
+        out += bytes.fromhex(e.name[:40]) + bytes([e.version, 0, 1, 0])
+        out += struct.pack("<IIIII", e.tokens, e.hits, e.ctx, e.text_bytes, abis.index(e.abi))
+        out += struct.pack("<QQQQQqQ", e.created, e.last_used, tail, 0, e.size, 0, 0)
+    return bytes(out) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(out)))
 
 
 def payload_arrays(total):

@@ -6,6 +6,7 @@
 pub mod error;
 pub mod format;
 pub mod hash;
+pub mod index;
 pub mod payload;
 pub mod verify;
 

@@ -137,6 +137,12 @@ impl Storage {
                 .map_copy_read_only(file)?
         };
         let _ = map.advise(memmap2::Advice::Sequential);
+        // WILLNEED: the kernel reads the file into the page cache ahead of
+        // the checksum pass, in large requests, whichever way its pages got
+        // there before. (Not MAP_POPULATE: that maps every page at once, and
+        // a 2 GiB file would cost 2 GiB of resident memory; see
+        // tests/test_bounded_verify.py.)
+        let _ = map.advise(memmap2::Advice::WillNeed);
         slot.publish(map.as_ptr() as usize, map.len());
         Ok(Some(Storage::Mmap {
             map,

@@ -10,7 +10,8 @@ crash:        a writer storing real sessions through KVStore (incl. eviction)
               every *.kv verifies and loads into a session whose state equals
               a cold prefill of its text; temp files are gone after the next
               KVStore open; the index agrees with the directory.
-concurrency:  N processes x M mixed operations (store, lookup+load, hit
+concurrency:  N processes x M mixed operations (store, lookup+load, now and then
+              through a store opened fresh from the shared index file, hit
               updates, eviction) on one directory with a small budget; every
               load is compared with a cold prefill; the budget holds at rest.
 corrupt:      random damage (bit flips, truncation, splices, overwrites,
@@ -125,7 +126,7 @@ def _worker(d, wid, n_ops, q):
     st = ds4.KVStore(d, budget_mb=2, min_tokens=8)
     texts = [f"shared conversation {k} " * (6 + 3 * k) for k in range(16)]
     cold, problems = {}, []
-    counts = {"store": 0, "load": 0, "hit": 0, "miss": 0, "touch": 0, "evict": 0}
+    counts = {"store": 0, "load": 0, "hit": 0, "miss": 0, "touch": 0, "evict": 0, "reopen": 0}
     for _ in range(n_ops):
         t = rnd.choice(texts)
         op = rnd.random()
@@ -137,6 +138,9 @@ def _worker(d, wid, n_ops, q):
                 counts["store"] += 1
             elif op < 0.85:
                 counts["load"] += 1
+                if rnd.random() < 0.1:  # a fresh store, opened from the shared index file
+                    st = ds4.KVStore(d, budget_mb=2, min_tokens=8)
+                    counts["reopen"] += 1
                 s = ds4.Session(eng, ctx=4096)
                 res = st.try_load_text(s, t + " and then?")
                 if res is None:
@@ -186,7 +190,8 @@ def concurrency(args):
         "at_rest_bytes": total,
         "budget_bytes": 2 * 2**20,
         "files_failing_verification": bad,
-        "temp_files": [f for f in os.listdir(d) if ".tmp." in f],
+        "temp_files": [f for f in os.listdir(d) if ".tmp" in f],
+        "index_matches_files": sorted(e.name for e in ds4.KVStore(d, budget_mb=2).entries()) == sorted(files),
     }
     shutil.rmtree(d, ignore_errors=True)
     return out

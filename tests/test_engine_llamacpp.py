@@ -605,3 +605,37 @@ def test_session_rewrite_rewinds_llama_exactly(engine, prompt):
     assert s.tokens == branch
     assert np.array_equal(s.logits, cold.logits)
     assert s.generate(8) == cold.generate(8)
+
+
+def test_a_closed_context_is_kept_cleared_and_reused(engine, prompt, cold):
+    """Issue 12, item 4: a new context of the same size takes the one last
+    closed (or dropped with its Session), cleared: it starts empty and
+    computes exactly what a fresh context does."""
+    import ds4
+
+    a = engine.new_context(1024)
+    a.eval(prompt[:200])
+    raw = ctypes_address(a._ctx)
+    a.close()
+    reused = engine.contexts_reused
+    b = engine.new_context(1024)
+    assert engine.contexts_reused == reused + 1 and ctypes_address(b._ctx) == raw
+    assert b.n_past == 0
+    assert np.array_equal(b.eval(prompt), cold[0])  # nothing of the first conversation left
+    b.close()
+    # a Session that goes away hands its context to the next Session
+    s = ds4.Session(engine, ctx=1024)
+    raw = ctypes_address(s._ectx._ctx)
+    del s
+    s2 = ds4.Session(engine, ctx=1024)
+    assert ctypes_address(s2._ectx._ctx) == raw and s2.n_past == 0
+    # another size: a context of its own
+    c = engine.new_context(512)
+    assert ctypes_address(c._ctx) != raw
+    c.close()
+
+
+def ctypes_address(p):
+    import ctypes
+
+    return ctypes.cast(p, ctypes.c_void_p).value

@@ -16,7 +16,7 @@ import pytest
 import ds4
 from ds4 import _core
 from ds4.errors import InvalidSessionError, StoreError
-from ds4.kvstore import KVStore
+from ds4.kvstore import Candidates, KVStore
 from ds4.kvstore.files import pid_space
 
 
@@ -403,12 +403,19 @@ def test_real_sha1_collision_is_caught_by_the_byte_prefix_check(eng, tmp_path, w
         assert ds4.open_checkpoint(path, prompt=honest, mmap=mmap).text == a
     assert ds4.open_checkpoint(path, prompt=a).text == a
 
-    # through the store: the index matches by hash, the load refuses the bytes
+    # through the store: the lookup's tail filter already tells the two
+    # texts apart (they differ in their last 8 bytes), so the colliding
+    # prompt finds nothing and the honest file stays...
     store = KVStore(tmp_path, min_tokens=16)
-    assert [e.path for e in store.lookup(prompt)] == [path]
-    assert [e.path for e in store.lookup(honest)] == [path]
+    assert a[-8:] != b[-8:]
+    assert store.lookup(prompt) == []
+    [entry] = store.lookup(honest)
+    assert entry.path == path
+    assert store.try_load_text(sess, prompt) is None and os.path.exists(path)
+    # ...and when a candidate does collide (the index is only a proposal),
+    # the load refuses the bytes
     rep = RecoveryReport()
-    assert store.try_load_text(sess, prompt, report=rep) is None
+    assert store.load_first(sess, Candidates(prompt, [entry], []), report=rep) is None
     assert [(p, s, c) for (p, s, c, _r) in rep.rejected] == [(path, "text", "prefix_collision")], rep.rejected
     assert f"differ at {first_diff}" in rep.rejected[0][3], rep.rejected
     assert not sess.checkpoint_valid and store.stats["hits"] == 0 and store.stats["rejected"] == 1

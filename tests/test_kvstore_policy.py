@@ -260,12 +260,10 @@ def test_load_result_hit_recorded_and_counters(eng, tmp_path, monkeypatch):
     assert (e.hits, e.last_used) == (1, T)  # and into the index entry
 
     # the index entry is current: a forced rescan re-reads nothing
-    opened = []
-    real_open = kvstore.open_checkpoint
-    monkeypatch.setattr(kvstore, "open_checkpoint", lambda path, **kw: (opened.append(path), real_open(path, **kw))[1])
+    opened = _record_opens(monkeypatch)
     st.refresh(force=True)
     assert opened == []
-    monkeypatch.setattr(kvstore, "open_checkpoint", real_open)
+    monkeypatch.undo()
 
     _clock(monkeypatch, T + 60)
     r = st.try_load_text(ds4.Session(eng, ctx=4096), prompt.encode("utf-8"))
@@ -551,14 +549,15 @@ def _stat_key(p):
 
 
 def _record_opens(monkeypatch):
+    """The files the store reads to index them (their headers)."""
     opened = []
-    real_open = kvstore.open_checkpoint
+    real_index = kvstore.index_header
 
-    def spy(path, **kw):
+    def spy(idx, path):
         opened.append(path)
-        return real_open(path, **kw)
+        return real_index(idx, path)
 
-    monkeypatch.setattr(kvstore, "open_checkpoint", spy)
+    monkeypatch.setattr(kvstore, "index_header", spy)
     return opened
 
 
@@ -719,22 +718,22 @@ def test_unreadable_files_are_skipped_and_kept(tmp_path, write_ck, monkeypatch):
     ok = write_ck(tmp_path, "readable " * 3)
     locked = write_ck(tmp_path, "unreadable " * 3)
     gone = write_ck(tmp_path, "vanishing " * 3)
-    real_open = kvstore.open_checkpoint
+    real_index = kvstore.index_header
 
-    def flaky(path, **kw):
+    def flaky(idx, path):
         if path == locked:
             raise PermissionError(13, "Permission denied", path)
         if path == gone:
             raise FileNotFoundError(2, "No such file or directory", path)
-        return real_open(path, **kw)
+        return real_index(idx, path)
 
-    monkeypatch.setattr(kvstore, "open_checkpoint", flaky)
+    monkeypatch.setattr(kvstore, "index_header", flaky)
     st = KVStore(tmp_path, min_tokens=1)
     assert [e.path for e in st.entries()] == [ok]
     assert os.path.exists(locked) and os.path.exists(gone)
     assert st._unreported == [] and st.stats["removed_corrupt"] == 0
     # readable again: the next rescan indexes it
-    monkeypatch.setattr(kvstore, "open_checkpoint", real_open)
+    monkeypatch.setattr(kvstore, "index_header", real_index)
     st.refresh(force=True)
     assert sorted(e.path for e in st.entries()) == sorted([ok, locked, gone])
 
@@ -927,7 +926,7 @@ def test_a_file_removed_between_listing_and_stat_is_skipped(tmp_path, write_ck, 
     monkeypatch.setattr(kvstore.os, "scandir", lambda p: Listing(p) if p == st.dir else real_scandir(p))
     st.refresh(force=True)
     monkeypatch.undo()
-    assert sorted(e.path for e in st._index.values()) == sorted([files[0], files[2]])
+    assert sorted(e.path for e in st.entries()) == sorted([files[0], files[2]])
 
 
 def test_a_kept_file_is_reported_once_however_often_the_directory_is_rescanned(tmp_path, write_ck, eng):

@@ -569,23 +569,32 @@ def test_one_lookup_and_one_encoding_per_ladder_run(eng, tmp_path, monkeypatch, 
     store.store_live_prefix(_sess_at(eng, "an unrelated stored text"), "continued")  # a candidate to hash
     if on_disk:  # a stored prefix of B longer than what B shares with the live A
         store.store_live_prefix(_sess_at(eng, B[: len(B) - 3]), "continued")
-    calls = {"candidates": 0, "sha1_prefixes": 0}
-    real_candidates, real_sp = store.candidates, _core.sha1_prefixes
+    calls = {"candidates": 0, "index_lookups": 0}
+    real_candidates = store.candidates
 
     def candidates(*a, **kw):
         calls["candidates"] += 1
         return real_candidates(*a, **kw)
 
-    def sha1_prefixes(*a):
-        calls["sha1_prefixes"] += 1
-        return real_sp(*a)
+    class CountingIndex:
+        """The store's index (one lookup in the core = one hashing pass)."""
+
+        def __init__(self, idx):
+            self.idx = idx
+
+        def lookup(self, *a, **kw):
+            calls["index_lookups"] += 1
+            return self.idx.lookup(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.idx, name)
 
     monkeypatch.setattr(store, "candidates", candidates)
-    monkeypatch.setattr(_core, "sha1_prefixes", sha1_prefixes)
+    monkeypatch.setattr(store, "_idx", CountingIndex(store._idx))
     _CountingPrompt.encodings = 0
     rep = ds4.recover(s, store, _CountingPrompt(B), evict_save=False)
     assert rep.rung == ("disk" if on_disk else "prefill")
-    assert calls == {"candidates": 1, "sha1_prefixes": 1}
+    assert calls == {"candidates": 1, "index_lookups": 1}
     assert _CountingPrompt.encodings == 1
     assert s.tokens == toks(eng, B)
 

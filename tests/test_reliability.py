@@ -56,8 +56,9 @@ def test_store_onto_a_full_filesystem(small_fs):
 
 
 def _mixed_worker(d, wid, n_ops, seed, q):
-    """store / lookup+load / touch / evict at random; every load is checked
-    against a cold prefill of the same text."""
+    """store / lookup+load (now and then through a store freshly opened from
+    the shared index file) / touch / evict at random; every load is checked
+    against a cold prefill of the same text. Puts loads + 1000 * reopens."""
     import random
 
     import ds4 as _ds4
@@ -67,7 +68,7 @@ def _mixed_worker(d, wid, n_ops, seed, q):
     st = _ds4.KVStore(d, budget_mb=0.5, min_tokens=8)
     texts = [f"shared conversation {k} " * (6 + k) for k in range(12)]
     cold = {}
-    problems, loads = [], 0
+    problems, loads, reopened = [], 0, 0
     for _ in range(n_ops):
         t = rnd.choice(texts)
         op = rnd.random()
@@ -77,6 +78,9 @@ def _mixed_worker(d, wid, n_ops, seed, q):
                 s.sync(eng.tokenize(t, special=True))
                 st.store_live_prefix(s)
             elif op < 0.85:
+                if rnd.random() < 0.15:  # a fresh store: opened from the shared index file
+                    st = _ds4.KVStore(d, budget_mb=0.5, min_tokens=8)
+                    reopened += 1
                 s = _ds4.Session(eng, ctx=2048)
                 res = st.try_load_text(s, t + " and then?")
                 if res is not None:
@@ -99,7 +103,7 @@ def _mixed_worker(d, wid, n_ops, seed, q):
                 st.evict()
         except Exception as e:  # anything else is a failure
             problems.append(f"{type(e).__name__}: {e}")
-    q.put((wid, problems, loads))
+    q.put((wid, problems, loads + 1000 * reopened))
 
 
 def test_four_processes_mixed_operations(tmp_path):
@@ -112,16 +116,22 @@ def test_four_processes_mixed_operations(tmp_path):
     for p in procs:
         p.join(30)
     assert all(problems == [] for _, problems, _ in results), results
-    assert sum(loads for _, _, loads in results) > 0
+    assert sum(n % 1000 for _, _, n in results) > 0  # loads
+    assert sum(n // 1000 for _, _, n in results) > 0  # stores opened from the index file
     files = [f for f in os.listdir(tmp_path) if f.endswith(".kv")]
     sizes = [os.path.getsize(tmp_path / f) for f in files]
     st = ds4.KVStore(tmp_path, budget_mb=0.5)
     st.evict()  # at rest, the budget holds after one eviction pass (newest protected)
     files = [f for f in os.listdir(tmp_path) if f.endswith(".kv")]
     assert sum(os.path.getsize(tmp_path / f) for f in files) <= 0.5 * 2**20 or len(files) == 1
-    assert [f for f in os.listdir(tmp_path) if ".tmp." in f] == []
+    assert [f for f in os.listdir(tmp_path) if ".tmp" in f] == []
     for f in files:
         ds4.open_checkpoint(tmp_path / f)
+    # the index file the processes shared is whole, and a store opened from
+    # it knows exactly the files at rest
+    again = ds4.KVStore(tmp_path, budget_mb=0.5)
+    assert again.stats["index_rebuilds"] == 0
+    assert sorted(e.name for e in again.entries()) == sorted(files)
     assert sizes  # something was stored during the run
 
 

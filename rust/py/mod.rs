@@ -15,6 +15,7 @@ mod buffer;
 mod checkpoint;
 mod errors;
 mod hash;
+mod index;
 
 use pyo3::prelude::*;
 
@@ -30,6 +31,8 @@ mod _core {
     use super::hash::{
         common_prefix_len, common_token_prefix, is_byte_prefix, sha1_hex, sha1_prefixes,
     };
+    #[pymodule_export]
+    use super::index::PyStoreIndex;
     use crate::format;
     use pyo3::prelude::*;
 

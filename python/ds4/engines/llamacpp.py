@@ -2,7 +2,11 @@
 
 Uses the low-level ctypes API of ``llama_cpp`` (no ``Llama`` object): the model
 is loaded once per :class:`LlamaCppEngine`; every :meth:`~LlamaCppEngine.new_context`
-creates its own ``llama_context`` holding one sequence (``seq_id`` 0).
+has its own ``llama_context`` holding one sequence (``seq_id`` 0). A context
+that is closed (or dropped: a :class:`~ds4.session.Session` that goes away)
+is cleared and kept by the engine, and the next ``new_context`` of the same
+size takes it: a new session over the same engine pays no context creation
+(about 80 ms for SmolLM2 at 8k). One such context is kept at most.
 
 Determinism
     The configuration is fixed: CPU only, ``n_batch == n_ubatch`` (512 by
@@ -41,6 +45,7 @@ Logging
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -109,6 +114,9 @@ class LlamaCppEngine:
         self.n_threads = int(n_threads) if n_threads else default_threads()
         self._closed = False
         self._contexts_alive = 0
+        # the last context closed, kept (cleared) for the next new_context of
+        # its size: a new Session over this engine then pays no context creation
+        self._idle: _Idle | None = None
         # llama.cpp handles (ctypes pointers from an untyped module)
         self._model_to_free: Any = None
         self._model: Any = None
@@ -233,12 +241,49 @@ class LlamaCppEngine:
             raise ValueError("n_ctx must be positive")
         if n_ctx > self.max_ctx:
             raise ValueError(f"n_ctx {n_ctx} exceeds the model's training context {self.max_ctx}")
+        idle, self._idle = self._idle, None
+        if idle is not None and idle.n_ctx == n_ctx:
+            self.contexts_reused += 1
+            return LlamaCppContext(self, n_ctx, reuse=idle)
+        if idle is not None:
+            self._free_idle(idle)
         return LlamaCppContext(self, n_ctx)
 
+    #: how many new_context calls were served by a kept context
+    contexts_reused = 0
+
+    def _keep(self, idle: _Idle) -> bool:
+        """Keep a closing context's llama handles for the next context of
+        its size (cleared now, so nothing of its conversation stays); the
+        context kept before, if any, is freed. False when the engine is
+        closed (the caller frees them)."""
+        if self._closed:
+            return False
+        try:
+            self._lc.llama_memory_clear(idle.mem, True)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            return False
+        old, self._idle = self._idle, idle
+        if old is not None:
+            self._free_idle(old)
+        return True
+
+    def _free_idle(self, idle: _Idle) -> None:
+        try:
+            self._lc.llama_batch_free(idle.batch.raw)
+            self._lc.llama_free(idle.ctx)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+        self._contexts_alive -= 1
+
     def close(self) -> None:
-        """Free the model (contexts still alive keep working until closed)."""
+        """Free the model and the kept context (contexts still alive keep
+        working until closed)."""
         if not self._closed:
             self._closed = True
+            idle, self._idle = self._idle, None
+            if idle is not None:
+                self._free_idle(idle)
             self._release()
 
     def _release(self) -> None:
@@ -283,10 +328,22 @@ class LlamaCppEngine:
 
 
 # -- context -----------------------------------------------------------------
-class LlamaCppContext:
-    """One llama_context holding one token sequence (seq_id 0)."""
+@dataclasses.dataclass
+class _Idle:
+    """The llama handles of a closed context, kept by its engine."""
 
-    def __init__(self, engine: LlamaCppEngine, n_ctx: int):
+    n_ctx: int
+    ctx: Any
+    mem: Any
+    batch: Batch
+
+
+class LlamaCppContext:
+    """One llama_context holding one token sequence (seq_id 0). Closing it
+    (or dropping it) hands its llama context, cleared, to the engine, which
+    gives it to the next context of the same size."""
+
+    def __init__(self, engine: LlamaCppEngine, n_ctx: int, *, reuse: _Idle | None = None):
         lc = engine._lc
         self._lc = lc
         self._engine = engine
@@ -294,6 +351,15 @@ class LlamaCppContext:
         self._ctx = None
         self._batch: Batch | None = None
         nb = engine.n_batch
+        self._nb = nb
+        self._exact = engine.exact
+        self._tokens: list[int] = []
+        # tokens [0, _known_from) came from import_state: their ids are unknown
+        self._known_from = 0
+        self._logits: np.ndarray | None = None
+        if reuse is not None:
+            self._ctx, self._mem, self._batch = reuse.ctx, reuse.mem, reuse.batch
+            return
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = self.n_ctx + 1  # room for the pad token of an exact 1-token step
         cparams.n_batch = max(nb, 2)
@@ -316,13 +382,7 @@ class LlamaCppContext:
             self.close()
             raise EngineError("llama.cpp gave a smaller context than requested")
         self._mem = lc.llama_get_memory(ctx)
-        self._nb = nb
-        self._exact = engine.exact
         self._batch = Batch(lc, max(nb, 2))
-        self._tokens: list[int] = []
-        # tokens [0, _known_from) came from import_state: their ids are unknown
-        self._known_from = 0
-        self._logits: np.ndarray | None = None
 
     # -- bookkeeping -------------------------------------------------------
     @property
@@ -344,6 +404,10 @@ class LlamaCppContext:
         ctx, self._ctx = self._ctx, None
         if ctx is None:
             return
+        eng = self._engine
+        if self._batch is not None and eng._keep(_Idle(self.n_ctx, ctx, self._mem, self._batch)):
+            self._batch = None
+            return
         try:
             if self._batch is not None:
                 self._lc.llama_batch_free(self._batch.raw)
@@ -351,7 +415,6 @@ class LlamaCppContext:
             self._lc.llama_free(ctx)
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
-        eng = self._engine
         eng._contexts_alive -= 1
         if eng._contexts_alive == 0 and eng._model_to_free:
             model, eng._model_to_free = eng._model_to_free, None

@@ -2,11 +2,20 @@
 
 * Files are ``<sha1 of the rendered text>.kv`` (format v2, written by the
   Rust core: temp file, fsync, rename, fsync of the directory, mode 0600).
-* An in-memory index (name -> header facts) is kept across lookups; the
-  directory is rescanned only when its mtime changes (another process added,
-  replaced or removed a file), and only new or changed files are re-read.
-* Lookup hashes the prompt once, snapshotting SHA-1 at every stored text
-  length (``_core.sha1_prefixes``), instead of one hash per candidate.
+* The index (name -> header facts and stat key) lives in the Rust core
+  (``_core.StoreIndex``) and persists in the directory (``.ds4.index``:
+  written under the lock through a temp file, fsync'd, renamed, checksummed).
+  Opening a store reads it and lists the directory once (names and inode
+  numbers, no ``stat``): a file that is new or was replaced is indexed from
+  its header, never by hashing its text; a damaged, foreign or missing index
+  file is rebuilt from the headers. The index only proposes candidates:
+  every load runs the whole verification pipeline.
+* In a running store the directory is rescanned only when its mtime changes
+  (another process added, replaced or removed a file), and only new or
+  changed files are re-read.
+* Lookup is one call into the core, the GIL released: an 8-byte tail of each
+  stored text filters the entries, then one SHA-1 pass over the prompt
+  hashes it at the remaining lengths.
 * Candidates are tried longest first; a corrupt one is removed (or moved to
   the quarantine directory) and the next is tried; an incompatible one is
   skipped and kept (docs/DESIGN.md, "Store policy").
@@ -52,11 +61,12 @@ from .entries import (
     LoadResult,
     NamedLoad,
     Rejection,
-    find_prefixes,
     import_failure,
     plan_eviction,
 )
 from .files import (
+    INDEX_NAME,
+    INDEX_TMP_NAME,
     LOCK_NAME,
     NOT_REGULAR,
     TMP_MAX_AGE_S,
@@ -85,6 +95,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("ds4.kvstore")
 
 
+def index_header(index: _core.StoreIndex, path: str) -> object:
+    """Index one file from its header (``StoreIndex.index_file``): the one
+    place the store reads a file it has not indexed yet."""
+    return index.index_file(path)
+
+
 def _why(name: str, err: CheckpointError) -> tuple[str, str, str, str]:
     return (name, err.stage, err.code, err.reason)
 
@@ -92,6 +108,7 @@ def _why(name: str, err: CheckpointError) -> tuple[str, str, str, str]:
 __all__ = [
     "CHATML_MARKERS",
     "HALF_LIFE_S",
+    "INDEX_NAME",
     "LOCK_NAME",
     "NOT_REGULAR",
     "TMP_MAX_AGE_S",
@@ -166,13 +183,14 @@ class KVStore:
         self.consume_over_cold_max = consume_over_cold_max
         self.chat_markers = chat_markers
         self._lock = DirLock(self.dir)
-        self._index: dict[str, Entry] = {}
+        # name -> header facts and stat key; also the files kept but not
+        # indexed (another format's), by stat key, so a rescan reports them once
+        self._idx = _core.StoreIndex()
         # Files rejected while indexing, not yet reported to a ladder run.
         self._unreported: list[Rejection] = []
-        # Files kept but not indexed (another engine's, a newer format):
-        # name -> stat key when last read, so a rescan reports them once.
-        self._kept: dict[str, StatKey] = {}
         self._dir_mtime: int | None = None
+        # the in-memory index differs from the index file
+        self._dirty = False
         # small JSON records (stored Responses) in records/: at most 1 % of
         # the budget, and counted in it (eviction makes room for them)
         self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
@@ -184,9 +202,10 @@ class KVStore:
             "rejected": 0,
             "removed_corrupt": 0,
             "scans": 0,
+            "index_rebuilds": 0,
         }
         if scan:
-            self.refresh(force=True)
+            self._open_index()
             if self.total_bytes() > self.budget_bytes:
                 # as ds4 does when a store opens: a directory over its budget
                 # comes down to it (one we cannot write to is still read)
@@ -227,29 +246,113 @@ class KVStore:
                     seen[name] = de
                 elif is_temp_name(name):
                     remove_orphaned_temp(de.path, now)
-        for name in list(self._index):
+        known = self._idx.keys()
+        for name in known:
             if name not in seen:
-                del self._index[name]
-        for name in list(self._kept):
-            if name not in seen:
-                del self._kept[name]
+                self._idx.remove(name)
+                self._dirty = True
         for name, de in seen.items():
             try:
                 st = de.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             key = stat_key(st)
-            old = self._index.get(name)
-            if (old is not None and old.stat_key == key) or self._kept.get(name) == key:
+            old = known.get(name)
+            if old is not None and old[0] == key:
                 continue
-            self._index.pop(name, None)
-            self._kept.pop(name, None)
+            self._idx.remove(name)
             self._index_file(name, de.path, key)
         self._dir_mtime = mt
 
-    def _index_file(self, name: str, path: str, key: StatKey) -> None:
+    def _open_index(self) -> None:
+        """Open the store: read the index file and list the directory once
+        (names and inode numbers, no ``stat``); only the files that are new
+        or were replaced since the index was written are read, from their
+        headers. Without a usable index file, a full rescan rebuilds it."""
         try:
-            ck = open_checkpoint(path, load_payload=False, auth_key=self.auth_key)
+            st = os.stat(self.dir)
+        except OSError as e:
+            raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
+        idx = self._read_index(st)
+        if idx is None:
+            self.stats["index_rebuilds"] += 1
+            self._dirty = True
+            self.refresh(force=True)
+        else:
+            self._idx = idx
+            self.stats["scans"] += 1
+            changed, others, gone = idx.sync_listing(self.dir)
+            now = time.time()
+            for name in others:
+                if is_temp_name(name):
+                    remove_orphaned_temp(os.path.join(self.dir, name), now)
+            self._dirty = bool(gone)
+            known = idx.keys() if changed else {}
+            for name in changed:
+                self._recheck(name, known.get(name))
+            self._dir_mtime = st.st_mtime_ns
+        self._persist()
+
+    def _read_index(self, st: os.stat_result) -> _core.StoreIndex | None:
+        """The index file's contents, or None when it is missing, damaged
+        (torn, tampered: its checksum), not a regular file, or describes
+        another directory (copied or swapped in)."""
+        path = os.path.join(self.dir, INDEX_NAME)
+        try:
+            idx, (dev, ino, _mtime, _scanned) = _core.StoreIndex.load(path)
+        except FileNotFoundError:
+            return None
+        except (CheckpointError, OSError) as e:
+            log.warning("kv cache index file unusable (%s): rebuilt from the headers", e)
+            return None
+        if (dev, ino) != (st.st_dev, st.st_ino):
+            log.warning("kv cache index file describes another directory: rebuilt from the headers")
+            return None
+        return idx
+
+    def _recheck(self, name: str, known: tuple[StatKey, bool] | None) -> None:
+        """A name the listing shows as new or replaced: stat it, and index
+        it when its stat key is not the one indexed."""
+        path = os.path.join(self.dir, name)
+        try:
+            key = stat_key(os.lstat(path))
+        except FileNotFoundError:
+            if self._idx.remove(name):
+                self._dirty = True
+            return
+        if known is not None and known[0] == key:
+            return
+        self._idx.remove(name)
+        self._index_file(name, path, key)
+
+    def _persist(self) -> None:
+        """Write the index file when the in-memory index changed since it
+        was read or written: only under the directory's lock (held, or free
+        now: a lookup never waits for it), never over an entry that is not a
+        regular file. A failure costs the next open a rescan, nothing more."""
+        path = os.path.join(self.dir, INDEX_NAME)
+        if not self._dirty or (len(self._idx) == 0 and not os.path.lexists(path)):
+            return
+        try:
+            before = os.stat(self.dir).st_mtime_ns
+            with self._lock.try_held() as held:
+                if not held:
+                    return
+                st = os.stat(self.dir)
+                stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, int(time.time() * 1e9))
+                self._idx.save(path, os.path.join(self.dir, INDEX_TMP_NAME), stamp)
+                after = os.stat(self.dir).st_mtime_ns
+        except (StoreError, CheckpointError, OSError) as e:
+            log.warning("kv cache could not write its index file: %s", e)
+            return
+        self._dirty = False
+        if self._dir_mtime == before:
+            self._dir_mtime = after  # the lock file and the rename were the only changes
+
+    def _index_file(self, name: str, path: str, key: StatKey) -> None:
+        self._dirty = True
+        try:
+            index_header(self._idx, path)
         except CorruptCheckpointError as e:
             if e.code == NOT_REGULAR:
                 log.warning("kv cache ignoring %s: %s", name, e.reason)
@@ -260,26 +363,28 @@ class KVStore:
         except CheckpointError as e:
             log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", name, e.stage, e.code, e.reason)
             self._unreported.append((path, e.stage, e.code, e.reason))
-            self._kept[name] = key
+            self._idx.keep(name, key)
             return
         except FileNotFoundError:
             return
         except OSError as e:
             log.warning("kv cache cannot read %s: %s", name, e)
             return
-        self._index[name] = Entry.from_checkpoint(ck, path, key)
 
     def entries(self) -> list[Entry]:
         self.refresh()
-        return sorted(self._index.values(), key=lambda e: (-e.text_bytes, e.name))
+        return sorted(self._entries(), key=lambda e: (-e.text_bytes, e.name))
+
+    def _entries(self) -> list[Entry]:
+        return [Entry.from_row(self.dir, row) for row in self._idx.entries()]
 
     def total_bytes(self) -> int:
-        return sum(e.size for e in self._index.values())
+        return self._idx.total_bytes()
 
     def summary(self) -> dict[str, object]:
         """The directory, its indexed files and bytes, and the counters
         (what a status page shows), from the index as it stands."""
-        out: dict[str, object] = {"dir": self.dir, "files": len(self._index), "bytes": self.total_bytes(), **self.stats}
+        out: dict[str, object] = {"dir": self.dir, "files": len(self._idx), "bytes": self.total_bytes(), **self.stats}
         if self.remote is not None:
             out["remote"] = self.remote.status()
         return out
@@ -287,10 +392,14 @@ class KVStore:
     # -- lookup --------------------------------------------------------------
     def lookup(self, prompt: str | bytes, abi: str | None = None, ctx: int | None = None) -> list[Entry]:
         """Entries whose name equals the SHA-1 of a prefix of ``prompt``,
-        longest first, in one pass over the prompt."""
+        longest first (one call into the core, see :class:`KVStore`); with
+        at least ``min_tokens`` tokens, of ``abi`` (or ds4 v1), fewer
+        tokens than ``ctx``. Their headers were read when indexed; a load
+        verifies the whole file again."""
         self.refresh()
-        pb = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
-        return find_prefixes(self._index.values(), pb, min_tokens=self.min_tokens, abi=abi, ctx=ctx)
+        pb = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
+        rows = self._idx.lookup(pb, min_tokens=max(0, self.min_tokens), abi=abi, ctx=ctx)
+        return [Entry.from_row(self.dir, row) for row in rows]
 
     def candidates(
         self, prompt: bytes, ctx: int | None = None, abi: str | None = None, namespace: str | None = None
@@ -335,13 +444,14 @@ class KVStore:
         name = os.path.basename(path)
         if not is_checkpoint_name(name):
             return None
-        self._index.pop(name, None)
+        self._forget(name)
         how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
         try:
             with self.locked():
                 dest = remove_exact(
                     self.dir, name, expect, quarantine_dir=self.quarantine_dir, tag=f"{int(time.time())}.{err.code}"
                 )
+                self._persist()
         except OSError as e:
             log.error("kv cache could not remove corrupt file %s: %s", name, e)
             return None
@@ -363,8 +473,13 @@ class KVStore:
             raise ValueError(f"not a checkpoint name: {name!r}")
         with self.locked():
             gone = remove_exact(self.dir, name, None) is not None
-        self._index.pop(name, None)
+            self._forget(name)
+            self._persist()
         return gone
+
+    def _forget(self, name: str) -> None:
+        if self._idx.remove(name):
+            self._dirty = True
 
     # -- load ----------------------------------------------------------------
     def _open_for(self, sess: Session, path: str, prompt: bytes, *, check_name: bool = True) -> Checkpoint:
@@ -425,7 +540,7 @@ class KVStore:
                 ck = self._open_for(sess, e.path, prompt)
                 sess.load_checkpoint(ck)
             except FileNotFoundError:
-                self._index.pop(e.name, None)  # removed by another process
+                self._forget(e.name)  # removed by another process
                 continue
             except OSError as err:  # unreadable (permissions, I/O): a typed rejection; skipped and kept
                 self.stats["rejected"] += 1
@@ -543,11 +658,13 @@ class KVStore:
                     return None
                 os.rename(tmp, final)
                 _core.sync_dir(self.dir)
-                e = Entry.from_checkpoint(ck, final, stat_key(os.lstat(final)))
-                self._index[r.name] = e
+                key = stat_key(os.lstat(final))
+                e = Entry.from_checkpoint(ck, final, key)
+                self._index_file(r.name, final, key)
                 self._evict_locked(protect=r.name)
+                self._persist()
             del ck
-            return e if r.name in self._index else None
+            return e if self._idx.get(r.name) is not None else None
         except (RemoteChunkError, CorruptCheckpointError, CheckpointMismatchError) as err:
             self._reject_remote(r, err, report, delete=True)
             return None
@@ -577,10 +694,11 @@ class KVStore:
         if self.consume_over_cold_max and 0 < self.cold_max_tokens < ck.tokens:
             # ds4's consume: a load longer than cold_max_tokens deletes the
             # file (the version that was loaded; through the one removal).
-            self._index.pop(e.name, None)
+            self._forget(e.name)
             try:
                 with self.locked():
                     gone = remove_exact(self.dir, e.name, judged) is not None
+                    self._persist()
             except OSError as ex:
                 log.error("kv cache could not consume %s: %s", e.name, ex)
                 gone = False
@@ -592,6 +710,7 @@ class KVStore:
                 e.last_used = now
                 st = os.stat(e.path)
                 e.stat_key = stat_key(st)
+                self._idx.set_hit(e.name, e.hits, now, e.stat_key)
             except OSError as ex:
                 log.debug("kv cache touch failed for %s: %s", e.name, ex)
         self.stats["hits"] += 1
@@ -678,11 +797,7 @@ class KVStore:
             if size is None:
                 return None
             self.stats["stores"] += 1
-            st = os.stat(path)
-            now = int(time.time())
-            self._index[name] = Entry(
-                name, path, 2, n, len(text), 0, now, now, size, sess.payload_abi, reason, sess.ctx, stat_key(st)
-            )
+            self._index_file(name, path, stat_key(os.lstat(path)))
             if self.remote is not None:  # shared in the background: never adds to this request's latency
                 self.remote.enqueue(path, sess.payload_abi, n, len(text))
             log.info(
@@ -694,20 +809,23 @@ class KVStore:
                 (time.perf_counter() - t0) * 1000,
             )
             self._evict_locked(protect=name)
+            self._persist()
         return path
 
     # -- eviction --------------------------------------------------------------
     def evict(self) -> int:
         with self.locked():
-            return self._evict_locked(protect=None)
+            removed = self._evict_locked(protect=None)
+            self._persist()
+            return removed
 
     def _evict_locked(self, protect: str | None) -> int:
         self.refresh(force=True)
         limit = self.budget_bytes - self.records.total_bytes()
         now = time.time()
-        victims = plan_eviction(list(self._index.values()), limit, now, protect)
+        victims = plan_eviction(self._entries(), limit, now, protect)
         for victim in victims:
-            self._index.pop(victim.name, None)
+            self._forget(victim.name)
         removed = evict_entries(self.dir, victims)
         self.stats["evictions"] += removed
         if removed:

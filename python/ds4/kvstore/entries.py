@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .. import _core
 from .files import StatKey
 
 if TYPE_CHECKING:
@@ -21,15 +19,19 @@ __all__ = [
     "HALF_LIFE_S",
     "Candidates",
     "Entry",
+    "IndexRow",
     "LoadResult",
     "NamedLoad",
     "Rejection",
-    "find_prefixes",
     "import_failure",
     "plan_eviction",
 ]
 
 HALF_LIFE_S = 6 * 3600
+
+# One entry of the core's index: (name, version, tokens, text_bytes, hits,
+# created, last_used, size, abi, reason, ctx, stat key)
+IndexRow = tuple[str, int, int, int, int, int, int, int, str, str, int, tuple[int, int, int]]
 
 # (path, stage, code, reason) of a file the store rejected
 Rejection = tuple[str, str, str, str]
@@ -78,6 +80,11 @@ class Entry:
             ctx=ck.ctx,
             stat_key=stat_key,
         )
+
+    @classmethod
+    def from_row(cls, directory: str, row: IndexRow) -> Entry:
+        """The entry for one row of the core's index (``StoreIndex``)."""
+        return cls(row[0], os.path.join(directory, row[0]), *row[1:])
 
     def score(self, now: float, half_life: float = HALF_LIFE_S) -> float:
         used = self.last_used or self.created
@@ -135,37 +142,14 @@ class NamedLoad:
 
 def plan_eviction(entries: list[Entry], limit: int, now: float, protect: str | None = None) -> list[Entry]:
     """ds4's eviction order: while the total is over ``limit``, the entry
-    with the lowest score goes (ties: least recently used); ``protect`` (the
-    newest file) never does."""
+    with the lowest score goes (ties: least recently used, then the file
+    written first); ``protect`` (the newest file) never does."""
     total = sum(e.size for e in entries)
     pool = [e for e in entries if e.name != protect]
     out = []
     while total > limit and pool:
-        victim = min(pool, key=lambda e: (e.score(now), e.last_used or e.created))
+        victim = min(pool, key=lambda e: (e.score(now), e.last_used or e.created, e.stat_key[2] if e.stat_key else 0))
         pool.remove(victim)
         out.append(victim)
         total -= victim.size
     return out
-
-
-def find_prefixes(
-    entries: Iterable[Entry], prompt: bytes, *, min_tokens: int, abi: str | None = None, ctx: int | None = None
-) -> list[Entry]:
-    """The entries whose name equals the SHA-1 of a prefix of ``prompt``,
-    longest first, in one pass over the prompt (``_core.sha1_prefixes``
-    snapshots the hash at every candidate length)."""
-    cands = [
-        e
-        for e in entries
-        if e.text_bytes <= len(prompt)
-        and e.tokens >= min_tokens
-        and (abi is None or e.abi == abi or e.version == 1)
-        and (ctx is None or e.tokens < ctx)
-    ]
-    if not cands:
-        return []
-    lengths = sorted({e.text_bytes for e in cands})
-    digests = dict(zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True))
-    hits = [e for e in cands if digests.get(e.text_bytes) == e.name[:40].lower()]
-    hits.sort(key=lambda e: (-e.text_bytes, -e.tokens))
-    return hits

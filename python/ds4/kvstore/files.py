@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from ..errors import StoreError
 
 __all__ = [
+    "INDEX_NAME",
+    "INDEX_TMP_NAME",
     "LOCK_NAME",
     "NOT_REGULAR",
     "TMP_MAX_AGE_S",
@@ -45,6 +47,13 @@ _NAME_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv$")
 # `<sha>.kv.tmp.<pid>`, ds4-agent's `<sha>.kv.tmp.XXXXXX` (mkstemp).
 _TMP_RE = re.compile(r"^\.?[0-9a-fA-F]{40}\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
 LOCK_NAME = ".ds4.lock"
+#: the persisted index (header facts and a stat key per file) and the one
+#: temp file it is written through (under the lock, so by one writer at a
+#: time; a crash leaves it for the next write to truncate). Neither is a
+#: checkpoint name nor a writer's temp name: no load, scan or removal of the
+#: store ever takes them for a checkpoint.
+INDEX_NAME = ".ds4.index"
+INDEX_TMP_NAME = ".ds4.index.tmp"
 #: the code of the error for an entry that is not a regular file (a symlink,
 #: a FIFO, a directory with a checkpoint's name): such entries are ignored,
 #: never moved or deleted, by every path of the store and the CLI
@@ -161,6 +170,36 @@ class DirLock:
             os.close(fd)
             raise StoreError(errno.EINVAL, "the lock file is not a regular file (remove it)", self.path)
         return fd
+
+    @contextlib.contextmanager
+    def try_held(self) -> Iterator[bool]:
+        """The lock when it is free (or already held by this store), without
+        waiting: yields whether it is held."""
+        if self.depth > 0:
+            self.depth += 1
+            try:
+                yield True
+            finally:
+                self.depth -= 1
+            return
+        fd = self._open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd, self.depth = fd, 1
+        try:
+            yield True
+        finally:
+            self.depth = 0
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            self.fd = -1
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:

@@ -1,0 +1,252 @@
+//! `StoreIndex`: the store's index ([`crate::index`]) as a Python object.
+//! One mutex guards it; it is locked with the GIL released for the work
+//! that scales with the index (lookup, load, save) and never while a
+//! Python object is built from inside a released section.
+
+use super::buffer::bytes_of;
+use super::errors::to_pyerr;
+use crate::format;
+use crate::hash::{self, Sha1Digest};
+use crate::index::{self, DirStamp, Entry, Index, Query, StatKey};
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+
+type PyKey = (u64, u64, i64);
+/// `(name, version, tokens, text_bytes, hits, created, last_used, size, abi,
+/// reason, ctx, (ino, size, mtime_ns))`: the fields of `ds4.kvstore.Entry`.
+type PyEntry = (
+    String,
+    u8,
+    u32,
+    u32,
+    u32,
+    u64,
+    u64,
+    u64,
+    String,
+    &'static str,
+    u32,
+    PyKey,
+);
+type PyStamp = (u64, u64, i64, i64);
+
+fn digest_of(name: &str) -> PyResult<Sha1Digest> {
+    name.strip_suffix(".kv")
+        .and_then(hash::parse_hex_digest)
+        .ok_or_else(|| PyValueError::new_err(format!("not a checkpoint name: {name:?}")))
+}
+
+fn py_key(k: StatKey) -> PyKey {
+    (k.ino, k.size, k.mtime_ns)
+}
+
+fn py_entry(e: &Entry) -> PyEntry {
+    (
+        index::name_of(&e.digest, e.case),
+        e.version,
+        e.tokens,
+        e.text_bytes,
+        e.hits,
+        e.created,
+        e.last_used,
+        e.key.size,
+        e.abi.to_string(),
+        format::reason_name(e.reason),
+        e.ctx,
+        py_key(e.key),
+    )
+}
+
+fn stamp_of(s: PyStamp) -> DirStamp {
+    DirStamp {
+        dev: s.0,
+        ino: s.1,
+        mtime_ns: s.2,
+        scanned_ns: s.3,
+    }
+}
+
+/// The index of one cache directory (see `ds4.kvstore`).
+#[pyclass(name = "StoreIndex", module = "ds4._core", frozen)]
+pub(super) struct PyStoreIndex {
+    inner: Mutex<Index>,
+}
+
+impl PyStoreIndex {
+    fn lock(&self) -> PyResult<MutexGuard<'_, Index>> {
+        self.inner
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("index poisoned by a panic"))
+    }
+}
+
+#[pymethods]
+impl PyStoreIndex {
+    #[new]
+    fn new() -> Self {
+        PyStoreIndex {
+            inner: Mutex::new(Index::new()),
+        }
+    }
+
+    /// Reads an index file: `(index, (dev, ino, dir mtime ns, scan time ns))`.
+    /// A damaged or foreign-format file raises `CorruptCheckpointError`
+    /// (`bad_metadata`); a missing one `FileNotFoundError`.
+    #[staticmethod]
+    fn load(py: Python<'_>, path: PathBuf) -> PyResult<(Self, PyStamp)> {
+        let (idx, s) = py
+            .detach(|| index::load(&path))
+            .map_err(|e| to_pyerr(py, e, Some(&path)))?;
+        Ok((
+            PyStoreIndex {
+                inner: Mutex::new(idx),
+            },
+            (s.dev, s.ino, s.mtime_ns, s.scanned_ns),
+        ))
+    }
+
+    /// Writes the index to `path` through `tmp` (fsync, rename, fsync of the
+    /// directory); returns its size. The caller holds the directory's lock.
+    fn save(&self, py: Python<'_>, path: PathBuf, tmp: PathBuf, stamp: PyStamp) -> PyResult<u64> {
+        let st = stamp_of(stamp);
+        py.detach(|| {
+            let idx = self
+                .inner
+                .lock()
+                .map_err(|_| crate::Error::BadMetadata("index poisoned by a panic".to_owned()))?;
+            index::save(&idx, &st, &path, &tmp)
+        })
+        .map_err(|e| to_pyerr(py, e, Some(&path)))
+    }
+
+    /// Indexes the file at `path` from its header (see `crate::index::read_entry`)
+    /// and returns its entry; raises what the header stage of a load raises.
+    fn index_file(&self, py: Python<'_>, path: PathBuf) -> PyResult<PyEntry> {
+        let e = py
+            .detach(|| index::read_entry(&path))
+            .map_err(|e| to_pyerr(py, e, Some(&path)))?;
+        let out = py_entry(&e);
+        self.lock()?.insert(e);
+        Ok(out)
+    }
+
+    /// One listing of `dir` (no `stat`): forgets names that are gone and
+    /// returns `(changed, others, gone)`: checkpoint names new or replaced
+    /// (another inode), every other name, and how many names were forgotten.
+    fn sync_listing(
+        &self,
+        py: Python<'_>,
+        dir: PathBuf,
+    ) -> PyResult<(Vec<String>, Vec<String>, usize)> {
+        let r = py.detach(|| match self.inner.lock() {
+            Ok(mut idx) => idx.sync_listing(&dir),
+            Err(_) => Err(crate::Error::BadMetadata(
+                "index poisoned by a panic".to_owned(),
+            )),
+        });
+        let l = r.map_err(|e| to_pyerr(py, e, Some(&dir)))?;
+        Ok((l.changed, l.others, l.gone))
+    }
+
+    /// Remembers a file kept but not indexed (another format's), by stat key.
+    fn keep(&self, name: &str, key: PyKey) -> PyResult<()> {
+        let d = digest_of(name)?;
+        self.lock()?.keep(
+            d,
+            StatKey {
+                ino: key.0,
+                size: key.1,
+                mtime_ns: key.2,
+            },
+            index::case_of(name),
+        );
+        Ok(())
+    }
+
+    /// Forgets a name; true when it was indexed or kept.
+    fn remove(&self, name: &str) -> PyResult<bool> {
+        let d = digest_of(name)?;
+        Ok(self.lock()?.remove(&d))
+    }
+
+    /// Every known name (indexed and kept) with its stat key and whether it
+    /// is indexed: `{name: ((ino, size, mtime_ns), indexed)}`.
+    fn keys(&self) -> PyResult<HashMap<String, (PyKey, bool)>> {
+        let idx = self.lock()?;
+        Ok(idx
+            .names()
+            .filter_map(|d| {
+                idx.key_of(d)
+                    .and_then(|(k, ok)| idx.name(d).map(|n| (n, (py_key(k), ok))))
+            })
+            .collect())
+    }
+
+    /// The entry of `name`, or None.
+    fn get(&self, name: &str) -> PyResult<Option<PyEntry>> {
+        let d = digest_of(name)?;
+        Ok(self.lock()?.get(&d).map(py_entry))
+    }
+
+    /// Every entry (unordered).
+    fn entries(&self) -> PyResult<Vec<PyEntry>> {
+        Ok(self.lock()?.entries().map(py_entry).collect())
+    }
+
+    /// The entries whose name is the SHA-1 of a prefix of `prompt`, with at
+    /// least `min_tokens` tokens, of `abi` (or v1) and fewer than `ctx`
+    /// tokens, longest first; the GIL is released throughout.
+    #[pyo3(signature = (prompt, *, min_tokens, abi=None, ctx=None))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        prompt: PyBuffer<u8>,
+        min_tokens: u32,
+        abi: Option<String>,
+        ctx: Option<u32>,
+    ) -> PyResult<Vec<PyEntry>> {
+        let p = bytes_of(&prompt)?;
+        let q = Query {
+            min_tokens,
+            abi: abi.as_deref(),
+            ctx,
+        };
+        let found = py.detach(|| {
+            self.inner
+                .lock()
+                .map(|mut idx| idx.lookup(p, &q))
+                .map_err(|_| ())
+        });
+        let found = found.map_err(|()| PyRuntimeError::new_err("index poisoned by a panic"))?;
+        Ok(found.iter().map(py_entry).collect())
+    }
+
+    /// Records a hit on an indexed entry; false when it is not indexed.
+    fn set_hit(&self, name: &str, hits: u32, last_used: u64, key: PyKey) -> PyResult<bool> {
+        let d = digest_of(name)?;
+        let k = StatKey {
+            ino: key.0,
+            size: key.1,
+            mtime_ns: key.2,
+        };
+        Ok(self.lock()?.set_hit(&d, hits, last_used, k))
+    }
+
+    /// Sum of the indexed files' sizes.
+    fn total_bytes(&self) -> PyResult<u64> {
+        Ok(self.lock()?.total_bytes())
+    }
+
+    /// An estimate of the heap the index holds, in bytes.
+    fn heap_bytes(&self) -> PyResult<usize> {
+        Ok(self.lock()?.heap_bytes())
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.lock()?.len())
+    }
+}
