@@ -62,6 +62,7 @@ import numpy as np
 from .constrain import Constraint, Guide
 from .engine import Engine
 from .errors import InvalidSessionError, PrefillCancelledError, PromptError, StoreError
+from .keytext import tokenize_prompt
 from .kvstore import KVStore
 from .recovery import RecoveryReport, recover, switch_namespace
 from .session import Rewrite, Session
@@ -338,6 +339,13 @@ class Generator:
             self.counters["ladder_retries"] += 1
             return self.prepare(prompt_text, progress, cancel)
 
+    def holds(self, text: str) -> bool:
+        """True when the live state is valid and is exactly ``text`` (a
+        :class:`ds4.keytext.Prompt` tokenized as a turn would tokenize it),
+        compared by key text: markers typed as text never match real ones."""
+        sess = self.sess
+        return sess.checkpoint_valid and sess.key_bytes() == sess.key_of(tokenize_prompt(self.engine, text))
+
     # -- ds4's canonicalize_tool_checkpoint ------------------------------------
     def canonicalize(self, text: str, cancel: Callable[[], bool] | None = None) -> str:
         """Bring the live state to ``text``, the canonical rendering of the
@@ -347,8 +355,8 @@ class Generator:
         saves the state it replaces. Returns ``"unchanged"``, ``"rewritten"``,
         ``"disk"``, ``"full"`` or ``"failed"``; each outcome is logged."""
         sess = self.sess
-        tokens = self.engine.tokenize(text, special=True)
-        if sess.checkpoint_valid and (sess.tokens == tokens or sess.text_bytes() == text.encode("utf-8")):
+        tokens = tokenize_prompt(self.engine, text)  # as the next request will tokenize it
+        if sess.checkpoint_valid and (sess.tokens == tokens or sess.key_bytes() == sess.key_of(tokens)):
             log.info("tool checkpoint already canonical tokens=%d", sess.n_past)
             return "unchanged"
         live = sess.n_past

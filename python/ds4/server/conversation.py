@@ -235,7 +235,7 @@ class AgentTurn:
         ids = frozenset(m.tool_call_id or "" for m in tail)
         if not tail or not live.ids or ids != live.ids:
             return None
-        if self.gen.sess.text_bytes() != live.text.encode("utf-8"):
+        if not self.gen.holds(live.text):
             log.info("%s live continuation lost: the live state moved since the calls", self.label)
             return None
         log.info("%s live continuation match=tool-output-ids ids=%d", self.label, len(ids))
@@ -265,7 +265,7 @@ class AgentTurn:
         except Exception as e:  # the reply stands; the next turn recovers as usual
             log.warning("tool checkpoint rebuild failed: %s: %s", type(e).__name__, e)
             return
-        if outcome != "failed" and gen.sess.text_bytes() == text.encode("utf-8"):
+        if outcome != "failed" and gen.holds(text):
             self.live.remember(frozenset(c.id for c in calls), msgs, text)
 
 
