@@ -168,7 +168,8 @@ def _stops_and_errors(c, warm):
     assert resp.status_code == 400 and resp.json()["type"] == "error"
 
 
-def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, cold):
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, cold, stream):
     kv = str(tmp_path / "kv")
     srv = ScriptedServer(tmp_path, "a", "--kv-disk-dir", kv, *KV_FLAGS).start()
     msgs = [{"role": "user", "content": "Look up 12."}]
@@ -180,9 +181,14 @@ def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, cold):
         srv.stop(signal.SIGKILL)  # no shutdown save: what is on disk was saved on the way
     srv2 = ScriptedServer(tmp_path, "b", "--kv-disk-dir", kv, *KV_FLAGS).start()
     try:
-        with client(srv2) as c:
-            r = c.messages.create(model="m", max_tokens=300, system=SYSTEM, messages=msgs, tools=ATOOLS)
+        if stream:  # the streamed loop goes on streamed after the restart
+            msg, _, usage = ask(srv2, msgs, stream=True)
+            assert "kv cache hit" in srv2.text_log() and usage.cache_read_input_tokens > 0
+            assert no_ids(msg) == no_ids(cold_answer(cold, msgs)[0])
+        else:
+            with client(srv2) as c:
+                r = c.messages.create(model="m", max_tokens=300, system=SYSTEM, messages=msgs, tools=ATOOLS)
+            assert r.model_extra["ds4"]["rung"] == "disk" and r.usage.cache_read_input_tokens > 0
+            assert [b.text for b in r.content] == [b["text"] for b in cold_answer(cold, msgs)[0]["content"]]
     finally:
         srv2.stop()
-    assert r.model_extra["ds4"]["rung"] == "disk" and r.usage.cache_read_input_tokens > 0
-    assert [b.text for b in r.content] == [b["text"] for b in cold_answer(cold, msgs)[0]["content"]]
