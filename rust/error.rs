@@ -97,6 +97,16 @@ pub enum Error {
 }
 
 impl Error {
+    /// The error of an `open` with `O_NOFOLLOW`: `ELOOP` means the path is
+    /// a symlink (refused like any entry that is not a regular file).
+    pub fn from_nofollow_open(e: io::Error) -> Error {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            Error::NotRegularFile { what: "symlink" }
+        } else {
+            Error::Io(e)
+        }
+    }
+
     /// Stable identifier; equals the `code` of the matching `ds4.errors` class.
     pub fn code(&self) -> &'static str {
         match self {

@@ -628,13 +628,7 @@ pub fn save(idx: &Index, stamp: &DirStamp, path: &Path, tmp: &Path) -> Result<u6
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(tmp)
-        .map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                Error::NotRegularFile { what: "symlink" }
-            } else {
-                Error::Io(e)
-            }
-        })?;
+        .map_err(Error::from_nofollow_open)?;
     if !f.metadata()?.file_type().is_file() {
         return Err(Error::NotRegularFile {
             what: "special file",

@@ -212,13 +212,7 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, u64)> {
         .write(write)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(path)
-        .map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                Error::NotRegularFile { what: "symlink" }
-            } else {
-                Error::Io(e)
-            }
-        })?;
+        .map_err(Error::from_nofollow_open)?;
     let md = file.metadata()?; // the file we actually hold (no TOCTOU)
     if !md.file_type().is_file() {
         return Err(Error::NotRegularFile {
