@@ -22,7 +22,7 @@ from ..kvstore import (
     temp_is_orphaned,
 )
 from .kvinfo import READABLE, UNVERIFIED, Info, inspect_file, print_fields, public, resolve
-from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, printable, table
+from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, printable, report_removed, table
 
 __all__ = ["KV_COMMANDS", "inspect_file"]
 
@@ -356,14 +356,7 @@ def kv_rm(args: argparse.Namespace) -> int:
                 errors.append(f"{os.path.basename(p)}: already gone")
         except ValueError as e:
             errors.append(str(e))
-    if args.json:
-        print(json.dumps({"removed": removed, "errors": errors}, indent=1))
-    else:
-        for n in removed:
-            print(f"removed {n}")
-        for er in errors:
-            print(f"ds4 kv rm: {er}", file=sys.stderr)
-    return EXIT_FAIL if errors else EXIT_OK
+    return report_removed(args.json, removed, "errors", errors, "ds4 kv rm")
 
 
 def _counts(infos: list[Info], key: str) -> dict[str, int]:

@@ -17,7 +17,7 @@ from ..errors import RemoteTierError
 from ..kvstore import KVStore
 from ..kvstore.remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
 from ..recovery import RecoveryReport
-from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, human_bytes, table
+from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, human_bytes, report_removed, table
 
 __all__ = ["REMOTE_COMMANDS", "add_remote_args"]
 
@@ -179,14 +179,9 @@ def remote_rm(args: argparse.Namespace) -> int:
         removed = [e.name for e in chosen if tier.delete(e.sha, e.abi, e)]
     finally:
         tier.close()
-    if args.json:
-        print(json.dumps({"removed": removed, "unknown": unknown}, indent=1))
-    else:
-        for n in removed:
-            print(f"removed {n}")
-        for n in unknown:
-            print(f"ds4 kv rm --remote: no remote checkpoint {n}", file=sys.stderr)
-    return EXIT_FAIL if unknown else EXIT_OK
+    return report_removed(
+        args.json, removed, "unknown", unknown, "ds4 kv rm --remote", lambda n: f"no remote checkpoint {n}"
+    )
 
 
 def _dir_store(args: argparse.Namespace, tier: RemoteTier) -> KVStore:

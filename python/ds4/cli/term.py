@@ -3,6 +3,7 @@ and the prefill progress bar."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -106,3 +107,24 @@ class ProgressBar:
             self.stream.write("\r\x1b[K")
             self.stream.flush()
             self.drawn = False
+
+
+def report_removed(
+    as_json: bool,
+    removed: list[str],
+    problems_key: str,
+    problems: list[str],
+    cmd: str,
+    describe: Callable[[str], str] = str,
+) -> int:
+    """What a ``kv rm`` did: JSON (``removed`` and ``problems_key``) or one
+    line per removed name on stdout and one per problem (``describe``d) on
+    stderr; the exit status (a failure when there was any problem)."""
+    if as_json:
+        print(json.dumps({"removed": removed, problems_key: problems}, indent=1))
+    else:
+        for n in removed:
+            print(f"removed {n}")
+        for p in problems:
+            print(f"{cmd}: {describe(p)}", file=sys.stderr)
+    return EXIT_FAIL if problems else EXIT_OK
