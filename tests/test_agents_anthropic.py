@@ -11,7 +11,7 @@ import signal
 import anthropic
 import httpx
 import pytest
-from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer
+from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_server, warm_server
 
 ATOOLS = [
     {
@@ -23,19 +23,8 @@ ATOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cold(tmp_path_factory):
-    srv = ScriptedServer(tmp_path_factory.mktemp("cold"), "cold", "--no-kv-cache").start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("warm")
-    srv = ScriptedServer(tmp, "warm", "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS).start()
-    yield srv
-    srv.stop()
+cold = pytest.fixture(scope="module", name="cold")(cold_server)
+warm = pytest.fixture(scope="module", name="warm")(warm_server)
 
 
 def client(srv) -> anthropic.Anthropic:

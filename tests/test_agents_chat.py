@@ -10,9 +10,8 @@ import json
 import signal
 
 import httpx
-import openai
 import pytest
-from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer
+from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_server, warm_server
 
 from ds4.server import tools as T
 
@@ -100,28 +99,13 @@ def test_tool_call_grammar_accepts_exactly_the_canonical_calls_it_allows():
 
 
 # -- servers -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cold(tmp_path_factory):
-    srv = ScriptedServer(tmp_path_factory.mktemp("cold"), "cold", "--no-kv-cache").start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("warm")
-    srv = ScriptedServer(tmp, "warm", "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS).start()
-    yield srv
-    srv.stop()
-
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+cold = pytest.fixture(scope="module", name="cold")(cold_server)
+warm = pytest.fixture(scope="module", name="warm")(warm_server)
 
 
 def ask(srv, messages, stream=False, **kw):
     """One chat turn: (message dict to append, finish_reason, usage, ds4 block)."""
-    with client(srv) as c:
+    with srv.client() as c:
         return _ask(c, messages, stream, kw)
 
 

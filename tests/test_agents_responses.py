@@ -13,37 +13,22 @@ import signal
 import httpx
 import openai
 import pytest
-from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer
+from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_server, warm_server
 
 RTOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 
-@pytest.fixture(scope="module")
-def cold(tmp_path_factory):
-    srv = ScriptedServer(tmp_path_factory.mktemp("cold"), "cold", "--no-kv-cache").start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("warm")
-    srv = ScriptedServer(tmp, "warm", "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS).start()
-    yield srv
-    srv.stop()
-
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+cold = pytest.fixture(scope="module", name="cold")(cold_server)
+warm = pytest.fixture(scope="module", name="warm")(warm_server)
 
 
 def ask(srv, input, stream=False, **kw):
     """The Response (for a stream: the one in response.completed)."""
     args = {"model": "gpt-x", "instructions": SYSTEM, "input": input, "tools": RTOOLS, **kw}
     if not stream:
-        with client(srv) as c:
+        with srv.client() as c:
             return c.responses.create(**args)
-    with client(srv) as c, c.responses.create(stream=True, **args) as s:
+    with srv.client() as c, c.responses.create(stream=True, **args) as s:
         events = list(s)
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed", kinds
