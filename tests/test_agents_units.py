@@ -82,7 +82,7 @@ def test_tool_results_for_the_live_calls_continue_live_and_a_gone_state_is_409()
     msgs = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "<tool_call>[]</tool_call>"}]
     text = eng.render_chat(msgs, add_generation_prompt=False)
     gen.sess.sync(eng.tokenize(text, special=True))
-    live.remember(frozenset({"call_a"}), msgs, text)
+    live.remember(frozenset({"call_a"}), msgs, gen.sess.key_bytes())
     prompt = AgentTurn(conv, live, gen, live_only=True).render(eng)
     assert prompt.startswith(text) and prompt.endswith("<|im_start|>assistant\n") and "42" in prompt
     # another id: not this live state

@@ -169,19 +169,20 @@ def turns(messages: Sequence[Message]) -> list[dict[str, str]]:
 
 class LiveTools:
     """What the live state holds after a turn that ended in tool calls: the
-    calls' ids and the engine chat it is the canonical rendering of. Read
-    and written by the worker thread only."""
+    calls' ids, the engine chat it is the canonical rendering of, and its
+    key text then (the live state still holds that turn while its key text
+    is the same). Read and written by the worker thread only."""
 
     def __init__(self) -> None:
         self.ids: frozenset[str] = frozenset()
         self.messages: list[dict[str, str]] = []
-        self.text = ""
+        self.key = b""
 
-    def remember(self, ids: frozenset[str], messages: list[dict[str, str]], text: str) -> None:
-        self.ids, self.messages, self.text = ids, messages, text
+    def remember(self, ids: frozenset[str], messages: list[dict[str, str]], key: bytes) -> None:
+        self.ids, self.messages, self.key = ids, messages, key
 
     def clear(self) -> None:
-        self.ids, self.messages, self.text = frozenset(), [], ""
+        self.ids, self.messages, self.key = frozenset(), [], b""
 
 
 @dataclasses.dataclass
@@ -235,7 +236,8 @@ class AgentTurn:
         ids = frozenset(m.tool_call_id or "" for m in tail)
         if not tail or not live.ids or ids != live.ids:
             return None
-        if not self.gen.holds(live.text):
+        sess = self.gen.sess
+        if not (sess.checkpoint_valid and sess.key_bytes() == live.key):
             log.info("%s live continuation lost: the live state moved since the calls", self.label)
             return None
         log.info("%s live continuation match=tool-output-ids ids=%d", self.label, len(ids))
@@ -266,7 +268,7 @@ class AgentTurn:
             log.warning("tool checkpoint rebuild failed: %s: %s", type(e).__name__, e)
             return
         if outcome != "failed" and gen.holds(text):
-            self.live.remember(frozenset(c.id for c in calls), msgs, text)
+            self.live.remember(frozenset(c.id for c in calls), msgs, gen.sess.key_bytes())
 
 
 def message_text(parts: Sequence[Mapping[str, Any]] | str) -> str:
