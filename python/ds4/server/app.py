@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
+from ..keytext import tokenize_prompt
 from ..turn import Generator, GenResult
 from .anthropic import AnthropicWire, MessagesParser
 from .body import BodyLimits, read_json
@@ -179,7 +180,7 @@ class _Routes:
         eng = self.gen.engine
 
         def count() -> int:
-            return len(eng.tokenize(eng.render_chat(conv.engine_messages()), special=True))
+            return len(tokenize_prompt(eng, eng.render_chat(conv.engine_messages())))  # as the turn tokenizes it
 
         return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
 
