@@ -283,18 +283,26 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--save-load-only", action="store_true", help="only SmolLM2's save/load comparison")
     a = ap.parse_args()
-    if a.split:
-        r = ttft_split(ds4.LlamaCppEngine(), 1000, 3 if a.quick else 7, ctx=2048)
-        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["split_s"].items())
-        print(
-            f"smollm2 {r['tokens']} tokens ({r['stored_tokens']} stored): cold {r['cold_s'] * 1e3:.1f} ms, "
-            f"resumed {r['resumed_s'] * 1e3:.1f} ms = {r['ratio']:.2%} of cold (target <= 3%)\n  resumed split: {parts}"
-            f"\n  a new llama context (what the kept one saves): {r['context_creation_s'] * 1e3:.1f} ms"
-        )
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(r, f, indent=2)
-        return
+    out = split(a) if a.split else whole(a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+def split(a: argparse.Namespace) -> dict:
+    """SmolLM2's resumed time to first token, in parts."""
+    r = ttft_split(ds4.LlamaCppEngine(), 1000, 3 if a.quick else 7, ctx=2048)
+    parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["split_s"].items())
+    print(
+        f"smollm2 {r['tokens']} tokens ({r['stored_tokens']} stored): cold {r['cold_s'] * 1e3:.1f} ms, "
+        f"resumed {r['resumed_s'] * 1e3:.1f} ms = {r['ratio']:.2%} of cold (target <= 3%)\n  resumed split: {parts}"
+        f"\n  a new llama context (what the kept one saves): {r['context_creation_s'] * 1e3:.1f} ms"
+    )
+    return r
+
+
+def whole(a: argparse.Namespace) -> dict:
+    """Resumed vs cold on both engines, and SmolLM2's save and load."""
     reps = 2 if a.quick else 5
     out = {"ttft": [], "save_load": None}
     ref = ds4.ReferenceEngine()
@@ -329,9 +337,7 @@ def main():
             f"load_state / ds4 copy load = {sl['llama_load_state_s'] / sl['ds4_load_copy_s']:.1f}x; "
             f"LlamaDiskCache load / ds4 load = {sl['llama_disk_cache_load_s'] / sl['ds4_load_verify_s']:.1f}x"
         )
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+    return out
 
 
 if __name__ == "__main__":
