@@ -14,6 +14,8 @@ import pytest
 from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_server, warm_server
 
 from ds4.server import tools as T
+from ds4.server.conversation import Conversation, Message, Tool
+from ds4.turn import GenParams
 
 
 # -- the convention ------------------------------------------------------------
@@ -96,6 +98,25 @@ def test_tool_call_grammar_accepts_exactly_the_canonical_calls_it_allows():
     assert not _accepts(required, "plain text")
     assert _accepts(named, T.render_calls([("note", {"text": "a"})]))
     assert not _accepts(named, T.render_calls([("lookup", {"n": 3})]))  # not the named tool
+
+
+def test_one_call_only_when_parallel_calls_are_off():
+    fns = [t["function"] for t in TOOLS]
+    single = T.tool_call_grammar(fns, "required", parallel=False)
+    assert _accepts(single, T.render_calls([("lookup", {"n": 3})]))
+    assert not _accepts(single, T.render_calls([("lookup", {"n": 3}), ("note", {"text": "hi"})]))
+
+
+@pytest.mark.parametrize("choice", ["required", "note"])
+def test_a_forced_call_renders_the_prompt_of_an_unforced_one(choice):
+    """The tool choice is the grammar's work, not the prompt's: an agent that
+    forces a call, then sends the result with ``auto``, keeps one prompt
+    (and its cache), and a resumed reply is a cold one."""
+    tools = [Tool(t["function"]["name"], "", t["function"]["parameters"]) for t in TOOLS]
+    msgs = [Message("system", SYSTEM), Message("user", "Look up 7.")]
+    forced = Conversation(msgs, tools, choice).engine_messages()
+    assert forced == Conversation(msgs, tools, "auto").engine_messages()
+    assert Conversation(msgs, tools, choice).gen_params(GenParams(max_tokens=8)).constraint is not None
 
 
 # -- servers -------------------------------------------------------------------
@@ -272,9 +293,12 @@ def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, cold):
 
 
 def test_smollm2_tool_conversation_streams_and_continues_live(tmp_path):
-    """The one SmolLM2 loop: with tools described, the streamed answer (its
-    BPE pieces through the call splitter) equals a cold server's, and the
-    next turn, the answer echoed, is served from the live state."""
+    """The one SmolLM2 tool loop: the call is forced (``tool_choice``
+    ``required``: SmolLM2 never calls a tool on its own), streamed through
+    the call splitter as BPE pieces, and equals a cold server's; the call is
+    left in its canonical rendering, so the next request (the call echoed,
+    its result added) continues from the live state, with the cold
+    server's answer."""
     import llama_cpp  # noqa: F401  (CI installs it; this test must not be skipped)
 
     kv = str(tmp_path / "kv")
@@ -285,15 +309,16 @@ def test_smollm2_tool_conversation_streams_and_continues_live(tmp_path):
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "What is the weather in Paris? Use a tool if you need one."},
         ]
-        first, finish, _, _ = ask(warm, msgs, stream=True, max_tokens=12)
-        cold_first, cold_finish = cold_answer(cold, msgs, max_tokens=12)
+        kw = {"max_tokens": 64, "tool_choice": "required"}
+        first, finish, _, _ = ask(warm, msgs, stream=True, **kw)
+        cold.reset()
+        cold_first, cold_finish, u1, _ = ask(cold, msgs, **kw)
+        assert finish == "tool_calls" and first["tool_calls"], first
         assert strip_ids(first) == strip_ids(cold_first) and finish == cold_finish
-        if finish == "tool_calls":  # the model called (it usually answers in prose)
-            msgs += [first, *result_for(first)]
-        else:
-            msgs += [first, {"role": "user", "content": "And in Rome?"}]
+        msgs += [first, *result_for(first)]
         second, _, usage, x = ask(warm, msgs, max_tokens=12)
-        assert x["rung"] == "live" and usage.prompt_tokens_details.cached_tokens >= 0.95 * usage.prompt_tokens
+        # the whole first request and its call came from the live state; only the result turn was prefilled
+        assert x["rung"] == "live" and usage.prompt_tokens_details.cached_tokens >= u1.total_tokens, (x, u1, usage)
         assert strip_ids(second) == strip_ids(cold_answer(cold, msgs, max_tokens=12)[0])
     finally:
         warm.stop()

@@ -103,7 +103,7 @@ class Conversation:
         calls and tool results in the convention's blocks."""
         out = turns(self.messages)
         if self.tools_active:
-            block = conv_tools.tools_block([t.schema() for t in self.tools], self.forced, self.parallel_tool_calls)
+            block = conv_tools.tools_block([t.schema() for t in self.tools], self.parallel_tool_calls)
             if out and out[0]["role"] == "system":
                 out[0] = {"role": "system", "content": f"{block}\n\n{out[0]['content']}"}
             else:
@@ -140,7 +140,9 @@ class Conversation:
         if self.tools_active:
             params = dataclasses.replace(params, stop_after=(*params.stop_after, conv_tools.CALL_END))
             if self.forced is not None:
-                grammar = conv_tools.tool_call_grammar([t.schema() for t in self.tools], self.forced)
+                grammar = conv_tools.tool_call_grammar(
+                    [t.schema() for t in self.tools], self.forced, self.parallel_tool_calls
+                )
                 params = dataclasses.replace(params, constraint=Constraint.lark(grammar))
         return params
 

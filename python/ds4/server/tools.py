@@ -99,11 +99,12 @@ def canonical_arguments(arguments: str | Mapping[str, Any] | None) -> Any:
     return v if isinstance(v, dict) else arguments
 
 
-def tools_block(tools: Sequence[Mapping[str, Any]], choice: str | None = None, parallel: bool = True) -> str:
+def tools_block(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
     """The system-turn text that describes ``tools`` (each ``{"name",
-    "description", "parameters"}``) and how to call them. ``choice`` is
-    ``"required"``, a tool's name (that tool must be called) or None
-    (``auto``)."""
+    "description", "parameters"}``) and how to call them. ``tool_choice``
+    is not in it: a forced call is the grammar's work
+    (:func:`tool_call_grammar`), so a request that forces a call and the
+    next one that does not render the same prompt and share its cache."""
     lines = [
         "You have access to the following tools:",
         "<tools>",
@@ -116,10 +117,6 @@ def tools_block(tools: Sequence[Mapping[str, Any]], choice: str | None = None, p
     ]
     if not parallel:
         lines.append("Call at most one tool per answer.")
-    if choice == "required":
-        lines.append("You must call at least one tool now.")
-    elif choice:
-        lines.append(f"You must call the tool {choice} now.")
     return "\n".join(lines)
 
 
@@ -222,13 +219,14 @@ class StreamSplitter:
         return rep, self.buf[self.shown :]
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: str | None) -> str:
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: str | None, parallel: bool = True) -> str:
     """The llguidance lark grammar of a reply that is one call block (for
     ``tool_choice`` ``required`` or a named tool): ``<tool_call>``, a JSON
     array of calls whose arguments follow each tool's schema, ``</tool_call>``,
     every JSON item in ds4's format (:func:`ds4.constrain.json_rule`: the
-    canonical form of :func:`render_calls`). For
-    :meth:`ds4.constrain.Constraint.lark` (``Conversation.gen_params``)."""
+    canonical form of :func:`render_calls`); one call only when not
+    ``parallel``. For :meth:`ds4.constrain.Constraint.lark`
+    (``Conversation.gen_params``)."""
     chosen = [t for t in tools if choice in (None, "required") or t.get("name") == choice]
     alts = []
     for k, t in enumerate(chosen):
@@ -243,8 +241,9 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: str | None) ->
         }
         alts.append(f"call{k}: {json_rule(schema)}")
     names = " | ".join(f"call{k}" for k in range(len(chosen))) or "call0"
+    more = '("," " "? call)* ' if parallel else ""
     rules = [
-        f'start: "{CALL_START}[" call ("," " "? call)* "]{CALL_END}"',
+        f'start: "{CALL_START}[" call {more}"]{CALL_END}"',
         f"call: {names}",
         *alts,
     ]
