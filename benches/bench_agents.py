@@ -1,35 +1,41 @@
 #!/usr/bin/env python3
-"""An agent loop on each protocol: prefilled tokens and time with ds4 vs
-the same server without reuse.
+"""An agent loop on each protocol: prefilled tokens and time to first
+token with ds4 vs the same server without any prompt reuse.
 
-Workload: a ~2,000-token (SmolLM2; 11,500 bytes for the byte-level
+Workload: a ~2,000-token (SmolLM2; 11,237 tokens for the byte-level
 reference model) system prompt with eight tool schemas, then ``--turns``
-requests of an agent client: each carries the whole history, echoes the
-model's answers, sends a result for each tool call and a new question after
-each plain answer. One loop per protocol: ``/v1/chat/completions`` (tools),
-``/v1/messages`` and ``/v1/responses`` (full replay of the input items).
-Three servers on the same engine, one after the other, in this one run:
+agent turns: a question, the model's tool call, the tool's result, the
+model's answer. Every request carries the whole history and echoes the
+model's earlier replies, as agent clients do. One loop per protocol, each on
+a fresh server with an empty cache directory (so every loop pays its own
+first prefill): ``/v1/chat/completions`` with tools, ``/v1/messages``, and
+``/v1/responses`` replaying its input items.
 
-* ``ds4``: ``--kv-disk-dir`` (the live session, canonical tool checkpoints,
-  the disk rung);
-* ``no-kv``: ``--no-kv-cache`` (the live session is still reused);
-* ``cold``: ``--no-kv-cache`` and the live session replaced before every
-  turn: a server with no prompt cache at all (every turn a full prefill).
+SmolLM2-135M never calls a tool on its own, so by default the question's
+request forces one (``tool_choice`` ``required`` / Anthropic ``any``: the
+call is constrained decoding's work) and the result's request leaves the
+choice to the model, which answers. ``--engine scripted`` is the reference
+model following the agent tests' script (tests/scripted_engine.py: a call
+after a question, an answer after a result; nothing forced).
 
-Per protocol and server: prefilled tokens (prompt - cached) over the loop,
-the cached share of each turn after the first, the total time and the
-server-side time to first token (``ds4.ttft_ms``) of turns 2.. as a ratio of
-the cold server's. Answers are checked equal across the three servers
-(greedy decoding).
+Baselines, in the same run:
 
-``--engine scripted`` is the reference model whose replies follow the
-agent tests' script (tests/scripted_engine.py: it calls the first tool after
-a question and answers after a result; its KV state is computed as usual):
-SmolLM2-135M never calls a tool, the script does, so the loop is a real
-call -> result -> answer loop::
+* ``cold``: a ``--no-kv-cache`` server whose live session is replaced before
+  each request, sent exactly the ds4 loop's request bodies (every request,
+  or every ``--cold-every``-th and the last): no prompt cache at all. Each is
+  checked to prefill the whole prompt; the prefilled tokens of a server
+  without reuse are the sum of the loop's prompts. Its replies are compared
+  with ds4's.
+* ``no-kv`` (``--no-kv``): the loop on a ``--no-kv-cache`` server (no disk
+  cache; the live session still reused).
 
-    python benches/bench_agents.py --engine scripted --ctx 32768 --max-tokens 200 [--turns 10]
-    python benches/bench_agents.py --engine llamacpp [--turns 10] [--max-tokens 8]
+Reported per protocol: prefilled tokens (prompt - cached) as a share of
+no reuse's, the cached share of each request after the first, and the
+server's own time to first token (``ds4.ttft_ms``) of each request after
+the first as a ratio of the cold server's for the same request::
+
+    python benches/bench_agents.py --engine llamacpp --turns 10 --cold-every 4
+    python benches/bench_agents.py --engine scripted --ctx 32768 --max-tokens 200 --no-kv
 """
 
 from __future__ import annotations
@@ -98,6 +104,11 @@ class Server:
             raise RuntimeError(f"{path}: {r.status_code} {r.text}")
         return r.json()
 
+    def timed(self, path: str, body: dict) -> tuple[dict, dict]:
+        t = time.perf_counter()
+        r = self.post(path, body)
+        return r, {"ttft_ms": r["ds4"]["ttft_ms"], "wall_s": time.perf_counter() - t}
+
     def reset(self) -> None:
         self.post("/v1/completions", {"model": "m", "prompt": "reset", "max_tokens": 1})
 
@@ -113,8 +124,8 @@ def result(turn: int, args: str) -> str:
 
 
 class Chat:
-    """The client of /v1/chat/completions: it echoes each answer, sends a
-    result for each call, and a new question after each plain answer."""
+    """The client of /v1/chat/completions: it echoes each answer and sends
+    a result for each call."""
 
     path = "/v1/chat/completions"
 
@@ -140,11 +151,8 @@ class Chat:
         self.calls = [(c["id"], c["function"]["arguments"]) for c in calls]
         return json.dumps([m["content"], [c["function"] for c in calls]])
 
-    def next(self, turn: int) -> None:
-        if self.calls:
-            self.msgs += [{"role": "tool", "tool_call_id": i, "content": result(turn, a)} for i, a in self.calls]
-        else:
-            self.msgs.append(self.question(turn))
+    def results(self, turn: int) -> None:
+        self.msgs += [{"role": "tool", "tool_call_id": i, "content": result(turn, a)} for i, a in self.calls]
 
     @staticmethod
     def usage(r: dict) -> tuple[int, int]:
@@ -169,12 +177,9 @@ class Messages(Chat):
         self.calls = [(b["id"], json.dumps(b["input"])) for b in r["content"] if b["type"] == "tool_use"]
         return json.dumps([{k: v for k, v in b.items() if k != "id"} for b in r["content"]])
 
-    def next(self, turn: int) -> None:
-        if self.calls:
-            res = [{"type": "tool_result", "tool_use_id": i, "content": result(turn, a)} for i, a in self.calls]
-            self.msgs.append({"role": "user", "content": res})
-        else:
-            self.msgs.append(self.question(turn))
+    def results(self, turn: int) -> None:
+        res = [{"type": "tool_result", "tool_use_id": i, "content": result(turn, a)} for i, a in self.calls]
+        self.msgs.append({"role": "user", "content": res})
 
     @staticmethod
     def usage(r: dict) -> tuple[int, int]:
@@ -210,13 +215,8 @@ class Responses(Chat):
                 out.append([o["name"], o["arguments"]])
         return json.dumps(out)
 
-    def next(self, turn: int) -> None:
-        if self.calls:
-            self.msgs += [
-                {"type": "function_call_output", "call_id": i, "output": result(turn, a)} for i, a in self.calls
-            ]
-        else:
-            self.msgs.append(self.question(turn))
+    def results(self, turn: int) -> None:
+        self.msgs += [{"type": "function_call_output", "call_id": i, "output": result(turn, a)} for i, a in self.calls]
 
     @staticmethod
     def usage(r: dict) -> tuple[int, int]:
@@ -224,66 +224,142 @@ class Responses(Chat):
         return u["input_tokens"], u["input_tokens_details"]["cached_tokens"]
 
 
-def loop(srv: Server, proto: type[Chat], turns: int, max_tokens: int, cold: bool) -> dict:
-    c = proto(max_tokens)
-    rows, answers = [], []
+PROTOCOLS: dict[str, type[Chat]] = {"chat": Chat, "messages": Messages, "responses": Responses}
+MAX_STEPS = 4  # requests in one turn before the loop gives up on the model's calls
+FORCE = {"chat": "required", "messages": {"type": "any"}, "responses": "required"}
+
+
+def loop(srv: Server, name: str, turns: int, max_tokens: int, force: bool) -> dict:
+    """``turns`` agent turns: a question (with the tool choice forced to a
+    call when ``force``), then the results of each call until an answer
+    without calls. Records every request body, so another server can be
+    sent exactly the same requests."""
+    c = PROTOCOLS[name](max_tokens)
+    rows, answers, bodies = [], [], []
     t0 = time.perf_counter()
     for turn in range(turns):
         if turn:
-            c.next(turn)
-        if cold:
-            srv.reset()
-        t = time.perf_counter()
-        r = srv.post(c.path, c.body())
-        wall = time.perf_counter() - t
+            c.msgs.append(c.question(turn))
+        for step in range(MAX_STEPS):
+            body = json.loads(json.dumps(c.body()))  # a copy: the client's history grows on
+            if step == 0 and force:
+                body["tool_choice"] = FORCE[name]
+            bodies.append(body)
+            r, row = srv.timed(c.path, body)
+            prompt, cached = c.usage(r)
+            answers.append(c.answer(r))
+            rows.append({**row, "prompt": prompt, "cached": cached, "turn": turn})
+            if not c.calls:
+                break
+            c.results(turn)
+        else:
+            raise RuntimeError(f"{name}: turn {turn} still calling tools after {MAX_STEPS} requests")
+    return {"rows": rows, "answers": answers, "bodies": bodies, "total_s": time.perf_counter() - t0}
+
+
+def replay(srv: Server, name: str, ds4: dict, picks: list[int]) -> dict:
+    """The requests ``picks`` of the ds4 loop, each on a fresh live session
+    (no prompt cache at all: every request a full prefill)."""
+    c = PROTOCOLS[name](0)
+    rows, answers = {}, {}
+    for i in picks:
+        srv.reset()
+        r, row = srv.timed(c.path, ds4["bodies"][i])
         prompt, cached = c.usage(r)
-        answers.append(c.answer(r))
-        rows.append({"prompt": prompt, "cached": cached, "ttft_ms": r["ds4"]["ttft_ms"], "wall_s": wall})
-    total = time.perf_counter() - t0 if not cold else sum(x["wall_s"] for x in rows)
-    return {"rows": rows, "answers": answers, "total_s": total}
+        answers[i] = c.answer(r)
+        rows[i] = {**row, "prompt": prompt, "cached": cached}
+    return {"rows": rows, "answers": answers}
+
+
+def sample(n: int, every: int) -> list[int]:
+    """Every ``every``-th request and the last (all with 1)."""
+    return sorted({*range(0, n, every), n - 1})
+
+
+def report(name: str, res: dict[str, dict]) -> list[str]:
+    d = res["ds4"]
+    n = len(d["rows"])
+    no_reuse = sum(x["prompt"] for x in d["rows"])  # a server without reuse prefills every prompt whole
+    cold = res["cold"]
+    picks = sorted(cold["rows"])
+    bad = [i for i in picks if cold["rows"][i]["cached"] or cold["rows"][i]["prompt"] != d["rows"][i]["prompt"]]
+    if bad:
+        raise RuntimeError(f"{name}: the cold server did not prefill requests {bad} whole: {cold['rows']} {d['rows']}")
+    later = [i for i in picks if i > 0]
+    out = [
+        f"{name}: {n} requests over {d['rows'][-1]['turn'] + 1} turns, prompt {d['rows'][0]['prompt']} -> "
+        f"{d['rows'][-1]['prompt']} tokens; cold run on requests {picks}"
+    ]
+    for label in ("ds4", "no-kv"):
+        if label not in res:
+            continue
+        rows = res[label]["rows"]
+        pref = sum(x["prompt"] - x["cached"] for x in rows)
+        shares = [x["cached"] / x["prompt"] for x in rows[1:]]
+        ratios = [rows[i]["ttft_ms"] / cold["rows"][i]["ttft_ms"] for i in later]
+        same = all(res[label]["answers"][i] == cold["answers"][i] for i in picks)
+        same = same and (label == "ds4" or res[label]["answers"] == d["answers"])
+        out.append(
+            f"  {label:6} prefilled {pref:7d} = {pref / no_reuse:6.1%} of no reuse ({no_reuse})"
+            f"  cached share req 2..: min {min(shares):.1%} mean {statistics.mean(shares):.1%}"
+            f"  ttft/cold req 2..: max {max(ratios):.1%} mean {statistics.mean(ratios):.1%}"
+            f"  total {res[label]['total_s']:.1f} s  answers {'same' if same else 'DIFFERENT'}"
+        )
+    ttft = [cold["rows"][i]["ttft_ms"] for i in later]
+    out.append(f"  cold   ttft of the sampled requests 2..: {min(ttft) / 1e3:.1f}-{max(ttft) / 1e3:.1f} s")
+    for i, x in enumerate(d["rows"]):
+        out.append(
+            f"    req {i + 1:2d} turn {x['turn'] + 1:2d} prompt {x['prompt']:6d} cached {x['cached']:6d}"
+            f" ttft {x['ttft_ms']:9.1f} ms"
+            + (f"  cold {cold['rows'][i]['ttft_ms']:9.1f} ms" if i in cold["rows"] else "")
+        )
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="llamacpp")
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=10, help="agent turns (question -> call -> result -> answer)")
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--protocols", default="chat,messages,responses")
+    ap.add_argument("--no-kv", action="store_true", help="also run the loops on a --no-kv-cache server")
+    ap.add_argument("--cold-every", type=int, default=1, help="run every k-th request (and the last) cold")
+    ap.add_argument(
+        "--force-calls",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="force a call on each question (tool_choice required; auto: unless --engine scripted)",
+    )
+    ap.add_argument("--json", help="write the raw rows here")
     a = ap.parse_args()
-    protos = {"chat": Chat, "messages": Messages, "responses": Responses}
+    force = a.force_calls == "yes" or (a.force_calls == "auto" and a.engine != "scripted")
     tmp = tempfile.mkdtemp(prefix="ds4-bench-agents-")
     results: dict[str, dict[str, dict]] = {}
     try:
-        for label, extra, cold in (
-            ("ds4", ["--kv-disk-dir", os.path.join(tmp, "kv")], False),
-            ("no-kv", ["--no-kv-cache"], False),
-            ("cold", ["--no-kv-cache"], True),
-        ):
-            srv = Server(a.engine, extra, os.path.join(tmp, f"{label}.log"), a.ctx)
+        for name in a.protocols.split(","):
+            res = results[name] = {}
+            servers = [("ds4", ["--kv-disk-dir", os.path.join(tmp, f"kv-{name}")])]
+            if a.no_kv:
+                servers.append(("no-kv", ["--no-kv-cache"]))
+            for label, extra in servers:  # a fresh server (and cache directory) per protocol
+                srv = Server(a.engine, extra, os.path.join(tmp, f"{label}-{name}.log"), a.ctx)
+                try:
+                    res[label] = loop(srv, name, a.turns, a.max_tokens, force)
+                finally:
+                    srv.stop()
+            srv = Server(a.engine, ["--no-kv-cache"], os.path.join(tmp, f"cold-{name}.log"), a.ctx)
             try:
-                for name in a.protocols.split(","):
-                    results.setdefault(name, {})[label] = loop(srv, protos[name], a.turns, a.max_tokens, cold)
-                    srv.reset()
+                res["cold"] = replay(srv, name, res["ds4"], sample(len(res["ds4"]["rows"]), a.cold_every))
             finally:
                 srv.stop()
+            print("\n".join(report(name, res)), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"engine={a.engine} turns={a.turns} max_tokens={a.max_tokens}")
-    print("protocol   server  prompt(t1) prefilled  vs-cold  cached-share(t2..) min/mean  ttft(t2..)/cold  total_s")
-    for name, by in results.items():
-        cold_pref = sum(x["prompt"] - x["cached"] for x in by["cold"]["rows"])
-        cold_ttft = statistics.mean(x["ttft_ms"] for x in by["cold"]["rows"][1:])
-        for label, res in by.items():
-            rows = res["rows"]
-            pref = sum(x["prompt"] - x["cached"] for x in rows)
-            shares = [x["cached"] / x["prompt"] for x in rows[1:]]
-            ttft = statistics.mean(x["ttft_ms"] for x in rows[1:])
-            same = "same" if res["answers"] == by["cold"]["answers"] else "DIFFERENT answers"
-            print(
-                f"{name:10} {label:7} {rows[0]['prompt']:10d} {pref:9d} {pref / cold_pref:7.1%} "
-                f"{min(shares):18.1%} / {statistics.mean(shares):.1%} {ttft / cold_ttft:15.1%} {res['total_s']:8.1f}  {same}"
-            )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({k: {s: {"rows": v["rows"]} for s, v in by.items()} for k, by in results.items()}, f, indent=1)
+    print(f"engine={a.engine} turns={a.turns} max_tokens={a.max_tokens} force_calls={force}")
     return 0
 
 
