@@ -11,24 +11,15 @@
 
 use ds4::format::{self, v1, v2};
 use ds4::{open, touch, VerifyOptions};
+#[path = "scratch.rs"]
+mod scratch;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
 fn scratch() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        // $DS4_FUZZ_SCRATCH (scripts/fuzz.sh sets and removes it), else
-        // tmpfs when there is one: the target writes a file per input.
-        let shm = std::path::Path::new("/dev/shm");
-        let base = match std::env::var_os("DS4_FUZZ_SCRATCH") {
-            Some(d) => PathBuf::from(d),
-            None if shm.is_dir() => shm.to_path_buf(),
-            None => std::env::temp_dir(),
-        };
-        let d = base.join(format!("ds4-fuzz-parse-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    })
+    DIR.get_or_init(|| scratch::dir("parse"))
 }
 
 fn raw_parsers(data: &[u8]) {
