@@ -7,5 +7,6 @@
 
 #[path = "parse_check.rs"]
 mod parse_check;
+mod scratch;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| parse_check::check(data));

@@ -11,15 +11,12 @@
 
 use ds4::format::{self, v1, v2};
 use ds4::{open, touch, VerifyOptions};
-#[path = "scratch.rs"]
-mod scratch;
-
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
 fn scratch() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| scratch::dir("parse"))
+    DIR.get_or_init(|| crate::scratch::dir("parse"))
 }
 
 fn raw_parsers(data: &[u8]) {

@@ -5,5 +5,6 @@
 
 #[path = "roundtrip_check.rs"]
 mod roundtrip_check;
+mod scratch;
 
 libfuzzer_sys::fuzz_target!(|input: &[u8]| roundtrip_check::check(input));

@@ -9,15 +9,12 @@
 
 use arbitrary::{Result, Unstructured};
 use ds4::{open, Dtype, TensorSrc, VerifyOptions, WriteMeta};
-#[path = "scratch.rs"]
-mod scratch;
-
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
 fn scratch() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| scratch::dir("roundtrip"))
+    DIR.get_or_init(|| crate::scratch::dir("roundtrip"))
 }
 
 struct T {

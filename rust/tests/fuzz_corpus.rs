@@ -11,6 +11,8 @@
 mod parse_check;
 #[path = "../../fuzz/fuzz_targets/roundtrip_check.rs"]
 mod roundtrip_check;
+#[path = "../../fuzz/fuzz_targets/scratch.rs"]
+mod scratch;
 
 use std::path::{Path, PathBuf};
 
