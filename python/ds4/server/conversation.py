@@ -213,7 +213,7 @@ class AgentTurn:
         self.live_only = live_only  # the request has no history: only the live state can serve it
         self.messages: list[dict[str, str]] = []
         self.outcome: Outcome | None = None
-        self.on_outcome: Callable[[Outcome], None] | None = None
+        self.on_outcome: Callable[[Outcome, GenResult], None] | None = None  # (the outcome, the turn's result)
 
     def render(self, engine: Engine) -> str:
         msgs = self._live_continuation()
@@ -255,7 +255,7 @@ class AgentTurn:
         if calls and res.finish_reason == "stop":
             self._canonicalize(rep.content, calls)
         if self.on_outcome is not None:
-            self.on_outcome(self.outcome)
+            self.on_outcome(self.outcome, res)
 
     def _canonicalize(self, content: str, calls: list[ToolCall]) -> None:
         gen = self.gen
