@@ -13,11 +13,13 @@ Input
     ``top_p``.
 
 State
-    With ``store`` (the default), each response is kept as a record: the
-    conversation through its output (calls with their ids). With a cache
-    directory the records are files in it (:mod:`ds4.kvstore.records`,
-    counted in its budget), so ``previous_response_id`` resolves after a
-    restart; without one they live in memory (the last 1,000). An unknown
+    With ``store`` (the default), each response is kept as a record: its
+    owner, its head (what the response object says of the request, its
+    status and usage) and the conversation through its output (calls with
+    their ids), each message with its item id. With a cache directory the
+    records are files in it (:mod:`ds4.kvstore.records`, counted in its
+    budget), so ``previous_response_id`` resolves after a restart; without
+    one they live in memory (the last 1,000). An unknown
     ``previous_response_id`` gets OpenAI's 400 ``previous_response_not_found``.
     An input of tool outputs only, with no previous response, is served
     from the live tool state when it answers exactly the calls generated at
@@ -26,6 +28,33 @@ State
     ``responses-visible`` match is the ladder's ``memory-text`` rung: after a
     turn the live state is the canonical rendering of the conversation, so a
     request that extends it continues from the live tokens.
+
+Retrieval
+    ``GET /v1/responses/{id}`` (the response object as created, without
+    the ``ds4`` block), ``DELETE /v1/responses/{id}`` (``{"id", "object":
+    "response", "deleted": true}``; the record's file removed under the
+    store's lock, after which ``previous_response_id`` to it is unknown) and
+    ``GET /v1/responses/{id}/input_items`` (the items the response was
+    given, the previous responses' included, without the instructions;
+    ``order`` ``desc`` by default or ``asc``, ``limit`` 1-100 (20),
+    ``after`` an item id). An unknown id gets OpenAI's 404 ``Response with
+    id '...' not found.``; a ``store: false`` response was never stored.
+
+Owners
+    A stored response belongs to the tenant that created it
+    (:mod:`ds4.server.tenants`: the key's tenant, ``anonymous`` without
+    keys). For any other tenant it does not exist: ``previous_response_id``
+    gets the same 400 and every retrieval route the same 404, with the same
+    message, as an unknown id; the only work done beyond an unknown id's is
+    reading the record. The binding is to the tenant, not to ``cache_salt``:
+    OpenAI scopes stored responses to the project (the key), and a salt is a
+    cache partition a client may vary per request (it is not an identity;
+    its value is never stored). Records written before owners existed
+    (no ``owner`` field) are the anonymous tenant's: a server without keys
+    keeps continuing and deleting them (they have no response object to
+    retrieve: 404), a server with keys treats them as another tenant's.
+    A record that cannot be read or does not validate is a not-found and is
+    removed (:meth:`ds4.kvstore.records.RecordStore.get`).
 """
 
 from __future__ import annotations
