@@ -119,6 +119,9 @@ def test_another_tenant_cannot_continue_retrieve_list_or_delete(keyed):
     with pytest.raises(openai.NotFoundError):
         b.responses.delete(r.id)
     assert_unknown_to(keyed, KB, r.id)
+    for method, path in (("GET", ""), ("GET", "/input_items"), ("DELETE", "")):  # no key: the guard's 401
+        resp = httpx.request(method, f"{keyed.base}/v1/responses/{r.id}{path}", timeout=60)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
     if keyed.records:
         assert os.path.exists(record_path(keyed, r.id))
     # A's response is untouched: retrieved, listed and continued
