@@ -136,6 +136,22 @@ def test_another_tenant_cannot_continue_retrieve_list_or_delete(keyed):
     assert keyed.health()["counters"]["errors"] == 0
 
 
+def test_another_tenant_cannot_continue_the_live_tool_state(keyed):
+    """Tool outputs alone (no previous response) continue the live state
+    only for its own tenant: B answering A's calls gets ds4's 409, as when
+    the state is gone, and A's own answer still continues from it."""
+    a, b = keyed.client(KA), keyed.client(KB)
+    r = create(a, "Look up 8.", store=False)
+    with pytest.raises(openai.ConflictError) as ei:
+        create(b, outputs_for(r))
+    assert "replaying the full input history" in ei.value.message
+    assert "responses live continuation declined: the live state is another namespace's" in keyed.text_log()
+    # B's attempt moved nothing: A's outputs still continue A's live state
+    r2 = create(a, outputs_for(r))
+    assert r2.output[0].content[0].text.startswith("Result: ")
+    assert r2.usage.input_tokens_details.cached_tokens >= 0.95 * r2.usage.input_tokens
+
+
 def test_store_false_is_not_retrievable(keyed):
     a = keyed.client(KA)
     r = create(a, "Look up 7.", store=False)
