@@ -226,6 +226,17 @@ def test_round_trip_and_restart(tmp_path):
         srv.stop()
 
 
+def test_a_streamed_response_is_retrieved_as_it_completed(open_srv):
+    c = open_srv.client()
+    with c.responses.create(
+        model="m", instructions=SYSTEM, input="Look up 6.", tools=RTOOLS, stream=True, temperature=0.5
+    ) as s:
+        done = [e for e in s if e.type == "response.completed"][-1].response
+    got = c.responses.retrieve(done.id)
+    assert body(got) == body(done) and got.temperature == 0.5 and got.usage.output_tokens > 0
+    assert [i.content[0].text for i in c.responses.input_items.list(done.id)] == ["Look up 6."]
+
+
 def _corruptions():
     head = {"id": "resp_other", "created_at": 1, "status": "completed", "usage": {}}
     msgs = [{"id": "msg_1", "role": "user", "content": "x"}, {"id": "msg_2", "role": "assistant", "content": "y"}]
