@@ -28,6 +28,8 @@ TOOLS = [
         },
     },
 ]
+#: TOOLS as the Responses API takes them (flat function tools)
+RTOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 SYSTEM = "You are an agent. Use the tools to answer. " + " ".join(f"rule-{i}: be exact." for i in range(40))
 
 

@@ -13,10 +13,7 @@ import signal
 import httpx
 import openai
 import pytest
-from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_server, warm_server
-
-RTOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
-
+from agent_helpers import KV_FLAGS, RTOOLS, SYSTEM, ScriptedServer, cold_server, warm_server
 
 cold = pytest.fixture(scope="module", name="cold")(cold_server)
 warm = pytest.fixture(scope="module", name="warm")(warm_server)

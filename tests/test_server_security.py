@@ -124,6 +124,7 @@ def test_foreign_host_and_origin_are_refused(keyed):
     assert pre.status_code == 204, pre.text
     assert pre.headers["access-control-allow-origin"] == "https://app.example"
     assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "DELETE" in pre.headers["access-control-allow-methods"]  # client.responses.delete from a page
     assert "authorization" in pre.headers["access-control-allow-headers"]
     r = httpx.post(url, json=chat, headers={**h, "Origin": "https://app.example"}, timeout=60)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"

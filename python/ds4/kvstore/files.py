@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import stat
+import threading
 from collections.abc import Iterator
 
 from ..errors import StoreError
@@ -150,13 +151,17 @@ def temp_is_orphaned(name: str, mtime: float, now: float, max_age: float = TMP_M
 
 class DirLock:
     """The directory's one lock: an exclusive ``flock`` on ``.ds4.lock``,
-    re-entrant within one store (a discard during a store already holds it;
-    a second ``flock`` on a new descriptor would wait for itself)."""
+    re-entrant within one store and one thread (a discard during a store
+    already holds it; a second ``flock`` on a new descriptor would wait for
+    itself). Another thread of the process waits as another process does
+    (the server's worker stores while a request thread deletes a record):
+    a thread lock is taken before the ``flock`` and released after it."""
 
     def __init__(self, directory: str):
         self.path = os.path.join(directory, LOCK_NAME)
         self.fd = -1
         self.depth = 0
+        self._thread_lock = threading.RLock()
 
     def _open(self) -> int:
         """The lock file, created without following a symlink, and refused
@@ -173,53 +178,60 @@ class DirLock:
 
     @contextlib.contextmanager
     def try_held(self) -> Iterator[bool]:
-        """The lock when it is free (or already held by this store), without
-        waiting: yields whether it is held."""
-        if self.depth > 0:
-            self.depth += 1
-            try:
-                yield True
-            finally:
-                self.depth -= 1
-            return
-        fd = self._open()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        """The lock when it is free (or already held by this store in this
+        thread), without waiting: yields whether it is held."""
+        if not self._thread_lock.acquire(blocking=False):
             yield False
             return
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd, self.depth = fd, 1
         try:
-            yield True
-        finally:
-            self.depth = 0
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            self.fd = -1
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        if self.depth == 0:
+            if self.depth > 0:
+                self.depth += 1
+                try:
+                    yield True
+                finally:
+                    self.depth -= 1
+                return
             fd = self._open()
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                yield False
+                return
             except BaseException:
                 os.close(fd)
                 raise
-            self.fd = fd
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if self.depth == 0:
-                fcntl.flock(self.fd, fcntl.LOCK_UN)
-                os.close(self.fd)
+            self.fd, self.depth = fd, 1
+            try:
+                yield True
+            finally:
+                self.depth = 0
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
                 self.fd = -1
+        finally:
+            self._thread_lock.release()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._thread_lock:
+            if self.depth == 0:
+                fd = self._open()
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self.fd = fd
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+                    os.close(self.fd)
+                    self.fd = -1
 
 
 def create_temp(directory: str, name: str) -> tuple[int, str]:

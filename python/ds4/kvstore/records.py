@@ -10,8 +10,12 @@ restart), in the ``records/`` subdirectory of the cache directory.
 * Bounded: the records together stay within ``max_bytes`` (the oldest
   removed first), and :class:`ds4.kvstore.KVStore` counts their bytes in
   its budget (its checkpoints are evicted to make room for them).
-* A record that cannot be read or parsed is reported as missing (and
+* A record that cannot be read or parsed, or that the caller's ``check``
+  rejects (its own format's validation), is reported as missing (and
   removed): it is a cache, the client can replay its history.
+* :meth:`RecordStore.delete` removes one record (a regular file only),
+  under the lock; a reader that opened it before still reads it whole, a
+  reader after finds nothing.
 """
 
 from __future__ import annotations
@@ -115,23 +119,52 @@ class RecordStore:
             total -= sizes.pop(name)[0]
             log.info("record %s evicted (records over %d bytes)", name, self.max_bytes)
 
-    def get(self, kind: str, key: str) -> Any | None:
-        """The record's data, or None when there is none (or it is unreadable)."""
+    def get(self, kind: str, key: str, check: Callable[[Any], object] | None = None) -> Any | None:
+        """The record's data, or None when there is none (or it is
+        unreadable, or ``check(data)`` raises ValueError, TypeError or
+        KeyError: such a record is removed, and the error logged)."""
         name = self._name(kind, key)
         path = os.path.join(self.dir, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None
+        ident = None
         try:
             with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
                     return None
+                ident = (st.st_dev, st.st_ino)
                 raw = f.read(self.max_bytes + 1)
-            return json.loads(raw)
-        except (OSError, ValueError) as e:
-            log.warning("record %s unreadable (%s): removed", name, e)
-            with self._locked(), contextlib.suppress(OSError):
-                os.unlink(path)
-                self._sizes = None
+            data = json.loads(raw)
+            if check is not None:
+                check(data)
+            return data
+        except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:
+            log.warning("record %s unreadable (%s: %s): removed", name, type(e).__name__, e)
+            with contextlib.suppress(OSError):
+                self._remove_version(name, ident)
             return None
+
+    def _remove_version(self, name: str, ident: tuple[int, int] | None) -> bool:
+        """Remove ``name`` (a regular file) under the lock; with ``ident``
+        (device, inode) only that version of it (not a record written
+        since under the same name)."""
+        path = os.path.join(self.dir, name)
+        with self._locked():
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or (ident is not None and ident != (st.st_dev, st.st_ino)):
+                    return False
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+            if self._sizes is not None:
+                self._sizes.pop(name, None)
+            _core.sync_dir(self.dir)
+        return True
+
+    def delete(self, kind: str, key: str) -> bool:
+        """Remove the record ``kind``/``key``; False when there was none."""
+        return self._remove_version(self._name(kind, key), None)

@@ -2,7 +2,10 @@
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 (non-streaming, or streaming over SSE: ``data: {json}`` chunks then ``data:
-[DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``.
+[DONE]``), ``POST /v1/messages`` (and ``/count_tokens``), ``POST
+/v1/responses``, ``GET``/``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items``, ``GET /v1/models``, ``GET
+/v1/models/{id}``, ``GET /health``.
 
 A handler parses the request (:mod:`ds4.server.openai`), submits a job to
 the one worker (:mod:`ds4.server.worker`) and relays its events. The job's
@@ -18,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
@@ -29,7 +32,7 @@ from .body import BodyLimits, read_json
 from .conversation import AgentTurn, LiveTools
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
 from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
-from .responses import MemoryRecords, ResponsesParser, ResponsesWire, remember
+from .responses import MemoryRecords, ResponsesParser, ResponsesWire, StoredResponses
 from .tenants import ANONYMOUS, namespace_for
 from .worker import Job, Service
 
@@ -52,6 +55,11 @@ SSE_KEEPALIVE_S = 2.0
 SSE_KEEPALIVE = b": keepalive\n\n"
 
 
+def tenant_of_request(request: Request) -> str:
+    """The request's tenant (put in the scope by the guard)."""
+    return str(request.scope.get("state", {}).get("ds4_tenant", ANONYMOUS))
+
+
 class _JobRun:
     """One submitted job seen from the event loop: its events, and a
     watcher that cancels it when the client disconnects."""
@@ -66,8 +74,7 @@ class _JobRun:
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
 
-        tenant = request.scope.get("state", {}).get("ds4_tenant", ANONYMOUS)
-        namespace = namespace_for(tenant, turn.cache_salt)
+        namespace = namespace_for(tenant_of_request(request), turn.cache_salt)
         if turn.agent is not None:
             self.job = Job("agent", turn.agent, turn.params, post, namespace)
         else:
@@ -113,8 +120,11 @@ class _Routes:
         self.anthropic = AnthropicWire(service.model_id, debug)
         self.messages_parser = MessagesParser(default_max_tokens, self.gen.ctx, self.parser.max_prompt_bytes)
         records = self.gen.store.records if self.gen.store is not None else MemoryRecords()
-        self.responses_wire = ResponsesWire(service.model_id, records, debug)
-        self.responses_parser = ResponsesParser(default_max_tokens, self.gen.ctx, records, self.parser.max_prompt_bytes)
+        self.stored = StoredResponses(records, service.model_id)
+        self.responses_wire = ResponsesWire(service.model_id, self.stored, debug)
+        self.responses_parser = ResponsesParser(
+            default_max_tokens, self.gen.ctx, self.stored, self.parser.max_prompt_bytes
+        )
 
     @staticmethod
     def err(e: ApiError) -> Response:
@@ -159,15 +169,34 @@ class _Routes:
 
     async def responses(self, request: Request) -> Response:
         """OpenAI Responses (ds4.server.responses)."""
-        try:
-            turn = self.responses_parser.parse(await self.read_json(request))
+        try:  # parsed off the loop: a previous response is read from disk
+            raw = await self.read_json(request)
+            turn = await asyncio.to_thread(self.responses_parser.parse, raw, tenant_of_request(request))
         except ApiError as e:
             return self.wire_err(self.responses_wire, e)
         assert turn.conv is not None
         turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses", live_only=turn.live_only)
-        records = self.responses_wire.records
-        turn.agent.on_outcome = lambda oc: remember(records, turn, oc)  # in the worker thread
+        turn.agent.on_outcome = lambda oc, res: self.stored.remember(turn, oc, res)  # in the worker thread
         return await self.run(request, turn, self.responses_wire)
+
+    async def stored_response(self, request: Request) -> Response:
+        """``GET``/``DELETE /v1/responses/{id}``: the tenant's own stored response."""
+        if request.method == "DELETE":
+            return await self._stored(request, self.stored.delete)
+        return await self._stored(request, lambda rid, t: self.stored.retrieve(rid, t, request.query_params))
+
+    async def stored_items(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}/input_items``."""
+        return await self._stored(request, lambda rid, t: self.stored.input_items(rid, t, request.query_params))
+
+    async def _stored(self, request: Request, call: Callable[[str, str], Any]) -> Response:
+        from starlette.responses import JSONResponse
+
+        try:  # off the loop: the record's file, and a removal takes the store's lock
+            body = await asyncio.to_thread(call, request.path_params["response_id"], tenant_of_request(request))
+        except ApiError as e:
+            return self.wire_err(self.responses_wire, e)
+        return JSONResponse(body)
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's ``count_tokens``: the prompt's tokens, rendered in full."""
@@ -349,6 +378,8 @@ def create_app(
         Route("/v1/completions", r.completions, methods=["POST"]),
         Route("/v1/messages", r.messages, methods=["POST"]),
         Route("/v1/responses", r.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", r.stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", r.stored_items, methods=["GET"]),
         Route("/v1/messages/count_tokens", r.count_tokens, methods=["POST"]),
         Route("/v1/models", r.models, methods=["GET"]),
         Route("/v1/models/{model:path}", r.model_get, methods=["GET"]),

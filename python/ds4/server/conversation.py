@@ -215,10 +215,12 @@ class AgentTurn:
         self.live_only = live_only  # the request has no history: only the live state can serve it
         self.messages: list[dict[str, str]] = []
         self.outcome: Outcome | None = None
-        self.on_outcome: Callable[[Outcome], None] | None = None
+        self.on_outcome: Callable[[Outcome, GenResult], None] | None = None  # (the outcome, the turn's result)
 
-    def render(self, engine: Engine) -> str:
-        msgs = self._live_continuation()
+    def render(self, engine: Engine, namespace: str | None = None) -> str:
+        """The prompt of a turn in the cache ``namespace`` (the request's:
+        only a live state of that namespace can be continued)."""
+        msgs = self._live_continuation(namespace)
         if msgs is None:
             if self.live_only:
                 raise LiveStateGone(
@@ -228,17 +230,22 @@ class AgentTurn:
         self.messages = msgs
         return engine.render_chat(msgs)
 
-    def _live_continuation(self) -> list[dict[str, str]] | None:
+    def _live_continuation(self, namespace: str | None) -> list[dict[str, str]] | None:
         """ds4's tool-output match: the request ends in results for exactly
         the calls generated at the live end, and the live state still holds
-        that turn: continue from it (whatever the client made of the
-        earlier history)."""
+        that turn, in the request's namespace: continue from it (whatever
+        the client made of the earlier history). Another tenant's live
+        state is never continued (its text would reach this prompt), even
+        by a request that names its call ids."""
         tail = self.conv.trailing_results()
         live = self.live
         ids = frozenset(m.tool_call_id or "" for m in tail)
         if not tail or not live.ids or ids != live.ids:
             return None
         sess = self.gen.sess
+        if sess.namespace != namespace:
+            log.info("%s live continuation declined: the live state is another namespace's", self.label)
+            return None
         if not (sess.checkpoint_valid and sess.key_bytes() == live.key):
             log.info("%s live continuation lost: the live state moved since the calls", self.label)
             return None
@@ -257,7 +264,7 @@ class AgentTurn:
         if calls and res.finish_reason == "stop":
             self._canonicalize(rep.content, calls)
         if self.on_outcome is not None:
-            self.on_outcome(self.outcome)
+            self.on_outcome(self.outcome, res)
 
     def _canonicalize(self, content: str, calls: list[ToolCall]) -> None:
         gen = self.gen

@@ -189,7 +189,7 @@ class GuardMiddleware:
         asked = headers.get(b"access-control-request-headers", b"")
         allow = b"authorization, content-type, x-api-key" + (b", " + asked if asked else b"")
         return [
-            (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
             (b"access-control-allow-headers", allow),
             (b"access-control-max-age", b"600"),
         ]

@@ -13,11 +13,13 @@ Input
     ``top_p``.
 
 State
-    With ``store`` (the default), each response is kept as a record: the
-    conversation through its output (calls with their ids). With a cache
-    directory the records are files in it (:mod:`ds4.kvstore.records`,
-    counted in its budget), so ``previous_response_id`` resolves after a
-    restart; without one they live in memory (the last 1,000). An unknown
+    With ``store`` (the default), each response is kept as a record: its
+    owner, its head (what the response object says of the request, its
+    status and usage) and the conversation through its output (calls with
+    their ids), each message with its item id. With a cache directory the
+    records are files in it (:mod:`ds4.kvstore.records`, counted in its
+    budget), so ``previous_response_id`` resolves after a restart; without
+    one they live in memory (the last 1,000). An unknown
     ``previous_response_id`` gets OpenAI's 400 ``previous_response_not_found``.
     An input of tool outputs only, with no previous response, is served
     from the live tool state when it answers exactly the calls generated at
@@ -26,34 +28,72 @@ State
     ``responses-visible`` match is the ladder's ``memory-text`` rung: after a
     turn the live state is the canonical rendering of the conversation, so a
     request that extends it continues from the live tokens.
+
+Retrieval
+    ``GET /v1/responses/{id}`` (the response object as created, without
+    the ``ds4`` block), ``DELETE /v1/responses/{id}`` (``{"id", "object":
+    "response", "deleted": true}``; the record's file removed under the
+    store's lock, after which ``previous_response_id`` to it is unknown) and
+    ``GET /v1/responses/{id}/input_items`` (the items the response was
+    given, the previous responses' included, without the instructions;
+    ``order`` ``desc`` by default or ``asc``, ``limit`` 1-100 (20),
+    ``after`` an item id). An unknown id gets OpenAI's 404 ``Response with
+    id '...' not found.``; a ``store: false`` response was never stored.
+
+Owners
+    A stored response belongs to the tenant that created it
+    (:mod:`ds4.server.tenants`: the key's tenant, ``anonymous`` without
+    keys). For any other tenant it does not exist: ``previous_response_id``
+    gets the same 400 and every retrieval route the same 404, with the same
+    message, as an unknown id; the only work done beyond an unknown id's is
+    reading the record. The binding is to the tenant, not to ``cache_salt``:
+    OpenAI scopes stored responses to the project (the key), and a salt is a
+    cache partition a client may vary per request (it is not an identity;
+    its value is never stored). Records written before owners existed
+    (no ``owner`` field) are the anonymous tenant's: a server without keys
+    keeps continuing and deleting them (they have no response object to
+    retrieve: 404), a server with keys treats them as another tenant's.
+    A record that cannot be read or does not validate is a not-found and is
+    removed (:meth:`ds4.kvstore.records.RecordStore.get`).
 """
 
 from __future__ import annotations
 
 import collections
+import hmac
 import json
 import logging
+import secrets
+import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall
 from .openai import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api
+from .tenants import ANONYMOUS
 
-__all__ = ["MemoryRecords", "ResponsesParser", "ResponsesWire", "remember"]
+__all__ = ["MemoryRecords", "ResponsesParser", "ResponsesWire", "StoredResponses"]
 
 log = logging.getLogger("ds4.server")
 
 KIND = "response"
 MAX_MEMORY_RECORDS = 1000
+#: the record format written since responses are bound to their tenant and
+#: retrievable (a record without ``v`` is the first format: messages only)
+RECORD_VERSION = 2
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class Records(Protocol):
-    def get(self, kind: str, key: str) -> Any | None: ...
+    def get(self, kind: str, key: str, check: Callable[[Any], object] | None = None) -> Any | None: ...
 
     def put(self, kind: str, key: str, data: Any) -> bool: ...
+
+    def delete(self, kind: str, key: str) -> bool: ...
 
 
 class MemoryRecords:
@@ -62,15 +102,30 @@ class MemoryRecords:
     def __init__(self, limit: int = MAX_MEMORY_RECORDS):
         self.limit = limit
         self._d: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the worker puts, request threads get and delete
 
-    def get(self, kind: str, key: str) -> Any | None:
-        return self._d.get(f"{kind}-{key}")
+    def get(self, kind: str, key: str, check: Callable[[Any], object] | None = None) -> Any | None:
+        with self._lock:
+            data = self._d.get(f"{kind}-{key}")
+        if data is not None and check is not None:
+            try:
+                check(data)
+            except (ValueError, TypeError, KeyError) as e:
+                log.warning("record %s-%s invalid (%s): removed", kind, key, e)
+                self.delete(kind, key)
+                return None
+        return data
 
     def put(self, kind: str, key: str, data: Any) -> bool:
-        self._d[f"{kind}-{key}"] = data
-        while len(self._d) > self.limit:
-            self._d.popitem(last=False)
+        with self._lock:
+            self._d[f"{kind}-{key}"] = data
+            while len(self._d) > self.limit:
+                self._d.popitem(last=False)
         return True
+
+    def delete(self, kind: str, key: str) -> bool:
+        with self._lock:
+            return self._d.pop(f"{kind}-{key}", None) is not None
 
 
 def _bad(msg: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
@@ -101,8 +156,8 @@ def _text(v: object, param: str) -> str:
     return "".join(out)
 
 
-def _to_json(m: Message) -> JSON:
-    d: JSON = {"role": m.role, "content": m.content}
+def _to_json(m: Message, item_id: str) -> JSON:
+    d: JSON = {"id": item_id, "role": m.role, "content": m.content}
     if m.tool_calls:
         d["tool_calls"] = [[c.id, c.name, c.arguments] for c in m.tool_calls]
     if m.tool_call_id is not None:
@@ -111,21 +166,31 @@ def _to_json(m: Message) -> JSON:
 
 
 def _from_json(d: JSON) -> Message:
-    calls = [ToolCall(str(i), str(n), str(a)) for i, n, a in d.get("tool_calls", [])]
-    return Message(str(d["role"]), str(d["content"]), calls, d.get("tool_call_id"))
+    calls = [ToolCall(i, n, a) for i, n, a in d.get("tool_calls", [])]
+    return Message(d["role"], d["content"], calls, d.get("tool_call_id"))
+
+
+def new_item_id(m: Message) -> str:
+    """A new input item's id (``msg_`` for messages, ``fco_`` for a tool's output)."""
+    return ("fco_" if m.role == "tool" else "msg_") + secrets.token_hex(12)
 
 
 class ResponsesTurn(Turn):
     """A Responses request: the Turn, plus what its answer and record need."""
 
-    def __init__(self, params: GenParams, stream: bool, conv: Conversation, body: JSON, history: list[Message]):
+    def __init__(
+        self, params: GenParams, stream: bool, conv: Conversation, body: JSON, history: list[Message], ids: list[str]
+    ):
         super().__init__("chat", None, params, stream, True, conv)
         self.body = body
         self.history = history  # the conversation without the instructions
+        self.ids = ids  # the input item id of each message of history
         self.rid = "resp_" + uuid.uuid4().hex
+        self.msg_id = "msg_" + uuid.uuid4().hex  # the output message's item id
         self.created = int(time.time())
         self.store = body.get("store") is not False
         self.live_only = False
+        self.tenant = ANONYMOUS  # who asked: the owner of its stored response
 
     @property
     def param(self) -> str:
@@ -133,11 +198,12 @@ class ResponsesTurn(Turn):
 
 
 class ResponsesParser:
-    """Validates ``/v1/responses`` bodies (previous responses from ``records``)."""
+    """Validates ``/v1/responses`` bodies (previous responses from ``stored``,
+    the requesting tenant's only)."""
 
-    def __init__(self, default_max_tokens: int, ctx: int, records: Records, max_prompt_bytes: int | None = None):
+    def __init__(self, default_max_tokens: int, ctx: int, stored: StoredResponses, max_prompt_bytes: int | None = None):
         self.default_max_tokens = default_max_tokens if default_max_tokens > 0 else ctx
-        self.records = records
+        self.stored = stored
         self.max_prompt_bytes = max_prompt_bytes
 
     @staticmethod
@@ -213,16 +279,13 @@ class ResponsesParser:
             top_p=top_p or 1.0,
         )
 
-    def _previous(self, body: JSON) -> list[Message]:
+    def _previous(self, body: JSON, tenant: str) -> tuple[list[Message], list[str]]:
         prev = body.get("previous_response_id")
         if prev is None:
-            return []
+            return [], []
         prev = _str(prev, "previous_response_id")
-        try:
-            rec = self.records.get(KIND, prev)
-        except ValueError:  # not a name a record can have
-            rec = None
-        if rec is None:
+        rec = self.stored.lookup(prev, tenant)
+        if rec is None:  # unknown, deleted, unreadable, or another tenant's: one answer
             raise ApiError(
                 400,
                 f"Previous response with id '{prev}' not found.",
@@ -230,13 +293,16 @@ class ResponsesParser:
                 "previous_response_id",
                 "previous_response_not_found",
             )
-        return [_from_json(m) for m in rec["messages"]]
+        msgs = rec["messages"]
+        return [_from_json(m) for m in msgs], [m.get("id") or new_item_id(_from_json(m)) for m in msgs]
 
-    def parse(self, raw: object) -> ResponsesTurn:
+    def parse(self, raw: object, tenant: str = ANONYMOUS) -> ResponsesTurn:
+        """The turn of a request body from ``tenant`` (whose stored
+        responses alone ``previous_response_id`` may name)."""
         if not isinstance(raw, dict):
             raise _bad("the request body must be a JSON object", None, "invalid_type")
         _str(raw.get("model"), "model")
-        history = self._previous(raw)
+        history, ids = self._previous(raw, tenant)
         inp = raw.get("input")
         new: list[Message] = []
         if isinstance(inp, str):
@@ -249,6 +315,7 @@ class ResponsesParser:
         known = {c.id for m in (*history, *new) for c in m.tool_calls}
         live_only = bool(new) and all(m.role == "tool" for m in new) and not any(m.tool_call_id in known for m in new)
         history = history + new
+        ids = ids + [new_item_id(m) for m in new]
         msgs = list(history)
         if raw.get("instructions") is not None:
             msgs.insert(0, Message("system", _str(raw["instructions"], "instructions")))
@@ -264,7 +331,8 @@ class ResponsesParser:
             params = conv.gen_params(self._params(raw))
         except ConstraintError as e:
             raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
-        turn = ResponsesTurn(params, stream, conv, raw, history)
+        turn = ResponsesTurn(params, stream, conv, raw, history, ids)
+        turn.tenant = tenant
         turn.live_only = live_only and not raw.get("previous_response_id")
         return turn
 
@@ -279,16 +347,87 @@ def _usage(res: GenResult) -> JSON:
     }
 
 
+def _status(oc: Outcome) -> str:
+    return "incomplete" if oc.finish_reason == "length" else "completed"
+
+
+def _msg_item(item_id: str, text: str, status: str) -> JSON:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def _call_item(c: ToolCall, status: str, item_id: str | None = None) -> JSON:
+    args = c.arguments if status == "completed" else ""
+    item = {"id": item_id or "fc_" + c.id, "type": "function_call", "status": status, "call_id": c.id, "name": c.name}
+    return {**item, "arguments": args}
+
+
+def _output(msg_id: str, content: str, calls: list[ToolCall]) -> list[JSON]:
+    """A turn's output items: its text as a message (also when empty and
+    there are no calls), then one item per call."""
+    output: list[JSON] = []
+    if content or not calls:
+        output.append(_msg_item(msg_id, content, "completed"))
+    return output + [_call_item(c, "completed") for c in calls]
+
+
+def _head(turn: ResponsesTurn, model: str) -> JSON:
+    """What a response object says of its request (a stored response keeps it)."""
+    b = turn.body
+    return {
+        "id": turn.rid,
+        "created_at": turn.created,
+        "instructions": b.get("instructions"),
+        "max_output_tokens": b.get("max_output_tokens"),
+        "model": model,
+        "parallel_tool_calls": turn.conv.parallel_tool_calls if turn.conv else True,
+        "previous_response_id": b.get("previous_response_id"),
+        "temperature": b.get("temperature", 1.0),
+        "top_p": b.get("top_p", 1.0),
+        "tool_choice": b.get("tool_choice", "auto"),
+        "tools": b.get("tools") or [],
+        "metadata": b.get("metadata") or {},
+    }
+
+
+def _response(head: JSON, status: str, output: list[JSON], usage: JSON | None, store: bool) -> JSON:
+    """The response object (``POST /v1/responses``, its events, ``GET /v1/responses/{id}``)."""
+    h = head
+    return {
+        "id": h["id"],
+        "object": "response",
+        "created_at": h["created_at"],
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": h["instructions"],
+        "max_output_tokens": h["max_output_tokens"],
+        "model": h["model"],
+        "output": output,
+        "parallel_tool_calls": h["parallel_tool_calls"],
+        "previous_response_id": h["previous_response_id"],
+        "store": store,
+        "temperature": h["temperature"],
+        "top_p": h["top_p"],
+        "tool_choice": h["tool_choice"],
+        "tools": h["tools"],
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "metadata": h["metadata"],
+        "usage": usage,
+    }
+
+
 class ResponsesReply:
     """The bodies of one ``/v1/responses`` answer (events carry ``event:``
     lines and a ``sequence_number``)."""
 
     terminator = b""
 
-    def __init__(self, turn: ResponsesTurn, model: str, records: Records, debug: bool):
-        self.turn, self.model, self.records, self.debug = turn, model, records, debug
+    def __init__(self, turn: ResponsesTurn, model: str, debug: bool):
+        self.turn, self.model, self.debug = turn, model, debug
         self.seq = 0
-        self.msg_id = "msg_" + uuid.uuid4().hex
+        self.msg_id = turn.msg_id
         self.splitter = turn.conv.splitter() if turn.conv is not None else None
         self.msg_open = False
 
@@ -302,49 +441,15 @@ class ResponsesReply:
         return oc if oc is not None else Outcome(res.text, [], res.finish_reason)
 
     def _msg_item(self, text: str, status: str) -> JSON:
-        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
-        return {"id": self.msg_id, "type": "message", "status": status, "role": "assistant", "content": content}
-
-    @staticmethod
-    def _call_item(c: ToolCall, status: str) -> JSON:
-        args = c.arguments if status == "completed" else ""
-        item = {"id": "fc_" + c.id, "type": "function_call", "status": status, "call_id": c.id, "name": c.name}
-        return {**item, "arguments": args}
+        return _msg_item(self.msg_id, text, status)
 
     def _response(self, status: str, output: list[JSON], res: GenResult | None) -> JSON:
-        b = self.turn.body
-        return {
-            "id": self.turn.rid,
-            "object": "response",
-            "created_at": self.turn.created,
-            "status": status,
-            "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": b.get("instructions"),
-            "max_output_tokens": b.get("max_output_tokens"),
-            "model": self.model,
-            "output": output,
-            "parallel_tool_calls": self.turn.conv.parallel_tool_calls if self.turn.conv else True,
-            "previous_response_id": b.get("previous_response_id"),
-            "store": self.turn.store,
-            "temperature": b.get("temperature", 1.0),
-            "top_p": b.get("top_p", 1.0),
-            "tool_choice": b.get("tool_choice", "auto"),
-            "tools": b.get("tools") or [],
-            "text": {"format": {"type": "text"}},
-            "truncation": "disabled",
-            "metadata": b.get("metadata") or {},
-            "usage": _usage(res) if res is not None else None,
-        }
+        usage = _usage(res) if res is not None else None
+        return _response(_head(self.turn, self.model), status, output, usage, self.turn.store)
 
     def _final(self, res: GenResult) -> tuple[str, list[JSON], Outcome]:
         oc = self._outcome(res)
-        output: list[JSON] = []
-        if oc.content or not oc.calls:
-            output.append(self._msg_item(oc.content, "completed"))
-        output += [self._call_item(c, "completed") for c in oc.calls]
-        status = "incomplete" if oc.finish_reason == "length" else "completed"
-        return status, output, oc
+        return _status(oc), _output(self.msg_id, oc.content, oc.calls), oc
 
     def complete(self, res: GenResult) -> JSON:
         status, output, _ = self._final(res)
@@ -398,7 +503,7 @@ class ResponsesReply:
             k = 1
         for c in oc.calls:
             item_id = "fc_" + c.id
-            out.append(self._ev("response.output_item.added", output_index=k, item=self._call_item(c, "in_progress")))
+            out.append(self._ev("response.output_item.added", output_index=k, item=_call_item(c, "in_progress")))
             out.append(
                 self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=k, delta=c.arguments)
             )
@@ -407,7 +512,7 @@ class ResponsesReply:
                     "response.function_call_arguments.done", item_id=item_id, output_index=k, arguments=c.arguments
                 )
             )
-            out.append(self._ev("response.output_item.done", output_index=k, item=self._call_item(c, "completed")))
+            out.append(self._ev("response.output_item.done", output_index=k, item=_call_item(c, "completed")))
             k += 1
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         out.append(self._ev(kind, response=self._response(status, output, res)))
@@ -418,24 +523,188 @@ class ResponsesReply:
         return [self._ev("error", code=api.code, message=api.message, param=api.param)]
 
 
-def remember(records: Records, turn: ResponsesTurn, oc: Outcome) -> None:
-    """Store the response's record (the worker runs this, before the final
-    event, so a client's next request finds it): the conversation through
-    its output, without the instructions."""
-    if not turn.store or oc.finish_reason == "cancelled":
+def _not_found(rid: str) -> ApiError:
+    """OpenAI's 404 for a response id it does not know (or that is not the caller's)."""
+    return ApiError(404, f"Response with id '{rid}' not found.", "invalid_request_error", None, None)
+
+
+def _check_message(m: object) -> None:
+    if not isinstance(m, dict) or m["role"] not in ROLES or not isinstance(m["content"], str):
+        raise ValueError("a message is not an object with a role and a text")
+    for c in m.get("tool_calls", []):
+        if not isinstance(c, list) or len(c) != 3 or not all(isinstance(x, str) for x in c):
+            raise ValueError("a tool call is not [id, name, arguments]")
+    if not isinstance(m.get("tool_call_id", ""), str) or not isinstance(m.get("id", ""), str):
+        raise ValueError("a message's ids are not strings")
+
+
+def _check_record(rid: str, d: object) -> None:
+    """Raise ValueError (TypeError, KeyError) unless ``d`` is a response
+    record: the first format (messages) or this one (``v`` 2: an owner, the
+    response's head, every message with its item id, the output last)."""
+    if not isinstance(d, dict) or not isinstance(d["messages"], list) or not d["messages"]:
+        raise ValueError("no messages")
+    for m in d["messages"]:
+        _check_message(m)
+    if not isinstance(d.get("owner", ANONYMOUS), str):
+        raise ValueError("the owner is not a string")
+    if "v" not in d:
         return
-    msgs = [*turn.history, Message("assistant", oc.content, list(oc.calls))]
+    head, last = d["response"], d["messages"][-1]
+    if not isinstance(d["v"], int) or d["v"] < RECORD_VERSION or not isinstance(head, dict):
+        raise ValueError("not a response record")
+    if head["id"] != rid or head["status"] not in ("completed", "incomplete") or not isinstance(head["usage"], dict):
+        raise ValueError("the response's head does not match its name")
+    if last["role"] != "assistant" or not all("id" in m for m in d["messages"]):
+        raise ValueError("the messages have no item ids")
+
+
+def _input_item(d: JSON, used: set[str]) -> list[JSON]:
+    """One stored message as input items (an assistant turn: its text and
+    its calls; a call's item id is ``fc_`` and its call id, made unique
+    within the list)."""
+    m = _from_json(d)
+    if m.role == "tool":
+        return [
+            {
+                "id": d["id"],
+                "type": "function_call_output",
+                "call_id": m.tool_call_id,
+                "output": m.content,
+                "status": "completed",
+            }
+        ]
+    if m.role != "assistant":
+        part = {"type": "input_text", "text": m.content}
+        return [{"id": d["id"], "type": "message", "role": m.role, "status": "completed", "content": [part]}]
+    out = [_msg_item(d["id"], m.content, "completed")] if m.content or not m.tool_calls else []
+    for c in m.tool_calls:
+        item_id, k = "fc_" + c.id, 1
+        while item_id in used:
+            item_id, k = f"fc_{c.id}_{k}", k + 1
+        used.add(item_id)
+        out.append(_call_item(c, "completed", item_id))
+    return out
+
+
+def _query_int(query: Mapping[str, str], key: str, default: int, lo: int, hi: int) -> int:
+    v = query.get(key)
+    if v is None:
+        return default
     try:
-        records.put(KIND, turn.rid, {"messages": [_to_json(m) for m in msgs]})
-    except OSError as e:  # the answer still goes out; previous_response_id to it will be unknown
-        log.warning("response %s not stored: %s", turn.rid, e)
+        n = int(v)
+    except ValueError:
+        n = lo - 1
+    if not lo <= n <= hi:
+        raise _bad(f"'{key}' must be an integer between {lo} and {hi}", key)
+    return n
+
+
+class StoredResponses:
+    """The server's stored responses (``records``: a cache directory's
+    :class:`ds4.kvstore.records.RecordStore` or :class:`MemoryRecords`),
+    each bound to the tenant that created it: for any other tenant it does
+    not exist (the same answers as an unknown id)."""
+
+    def __init__(self, records: Records, model: str):
+        self.records, self.model = records, model
+
+    def remember(self, turn: ResponsesTurn, oc: Outcome, res: GenResult) -> None:
+        """Store the response's record (the worker runs this, before the
+        final event, so a client's next request finds it): its owner, its
+        head, and the conversation through its output (without the
+        instructions), each message with its item id."""
+        if not turn.store or oc.finish_reason == "cancelled":
+            return
+        msgs = [*turn.history, Message("assistant", oc.content, list(oc.calls))]
+        ids = [*turn.ids, turn.msg_id]
+        rec = {
+            "v": RECORD_VERSION,
+            "owner": turn.tenant,
+            "response": {**_head(turn, self.model), "status": _status(oc), "usage": _usage(res)},
+            "messages": [_to_json(m, i) for m, i in zip(msgs, ids, strict=True)],
+        }
+        try:
+            self.records.put(KIND, turn.rid, rec)
+        except OSError as e:  # the answer still goes out; previous_response_id to it will be unknown
+            log.warning("response %s not stored: %s", turn.rid, e)
+
+    def lookup(self, rid: str, tenant: str) -> JSON | None:
+        """The record of ``rid`` when ``tenant`` owns it; None when there is
+        none, it is unreadable (then removed) or another tenant's. A record
+        of the first format (no owner) is the anonymous tenant's."""
+        try:
+            rec: JSON | None = self.records.get(KIND, rid, lambda d: _check_record(rid, d))
+        except ValueError:  # not a name a record can have
+            return None
+        if rec is None:
+            return None
+        owner = str(rec.get("owner", ANONYMOUS))
+        return rec if hmac.compare_digest(owner.encode(), tenant.encode()) else None
+
+    def _retrievable(self, rid: str, tenant: str) -> JSON:
+        rec = self.lookup(rid, tenant)
+        if rec is None or "response" not in rec:  # a record of the first format has no response object
+            raise _not_found(rid)
+        return rec
+
+    def retrieve(self, rid: str, tenant: str, query: Mapping[str, str]) -> JSON:
+        """``GET /v1/responses/{rid}``: the response object as created."""
+        if query.get("stream", "false").lower() not in ("false", "0"):
+            raise _bad("streaming a stored response again is not supported", "stream")
+        rec = self._retrievable(rid, tenant)
+        head, last = rec["response"], rec["messages"][-1]
+        out = _from_json(last)
+        return _response(head, head["status"], _output(last["id"], out.content, out.tool_calls), head["usage"], True)
+
+    def input_items(self, rid: str, tenant: str, query: Mapping[str, str]) -> JSON:
+        """``GET /v1/responses/{rid}/input_items``: the items the response
+        was given (the previous responses' too), ``order`` ``desc`` (the
+        default) or ``asc``, ``limit`` 1-100 (20), after the item ``after``."""
+        limit = _query_int(query, "limit", 20, 1, 100)
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise _bad("'order' must be 'asc' or 'desc'", "order")
+        rec = self._retrievable(rid, tenant)
+        used: set[str] = set()
+        items = [it for d in rec["messages"][:-1] for it in _input_item(d, used)]
+        if order == "desc":
+            items.reverse()
+        start = 0
+        after = query.get("after")
+        if after is not None:
+            start = next((i + 1 for i, it in enumerate(items) if it["id"] == after), -1)
+            if start < 0:
+                raise _bad(f"no input item with id '{after}' in response '{rid}'", "after")
+        page = items[start : start + limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + limit < len(items),
+        }
+
+    def delete(self, rid: str, tenant: str) -> JSON:
+        """``DELETE /v1/responses/{rid}``: the record removed (a
+        ``previous_response_id`` naming it is then unknown)."""
+        if self.lookup(rid, tenant) is None:
+            raise _not_found(rid)
+        try:
+            removed = self.records.delete(KIND, rid)
+        except OSError as e:
+            log.warning("response %s not deleted: %s", rid, e)
+            raise ApiError(500, f"the response could not be deleted: {type(e).__name__}", "server_error") from None
+        if not removed:  # deleted meanwhile
+            raise _not_found(rid)
+        return {"id": rid, "object": "response", "deleted": True}
 
 
 class ResponsesWire(Wire):
-    def __init__(self, model: str, records: Records, debug: bool = False):
+    def __init__(self, model: str, stored: StoredResponses, debug: bool = False):
         super().__init__(model, debug)
-        self.records = records
+        self.stored = stored
 
     def reply(self, turn: Turn) -> ResponsesReply:
         assert isinstance(turn, ResponsesTurn)
-        return ResponsesReply(turn, self.model, self.records, self.debug)
+        return ResponsesReply(turn, self.model, self.debug)

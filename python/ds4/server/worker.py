@@ -180,7 +180,7 @@ class Service:
         eng = self.gen.engine
         try:
             if job.kind == "agent":
-                prompt = job.payload.render(eng)
+                prompt = job.payload.render(eng, job.namespace)  # its live tool state only in its namespace
             else:
                 # a completion's prompt is client text: no marker in it is special
                 prompt = eng.render_chat(job.payload) if job.kind == "chat" else Prompt.text(job.payload)
