@@ -16,18 +16,12 @@ import logging
 import pytest
 from starlette.testclient import TestClient
 
-import ds4
 from ds4.engines.reference import ReferenceContext
 from ds4.server.app import create_app
 from ds4.server.worker import Service
 from ds4.turn import Generator
 
 CTX = 512
-
-
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
 
 
 @pytest.fixture
