@@ -269,7 +269,7 @@ class AgentTurn:
         except Exception as e:  # the reply stands; the next turn recovers as usual
             log.warning("tool checkpoint rebuild failed: %s: %s", type(e).__name__, e)
             return
-        if outcome != "failed" and gen.holds(text):
+        if outcome != "failed":  # the live state holds ``text`` (canonicalize checked it)
             self.live.remember(frozenset(c.id for c in calls), msgs, gen.sess.key_bytes())
 
 
