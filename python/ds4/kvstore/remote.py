@@ -21,7 +21,6 @@ connect and socket timeouts, errors are counted, and after
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -45,6 +44,7 @@ from .remote_layout import (
     parse_remote_url,
     redact_url,
 )
+from .uploads import UploadQueue
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -145,7 +145,8 @@ class Breaker:
 class RemoteTier:
     """A Redis (or Redis Cluster) tier for one store. Thread-safe: lookups
     and downloads run on the caller's thread, uploads on one background
-    thread fed by a bounded queue (a full queue drops its oldest entry)."""
+    thread fed by a bounded queue (:mod:`.uploads`: a full queue drops its
+    oldest entry)."""
 
     def __init__(
         self,
@@ -188,11 +189,10 @@ class RemoteTier:
         }
         self._client: Client | None = None
         self._client_lock = threading.Lock()
-        self._queue: collections.deque[tuple[str, str, int, int]] = collections.deque()
-        self._cv = threading.Condition()
-        self._busy = False
         self._closed = False
-        self._thread: threading.Thread | None = None
+        #: the background uploads (:mod:`.uploads`): each runs this tier's
+        #: :meth:`upload` as it is when the upload runs
+        self._uploads = UploadQueue(lambda *item: self.upload(*item), self.stats, self.queue_max)
 
     # -- connection ---------------------------------------------------------
     def client(self) -> Redis | RedisCluster:
@@ -485,48 +485,12 @@ class RemoteTier:
     def enqueue(self, path: str, abi: str, tokens: int, text_bytes: int) -> None:
         """Queue a freshly stored checkpoint for upload; returns at once. A
         full queue drops its oldest entry (logged)."""
-        with self._cv:
-            if self._closed:
-                return
-            if len(self._queue) >= self.queue_max:
-                old = self._queue.popleft()
-                self.stats["upload_dropped"] += 1
-                log.warning("kv remote upload queue full (%d): dropped %s", self.queue_max, os.path.basename(old[0]))
-            self._queue.append((path, abi, tokens, text_bytes))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ds4-kv-upload", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                item = self._queue.popleft()
-                self._busy = True
-            try:
-                self.upload(*item)
-            except Exception:
-                self.stats["upload_failed"] += 1
-                log.exception("kv remote upload of %s failed", os.path.basename(item[0]))
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+        if not self._closed:
+            self._uploads.put(path, abi, tokens, text_bytes)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until the upload queue is empty and idle; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        return self._uploads.flush(timeout)
 
     def upload(self, path: str, abi: str, tokens: int, text_bytes: int) -> str:
         """Upload one checkpoint file now: ``stored``, ``present`` (already
@@ -598,7 +562,7 @@ class RemoteTier:
             "namespace": self.namespace,
             "state": "closed" if self._closed else self.breaker.state,
             "ttl_s": self.ttl_s,
-            "queued": len(self._queue),
+            "queued": len(self._uploads),
             "cooldowns": self.breaker.cooldowns,
             "last_error": self.breaker.last_error,
             **self.stats,
@@ -614,15 +578,10 @@ class RemoteTier:
         if self._closed:
             return
         self.flush(timeout)
-        with self._cv:
-            self._closed = True
-            dropped = len(self._queue)
-            self._queue.clear()
-            self._cv.notify_all()
+        self._closed = True
+        dropped = self._uploads.stop(timeout)
         if dropped:
             log.warning("kv remote closed with %d uploads not done", dropped)
-        if self._thread is not None:
-            self._thread.join(timeout)
         self._drop_client()
 
 
