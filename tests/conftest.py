@@ -1,4 +1,5 @@
-"""Shared fixtures for the core tests: nothing but a checkpoint writer."""
+"""Shared fixtures: a checkpoint writer, a session saver, and one reference
+engine per test module (``eng``; a module may define its own)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+import ds4
 from ds4.checkpoint import write_checkpoint
 
 #: ABI string of every test checkpoint (short: keeps crafted headers small)
@@ -49,3 +51,9 @@ def save_session():
 def write_ck():
     """``write_ck(directory, text, arrays=None, *, name=None, **write_kw) -> path``."""
     return _write
+
+
+@pytest.fixture(scope="module")
+def eng():
+    """The reference engine, one per test module (as each module built its own)."""
+    return ds4.ReferenceEngine()

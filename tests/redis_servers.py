@@ -12,12 +12,7 @@ import subprocess
 import time
 
 import redis
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 def _bindable(port: int) -> bool:

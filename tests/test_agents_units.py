@@ -5,11 +5,13 @@ turn driver's stop_after and top_k, and the live tool state's match."""
 from __future__ import annotations
 
 import os
+import types
 
 import numpy as np
 import pytest
 
 import ds4
+import ds4.turn
 from ds4.kvstore import KVStore
 from ds4.kvstore.records import RecordStore
 from ds4.server.conversation import AgentTurn, Conversation, LiveStateGone, LiveTools, Message, Tool
@@ -119,3 +121,49 @@ def test_canonicalize_outcomes(tmp_path):
     live(base)
     assert gen.canonicalize(base + "x" * 4096) == "failed"  # does not fit: refused, the live state kept
     assert gen.sess.checkpoint_valid and gen.sess.text_bytes() == base.encode()
+
+
+def _tool_turn(eng, gen):
+    """An agent turn whose reply was a call in compact (non-canonical)
+    spacing, the live state at the prompt plus that reply."""
+    conv = Conversation([Message("user", "hi " + "context " * 40)], [Tool("f")])
+    live = LiveTools()
+    turn = AgentTurn(conv, live, gen)
+    prompt = turn.render(eng)
+    reply = '<tool_call>[{"name":"f","arguments":{}}]</tool_call>'
+    gen.sess.sync(eng.tokenize(prompt + reply, special=True))
+    res = types.SimpleNamespace(text=reply, finish_reason="stop")
+    return turn, live, res
+
+
+def test_a_tool_turn_tokenizes_its_canonical_text_once(monkeypatch):
+    eng = ds4.ReferenceEngine()
+    gen = Generator(eng, 2048)
+    turn, live, res = _tool_turn(eng, gen)
+    seen = []
+    real = ds4.turn.tokenize_prompt
+
+    def counting(engine, text):
+        seen.append(str(text))
+        return real(engine, text)
+
+    monkeypatch.setattr(ds4.turn, "tokenize_prompt", counting)
+    turn.done(res)
+    (call,) = turn.outcome.calls
+    assert len(seen) == 1 and seen[0].endswith('<tool_call>[{"name": "f", "arguments": {}}]</tool_call><|im_end|>\n')
+    # the live tool state is the canonical turn's
+    monkeypatch.setattr(ds4.turn, "tokenize_prompt", real)
+    assert live.ids == {call.id} and live.key == gen.sess.key_bytes() and gen.holds(seen[0])
+
+
+def test_a_rebuild_that_misses_the_canonical_turn_is_failed_and_not_remembered(monkeypatch):
+    eng = ds4.ReferenceEngine()
+    gen = Generator(eng, 2048)
+    turn, live, res = _tool_turn(eng, gen)
+    # a ladder that claims a prefill and leaves the live state where it was
+    monkeypatch.setattr(
+        ds4.turn, "recover", lambda sess, *a, **k: types.SimpleNamespace(rung="prefill", reused_tokens=0)
+    )
+    assert gen.canonicalize(gen.engine.render_chat([{"role": "user", "content": "x"}])) == "failed"
+    turn.done(res)
+    assert turn.outcome.calls and not live.ids and live.key == b""

@@ -85,7 +85,7 @@ def test_push_ls_stats_verify_pull_gc_rm(tmp_path, node, capsys):
 
 
 def test_remote_unreachable_is_one_line(capsys):
-    from redis_servers import free_port
+    from ports import free_port
 
     rc, _, err = _run(capsys, "kv", "ls", "--remote", f"redis://127.0.0.1:{free_port()}/0")
     assert rc == 1 and "cannot be read" in err and "Traceback" not in err

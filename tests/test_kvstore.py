@@ -12,23 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from kv_helpers import prefilled
 
 import ds4
 from ds4 import _core
 from ds4.errors import InvalidSessionError, StoreError
 from ds4.kvstore import Candidates, KVStore
 from ds4.kvstore.files import pid_space
-
-
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
-
-
-def _sess(eng, text, ctx=4096):
-    s = ds4.Session(eng, ctx=ctx)
-    s.sync(eng.tokenize(text, special=True))
-    return s
 
 
 def test_ds4_defaults():
@@ -72,7 +62,7 @@ def test_store_and_lookup_longest_first(eng, tmp_path):
     base = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu " * 3
     paths = []
     for n in (20, 60, 120):
-        s = _sess(eng, base[:n])
+        s = prefilled(eng, base[:n])
         paths.append(st.store_live_prefix(s, "cold"))
     for p in paths:
         assert os.stat(p).st_mode & 0o777 == 0o600
@@ -80,21 +70,21 @@ def test_store_and_lookup_longest_first(eng, tmp_path):
     assert [e.text_bytes for e in hits] == [120, 60, 20]
     assert st.lookup("unrelated prompt text that matches nothing") == []
     # storing the same state again is a no-op
-    s = _sess(eng, base[:60])
+    s = prefilled(eng, base[:60])
     assert st.store_live_prefix(s, "cold") == paths[1]
     assert st.stats["stores"] == 3
 
 
 def test_index_is_kept_and_notices_other_processes(eng, tmp_path):
     st = KVStore(tmp_path, min_tokens=8)
-    s = _sess(eng, "one two three four five six seven")
+    s = prefilled(eng, "one two three four five six seven")
     st.store_live_prefix(s)
     scans = st.stats["scans"]
     for _ in range(5):
         st.lookup("one two three four five six seven eight")
     assert st.stats["scans"] == scans  # no rescan while the directory is unchanged
     other = KVStore(tmp_path, min_tokens=8)  # "another process"
-    s2 = _sess(eng, "nine ten eleven twelve thirteen")
+    s2 = prefilled(eng, "nine ten eleven twelve thirteen")
     other.store_live_prefix(s2)
     time.sleep(0.01)
     assert [e.text_bytes for e in st.lookup("nine ten eleven twelve thirteen fourteen")] == [
@@ -107,7 +97,7 @@ def test_index_is_kept_and_notices_other_processes(eng, tmp_path):
 def test_eviction_policy(eng, tmp_path):
     st = KVStore(tmp_path, budget_mb=100, min_tokens=8)
     texts = [f"conversation number {i} " * 12 for i in range(4)]
-    paths = [st.store_live_prefix(_sess(eng, t)) for t in texts]
+    paths = [st.store_live_prefix(prefilled(eng, t)) for t in texts]
     size = os.path.getsize(paths[0])
     # give entry 1 hits so it scores higher than 0 and 2
     for _ in range(3):
@@ -121,10 +111,10 @@ def test_eviction_policy(eng, tmp_path):
     assert os.path.basename(paths[3]) in left  # lowest score among the rest is older
     # newest file protected even when over budget with it alone
     st.budget_bytes = size // 2
-    p = st.store_live_prefix(_sess(eng, "the newest one " * 12))
+    p = st.store_live_prefix(prefilled(eng, "the newest one " * 12))
     assert p is None  # estimated size exceeds the whole budget: declined up front
     st.budget_bytes = int(size * 1.2)
-    p = st.store_live_prefix(_sess(eng, "the newest one " * 12))
+    p = st.store_live_prefix(prefilled(eng, "the newest one " * 12))
     assert os.path.exists(p)
     assert [f for f in os.listdir(tmp_path) if f.endswith(".kv")] == [os.path.basename(p)]
 
@@ -151,7 +141,7 @@ def test_score_formula():
 
 def test_orphaned_temp_files_and_corrupt_files_are_cleaned(eng, tmp_path):
     st = KVStore(tmp_path, min_tokens=8)
-    p = st.store_live_prefix(_sess(eng, "a checkpoint to keep around"))
+    p = st.store_live_prefix(prefilled(eng, "a checkpoint to keep around"))
     name = os.path.basename(p)
     # a temp file of a dead writer, and one of a live writer (this process)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -171,7 +161,7 @@ def test_orphaned_temp_files_and_corrupt_files_are_cleaned(eng, tmp_path):
 
 def test_hostile_directory_entries(eng, tmp_path):
     st = KVStore(tmp_path, min_tokens=8)
-    good = st.store_live_prefix(_sess(eng, "a perfectly good checkpoint"))
+    good = st.store_live_prefix(prefilled(eng, "a perfectly good checkpoint"))
     # a directory, a symlink and a FIFO with checkpoint names; a file not named like one
     os.mkdir(tmp_path / ("1" * 40 + ".kv"))
     os.symlink(good, tmp_path / ("2" * 40 + ".kv"))
@@ -303,7 +293,7 @@ def test_quarantine_dir(eng, tmp_path):
     d, qd = tmp_path / "c", tmp_path / "q"
     st = KVStore(d, min_tokens=8, quarantine_dir=qd)
     text = "quarantine this checkpoint please " * 2
-    p = st.store_live_prefix(_sess(eng, text))
+    p = st.store_live_prefix(prefilled(eng, text))
     b = bytearray(Path(p).read_bytes())
     b[-3] ^= 1
     Path(p).write_bytes(b)
@@ -345,7 +335,7 @@ def test_reject_different_quant(eng, tmp_path):
     """A checkpoint of another quantization is skipped and kept when the store
     rejects other quantizations, and used when it does not."""
     text = "quantized elsewhere, same engine otherwise " * 2
-    s = _sess(eng, text)
+    s = prefilled(eng, text)
     p = tmp_path / (_core.sha1_hex(s.text_bytes()) + ".kv")
     ds4.write_checkpoint(
         p, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=s.n_past, ctx=s.ctx, quant_bits=4

@@ -14,26 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from kv_helpers import BASE, prefilled
 
 import ds4
 from ds4 import _core, kvstore
 from ds4.kvstore import INDEX_NAME, KVStore
 from ds4.kvstore.files import INDEX_TMP_NAME, is_checkpoint_name, is_temp_name
 
-BASE = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
 TEXTS = [BASE * 2, BASE * 3, "another conversation entirely " * 8]
 RECORD = 100  # bytes of one record of the index file (docs/FORMAT.md)
-
-
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
-
-
-def _sess(eng, text, ctx=4096):
-    s = ds4.Session(eng, ctx=ctx)
-    s.sync(eng.tokenize(text, special=True))
-    return s
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +30,7 @@ def cold(eng):
     """text -> (tokens, logits) of a cold prefill: what a load must give."""
     out = {}
     for t in TEXTS:
-        s = _sess(eng, t)
+        s = prefilled(eng, t)
         out[t] = (list(s.tokens), np.array(s.logits))
     return out
 
@@ -53,7 +42,7 @@ def _store(d, **kw):
 
 def _fill(eng, d):
     st = _store(d)
-    paths = [st.store_live_prefix(_sess(eng, t)) for t in TEXTS]
+    paths = [st.store_live_prefix(prefilled(eng, t)) for t in TEXTS]
     assert all(paths) and os.path.isfile(os.path.join(d, INDEX_NAME))
     return st, paths
 
@@ -139,17 +128,17 @@ def _another_process_changes(eng, d, with_lock):
     before = os.stat(d)
     if with_lock:
         other = _store(d)
-        added = other.store_live_prefix(_sess(eng, TEXTS[2] + "more words " * 4))
+        added = other.store_live_prefix(prefilled(eng, TEXTS[2] + "more words " * 4))
         other.remove(ds4._core.sha1_hex(TEXTS[1].encode()) + ".kv")
     else:
-        s = _sess(eng, TEXTS[2] + "more words " * 4)
+        s = prefilled(eng, TEXTS[2] + "more words " * 4)
         added = os.path.join(d, ds4._core.sha1_hex(s.text_bytes()) + ".kv")
         ds4.checkpoint.write_checkpoint(
             added, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=s.n_past, ctx=s.ctx
         )
         os.unlink(os.path.join(d, ds4._core.sha1_hex(TEXTS[1].encode()) + ".kv"))
     # replaced: the same text written again (temp file, rename: a new inode)
-    s = _sess(eng, TEXTS[0])
+    s = prefilled(eng, TEXTS[0])
     p0 = os.path.join(d, ds4._core.sha1_hex(TEXTS[0].encode()) + ".kv")
     ino = os.stat(p0).st_ino
     ds4.checkpoint.write_checkpoint(
@@ -183,7 +172,7 @@ def test_a_stale_index_is_brought_up_to_date(eng, tmp_path, monkeypatch, cold, w
 def test_another_directorys_index_is_not_used(eng, tmp_path, monkeypatch, cold):
     a, b = tmp_path / "a", tmp_path / "b"
     _st, paths = _fill(eng, str(a))
-    _store(b).store_live_prefix(_sess(eng, TEXTS[1] + "in b " * 10))
+    _store(b).store_live_prefix(prefilled(eng, TEXTS[1] + "in b " * 10))
     shutil.copyfile(b / INDEX_NAME, a / INDEX_NAME)  # swapped in
     reads = _reads(monkeypatch)
     again = _store(a)
@@ -276,7 +265,7 @@ def test_an_index_entry_that_is_not_a_regular_file_is_left_alone(eng, tmp_path, 
     os.symlink(elsewhere, tmp_path / INDEX_NAME)
     st = _store(tmp_path)
     assert st.stats["index_rebuilds"] == 1
-    st.store_live_prefix(_sess(eng, TEXTS[2] + "one more " * 5))
+    st.store_live_prefix(prefilled(eng, TEXTS[2] + "one more " * 5))
     assert os.path.islink(tmp_path / INDEX_NAME) and elsewhere.read_bytes() == b"not an index"
     assert not os.path.exists(tmp_path / INDEX_TMP_NAME)
     _check_loads(eng, _store(tmp_path), cold, dict(zip(TEXTS, paths, strict=True)))
@@ -323,11 +312,11 @@ def test_an_upper_case_name_keeps_its_case_through_the_index_file(eng, tmp_path,
     """ds4 reads names in either case: the index records the name's case,
     so a store opened from the index file finds and loads the file."""
     st = _store(tmp_path)
-    p = st.store_live_prefix(_sess(eng, TEXTS[1]))
+    p = st.store_live_prefix(prefilled(eng, TEXTS[1]))
     upper = os.path.join(str(tmp_path), os.path.basename(p)[:40].upper() + ".kv")
     os.rename(p, upper)
     st = _store(tmp_path)
-    st.store_live_prefix(_sess(eng, TEXTS[2]))  # writes the index file
+    st.store_live_prefix(prefilled(eng, TEXTS[2]))  # writes the index file
     reads = _reads(monkeypatch)
     again = _store(tmp_path)
     assert reads == [] and again.stats["index_rebuilds"] == 0

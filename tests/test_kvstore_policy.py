@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
+from kv_helpers import BASE, prefilled
 
 import ds4
 from ds4 import kvstore
@@ -26,18 +27,6 @@ from ds4.kvstore.files import pid_space
 from ds4.recovery import RecoveryReport
 
 SHA = "ab" * 20
-BASE = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
-
-
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
-
-
-def _sess(eng, text, ctx=4096):
-    s = ds4.Session(eng, ctx=ctx)
-    s.sync(eng.tokenize(text, special=True))
-    return s
 
 
 def _clock(monkeypatch, t):
@@ -242,7 +231,7 @@ def test_refresh_rescans_only_when_the_directory_changes(tmp_path, write_ck):
 def test_load_result_hit_recorded_and_counters(eng, tmp_path, monkeypatch):
     st = KVStore(tmp_path, min_tokens=8)
     text = "a stored conversation, with ünïcödé in it, " * 2
-    s = _sess(eng, text)
+    s = prefilled(eng, text)
     p = st.store_live_prefix(s)
     n, nb = s.n_past, len(s.text_bytes())
     assert nb == len(text.encode("utf-8")) != len(text)
@@ -272,7 +261,7 @@ def test_load_result_hit_recorded_and_counters(eng, tmp_path, monkeypatch):
     assert (h.hits, h.last_used) == (2, T + 60)
 
     for _ in range(2):
-        sx = _sess(eng, "something else", ctx=4096)
+        sx = prefilled(eng, "something else", ctx=4096)
         assert st.try_load_text(sx, "nothing stored starts like this one") is None
         assert sx.checkpoint_valid  # a miss leaves the session alone
     assert (st.stats["hits"], st.stats["misses"], st.stats["rejected"], st.stats["removed_corrupt"]) == (2, 2, 0, 0)
@@ -284,7 +273,7 @@ def test_consume_over_cold_max(eng, tmp_path):
     cold_max of 0 means no limit; the option off, every load records its
     hit and keeps the file."""
     text = BASE[:60]
-    s = _sess(eng, text)
+    s = prefilled(eng, text)
     n = s.n_past
     cases = [
         (False, 8, True),
@@ -312,7 +301,7 @@ def test_consume_keeps_a_file_replaced_during_the_load(eng, tmp_path, monkeypatc
     """Consume removes the version that was loaded only: a file replaced
     meanwhile (another writer's fresh save under the same name) stays."""
     text = BASE[:60]
-    s = _sess(eng, text)
+    s = prefilled(eng, text)
     p = KVStore(tmp_path, min_tokens=8).store_live_prefix(s)
     st = KVStore(tmp_path, min_tokens=8, cold_max_tokens=1, consume_over_cold_max=True)
     real = ds4.Session.load_checkpoint
@@ -330,12 +319,12 @@ def test_consume_keeps_a_file_replaced_during_the_load(eng, tmp_path, monkeypatc
 def test_corrupt_candidates_are_quarantined(eng, tmp_path, monkeypatch):
     d, qd = tmp_path / "cache", tmp_path / "quarantine"
     st = KVStore(d, min_tokens=8, quarantine_dir=qd)
-    paths = [st.store_live_prefix(_sess(eng, BASE[:k])) for k in (30, 60)]
+    paths = [st.store_live_prefix(prefilled(eng, BASE[:k])) for k in (30, 60)]
     for p in paths:
         _flip_payload_byte(p)
     T = 1_750_000_123
     _clock(monkeypatch, T)
-    sess = _sess(eng, "a live session, soon invalid")
+    sess = prefilled(eng, "a live session, soon invalid")
     rep = RecoveryReport()
     old = os.umask(0o022)
     try:
@@ -355,7 +344,7 @@ def test_corrupt_candidates_are_quarantined(eng, tmp_path, monkeypatch):
 
 def test_corrupt_candidate_removed_then_shorter_one_loads(eng, tmp_path):
     st = KVStore(tmp_path, min_tokens=8)
-    short, long_ = (st.store_live_prefix(_sess(eng, BASE[:k])) for k in (30, 60))
+    short, long_ = (st.store_live_prefix(prefilled(eng, BASE[:k])) for k in (30, 60))
     _flip_payload_byte(long_)
     rep = RecoveryReport()
     sess = ds4.Session(eng, ctx=4096)
@@ -372,13 +361,13 @@ def test_foreign_abi_file_is_kept_even_with_a_damaged_payload(eng, tmp_path, sav
     file is skipped and kept, never judged (or removed) by our checksum pass."""
     paths = []
     for k in (30, 60):
-        s = _sess(eng, BASE[:k])
+        s = prefilled(eng, BASE[:k])
         p = save_session(tmp_path, s, abi="another-engine/9")
         _flip_payload_byte(p)
         paths.append(p)
     st = KVStore(tmp_path, min_tokens=8)
     rep = RecoveryReport()
-    sess = _sess(eng, "live")
+    sess = prefilled(eng, "live")
     assert st.try_load_text(sess, BASE[:60] + "?", report=rep) is None
     assert _codes(rep) == [(p, "header", "abi_mismatch") for p in paths[::-1]]
     assert all(os.path.exists(p) for p in paths)
@@ -391,7 +380,7 @@ def test_engine_quant_bits_reach_the_check(eng, tmp_path):
     qeng.quant_bits = 4  # an engine that declares its quantization
     text = BASE[:60]
     st = KVStore(tmp_path, min_tokens=8)
-    p = st.store_live_prefix(_sess(qeng, text))
+    p = st.store_live_prefix(prefilled(qeng, text))
     assert _header(p).quant_bits == 4
     rep = RecoveryReport()
     r = st.try_load_text(ds4.Session(qeng, ctx=4096), text + "?", report=rep)
@@ -408,7 +397,7 @@ def test_checksum_and_mmap_options_reach_the_load(eng, tmp_path):
             super().load_checkpoint(ck)
 
     text = BASE[:60]
-    p = KVStore(tmp_path, min_tokens=8).store_live_prefix(_sess(eng, text))
+    p = KVStore(tmp_path, min_tokens=8).store_live_prefix(prefilled(eng, text))
     for mm in (True, False):
         s = Recording(eng, ctx=4096)
         assert KVStore(tmp_path, min_tokens=8, mmap=mm).try_load_text(s, text + "?") is not None
@@ -423,7 +412,7 @@ def test_checksum_and_mmap_options_reach_the_load(eng, tmp_path):
 
 def test_session_context_bounds_the_candidates(eng, tmp_path):
     st = KVStore(tmp_path, min_tokens=8)
-    s_short, s_long = _sess(eng, BASE[:30]), _sess(eng, BASE[:60])
+    s_short, s_long = prefilled(eng, BASE[:30]), prefilled(eng, BASE[:60])
     short, long_ = st.store_live_prefix(s_short), st.store_live_prefix(s_long)
     n_short, n_long = s_short.n_past, s_long.n_past
     # n_long tokens need a context of n_long + 1: exactly that fits
@@ -448,7 +437,7 @@ def test_stale_index_entry_is_rechecked_against_the_context(eng, tmp_path):
     context (rewritten behind the index's back): the load's own header check
     rejects it as incompatible instead of handing it to the session."""
     text = BASE[:60]
-    s = _sess(eng, text)
+    s = prefilled(eng, text)
     n = s.n_past
     p = os.path.join(tmp_path, hashlib.sha1(s.text_bytes()).hexdigest() + ".kv")
     honest = os.path.join(tmp_path, "honest.bin")
@@ -472,7 +461,7 @@ def test_stale_index_entry_is_rechecked_against_the_context(eng, tmp_path):
 
 def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
     st = KVStore(tmp_path, min_tokens=8)
-    short, long_ = (st.store_live_prefix(_sess(eng, BASE[:k])) for k in (30, 60))
+    short, long_ = (st.store_live_prefix(prefilled(eng, BASE[:k])) for k in (30, 60))
     st.refresh(force=True)
     before = os.stat(tmp_path)
     os.unlink(long_)  # another process removed it...
@@ -702,7 +691,7 @@ def test_files_rejected_while_indexing_are_reported_once(eng, tmp_path, write_ck
 
 
 def test_rejections_while_indexing_come_before_the_loads_own(eng, tmp_path, write_ck, save_session):
-    s = _sess(eng, BASE[:60])
+    s = prefilled(eng, BASE[:60])
     p = save_session(tmp_path, s, abi="another-engine/9")
     st = KVStore(tmp_path, min_tokens=8)
     future = os.path.join(tmp_path, "1" * 40 + ".kv")
@@ -792,20 +781,20 @@ def test_store_over_the_same_engines_file_is_a_no_op(eng, tmp_path):
     """'same': the header and text are checked, not the payload (verified
     when loaded): even a damaged payload is not rewritten by a store."""
     st = KVStore(tmp_path, min_tokens=8)
-    s = _sess(eng, BASE[:60])
+    s = prefilled(eng, BASE[:60])
     p = st.store_live_prefix(s)
     before = _snapshot(p)
-    assert st.store_live_prefix(_sess(eng, BASE[:60])) == p
+    assert st.store_live_prefix(prefilled(eng, BASE[:60])) == p
     assert _snapshot(p) == before
     _flip_payload_byte(p)
     damaged = _snapshot(p)
-    assert st.store_live_prefix(_sess(eng, BASE[:60])) == p
+    assert st.store_live_prefix(prefilled(eng, BASE[:60])) == p
     assert _snapshot(p) == damaged
     assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 0)
 
 
 def test_store_over_another_engines_file_keeps_it(eng, tmp_path, save_session):
-    s = _sess(eng, BASE[:60])
+    s = prefilled(eng, BASE[:60])
     p = save_session(tmp_path, s, abi="another-engine/9")
     before = _snapshot(p)
     st = KVStore(tmp_path, min_tokens=8)
@@ -817,7 +806,7 @@ def test_store_over_another_engines_file_keeps_it(eng, tmp_path, save_session):
 
 
 def test_store_over_a_corrupt_file_replaces_it(eng, tmp_path):
-    s = _sess(eng, BASE[:60])
+    s = prefilled(eng, BASE[:60])
     p = os.path.join(tmp_path, hashlib.sha1(s.text_bytes()).hexdigest() + ".kv")
     st = KVStore(tmp_path, min_tokens=8)
     with open(p, "wb") as f:  # written after the index was built: found by the store itself
@@ -845,7 +834,7 @@ def test_store_under_a_colliding_key_replaces_the_other_text(eng, tmp_path, writ
     collision), removes it and writes A."""
     from test_kvstore import SHATTERED_1, SHATTERED_2
 
-    s = _sess(eng, BASE[:60])
+    s = prefilled(eng, BASE[:60])
     s.text_bytes = lambda: SHATTERED_1  # a session whose rendered text is A
     other = write_ck(tmp_path, SHATTERED_2, abi=s.payload_abi, tokens=s.n_past)
     st = KVStore(tmp_path, min_tokens=8)
@@ -941,7 +930,7 @@ def test_a_kept_file_is_reported_once_however_often_the_directory_is_rescanned(t
     store.refresh(force=True)
     write_ck(tmp_path, "another file arrives")  # changes the directory: a rescan
     store.refresh()
-    s = _sess(eng, "some live conversation")
+    s = prefilled(eng, "some live conversation")
     rep = RecoveryReport()
     store.try_load_text(s, "unrelated prompt", report=rep)
     assert [(path, code) for path, _st, code, _r in rep.rejected] == [(p, "unsupported_version")]

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from kv_helpers import prefilled
 from redis.crc import key_slot
 from redis_servers import RedisClusterNodes, RedisNode
 
@@ -29,11 +30,6 @@ from ds4.recovery import recover
 
 CHUNK = 64 * 1024  # small chunks: every test checkpoint spans several
 MIN_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
 
 
 @pytest.fixture(scope="module")
@@ -92,16 +88,10 @@ def _prompt(topic, n=40):
     return " ".join(f"{topic}-{i}" for i in range(n)) + " end."
 
 
-def _cold(eng, prompt, ctx=2048):
-    s = ds4.Session(eng, ctx=ctx)
-    s.sync(eng.tokenize(prompt, special=True))
-    return s
-
-
 def _stored(st, eng, prompt, ctx=2048):
     """A replica's checkpoint of ``prompt`` (prefilled here), stored and
     uploaded; its path."""
-    s = _cold(eng, prompt, ctx)
+    s = prefilled(eng, prompt, ctx)
     path = st.store_live_prefix(s, "cold")
     assert path is not None
     assert st.remote.flush(30)
@@ -172,7 +162,7 @@ def test_second_replica_resumes_from_the_tier(eng, request, replicas, where):
     rep = recover(s, b, follow, cold_save=True)
     assert rep.rung == "remote" and rep.source == "remote-text" and rep.remote == "up"
     assert rep.reused_tokens > MIN_TOKENS and not rep.rejected
-    cold = _cold(eng, follow)
+    cold = prefilled(eng, follow, ctx=2048)
     assert s.tokens == cold.tokens
     assert np.array_equal(s.logits, cold.logits)  # bit-exact with a cold prefill
     # the file is now B's own: the next lookup is local
@@ -303,7 +293,7 @@ def test_damaged_remote_entry_is_rejected_deleted_and_the_next_one_used(eng, flu
         assert not c.exists(keys.manifest(top.sha))
         assert not c.keys(keys.tag(top.sha).replace("{", "\\{").replace("}", "\\}") + "*")
         assert [m.decode().split(":")[1] for m in c.zrange(keys.index, 0, -1)] == [second.sha]
-    assert np.array_equal(s.logits, _cold(eng, follow).logits)
+    assert np.array_equal(s.logits, prefilled(eng, follow, ctx=2048).logits)
     assert not [n for n in os.listdir(b.dir) if ".tmp." in n]  # no temp file left behind
 
 
@@ -320,7 +310,7 @@ def test_damaged_only_entry_falls_back_to_prefill(eng, flushed, replicas):
     s = ds4.Session(eng, ctx=2048)
     rep = recover(s, b, prompt + "?")
     assert rep.rung == "prefill" and rep.rejected[0][2] == "remote_chunk"
-    assert np.array_equal(s.logits, _cold(eng, prompt + "?").logits)
+    assert np.array_equal(s.logits, prefilled(eng, prompt + "?", ctx=2048).logits)
     assert a.remote.entries(abi) == []
 
 
@@ -376,7 +366,7 @@ def test_maxmemory_far_below_the_working_set_misses_without_errors(eng, tmp_path
             rep = recover(s, b, p + " x")
             assert rep.rung in ("remote", "prefill")
             assert all(x[2] in ("remote_chunk",) for x in rep.rejected), rep.rejected
-            assert np.array_equal(s.logits, _cold(eng, p + " x").logits)
+            assert np.array_equal(s.logits, prefilled(eng, p + " x", ctx=2048).logits)
         assert b.remote.state == "up"
     finally:
         a.close()
@@ -512,7 +502,7 @@ def test_forged_remote_checkpoint_without_a_valid_mac_is_rejected(eng, flushed, 
     assert rep.rung == "remote" and rep.reused_tokens == second.tokens
     with flushed.client() as c:
         assert not c.exists(keys.manifest(top.sha))
-    assert np.array_equal(s.logits, _cold(eng, follow).logits)
+    assert np.array_equal(s.logits, prefilled(eng, follow, ctx=2048).logits)
     # an unauthenticated replica's upload is never loaded by a keyed one (kept on the tier)
     p = _prompt("plain-upload", 50)
     _stored(plain, eng, p)
@@ -561,5 +551,5 @@ def test_tenant_namespaces_of_sessions_never_share_through_the_tier(eng, flushed
     same.set_namespace("key-aaaa")
     rep = recover(same, a2, prompt + "?")
     assert rep.rung == "remote" and rep.reused_tokens > MIN_TOKENS
-    cold = _cold(eng, prompt + "?")
+    cold = prefilled(eng, prompt + "?", ctx=2048)
     assert same.tokens == cold.tokens and np.array_equal(same.logits, cold.logits)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import time
 import httpx
 import openai
 import pytest
+from ports import free_port
 
 import ds4
 from ds4.checkpoint import open_checkpoint
@@ -40,17 +40,11 @@ KV_FLAGS = [
 SYSTEM = "You are a careful assistant who answers briefly, precisely and politely."
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A ``python -m ds4 serve`` subprocess."""
 
     def __init__(self, tmp, name, *args, engine="reference", ctx=CTX, key=None, env=None, host="127.0.0.1"):
-        self.port = _free_port()
+        self.port = free_port()
         self.key = key  # the key the helpers send (None: none)
         self.env = env
         self.log_path = os.path.join(tmp, f"{name}.log")

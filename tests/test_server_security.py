@@ -14,7 +14,8 @@ import time
 import httpx
 import openai
 import pytest
-from test_server import KV_FLAGS, Server, _assert_error, _conv, _free_port
+from ports import free_port
+from test_server import KV_FLAGS, Server, _assert_error, _conv
 
 KEY, KEY2, KEY3 = "sk-ds4-first-key", "sk-ds4-from-the-file", "sk-ds4-from-the-env"
 
@@ -79,7 +80,7 @@ def test_every_endpoint_needs_a_key(keyed):
 
 
 def test_non_loopback_host_without_a_key_refuses_to_start(tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     base = [sys.executable, "-m", "ds4", "serve", "--engine", "reference", "--port", port, "--host", "0.0.0.0"]
     p = subprocess.run(base, capture_output=True, text=True, timeout=120, env=_env_without_key())
     assert p.returncode == 2, p

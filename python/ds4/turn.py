@@ -343,8 +343,10 @@ class Generator:
         """True when the live state is valid and is exactly ``text`` (a
         :class:`ds4.keytext.Prompt` tokenized as a turn would tokenize it),
         compared by key text: markers typed as text never match real ones."""
-        sess = self.sess
-        return sess.checkpoint_valid and sess.key_bytes() == sess.key_of(tokenize_prompt(self.engine, text))
+        return self._holds_key(self.sess.key_of(tokenize_prompt(self.engine, text)))
+
+    def _holds_key(self, key: bytes) -> bool:
+        return self.sess.checkpoint_valid and self.sess.key_bytes() == key
 
     # -- ds4's canonicalize_tool_checkpoint ------------------------------------
     def canonicalize(self, text: str, cancel: Callable[[], bool] | None = None) -> str:
@@ -353,15 +355,19 @@ class Generator:
         render it): ``rewrite_from_common`` first; on REBUILD_NEEDED (an
         engine that cannot rewind), the disk rung, then a prefill. Never
         saves the state it replaces. Returns ``"unchanged"``, ``"rewritten"``,
-        ``"disk"``, ``"full"`` or ``"failed"``; each outcome is logged."""
+        ``"disk"``, ``"full"`` or ``"failed"``; each outcome is logged. Any
+        outcome but ``"failed"`` means the live state holds ``text``
+        (:meth:`holds` would be true: checked here against the key text of
+        this one tokenization, so a caller need not tokenize ``text`` again)."""
         sess = self.sess
         tokens = tokenize_prompt(self.engine, text)  # as the next request will tokenize it
-        if sess.checkpoint_valid and (sess.tokens == tokens or sess.key_bytes() == sess.key_of(tokens)):
+        key = sess.key_of(tokens)
+        if sess.checkpoint_valid and (sess.tokens == tokens or sess.key_bytes() == key):
             log.info("tool checkpoint already canonical tokens=%d", sess.n_past)
             return "unchanged"
         live = sess.n_past
         r = sess.rewrite_from_common(tokens) if sess.checkpoint_valid else Rewrite.ERROR
-        if r is Rewrite.OK:
+        if r is Rewrite.OK:  # synced to exactly ``tokens``: it holds ``text``
             log.info("tool checkpoint canonicalized live=%d canonical=%d", live, len(tokens))
             return "rewritten"
         common = sess.common_prefix(tokens)
@@ -392,6 +398,9 @@ class Generator:
             log.warning("tool checkpoint rebuild failed: %s: %s", type(e).__name__, e)
             return "failed"
         source = "disk" if rep.rung == "disk" else "full" if rep.rung == "prefill" else rep.rung
+        if not self._holds_key(key):
+            log.warning("tool checkpoint rebuild source=%s left the live state off the canonical turn", source)
+            return "failed"
         log.info("tool checkpoint rebuild done source=%s reused=%d tokens=%d", source, rep.reused_tokens, sess.n_past)
         return source
 

@@ -47,11 +47,8 @@ from .. import _core
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import (
     CheckpointError,
-    CheckpointMismatchError,
     CorruptCheckpointError,
     InvalidSessionError,
-    NameMismatchError,
-    RemoteChunkError,
     StoreError,
 )
 from .entries import (
@@ -72,7 +69,6 @@ from .files import (
     TMP_MAX_AGE_S,
     DirLock,
     StatKey,
-    create_temp,
     is_checkpoint_name,
     is_temp_name,
     open_cache_dir,
@@ -87,6 +83,7 @@ from .records import RecordStore
 from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
 from .remove import evict_entries, is_regular, remove_exact
 from .save import CHATML_MARKERS, chat_anchor, existing_file, write_live
+from .tiered import SharedTier
 
 if TYPE_CHECKING:
     from ..recovery import RecoveryReport
@@ -204,6 +201,19 @@ class KVStore:
             "scans": 0,
             "index_rebuilds": 0,
         }
+        #: what this directory does with the tier's files (:mod:`.tiered`)
+        self._tiered = (
+            None
+            if self.remote is None
+            else SharedTier(
+                self.remote,
+                self.dir,
+                self.stats,
+                open_for=self._open_remote,
+                load_local=self._load_entries,
+                adopt=self._adopt,
+            )
+        )
         if scan:
             self._open_index()
             if self.total_bytes() > self.budget_bytes:
@@ -421,14 +431,8 @@ class KVStore:
         if namespace is not None:
             rejected = []
         found = Candidates(prompt, entries, rejected, namespace)
-        tier = self.remote
-        if tier is not None and abi is not None:
-            if tier.available():
-                got = tier.lookup(prompt, abi, min_tokens=self.min_tokens, ctx=ctx)
-                found.remote = got.entries
-                if namespace is None:
-                    found.rejected.extend(got.rejected)
-            found.remote_state = tier.state
+        if self._tiered is not None and abi is not None:
+            self._tiered.lookup(found, abi, min_tokens=self.min_tokens, ctx=ctx)
         return found
 
     # -- removal -------------------------------------------------------------
@@ -517,13 +521,13 @@ class KVStore:
         :meth:`try_load_text`. The candidates rejected at load time are
         added to ``report`` (those rejected at indexing are the caller's,
         in ``found.rejected``). A remote candidate longer than every local
-        one is tried first (:meth:`_load_remote`)."""
+        one is tried first (:meth:`.tiered.SharedTier.load`)."""
         res = None
-        if found.remote and self.remote is not None:
+        if found.remote and self._tiered is not None:
             local_best = found.entries[0].text_bytes if found.entries else -1
             longer = [r for r in found.remote if r.text_bytes > local_best]
             if longer:
-                res = self._load_remote(sess, found.prompt, longer, report)
+                res = self._tiered.load(sess, found.prompt, longer, report)
         if res is None:
             res = self._load_entries(sess, found.entries, found.prompt, report)
         if res is None:
@@ -569,125 +573,43 @@ class KVStore:
             return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
         return None
 
-    # -- the shared tier -----------------------------------------------------
-    def _load_remote(
-        self, sess: Session, prompt: bytes, entries: list[RemoteEntry], report: RecoveryReport | None
-    ) -> LoadResult | None:
-        """Download the first remote candidate that verifies, then load it
-        as a local file. A remote entry that fails any check (chunks, the
-        whole pipeline, the engine's own) is deleted from the tier and the
-        next one is tried; the tier failing stops here (the local
-        candidates are tried next)."""
-        tier = self.remote
-        assert tier is not None
-        for r in entries:
-            if not tier.available():
-                return None
-            t0 = time.perf_counter()
-            e = self._download(r, lambda tmp: self._open_for(sess, tmp, prompt, check_name=False), report)
-            if e is None:
-                continue
-            res = self._load_entries(sess, [e], prompt, report)
-            if res is not None:
-                tier.touch(r)
-                tier.stats["hits"] += 1
-                log.info(
-                    "kv remote hit tokens=%d key=%s download+load=%.1f ms",
-                    r.tokens,
-                    r.name[:12],
-                    (time.perf_counter() - t0) * 1000,
-                )
-                res.tier = "remote"
-                return res
-            if not os.path.lexists(e.path):  # judged corrupt by the load (and discarded here)
-                tier.delete(r.sha, r.abi, r)
-        return None
-
+    # -- the shared tier (kvstore/tiered.py) ----------------------------------
     def pull(self, r: RemoteEntry, report: RecoveryReport | None = None) -> Entry | None:
         """Download one remote checkpoint into this directory (``ds4 kv
         pull``): the whole pipeline (with this store's key) and the checks
         every load makes on the tensors, then the rename. A damaged entry is
         deleted from the tier; None when nothing was added."""
-
-        def opener(tmp: str) -> Checkpoint:
-            ck = open_checkpoint(tmp, check_name=False, auth_key=self.auth_key, mmap=self.mmap)
-            ck.load_arrays()
-            return ck
-
-        return self._download(r, opener, report)
+        return self._shared_tier().pull(r, report, auth_key=self.auth_key, mmap=self.mmap)
 
     def push(self) -> dict[str, int]:
         """Upload every checkpoint of this directory to the tier now (``ds4
         kv push``); counts by outcome (``stored``, ``present``, ...)."""
-        if self.remote is None:
+        return self._shared_tier().push(self.entries())
+
+    def _shared_tier(self) -> SharedTier:
+        if self._tiered is None:
             raise ValueError("this store has no remote tier")
-        out: dict[str, int] = {}
-        for e in self.entries():
-            res = "skipped_v1" if e.version != 2 else self.remote.upload(e.path, e.abi, e.tokens, e.text_bytes)
-            out[res] = out.get(res, 0) + 1
-        return out
+        return self._tiered
 
-    def _download(
-        self, r: RemoteEntry, opener: Callable[[str], Checkpoint], report: RecoveryReport | None
-    ) -> Entry | None:
-        """Stream ``r`` into a temp file of this directory, run the whole
-        verification pipeline on it (``opener``), and rename it to its
-        name; the index entry of the new file, or None (rejected: deleted
-        from the tier when damaged, kept when another engine's; or the tier
-        failed)."""
-        tier = self.remote
-        assert tier is not None
-        final = os.path.join(self.dir, r.name)
-        if os.path.lexists(final):  # a local file holds the name (another engine's, or not a file): kept
-            return None
-        fd, tmp = create_temp(self.dir, r.name)
-        try:
-            try:
-                ok = tier.fetch(r, fd)
-                if ok:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if not ok:
+    def _open_remote(self, sess: Session, tmp: str, prompt: bytes) -> Checkpoint:
+        return self._open_for(sess, tmp, prompt, check_name=False)
+
+    def _adopt(self, tmp: str, name: str, ck: Checkpoint) -> Entry | None:
+        """Rename a verified download ``tmp`` to ``name`` under the lock,
+        index it and evict to the budget (it protected): its entry, or None
+        when a file took the name meanwhile or it did not index."""
+        final = os.path.join(self.dir, name)
+        with self.locked():
+            if os.path.lexists(final):
                 return None
-            ck = opener(tmp)
-            if ck.text_sha1 != r.sha:
-                raise NameMismatchError("the downloaded text's SHA-1 is not the key's", path=tmp)
-            with self.locked():
-                if os.path.lexists(final):
-                    return None
-                os.rename(tmp, final)
-                _core.sync_dir(self.dir)
-                key = stat_key(os.lstat(final))
-                e = Entry.from_checkpoint(ck, final, key)
-                self._index_file(r.name, final, key)
-                self._evict_locked(protect=r.name)
-                self._persist()
-            del ck
-            return e if self._idx.get(r.name) is not None else None
-        except (RemoteChunkError, CorruptCheckpointError, CheckpointMismatchError) as err:
-            self._reject_remote(r, err, report, delete=True)
-            return None
-        except CheckpointError as err:  # another engine's or context's: kept on the tier
-            self._reject_remote(r, err, report, delete=False)
-            return None
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-
-    def _reject_remote(
-        self, r: RemoteEntry, err: CheckpointError, report: RecoveryReport | None, *, delete: bool
-    ) -> None:
-        assert self.remote is not None
-        self.stats["rejected"] += 1
-        self.remote.stats["rejected"] += 1
-        if report is not None:
-            report.rejected.append((f"remote:{r.name}", err.stage, err.code, err.reason))
-        if delete:
-            self.remote.delete(r.sha, r.abi, r)
-            log.warning("kv remote rejected %s: %s (deleted from the tier)", r.name[:12], err)
-        else:
-            log.info("kv remote skipped %s: %s (kept)", r.name[:12], err)
+            os.rename(tmp, final)
+            _core.sync_dir(self.dir)
+            key = stat_key(os.lstat(final))
+            e = Entry.from_checkpoint(ck, final, key)
+            self._index_file(name, final, key)
+            self._evict_locked(protect=name)
+            self._persist()
+        return e if self._idx.get(name) is not None else None
 
     def _hit(self, e: Entry, ck: Checkpoint, ms: float, judged: StatKey) -> None:
         now = int(time.time())

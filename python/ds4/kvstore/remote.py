@@ -7,19 +7,8 @@ trusted: a download lands in a temp file of the local directory and goes
 through the whole verification pipeline (:mod:`ds4.kvstore`) before it is
 renamed and loaded like any local checkpoint.
 
-Key layout (every key of one checkpoint shares one hash tag, so a cluster
-keeps them on one node and a commit is one transaction)::
-
-    ds4:{<namespace>/<abi id>/<sha1>}:m      the manifest (JSON: header facts, size,
-                                             XXH3-128 of each chunk), written last
-    ds4:{<namespace>/<abi id>/<sha1>}:c:<i>  payload chunk i (<= 8 MiB)
-    ds4:{<namespace>/<abi id>/<sha1>}:u      an uploader's claim (expires)
-    ds4:{<namespace>/<abi id>}:idx           per-ABI index: sorted set of
-                                             "<text bytes>:<sha1>", score = text bytes
-
-``<abi id>`` is the first 16 hex digits of SHA-1 of the payload ABI string;
-``<namespace>`` separates whatever must never share checkpoints (tenants:
-the default namespace is ``shared``). A lookup reads the index once (the
+The key layout, the manifests and the URLs are :mod:`.remote_layout`'s
+(re-exported here); this module does the I/O. A lookup reads the index once (the
 members no longer than the prompt), hashes the prompt once at every stored
 length (``_core.sha1_prefixes``) and asks for every matching manifest in one
 pipelined round trip, longest first.
@@ -32,22 +21,30 @@ connect and socket timeouts, errors are counted, and after
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import hashlib
 import json
 import logging
 import os
 import queue
-import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _core
 from ..errors import RemoteChunkError, RemoteManifestError, RemoteTierError
+from .remote_layout import (
+    CHUNK_BYTES,
+    DEFAULT_NAMESPACE,
+    SCHEMES,
+    KeyLayout,
+    RemoteEntry,
+    chunk_digest,
+    is_sha,
+    parse_remote_url,
+    redact_url,
+)
+from .uploads import UploadQueue
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -70,172 +67,15 @@ __all__ = [
     "redact_url",
 ]
 
-#: the largest payload chunk (Redis's value limit is 512 MiB; large values
-#: block the server's one thread)
-CHUNK_BYTES = 8 * 2**20
-#: a manifest larger than this is not one ds4 wrote (a 1 TiB checkpoint
-#: has 131,072 chunks: about 4.5 MiB of digests)
-MANIFEST_MAX_BYTES = 8 * 2**20
-MANIFEST_VERSION = 1
-SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
-DEFAULT_NAMESPACE = "shared"
 #: chunks of an upload that has not committed its manifest expire after this
 UPLOAD_TTL_S = 600
 #: chunks fetched per pipelined round trip (bounds the memory of a download)
 FETCH_BATCH_BYTES = 16 * 2**20
 #: index members checked for a vanished checkpoint after each upload
 PRUNE_SAMPLE = 16
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
-_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
 
 Client = Any  # redis.Redis or redis.cluster.RedisCluster
 T = TypeVar("T")
-
-
-def parse_remote_url(url: str) -> tuple[bool, str]:
-    """(is a cluster, the URL for the redis client) of a ``--kv-remote``
-    URL: ``redis://host:port/db``, ``rediss://`` (TLS), or
-    ``redis+cluster://host:port`` (any node of a cluster; ``rediss+cluster``
-    with TLS). A bad URL is a ``ValueError``."""
-    u = urllib.parse.urlsplit(url)
-    if u.scheme not in SCHEMES:
-        raise ValueError(f"--kv-remote must be a redis://, rediss:// or redis+cluster:// URL, not {redact_url(url)!r}")
-    try:
-        port = u.port
-    except ValueError as e:
-        raise ValueError(f"bad port in {redact_url(url)!r}") from e
-    if not u.hostname or port == 0:
-        raise ValueError(f"no host in {redact_url(url)!r}")
-    cluster = u.scheme.endswith("+cluster")
-    if cluster and u.path not in ("", "/", "/0"):
-        raise ValueError("a Redis Cluster has one database: no /db in a redis+cluster:// URL")
-    if not cluster and u.path not in ("", "/") and not u.path.lstrip("/").isdigit():
-        raise ValueError(f"the database in {redact_url(url)!r} must be a number")
-    scheme = u.scheme.split("+")[0]
-    return cluster, urllib.parse.urlunsplit((scheme, u.netloc, u.path, u.query, ""))
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password (what logs and ``/health`` show)."""
-    u = urllib.parse.urlsplit(url)
-    if u.password is None:
-        return url
-    host = u.hostname or ""
-    netloc = f"{u.username or ''}:***@{host}" + (f":{u.port}" if u.port else "")
-    return urllib.parse.urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
-
-
-class KeyLayout:
-    """The keys of one namespace and payload ABI (see the module doc).
-
-    ``namespace`` is where a tenant's separation goes: checkpoints stored
-    under one namespace are never candidates in another."""
-
-    def __init__(self, namespace: str, abi: str):
-        if not _NAMESPACE_RE.match(namespace):
-            raise ValueError(f"a remote namespace is 1-64 of [A-Za-z0-9._-], not {namespace!r}")
-        self.namespace = namespace
-        self.abi = abi
-        self.abi_id = hashlib.sha1(abi.encode("utf-8")).hexdigest()[:16]
-        self.index = f"ds4:{{{namespace}/{self.abi_id}}}:idx"
-
-    def tag(self, sha: str) -> str:
-        return f"ds4:{{{self.namespace}/{self.abi_id}/{sha}}}"
-
-    def manifest(self, sha: str) -> str:
-        return self.tag(sha) + ":m"
-
-    def chunk(self, sha: str, i: int) -> str:
-        return f"{self.tag(sha)}:c:{i}"
-
-    def claim(self, sha: str) -> str:
-        return self.tag(sha) + ":u"
-
-    @staticmethod
-    def member(text_bytes: int, sha: str) -> str:
-        return f"{text_bytes}:{sha}"
-
-
-def chunk_digest(data: bytes | memoryview) -> str:
-    """A chunk's digest in the manifest: XXH3-128, hex (finds damage in
-    transit or in Redis early and names the chunk; what makes a download
-    trusted is the whole pipeline that runs on the file afterwards).
-    ``xxhash`` comes with ``ds4[redis]``; ds4 without a tier never imports it."""
-    import xxhash
-
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def _nonneg_int(d: dict[str, Any], key: str, limit: int = 2**62) -> int:
-    v = d.get(key)
-    if type(v) is not int or not 0 <= v <= limit:
-        raise RemoteManifestError(f"manifest field {key!r} is not an integer in range")
-    return v
-
-
-@dataclasses.dataclass(frozen=True)
-class RemoteEntry:
-    """One remote checkpoint, as its manifest describes it: the header
-    facts a lookup needs, and the size and digest of every chunk."""
-
-    sha: str
-    abi: str
-    tokens: int
-    text_bytes: int
-    size: int
-    chunk_bytes: int
-    digests: tuple[str, ...]
-
-    @property
-    def name(self) -> str:
-        return self.sha + ".kv"
-
-    def chunk_len(self, i: int) -> int:
-        return min(self.chunk_bytes, self.size - i * self.chunk_bytes)
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "v": MANIFEST_VERSION,
-                "sha1": self.sha,
-                "abi": self.abi,
-                "tokens": self.tokens,
-                "text_bytes": self.text_bytes,
-                "size": self.size,
-                "chunk_bytes": self.chunk_bytes,
-                "chunks": list(self.digests),
-            },
-            separators=(",", ":"),
-            sort_keys=True,
-        ).encode("ascii")
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, sha: str, abi: str) -> RemoteEntry:
-        """The manifest stored under ``sha``'s key for ``abi``: every field
-        checked (types, ranges, the chunk count against the size) before
-        anything uses it; :class:`RemoteManifestError` otherwise."""
-        if len(raw) > MANIFEST_MAX_BYTES:
-            raise RemoteManifestError(f"manifest of {len(raw)} bytes")
-        try:
-            d = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RemoteManifestError(f"manifest is not JSON: {e}") from None
-        if not isinstance(d, dict) or d.get("v") != MANIFEST_VERSION:
-            raise RemoteManifestError("manifest is not a version 1 object")
-        if d.get("sha1") != sha or d.get("abi") != abi:
-            raise RemoteManifestError("manifest names another checkpoint or ABI than its key")
-        size = _nonneg_int(d, "size")
-        chunk_bytes = _nonneg_int(d, "chunk_bytes", CHUNK_BYTES)
-        chunks = d.get("chunks")
-        if size == 0 or chunk_bytes == 0 or not isinstance(chunks, list):
-            raise RemoteManifestError("manifest has no payload")
-        if len(chunks) != -(-size // chunk_bytes) or not all(
-            isinstance(c, str) and _DIGEST_RE.match(c) for c in chunks
-        ):
-            raise RemoteManifestError("manifest's chunk list does not match its size")
-        text_bytes = _nonneg_int(d, "text_bytes", size)
-        return cls(sha, abi, _nonneg_int(d, "tokens"), text_bytes, size, chunk_bytes, tuple(chunks))
 
 
 @dataclasses.dataclass
@@ -305,7 +145,8 @@ class Breaker:
 class RemoteTier:
     """A Redis (or Redis Cluster) tier for one store. Thread-safe: lookups
     and downloads run on the caller's thread, uploads on one background
-    thread fed by a bounded queue (a full queue drops its oldest entry)."""
+    thread fed by a bounded queue (:mod:`.uploads`: a full queue drops its
+    oldest entry)."""
 
     def __init__(
         self,
@@ -348,11 +189,10 @@ class RemoteTier:
         }
         self._client: Client | None = None
         self._client_lock = threading.Lock()
-        self._queue: collections.deque[tuple[str, str, int, int]] = collections.deque()
-        self._cv = threading.Condition()
-        self._busy = False
         self._closed = False
-        self._thread: threading.Thread | None = None
+        #: the background uploads (:mod:`.uploads`): each runs this tier's
+        #: :meth:`upload` as it is when the upload runs
+        self._uploads = UploadQueue(lambda *item: self.upload(*item), self.stats, self.queue_max)
 
     # -- connection ---------------------------------------------------------
     def client(self) -> Redis | RedisCluster:
@@ -435,7 +275,7 @@ class RemoteTier:
         members: list[tuple[int, str]] = []
         for raw in c.zrangebyscore(keys.index, 1, len(prompt)):
             text_len, _, sha = raw.decode("ascii", "replace").partition(":")
-            if text_len.isdigit() and _SHA_RE.match(sha):
+            if text_len.isdigit() and is_sha(sha):
                 members.append((int(text_len), sha))
         if not members:
             return RemoteLookup([], [])
@@ -563,7 +403,7 @@ class RemoteTier:
             else:
                 members = c.zrandmember(keys.index, sample) or []
             parsed = [(m, m.decode("ascii", "replace").partition(":")[2]) for m in members]
-            parsed = [(m, sha) for m, sha in parsed if _SHA_RE.match(sha)]
+            parsed = [(m, sha) for m, sha in parsed if is_sha(sha)]
             pipe = c.pipeline(transaction=False)
             for _, sha in parsed:
                 pipe.exists(keys.manifest(sha))
@@ -580,7 +420,7 @@ class RemoteTier:
 
         def run(c: Client) -> list[RemoteEntry]:
             shas = [m.decode("ascii", "replace").partition(":")[2] for m in c.zrange(keys.index, 0, -1)]
-            shas = [s for s in shas if _SHA_RE.match(s)]
+            shas = [s for s in shas if is_sha(s)]
             pipe = c.pipeline(transaction=False)
             for s in shas:
                 pipe.get(keys.manifest(s))
@@ -607,23 +447,23 @@ class RemoteTier:
 
     def _scan(self, c: Client) -> RemoteScan:
         found = RemoteScan([], [], [])
-        pat = f"ds4:{{{self.namespace}/*}}:idx"
+        pat = KeyLayout.index_pattern(self.namespace)
         for raw_key in sorted(set(c.scan_iter(match=pat, count=1000))):
             index = raw_key.decode("ascii", "replace")
-            abi_id = index.split("/", 1)[1].split("}", 1)[0]
+            keys = KeyLayout.of_index(self.namespace, index)
             members = [m.decode("ascii", "replace") for m in c.zrange(index, 0, -1)]
             shas = [(m, m.partition(":")[2]) for m in members]
-            shas = [(m, s) for m, s in shas if _SHA_RE.match(s)]
+            shas = [(m, s) for m, s in shas if is_sha(s)]
             pipe = c.pipeline(transaction=False)
             for _, s in shas:
-                pipe.get(f"ds4:{{{self.namespace}/{abi_id}/{s}}}:m")
+                pipe.get(keys.manifest(s))
             for (m, s), raw in zip(shas, pipe.execute() if shas else [], strict=True):
                 if raw is None:
                     found.gone.append((index, m))
                     continue
                 try:
                     abi = json.loads(raw).get("abi")
-                    if not isinstance(abi, str) or KeyLayout(self.namespace, abi).abi_id != abi_id:
+                    if not isinstance(abi, str) or KeyLayout(self.namespace, abi).abi_id != keys.abi_id:
                         raise RemoteManifestError("manifest's ABI is not its index's")
                     found.entries.append(RemoteEntry.from_bytes(raw, s, abi))
                 except (RemoteManifestError, ValueError, AttributeError) as e:
@@ -634,11 +474,9 @@ class RemoteTier:
         """Delete the checkpoint an index member names (its manifest need
         not parse) and the member."""
         n_text, _, sha = member.partition(":")
-        abi_id = index.split("/", 1)[1].split("}", 1)[0]
+        keys = KeyLayout.of_index(self.namespace, index)
 
         def run(c: Client) -> bool:
-            keys = KeyLayout(self.namespace, "")
-            keys.abi_id, keys.index = abi_id, index
             return self._delete(c, keys, sha, None, int(n_text) if n_text.isdigit() else None)
 
         return bool(self._call("delete", run))
@@ -647,48 +485,12 @@ class RemoteTier:
     def enqueue(self, path: str, abi: str, tokens: int, text_bytes: int) -> None:
         """Queue a freshly stored checkpoint for upload; returns at once. A
         full queue drops its oldest entry (logged)."""
-        with self._cv:
-            if self._closed:
-                return
-            if len(self._queue) >= self.queue_max:
-                old = self._queue.popleft()
-                self.stats["upload_dropped"] += 1
-                log.warning("kv remote upload queue full (%d): dropped %s", self.queue_max, os.path.basename(old[0]))
-            self._queue.append((path, abi, tokens, text_bytes))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ds4-kv-upload", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                item = self._queue.popleft()
-                self._busy = True
-            try:
-                self.upload(*item)
-            except Exception:
-                self.stats["upload_failed"] += 1
-                log.exception("kv remote upload of %s failed", os.path.basename(item[0]))
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+        if not self._closed:
+            self._uploads.put(path, abi, tokens, text_bytes)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until the upload queue is empty and idle; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        return self._uploads.flush(timeout)
 
     def upload(self, path: str, abi: str, tokens: int, text_bytes: int) -> str:
         """Upload one checkpoint file now: ``stored``, ``present`` (already
@@ -760,7 +562,7 @@ class RemoteTier:
             "namespace": self.namespace,
             "state": "closed" if self._closed else self.breaker.state,
             "ttl_s": self.ttl_s,
-            "queued": len(self._queue),
+            "queued": len(self._uploads),
             "cooldowns": self.breaker.cooldowns,
             "last_error": self.breaker.last_error,
             **self.stats,
@@ -776,15 +578,10 @@ class RemoteTier:
         if self._closed:
             return
         self.flush(timeout)
-        with self._cv:
-            self._closed = True
-            dropped = len(self._queue)
-            self._queue.clear()
-            self._cv.notify_all()
+        self._closed = True
+        dropped = self._uploads.stop(timeout)
         if dropped:
             log.warning("kv remote closed with %d uploads not done", dropped)
-        if self._thread is not None:
-            self._thread.join(timeout)
         self._drop_client()
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..constrain import Constraint
+from ..errors import PromptError
 from . import tools as conv_tools
 
 if TYPE_CHECKING:
@@ -38,10 +39,11 @@ log = logging.getLogger("ds4.server")
 __all__ = ["AgentTurn", "Conversation", "LiveStateGone", "LiveTools", "Message", "Outcome", "Tool", "ToolCall"]
 
 
-class LiveStateGone(ValueError):
+class LiveStateGone(PromptError):
     """The request continues from live tool state that is no longer there
     (ds4's 409: replay the full history). Raised by the worker before the
-    session is touched."""
+    session is touched: a refusal of the request, like any
+    :class:`ds4.errors.PromptError`."""
 
 
 @dataclasses.dataclass
@@ -276,7 +278,7 @@ class AgentTurn:
         except Exception as e:  # the reply stands; the next turn recovers as usual
             log.warning("tool checkpoint rebuild failed: %s: %s", type(e).__name__, e)
             return
-        if outcome != "failed" and gen.holds(text):
+        if outcome != "failed":  # the live state holds ``text`` (canonicalize checked it)
             self.live.remember(frozenset(c.id for c in calls), msgs, gen.sess.key_bytes())
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..constrain import Constraint
-from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError, EngineError
+from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError, EngineError, PromptError
 from ..turn import GenParams, GenResult
 from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outcome, Tool, ToolCall
 from .tools import StreamSplitter
@@ -470,7 +470,7 @@ def _exception_to_api(e: BaseException, param: str | None) -> ApiError:
         return _bad("the prompt is empty", param)
     if isinstance(e, LiveStateGone):
         return ApiError(409, str(e), "invalid_request_error", param, "live_state_gone")
-    if isinstance(e, (ValueError, TypeError)):
+    if isinstance(e, PromptError):  # the client's, typed where it was judged; any other ValueError is a bug: 500
         return _bad(str(e), param)
     if isinstance(e, Cancelled):
         return ApiError(499, "client closed the request", "invalid_request_error", None, "cancelled")

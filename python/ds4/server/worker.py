@@ -193,12 +193,15 @@ class Service:
                 cancel=job.cancel.is_set,
                 progress=ProgressLog(f"job {job.id}"),
             )
-        except Exception as e:
-            if isinstance(e, (PromptError, ValueError, TypeError)):
-                self.gen.counters["rejected"] += 1  # the client's fault (PromptError: nothing was touched)
-            else:
-                self.gen.counters["errors"] += 1
-                log.exception("job %d failed", job.id)
+        except PromptError as e:
+            # the client's fault, typed where the input was judged (the turn's
+            # refusals, the agent turn's LiveStateGone): nothing was touched
+            self.gen.counters["rejected"] += 1
+            job.post("error", e)
+            return
+        except Exception as e:  # anything else is ours (a ValueError of a bug included): a 5xx
+            self.gen.counters["errors"] += 1
+            log.exception("job %d failed", job.id)
             job.post("error", e)
             return
         if res.finish_reason == "cancelled":

@@ -1,0 +1,220 @@
+"""The shared tier's layout: what its URLs look like, what its Redis keys
+are named, and what a checkpoint's manifest holds. No Redis client here:
+:mod:`.remote` does the I/O through these names.
+
+Key layout (every key of one checkpoint shares one hash tag, so a cluster
+keeps them on one node and a commit is one transaction)::
+
+    ds4:{<namespace>/<abi id>/<sha1>}:m      the manifest (JSON: header facts, size,
+                                             XXH3-128 of each chunk), written last
+    ds4:{<namespace>/<abi id>/<sha1>}:c:<i>  payload chunk i (<= 8 MiB)
+    ds4:{<namespace>/<abi id>/<sha1>}:u      an uploader's claim (expires)
+    ds4:{<namespace>/<abi id>}:idx           per-ABI index: sorted set of
+                                             "<text bytes>:<sha1>", score = text bytes
+
+``<abi id>`` is the first 16 hex digits of SHA-1 of the payload ABI string;
+``<namespace>`` separates whatever must never share checkpoints (tenants:
+the default namespace is ``shared``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import urllib.parse
+from typing import Any
+
+from ..errors import RemoteManifestError
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DEFAULT_NAMESPACE",
+    "MANIFEST_MAX_BYTES",
+    "MANIFEST_VERSION",
+    "SCHEMES",
+    "KeyLayout",
+    "RemoteEntry",
+    "chunk_digest",
+    "is_sha",
+    "parse_remote_url",
+    "redact_url",
+]
+
+#: the largest payload chunk (Redis's value limit is 512 MiB; large values
+#: block the server's one thread)
+CHUNK_BYTES = 8 * 2**20
+#: a manifest larger than this is not one ds4 wrote (a 1 TiB checkpoint
+#: has 131,072 chunks: about 4.5 MiB of digests)
+MANIFEST_MAX_BYTES = 8 * 2**20
+MANIFEST_VERSION = 1
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+DEFAULT_NAMESPACE = "shared"
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def parse_remote_url(url: str) -> tuple[bool, str]:
+    """(is a cluster, the URL for the redis client) of a ``--kv-remote``
+    URL: ``redis://host:port/db``, ``rediss://`` (TLS), or
+    ``redis+cluster://host:port`` (any node of a cluster; ``rediss+cluster``
+    with TLS). A bad URL is a ``ValueError``."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in SCHEMES:
+        raise ValueError(f"--kv-remote must be a redis://, rediss:// or redis+cluster:// URL, not {redact_url(url)!r}")
+    try:
+        port = u.port
+    except ValueError as e:
+        raise ValueError(f"bad port in {redact_url(url)!r}") from e
+    if not u.hostname or port == 0:
+        raise ValueError(f"no host in {redact_url(url)!r}")
+    cluster = u.scheme.endswith("+cluster")
+    if cluster and u.path not in ("", "/", "/0"):
+        raise ValueError("a Redis Cluster has one database: no /db in a redis+cluster:// URL")
+    if not cluster and u.path not in ("", "/") and not u.path.lstrip("/").isdigit():
+        raise ValueError(f"the database in {redact_url(url)!r} must be a number")
+    scheme = u.scheme.split("+")[0]
+    return cluster, urllib.parse.urlunsplit((scheme, u.netloc, u.path, u.query, ""))
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (what logs and ``/health`` show)."""
+    u = urllib.parse.urlsplit(url)
+    if u.password is None:
+        return url
+    host = u.hostname or ""
+    netloc = f"{u.username or ''}:***@{host}" + (f":{u.port}" if u.port else "")
+    return urllib.parse.urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+
+
+class KeyLayout:
+    """The keys of one namespace and payload ABI (see the module doc).
+
+    ``namespace`` is where a tenant's separation goes: checkpoints stored
+    under one namespace are never candidates in another."""
+
+    def __init__(self, namespace: str, abi: str):
+        if not _NAMESPACE_RE.match(namespace):
+            raise ValueError(f"a remote namespace is 1-64 of [A-Za-z0-9._-], not {namespace!r}")
+        self.namespace = namespace
+        self.abi = abi
+        self.abi_id = hashlib.sha1(abi.encode("utf-8")).hexdigest()[:16]
+        self.index = f"ds4:{{{namespace}/{self.abi_id}}}:idx"
+
+    def tag(self, sha: str) -> str:
+        return f"ds4:{{{self.namespace}/{self.abi_id}/{sha}}}"
+
+    def manifest(self, sha: str) -> str:
+        return self.tag(sha) + ":m"
+
+    def chunk(self, sha: str, i: int) -> str:
+        return f"{self.tag(sha)}:c:{i}"
+
+    def claim(self, sha: str) -> str:
+        return self.tag(sha) + ":u"
+
+    @staticmethod
+    def member(text_bytes: int, sha: str) -> str:
+        return f"{text_bytes}:{sha}"
+
+    @classmethod
+    def of_index(cls, namespace: str, index: str) -> KeyLayout:
+        """The layout of an index key a scan found (``ds4:{<namespace>/<abi
+        id>}:idx``): its ABI is known by its id only."""
+        keys = cls(namespace, "")
+        keys.abi_id = index.split("/", 1)[1].split("}", 1)[0]
+        keys.index = index
+        return keys
+
+    @staticmethod
+    def index_pattern(namespace: str) -> str:
+        """The ``SCAN`` pattern of every per-ABI index of ``namespace``."""
+        return f"ds4:{{{namespace}/*}}:idx"
+
+
+def is_sha(s: str) -> bool:
+    """``s`` is a key's SHA-1 (40 lowercase hex digits), as an index member carries it."""
+    return _SHA_RE.match(s) is not None
+
+
+def chunk_digest(data: bytes | memoryview) -> str:
+    """A chunk's digest in the manifest: XXH3-128, hex (finds damage in
+    transit or in Redis early and names the chunk; what makes a download
+    trusted is the whole pipeline that runs on the file afterwards).
+    ``xxhash`` comes with ``ds4[redis]``; ds4 without a tier never imports it."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _nonneg_int(d: dict[str, Any], key: str, limit: int = 2**62) -> int:
+    v = d.get(key)
+    if type(v) is not int or not 0 <= v <= limit:
+        raise RemoteManifestError(f"manifest field {key!r} is not an integer in range")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteEntry:
+    """One remote checkpoint, as its manifest describes it: the header
+    facts a lookup needs, and the size and digest of every chunk."""
+
+    sha: str
+    abi: str
+    tokens: int
+    text_bytes: int
+    size: int
+    chunk_bytes: int
+    digests: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.sha + ".kv"
+
+    def chunk_len(self, i: int) -> int:
+        return min(self.chunk_bytes, self.size - i * self.chunk_bytes)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "v": MANIFEST_VERSION,
+                "sha1": self.sha,
+                "abi": self.abi,
+                "tokens": self.tokens,
+                "text_bytes": self.text_bytes,
+                "size": self.size,
+                "chunk_bytes": self.chunk_bytes,
+                "chunks": list(self.digests),
+            },
+            separators=(",", ":"),
+            sort_keys=True,
+        ).encode("ascii")
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, sha: str, abi: str) -> RemoteEntry:
+        """The manifest stored under ``sha``'s key for ``abi``: every field
+        checked (types, ranges, the chunk count against the size) before
+        anything uses it; :class:`RemoteManifestError` otherwise."""
+        if len(raw) > MANIFEST_MAX_BYTES:
+            raise RemoteManifestError(f"manifest of {len(raw)} bytes")
+        try:
+            d = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RemoteManifestError(f"manifest is not JSON: {e}") from None
+        if not isinstance(d, dict) or d.get("v") != MANIFEST_VERSION:
+            raise RemoteManifestError("manifest is not a version 1 object")
+        if d.get("sha1") != sha or d.get("abi") != abi:
+            raise RemoteManifestError("manifest names another checkpoint or ABI than its key")
+        size = _nonneg_int(d, "size")
+        chunk_bytes = _nonneg_int(d, "chunk_bytes", CHUNK_BYTES)
+        chunks = d.get("chunks")
+        if size == 0 or chunk_bytes == 0 or not isinstance(chunks, list):
+            raise RemoteManifestError("manifest has no payload")
+        if len(chunks) != -(-size // chunk_bytes) or not all(
+            isinstance(c, str) and _DIGEST_RE.match(c) for c in chunks
+        ):
+            raise RemoteManifestError("manifest's chunk list does not match its size")
+        text_bytes = _nonneg_int(d, "text_bytes", size)
+        return cls(sha, abi, _nonneg_int(d, "tokens"), text_bytes, size, chunk_bytes, tuple(chunks))

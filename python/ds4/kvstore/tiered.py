@@ -1,0 +1,184 @@
+"""The directory's side of the shared tier (:mod:`.remote`): what
+:class:`ds4.kvstore.KVStore` does with what Redis holds.
+
+* A lookup also asks the tier (skipped while it cools down).
+* A remote candidate is streamed into a temp file of the directory, the
+  whole verification pipeline runs on it (``check_name`` off: the temp
+  name; then the text's SHA-1 must be the key's), and the store renames it
+  to ``<sha1>.kv`` under its lock and indexes it (the ``adopt`` hook); it is
+  then loaded like any local file.
+* A remote entry that fails any check (chunks, the pipeline, the engine's
+  own) is deleted from the tier; another engine's is kept there.
+* ``ds4 kv pull`` and ``ds4 kv push`` move files between the two tiers.
+
+This module never names a file or takes the lock itself: the store does
+(through the hooks it hands over), as it does for every file it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    NameMismatchError,
+    RemoteChunkError,
+)
+from .entries import Candidates, Entry, LoadResult
+from .files import create_temp
+from .remote import RemoteEntry, RemoteTier
+
+if TYPE_CHECKING:
+    from ..recovery import RecoveryReport
+    from ..session import Session
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = ["SharedTier"]
+
+#: the store's hooks: open a file for a session against a prompt (without
+#: the name check), load local entries into a session, adopt a verified temp
+#: file under its name
+OpenFor = Callable[["Session", str, bytes], Checkpoint]
+LoadLocal = Callable[["Session", list[Entry], bytes, "RecoveryReport | None"], "LoadResult | None"]
+Adopt = Callable[[str, str, Checkpoint], "Entry | None"]
+
+
+class SharedTier:
+    """One store's use of one :class:`RemoteTier`. ``stats`` is the store's
+    counters (a rejected remote entry counts there as well as on the tier)."""
+
+    def __init__(
+        self,
+        tier: RemoteTier,
+        directory: str,
+        stats: dict[str, int],
+        *,
+        open_for: OpenFor,
+        load_local: LoadLocal,
+        adopt: Adopt,
+    ):
+        self.tier = tier
+        self.dir = directory
+        self.stats = stats
+        self._open_for = open_for
+        self._load_local = load_local
+        self._adopt = adopt
+
+    def lookup(self, found: Candidates, abi: str, *, min_tokens: int, ctx: int | None) -> None:
+        """Add the tier's prefixes of ``found.prompt`` to ``found`` (and, in
+        the default namespace, the remote entries rejected on the way), and
+        the tier's state when it was asked."""
+        if self.tier.available():
+            got = self.tier.lookup(found.prompt, abi, min_tokens=min_tokens, ctx=ctx)
+            found.remote = got.entries
+            if found.namespace is None:
+                found.rejected.extend(got.rejected)
+        found.remote_state = self.tier.state
+
+    def load(
+        self, sess: Session, prompt: bytes, entries: list[RemoteEntry], report: RecoveryReport | None
+    ) -> LoadResult | None:
+        """Download the first remote candidate that verifies, then load it
+        as a local file. A remote entry that fails any check (chunks, the
+        whole pipeline, the engine's own) is deleted from the tier and the
+        next one is tried; the tier failing stops here (the local
+        candidates are tried next)."""
+        tier = self.tier
+        for r in entries:
+            if not tier.available():
+                return None
+            t0 = time.perf_counter()
+            e = self.download(r, lambda tmp: self._open_for(sess, tmp, prompt), report)
+            if e is None:
+                continue
+            res = self._load_local(sess, [e], prompt, report)
+            if res is not None:
+                tier.touch(r)
+                tier.stats["hits"] += 1
+                log.info(
+                    "kv remote hit tokens=%d key=%s download+load=%.1f ms",
+                    r.tokens,
+                    r.name[:12],
+                    (time.perf_counter() - t0) * 1000,
+                )
+                res.tier = "remote"
+                return res
+            if not os.path.lexists(e.path):  # judged corrupt by the load (and discarded there)
+                tier.delete(r.sha, r.abi, r)
+        return None
+
+    def pull(
+        self, r: RemoteEntry, report: RecoveryReport | None, *, auth_key: bytes | None, mmap: bool
+    ) -> Entry | None:
+        """See :meth:`ds4.kvstore.KVStore.pull`."""
+
+        def opener(tmp: str) -> Checkpoint:
+            ck = open_checkpoint(tmp, check_name=False, auth_key=auth_key, mmap=mmap)
+            ck.load_arrays()
+            return ck
+
+        return self.download(r, opener, report)
+
+    def push(self, entries: Iterable[Entry]) -> dict[str, int]:
+        """See :meth:`ds4.kvstore.KVStore.push`."""
+        out: dict[str, int] = {}
+        for e in entries:
+            res = "skipped_v1" if e.version != 2 else self.tier.upload(e.path, e.abi, e.tokens, e.text_bytes)
+            out[res] = out.get(res, 0) + 1
+        return out
+
+    def download(
+        self, r: RemoteEntry, opener: Callable[[str], Checkpoint], report: RecoveryReport | None
+    ) -> Entry | None:
+        """Stream ``r`` into a temp file of the directory, run the whole
+        verification pipeline on it (``opener``), and have the store adopt
+        it under its name; the index entry of the new file, or None
+        (rejected: deleted from the tier when damaged, kept when another
+        engine's; or the tier failed; or a local file holds the name)."""
+        if os.path.lexists(os.path.join(self.dir, r.name)):  # another engine's, or not a file: kept
+            return None
+        fd, tmp = create_temp(self.dir, r.name)
+        try:
+            try:
+                ok = self.tier.fetch(r, fd)
+                if ok:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not ok:
+                return None
+            ck = opener(tmp)
+            if ck.text_sha1 != r.sha:
+                raise NameMismatchError("the downloaded text's SHA-1 is not the key's", path=tmp)
+            e = self._adopt(tmp, r.name, ck)
+            del ck
+            return e
+        except (RemoteChunkError, CorruptCheckpointError, CheckpointMismatchError) as err:
+            self._reject(r, err, report, delete=True)
+            return None
+        except CheckpointError as err:  # another engine's or context's: kept on the tier
+            self._reject(r, err, report, delete=False)
+            return None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def _reject(self, r: RemoteEntry, err: CheckpointError, report: RecoveryReport | None, *, delete: bool) -> None:
+        self.stats["rejected"] += 1
+        self.tier.stats["rejected"] += 1
+        if report is not None:
+            report.rejected.append((f"remote:{r.name}", err.stage, err.code, err.reason))
+        if delete:
+            self.tier.delete(r.sha, r.abi, r)
+            log.warning("kv remote rejected %s: %s (deleted from the tier)", r.name[:12], err)
+        else:
+            log.info("kv remote skipped %s: %s (kept)", r.name[:12], err)

@@ -1,0 +1,97 @@
+"""The shared tier's background uploads (:class:`.remote.RemoteTier`): a
+bounded FIFO of checkpoint files to upload and the one thread that uploads
+them, so that sharing a checkpoint never adds to a request's latency. What
+an upload does is the tier's; this module only queues, runs and waits."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = ["UploadQueue"]
+
+#: (path, payload ABI, tokens, text bytes) of one checkpoint file
+Upload = tuple[str, str, int, int]
+
+
+class UploadQueue:
+    """A bounded FIFO (a full queue drops its oldest entry: logged and
+    counted ``upload_dropped``) and one daemon thread, started on the first
+    entry, that calls ``upload`` on each (an exception is counted
+    ``upload_failed`` and logged). ``stats`` is the tier's counters."""
+
+    def __init__(self, upload: Callable[[str, str, int, int], object], stats: dict[str, int], max_len: int):
+        self._upload = upload
+        self.stats = stats
+        self.max_len = max(1, max_len)
+        self._queue: collections.deque[Upload] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, path: str, abi: str, tokens: int, text_bytes: int) -> None:
+        """Queue one file; returns at once (nothing once stopped)."""
+        with self._cv:
+            if self._stopped:
+                return
+            if len(self._queue) >= self.max_len:
+                old = self._queue.popleft()
+                self.stats["upload_dropped"] += 1
+                log.warning("kv remote upload queue full (%d): dropped %s", self.max_len, os.path.basename(old[0]))
+            self._queue.append((path, abi, tokens, text_bytes))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ds4-kv-upload", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopped:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                self._upload(*item)
+            except Exception:
+                self.stats["upload_failed"] += 1
+                log.exception("kv remote upload of %s failed", os.path.basename(item[0]))
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until the queue is empty and idle; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """Take no more entries, drop the queued ones and wait (up to
+        ``timeout``) for the one being uploaded; how many were dropped."""
+        with self._cv:
+            self._stopped = True
+            dropped = len(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return dropped
