@@ -45,7 +45,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,9 @@ import tempfile
 import time
 
 import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from ports import free_port  # noqa: E402
 
 TOOL_NAMES = ["read_file", "write_file", "list_dir", "grep", "run_tests", "git_diff", "git_log", "http_get"]
 
@@ -69,12 +71,6 @@ def tools() -> list[dict]:
 SYSTEM = "You are a coding agent working in a repository. " + " ".join(
     f"Rule {i}: read before you write, run the tests after each change, keep diffs small." for i in range(40)
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
