@@ -54,7 +54,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from ports import free_port  # noqa: E402
+from ports import free_port
 
 TOOL_NAMES = ["read_file", "write_file", "list_dir", "grep", "run_tests", "git_diff", "git_log", "http_get"]
 
