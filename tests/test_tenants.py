@@ -350,3 +350,40 @@ def test_cache_salt_must_be_a_non_empty_string(tmp_path):
             assert ei.value.status_code == 400 and ei.value.body["param"] == "cache_salt"
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("protocol", ["messages", "responses"])
+def test_cache_salt_separates_the_agent_protocols_too(tmp_path, protocol):
+    """``cache_salt`` is taken on /v1/messages and /v1/responses as on chat:
+    a second salt shares nothing with the first (not even the system
+    prompt's checkpoint), and the first salt's next turn finds its own."""
+    import anthropic
+
+    srv = Server(str(tmp_path), f"salt-{protocol}", "--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS).start()
+    system = "You are a careful assistant. Follow the house rules. " * 16
+
+    def ask(salt: str, question: str) -> int:
+        extra = {"cache_salt": salt}
+        if protocol == "messages":
+            c = anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0)
+            r = c.messages.create(
+                model="m",
+                system=system,
+                max_tokens=4,
+                messages=[{"role": "user", "content": question}],
+                extra_body=extra,
+            )
+            return r.usage.cache_read_input_tokens or 0
+        r = srv.client().responses.create(
+            model="m", instructions=system, input=question, max_output_tokens=4, store=False, extra_body=extra
+        )
+        return r.usage.input_tokens_details.cached_tokens
+
+    try:
+        assert ask("team-a", "First question?") == 0
+        assert ask("team-b", "Second question?") == 0  # A's system prompt is not B's to resume
+        assert ask("team-a", "Third question?") >= len(system) // 2  # A's own checkpoint
+        with pytest.raises((anthropic.BadRequestError, openai.BadRequestError)):
+            ask("", "Empty salt?")
+    finally:
+        srv.stop()

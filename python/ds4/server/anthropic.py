@@ -30,7 +30,7 @@ import uuid
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall
-from .openai import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api
+from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 
 __all__ = ["AnthropicWire", "MessagesParser"]
 
@@ -236,7 +236,7 @@ class MessagesParser:
         stream = raw.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad("stream: must be a boolean")
-        return Turn("chat", None, params, stream, True, conv)
+        return Turn("chat", None, params, stream, True, conv, cache_salt=cache_salt_of(raw))
 
 
 def _sse(event: str, data: JSON) -> bytes:

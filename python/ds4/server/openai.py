@@ -90,8 +90,9 @@ def _opt_bool(body: JSON, key: str) -> bool | None:
     return v
 
 
-def _cache_salt(body: JSON) -> str | None:
-    """``cache_salt`` (vLLM's name): a non-empty string, or absent."""
+def cache_salt_of(body: JSON) -> str | None:
+    """``cache_salt`` (vLLM's name; taken on every protocol): a non-empty
+    string, or absent."""
     v = body.get("cache_salt")
     if v is None:
         return None
@@ -361,7 +362,7 @@ class RequestParser:
         n_bytes = sum(_utf8_len(m.content, "messages") + sum(len(c.arguments) for c in m.tool_calls) for m in out)
         self._fits(n_bytes + sum(len(json.dumps(t.schema())) for t in tools), "messages")
         params.constraint = response_format(body.get("response_format"))
-        salt = _cache_salt(body)
+        salt = cache_salt_of(body)
         if tools or any(m.role == "tool" or m.tool_calls for m in out):
             conv = Conversation(out, tools, choice, parallel is not False)
             try:
@@ -389,7 +390,7 @@ class RequestParser:
             raise _bad("echo is not supported", "echo", "unsupported_value")
         if body.get("suffix"):
             raise _bad("suffix is not supported", "suffix", "unsupported_value")
-        return Turn("completion", prompt, params, stream, inc, cache_salt=_cache_salt(body))
+        return Turn("completion", prompt, params, stream, inc, cache_salt=cache_salt_of(body))
 
 
 def response_format(rf: object) -> Constraint | None:

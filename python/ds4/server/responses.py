@@ -73,7 +73,7 @@ from typing import Any, Protocol
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall
-from .openai import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api
+from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 from .tenants import ANONYMOUS
 
 __all__ = ["MemoryRecords", "ResponsesParser", "ResponsesWire", "StoredResponses"]
@@ -332,6 +332,7 @@ class ResponsesParser:
         except ConstraintError as e:
             raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
         turn = ResponsesTurn(params, stream, conv, raw, history, ids)
+        turn.cache_salt = cache_salt_of(raw)
         turn.tenant = tenant
         turn.live_only = live_only and not raw.get("previous_response_id")
         return turn

@@ -7,7 +7,8 @@ the cache namespace a request's turn runs in.
   ``--api-key`` and ``DS4_API_KEY`` get ``key-`` and 16 hex digits of a
   domain-separated SHA-256 of the key (:func:`tenant_of`): stable across
   restarts, never the key. Without keys every request is ``anonymous``.
-* A request may add ``cache_salt`` (vLLM's field): the turn's namespace is
+* A request may add ``cache_salt`` (vLLM's field; a body field on chat,
+  completions, ``/v1/messages`` and ``/v1/responses``): the turn's namespace is
   then ``<tenant>/salt-<16 hex of a domain-separated SHA-256 of the salt>``
   (:func:`namespace_for`). The salt itself is never stored.
 * The namespace enters the checkpoint key (:mod:`ds4.keytext`): tenants and
