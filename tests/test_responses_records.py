@@ -31,8 +31,8 @@ UNKNOWN = "resp_" + "0" * 32
 def _keyed(tmp, name, *flags):
     keys = tmp / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\n", encoding="utf-8")
-    srv = ScriptedServer(tmp, name, "--api-key-file", str(keys), *flags)
-    srv.key = KA  # the key of health() and client()
+    srv = ScriptedServer(tmp, name, "--api-key-file", str(keys), "--admin-tenant", "alice", *flags)
+    srv.key = KA  # the key of health() (the operator's view) and client()
     return srv.start()
 
 

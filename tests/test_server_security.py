@@ -17,6 +17,8 @@ import pytest
 from ports import free_port
 from test_server import KV_FLAGS, Server, _assert_error, _conv
 
+from ds4.server.tenants import tenant_of
+
 KEY, KEY2, KEY3 = "sk-ds4-first-key", "sk-ds4-from-the-file", "sk-ds4-from-the-env"
 
 
@@ -32,6 +34,8 @@ def keyed(tmp_path_factory):
         KEY,
         "--api-key-file",
         str(key_file),
+        "--admin-tenant",
+        tenant_of(KEY),  # health() reads the operator's counters and session
         "--cors-origin",
         "https://app.example",
         "--kv-disk-dir",

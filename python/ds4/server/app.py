@@ -31,6 +31,7 @@ from .anthropic import AnthropicWire, MessagesParser
 from .body import BodyLimits, read_json
 from .conversation import AgentTurn, LiveTools
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
+from .health import operator_view, tenant_view
 from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
 from .responses import MemoryRecords, ResponsesParser, ResponsesWire, StoredResponses
 from .tenants import ANONYMOUS, namespace_for
@@ -74,11 +75,12 @@ class _JobRun:
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
 
-        namespace = namespace_for(tenant_of_request(request), turn.cache_salt)
+        tenant = tenant_of_request(request)
+        namespace = namespace_for(tenant, turn.cache_salt)
         if turn.agent is not None:
-            self.job = Job("agent", turn.agent, turn.params, post, namespace)
+            self.job = Job("agent", turn.agent, turn.params, post, namespace, tenant)
         else:
-            self.job = Job(turn.kind, turn.payload, turn.params, post, namespace)
+            self.job = Job(turn.kind, turn.payload, turn.params, post, namespace, tenant)
         service.submit(self.job)
         self.watcher = asyncio.ensure_future(self._watch(request))
 
@@ -319,21 +321,12 @@ class _Routes:
         return JSONResponse(self.model_obj(mid))
 
     async def health(self, request: Request) -> Response:
+        """The operator's view, or the tenant's own (ds4.server.health)."""
         from starlette.responses import JSONResponse
 
-        status = dict(self.service.status)
-        if "kv" in status and not self.debug:  # the cache directory's path only with --debug
-            status["kv"] = {k: v for k, v in status["kv"].items() if k != "dir"}
-        return JSONResponse(
-            {
-                "status": "ok",
-                "model": self.service.model_id,
-                "engine": self.gen.engine.name,
-                "payload_abi": self.gen.sess.payload_abi,
-                "queued": self.service.queued,
-                **status,
-            }
-        )
+        if request.scope.get("state", {}).get("ds4_operator", False):
+            return JSONResponse(operator_view(self.service, self.debug))
+        return JSONResponse(tenant_view(self.service, tenant_of_request(request)))
 
     async def http_exc(self, request: Request, exc: Exception) -> Response:
         from starlette.exceptions import HTTPException

@@ -19,7 +19,10 @@ Order of the checks, for every HTTP request:
 
 The tenant of a request (``scope["state"]["ds4_tenant"]``) is its key's
 name in ``--api-key-file`` or a digest of its key, never the key
-(:mod:`ds4.server.tenants`).
+(:mod:`ds4.server.tenants`). ``scope["state"]["ds4_operator"]`` says
+whether the request may see the operator's view of ``/health`` (the
+server-wide counters, the live session, the store): every request of a
+server without keys, else only the keys of an ``--admin-tenant``.
 """
 
 from __future__ import annotations
@@ -85,11 +88,16 @@ class Guard:
         allowed_hosts: Iterable[str] = (),
         cors_origins: Iterable[str] = (),
         bind_host: str | None = None,
+        admin_tenants: Iterable[str] = (),
     ):
         # Only digests are kept: (sha256(key), tenant) per key; a bare key's
         # tenant is derived from it, a (key, tenant) pair names it.
         pairs = [(k, tenant_of(k)) if isinstance(k, str) else k for k in keys]
         self._keys = [(hashlib.sha256(k.encode("utf-8")).digest(), t) for k, t in pairs]
+        self.admins = frozenset(admin_tenants)
+        unknown = sorted(self.admins - {t for _, t in self._keys})
+        if unknown:
+            raise ValueError(f"--admin-tenant names no tenant of the configured keys: {', '.join(unknown)}")
         hosts = {h.lower().strip("[]") for h in (*LOOPBACK_NAMES, *allowed_hosts)}
         if bind_host and bind_host not in ("0.0.0.0", "::", ""):
             hosts.add(bind_host.lower().strip("[]"))
@@ -101,6 +109,11 @@ class Guard:
     @property
     def needs_key(self) -> bool:
         return bool(self._keys)
+
+    def operator(self, tenant: str) -> bool:
+        """Whether ``tenant`` sees the operator's view: every request
+        without keys (one user), else an ``--admin-tenant``'s keys only."""
+        return not self._keys or tenant in self.admins
 
     def host_ok(self, host: str | None) -> bool:
         return self.any_host or (host is not None and _host_name(host) in self.hosts)
@@ -176,7 +189,9 @@ class GuardMiddleware:
             )
             await _reply(send, 401, body, [*cors, (b"www-authenticate", b"Bearer")])
             return
-        scope.setdefault("state", {})["ds4_tenant"] = tenant
+        state = scope.setdefault("state", {})
+        state["ds4_tenant"] = tenant
+        state["ds4_operator"] = g.operator(tenant)
         await self.app(scope, receive, self._with_headers(send, cors) if cors else send)
 
     def _cors_headers(self, origin: str | None) -> list[tuple[bytes, bytes]]:
@@ -222,6 +237,14 @@ def add_guard_args(p: Any) -> None:
         help="a file of keys, one a line: 'name:key' names the key's tenant, a bare 'key' gets a digest ('#' comments)",
     )
     g.add_argument(
+        "--admin-tenant",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a tenant whose keys see the operator's /health (server-wide counters, live session, store); "
+        "other keys see their own (repeatable; without keys every request sees it)",
+    )
+    g.add_argument(
         "--insecure-no-auth", action="store_true", help="allow a non-loopback --host without any key (not recommended)"
     )
     g.add_argument(
@@ -252,4 +275,12 @@ def guard_from_args(args: Any, env: MutableMapping[str, str] | None = None) -> G
             f"--host {args.host} accepts connections from other machines: give --api-key, --api-key-file "
             "or DS4_API_KEY (or --insecure-no-auth to serve without a key)"
         )
-    return Guard(keys, allowed_hosts=args.allowed_host, cors_origins=args.cors_origin, bind_host=args.host)
+    if args.admin_tenant and not keys:
+        raise ValueError("--admin-tenant needs keys (without keys every request sees the operator's /health)")
+    return Guard(
+        keys,
+        allowed_hosts=args.allowed_host,
+        cors_origins=args.cors_origin,
+        bind_host=args.host,
+        admin_tenants=args.admin_tenant,
+    )

@@ -11,6 +11,11 @@ leaves while it runs stops at the next token (its cancel flag is checked
 before every token), and the session stays valid at exactly the tokens
 evaluated. On shutdown the queue is drained and the live session stored
 (reason ``shutdown``) when it is valid, unlike ds4.
+
+Besides the server-wide counters (the generator's) and the snapshot of the
+session and the store (:attr:`Service.status`, the operator's ``/health``),
+the worker counts each tenant's own jobs (:meth:`Service.tenant_counters`):
+what a tenant's ``/health`` shows, which moves with its own requests only.
 """
 
 from __future__ import annotations
@@ -25,11 +30,25 @@ from typing import Any
 
 from ..errors import PromptError
 from ..keytext import Prompt
-from ..turn import Generator, GenParams
+from ..turn import Generator, GenParams, GenResult
+from .tenants import ANONYMOUS
 
 log = logging.getLogger("ds4.server")
 
-__all__ = ["Cancelled", "Job", "ProgressLog", "QueueFull", "Service", "ShuttingDown"]
+__all__ = ["TENANT_COUNTERS", "Cancelled", "Job", "ProgressLog", "QueueFull", "Service", "ShuttingDown"]
+
+#: a tenant's own counters: ``requests`` (its jobs the worker took, refused
+#: and cancelled ones included), ``cancelled`` (its client left), ``rejected``
+#: (a 4xx), ``errors`` (a 5xx), and the tokens of its turns
+TENANT_COUNTERS = (
+    "requests",
+    "cancelled",
+    "rejected",
+    "errors",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+)
 
 
 class Cancelled(Exception):
@@ -60,6 +79,7 @@ class Job:
         params: GenParams,
         post: Callable[[str, Any], None],
         namespace: str | None = None,
+        tenant: str = ANONYMOUS,
     ):
         self.id = next(self._ids)
         # "chat" (payload: messages), "completion" (payload: prompt) or
@@ -69,6 +89,7 @@ class Job:
         self.kind = kind
         self.payload = payload
         self.namespace = namespace  # the tenant's cache namespace (ds4.server.tenants)
+        self.tenant = tenant  # whose job: its counters (Service.tenant_counters)
         self.params = params
         self.post = post
         self.cancel = threading.Event()
@@ -113,6 +134,9 @@ class Service:
         self._lock = threading.Lock()
         self._closed = False
         self.started = time.time()
+        # tenant -> its counters; a tenant's dict is replaced whole, never
+        # changed in place, so a reader on another thread sees one job's end
+        self._by_tenant: dict[str, dict[str, int]] = {}
         self.status = self._snapshot(busy=False)
         self._thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
         self._thread.start()
@@ -127,6 +151,28 @@ class Service:
         if g.store is not None:
             st["kv"] = g.store.summary()
         return st
+
+    def tenant_counters(self, tenant: str) -> dict[str, int]:
+        """``tenant``'s own counters (zeros before its first job)."""
+        return dict(self._by_tenant.get(tenant) or dict.fromkeys(TENANT_COUNTERS, 0))
+
+    def all_tenant_counters(self) -> dict[str, dict[str, int]]:
+        """Every tenant's counters that has had a job (the operator's view)."""
+        return {t: dict(c) for t, c in sorted(self._by_tenant.copy().items())}
+
+    def _count(self, job: Job, outcome: str | None, res: GenResult | None = None) -> None:
+        """Count ``job`` for its tenant: one request, its ``outcome``
+        counter (``cancelled``, ``rejected``, ``errors``; None: answered)
+        and its tokens."""
+        c = self.tenant_counters(job.tenant)
+        c["requests"] += 1
+        if outcome is not None:
+            c[outcome] += 1
+        if res is not None:
+            c["prompt_tokens"] += res.prompt_tokens
+            c["cached_tokens"] += res.cached_tokens
+            c["completion_tokens"] += res.completion_tokens
+        self._by_tenant[job.tenant] = c
 
     @property
     def queued(self) -> int:
@@ -174,6 +220,7 @@ class Service:
     def _serve(self, job: Job) -> None:
         if job.cancel.is_set():
             log.info("job %d skipped: client disconnected while queued", job.id)
+            self._count(job, "cancelled")
             job.post("error", Cancelled())
             return
         self.status = self._snapshot(busy=True)
@@ -197,13 +244,16 @@ class Service:
             # the client's fault, typed where the input was judged (the turn's
             # refusals, the agent turn's LiveStateGone): nothing was touched
             self.gen.counters["rejected"] += 1
+            self._count(job, "rejected")
             job.post("error", e)
             return
         except Exception as e:  # anything else is ours (a ValueError of a bug included): a 5xx
             self.gen.counters["errors"] += 1
+            self._count(job, "errors")
             log.exception("job %d failed", job.id)
             job.post("error", e)
             return
+        self._count(job, "cancelled" if res.finish_reason == "cancelled" else None, res)
         if res.finish_reason == "cancelled":
             log.info(
                 "job %d: client disconnected; stopped after %d tokens (session %s at %d tokens)",
