@@ -10,12 +10,12 @@ Order of the checks, for every HTTP request:
    ``--cors-origin``, ``OPTIONS`` (a preflight) gets 204 and the CORS headers,
    and answers from an allowed origin carry ``Access-Control-Allow-Origin``.
    Without it, no CORS header is ever sent.
-3. When keys are configured, every endpoint, ``/health`` included (it shows
-   the model, the counters and the session), needs one: ``Authorization:
-   Bearer <key>`` or ``x-api-key: <key>``; otherwise 401 with OpenAI's error
-   body. The presented key is hashed (SHA-256) and compared with every
-   configured key's hash by :func:`hmac.compare_digest`, all of them, so the
-   time taken says nothing about which key (or which prefix) is close.
+3. When keys are configured, every endpoint, ``/health`` included, needs
+   one: ``Authorization: Bearer <key>`` or ``x-api-key: <key>``; otherwise
+   401 with OpenAI's error body. The presented key is hashed (SHA-256) and
+   compared with every configured key's hash by :func:`hmac.compare_digest`,
+   all of them, so the time taken says nothing about which key (or which
+   prefix) is close.
 
 The tenant of a request (``scope["state"]["ds4_tenant"]``) is its key's
 name in ``--api-key-file`` or a digest of its key, never the key
