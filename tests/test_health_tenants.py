@@ -15,11 +15,15 @@ import argparse
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 from test_server import KV_FLAGS, Server, _conv
 
+from ds4.engines.reference import ReferenceContext
+from ds4.server.app import create_app
 from ds4.server.guard import Guard, add_guard_args, guard_from_args
 from ds4.server.tenants import tenant_of
-from ds4.server.worker import TENANT_COUNTERS
+from ds4.server.worker import TENANT_COUNTERS, Service
+from ds4.turn import Generator
 
 KA, KB, KOPS = "sk-health-alice", "sk-health-bob", "sk-health-ops"
 #: every field the operator's view had before tenants had a view of their own
@@ -184,3 +188,47 @@ def test_admin_tenant_must_name_a_configured_tenant(tmp_path):
     # without keys every request is the operator (one user)
     assert Guard().operator("anonymous")
     assert not Guard([KA]).operator(tenant_of(KA))  # a key without --admin-tenant: its own view
+
+
+def test_a_tenants_own_refusals_and_failures_are_counted_for_it_alone(eng, monkeypatch):
+    """In process: alice's 409 (refused before the turn), 400 (refused by
+    the turn) and 500 (an engine fault mid-decode) are her counters; bob's
+    view does not move; the operator sees them under alice."""
+    service = Service(Generator(eng, 512), "ds4-reference")
+    guard = Guard([(KA, "alice"), (KB, "bob"), (KOPS, "ops")], admin_tenants=["ops"])
+    with TestClient(create_app(service, guard=guard), base_url="http://127.0.0.1") as c:
+
+        def get(key: str) -> httpx.Response:
+            r = c.get("/health", headers={"x-api-key": key})
+            assert r.status_code == 200, r.text
+            return r
+
+        b0 = get(KB).content
+        alice = {"Authorization": f"Bearer {KA}"}
+        gone = {"model": "any", "input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}
+        assert c.post("/v1/responses", json=gone, headers=alice).status_code == 409
+        long = {"model": "any", "messages": [{"role": "user", "content": "x " * 512}], "max_tokens": 2}
+        assert c.post("/v1/chat/completions", json=long, headers=alice).status_code == 400
+        real, armed = ReferenceContext.eval, [True]
+
+        def faulty(self, tokens, progress=None):
+            if armed and len(tokens) == 1:  # a decode step: the engine's bug
+                armed.clear()
+                raise TypeError("an engine bug")
+            return real(self, tokens, progress)
+
+        monkeypatch.setattr(ReferenceContext, "eval", faulty)
+        hi = {"model": "any", "messages": [{"role": "user", "content": "Hi there."}], "max_tokens": 3}
+        assert c.post("/v1/chat/completions", json=hi, headers=alice).status_code == 500
+        assert not armed
+        mine = get(KA).json()["tenant"]["counters"]
+        assert {k: mine[k] for k in ("requests", "rejected", "errors", "cancelled")} == {
+            "requests": 3,
+            "rejected": 2,
+            "errors": 1,
+            "cancelled": 0,
+        }
+        assert get(KB).content == b0
+        ops = get(KOPS).json()
+        assert ops["tenants"] == {"alice": mine}
+        assert ops["counters"]["rejected"] == 2 and ops["counters"]["errors"] == 1
