@@ -12,6 +12,7 @@ compared byte for byte."""
 from __future__ import annotations
 
 import argparse
+import time
 
 import httpx
 import pytest
@@ -58,6 +59,18 @@ def _health(srv, key) -> httpx.Response:
     return r
 
 
+def _settled(get) -> dict:
+    """The operator's view once the worker is idle: its status is a
+    snapshot taken after each job, a moment after the reply went out (a
+    tenant's own counters are counted before it)."""
+    for _ in range(200):
+        h = get().json()
+        if not h["busy"]:
+            return h
+        time.sleep(0.05)
+    raise AssertionError(f"the worker stayed busy: {h}")
+
+
 def _a_traffic(srv) -> dict:
     """Alice's requests of every outcome: answered (chat, completion, a
     stream), refused (a prompt over the context). Returns what her usage
@@ -98,7 +111,7 @@ def _a_traffic(srv) -> dict:
 
 def test_a_tenant_sees_nothing_of_another_tenants_traffic(srv):
     b0 = _health(srv, KB)
-    ops0 = _health(srv, KOPS).json()
+    ops0 = _settled(lambda: _health(srv, KOPS))
     body = b0.json()
     # the server's fixed facts and bob's own counters; nothing else
     assert set(body) == {"status", "model", "engine", "payload_abi", "tenant"}
@@ -111,7 +124,7 @@ def test_a_tenant_sees_nothing_of_another_tenants_traffic(srv):
     assert _health(srv, KB).content == b0.content
 
     # the operator saw all of it move
-    ops1 = _health(srv, KOPS).json()
+    ops1 = _settled(lambda: _health(srv, KOPS))
     assert OPERATOR_FIELDS <= set(ops1)
     assert ops1["counters"]["requests"] - ops0["counters"]["requests"] == seen["requests"]
     assert ops1["counters"]["rejected"] - ops0["counters"]["rejected"] == 1
@@ -156,7 +169,7 @@ def test_a_server_without_keys_shows_everyone_the_operators_view(tmp_path):
         assert OPERATOR_FIELDS <= set(h0) and "dir" not in h0["kv"]  # the directory only with --debug
         assert h0["queued"] == 0 and h0["busy"] is False and h0["tenants"] == {}
         r = srv.client().chat.completions.create(model=srv.model(), messages=_conv("single-user"), max_tokens=2)
-        h1 = srv.health()
+        h1 = _settled(lambda: httpx.get(srv.base + "/health", timeout=10))
         assert h1["counters"]["requests"] == h0["counters"]["requests"] + 1
         assert h1["session"]["n_past"] >= r.usage.prompt_tokens
         assert h1["tenants"]["anonymous"]["requests"] == 1
@@ -229,6 +242,6 @@ def test_a_tenants_own_refusals_and_failures_are_counted_for_it_alone(eng, monke
             "cancelled": 0,
         }
         assert get(KB).content == b0
-        ops = get(KOPS).json()
+        ops = _settled(lambda: get(KOPS))
         assert ops["tenants"] == {"alice": mine}
         assert ops["counters"]["rejected"] == 2 and ops["counters"]["errors"] == 1
