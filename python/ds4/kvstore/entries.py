@@ -1,11 +1,12 @@
 """What the store's index holds: one :class:`Entry` per checkpoint (its
 header facts, its cache namespace and ds4's eviction score), the results of
-a lookup and a load, and ds4's eviction order."""
+a lookup and a load, and ds4's eviction order (with the tenants' shares)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections import deque
 from typing import TYPE_CHECKING
 
 from ..keytext import ANONYMOUS, namespace_of, tenant_of_namespace
@@ -171,16 +172,46 @@ class NamedLoad:
     error: CheckpointError | None = None
 
 
-def plan_eviction(entries: list[Entry], limit: int, now: float, protect: str | None = None) -> list[Entry]:
+def plan_eviction(
+    entries: list[Entry], limit: int, now: float, protect: str | None = None, tenant_share: float = 1.0
+) -> list[Entry]:
     """ds4's eviction order: while the total is over ``limit``, the entry
     with the lowest score goes (ties: least recently used, then the file
-    written first); ``protect`` (the newest file) never does."""
+    written first); ``protect`` (the newest file) never does.
+
+    With ``tenant_share`` F < 1, a tenant (:attr:`Entry.tenant`) holding
+    more than F x ``limit`` bytes loses its own entries first, in that
+    order among them (of several such tenants, the lowest entry of theirs
+    goes); a tenant within its share loses an entry only when no tenant
+    over it has one left to lose."""
+
+    def order(e: Entry) -> tuple[float, int, int]:
+        return (e.score(now), e.last_used or e.created, e.stat_key[2] if e.stat_key else 0)
+
     total = sum(e.size for e in entries)
-    pool = [e for e in entries if e.name != protect]
-    out = []
-    while total > limit and pool:
-        victim = min(pool, key=lambda e: (e.score(now), e.last_used or e.created, e.stat_key[2] if e.stat_key else 0))
-        pool.remove(victim)
+    pool = sorted((e for e in entries if e.name != protect), key=order)
+    out: list[Entry] = []
+    if tenant_share >= 1.0:
+        for victim in pool:
+            if total <= limit:
+                break
+            out.append(victim)
+            total -= victim.size
+        return out
+    share = tenant_share * limit
+    held: dict[str | None, int] = {}
+    for e in entries:
+        held[e.tenant] = held.get(e.tenant, 0) + e.size
+    queues: dict[str | None, deque[Entry]] = {}
+    for e in pool:  # each tenant's entries, in eviction order
+        queues.setdefault(e.tenant, deque()).append(e)
+    while total > limit and queues:
+        over = [t for t in queues if held[t] > share]
+        tenant = min(over or queues, key=lambda t: order(queues[t][0]))
+        victim = queues[tenant].popleft()
+        if not queues[tenant]:
+            del queues[tenant]
         out.append(victim)
         total -= victim.size
+        held[tenant] -= victim.size
     return out
