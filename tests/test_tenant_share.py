@@ -114,6 +114,44 @@ def test_the_index_reads_the_namespace_as_keytext_does():
         assert text_namespace(text) == ns, text
 
 
+def test_a_header_read_gives_the_namespace_and_the_tail(tmp_path, write_ck):
+    """``StoreIndex.index_file`` reads the text's first 135 bytes and its
+    last 8: texts shorter, as long as and longer than that window (the tail
+    from the same read, or its own), each found again by a lookup."""
+    pre = preamble("t" * 128)
+    assert len(pre) == 135
+    texts = {
+        b"short": None,
+        preamble("bob") + b"hi": "bob",
+        pre: "t" * 128,
+        pre + b"!": "t" * 128,
+        pre + b"a longer text after the preamble " * 20: "t" * 128,
+        b"\xff\x00ns:bob\xff\x01 a broken preamble " * 3: None,
+    }
+    idx = kvstore._core.StoreIndex()
+    for text, ns in texts.items():
+        row = idx.index_file(write_ck(tmp_path, text))
+        assert row[-1] == ns and row[3] == len(text)
+        assert idx.lookup(text + b" more", min_tokens=0)[0] == row  # the longest stored prefix
+
+
+def _cli_error(*flags):
+    import argparse
+
+    from ds4.config import check_kv_args
+    from ds4.server.app import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return check_kv_args(p.parse_args(list(flags)))
+
+
+def test_the_serve_flag_is_checked():
+    assert _cli_error() is None and _cli_error("--kv-tenant-share", "0.5") is None
+    for bad in ("0", "-1", "1.01", "nan"):
+        assert _cli_error("--kv-tenant-share", bad) == "--kv-tenant-share must be in (0, 1]"
+
+
 def _session(eng, ns, text):
     s = ds4.Session(eng, ctx=2048)
     s.set_namespace(ns)
