@@ -178,13 +178,14 @@ def index_file_bytes(entries, tails):
     import xxhash
 
     abis = sorted({e.abi for e in entries})
-    out = bytearray(b"DS4INDEX" + struct.pack("<III", 1, len(entries), len(abis)) + struct.pack("<QQqq", 0, 0, 0, 0))
+    head = struct.pack("<IIII", 2, len(entries), len(abis), 0)  # version 2, no namespaces
+    out = bytearray(b"DS4INDEX" + head + struct.pack("<QQqq", 0, 0, 0, 0))
     for a in abis:
         out += struct.pack("<I", len(a.encode())) + a.encode()
     for e in entries:
         tail = int.from_bytes(tails[e.name].ljust(8, b"\0"), "little")
         out += bytes.fromhex(e.name[:40]) + bytes([e.version, 0, 1, 0])
-        out += struct.pack("<IIIII", e.tokens, e.hits, e.ctx, e.text_bytes, abis.index(e.abi))
+        out += struct.pack("<IIIIII", e.tokens, e.hits, e.ctx, e.text_bytes, abis.index(e.abi), 0xFFFFFFFF)
         out += struct.pack("<QQQQQqQ", e.created, e.last_used, tail, 0, e.size, 0, 0)
     return bytes(out) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(out)))
 

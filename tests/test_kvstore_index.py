@@ -22,7 +22,7 @@ from ds4.kvstore import INDEX_NAME, KVStore
 from ds4.kvstore.files import INDEX_TMP_NAME, is_checkpoint_name, is_temp_name
 
 TEXTS = [BASE * 2, BASE * 3, "another conversation entirely " * 8]
-RECORD = 100  # bytes of one record of the index file (docs/FORMAT.md)
+RECORD = 104  # bytes of one record of the index file (docs/FORMAT.md)
 
 
 @pytest.fixture(scope="module")

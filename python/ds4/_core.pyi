@@ -144,7 +144,7 @@ class Checkpoint:
 
 _Key = tuple[int, int, int]
 #: (name, version, tokens, text_bytes, hits, created, last_used, size, abi, reason, ctx, (ino, size, mtime_ns))
-_Row = tuple[str, int, int, int, int, int, int, int, str, str, int, _Key]
+_Row = tuple[str, int, int, int, int, int, int, str, str, int, _Key, str | None]
 
 @final
 class StoreIndex:

@@ -184,6 +184,8 @@ def check_kv_args(args: argparse.Namespace) -> str | None:
         return "boundary trim and align must be >= 0"
     if args.kv_disk_space_mb <= 0:
         return "--kv-disk-space-mb must be > 0"
+    if not 0.0 < getattr(args, "kv_tenant_share", 1.0) <= 1.0:
+        return "--kv-tenant-share must be in (0, 1]"
     try:
         read_auth_key(getattr(args, "kv_auth_key_file", None))
     except ValueError as e:
@@ -257,6 +259,7 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         reject_different_quant=args.kv_cache_reject_different_quant,
         quarantine_dir=args.kv_quarantine_dir,
         trust_dir=getattr(args, "kv_trust_dir", False),
+        tenant_share=getattr(args, "kv_tenant_share", 1.0),
         remote=_remote_tier(args),
         auth_key=auth_key,
     )

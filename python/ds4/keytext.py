@@ -36,6 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 __all__ = [
+    "ANONYMOUS",
     "DEFAULT_NAMESPACE",
     "NAMESPACE_ID_RE",
     "KeyRenderer",
@@ -54,6 +55,9 @@ _PRE_HEAD = _PRE_MARK + b"ns:"
 NAMESPACE_ID_RE = re.compile(r"^[!-~]{1,128}$")
 #: the default namespace (no preamble: the keys ds4 has always written)
 DEFAULT_NAMESPACE: str | None = None
+#: the tenant of a request without a key: the default namespace, and
+#: ``anonymous/salt-...`` with a ``cache_salt`` (no key file names a tenant so)
+ANONYMOUS = "anonymous"
 
 
 def preamble(namespace: str | None) -> bytes:

@@ -16,8 +16,9 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
 type PyKey = (u64, u64, i64);
-/// `(name, version, tokens, text_bytes, hits, created, last_used, size, abi,
-/// reason, ctx, (ino, size, mtime_ns))`: the fields of `ds4.kvstore.Entry`.
+/// `(name, version, tokens, text_bytes, hits, created, last_used, abi,
+/// reason, ctx, (ino, size, mtime_ns), namespace)`: the fields of
+/// `ds4.kvstore.Entry` (its size is the stat key's).
 type PyEntry = (
     String,
     u8,
@@ -26,11 +27,11 @@ type PyEntry = (
     u32,
     u64,
     u64,
-    u64,
     String,
     &'static str,
     u32,
     PyKey,
+    Option<String>,
 );
 type PyStamp = (u64, u64, i64, i64);
 
@@ -53,11 +54,11 @@ fn py_entry(e: &Entry) -> PyEntry {
         e.hits,
         e.created,
         e.last_used,
-        e.key.size,
         e.abi.to_string(),
         format::reason_name(e.reason),
         e.ctx,
         py_key(e.key),
+        e.namespace.as_deref().map(str::to_owned),
     )
 }
 

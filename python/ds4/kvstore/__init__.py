@@ -21,7 +21,9 @@
   skipped and kept (docs/DESIGN.md, "Store policy").
 * Budget in MiB with 1 % slack; eviction by ds4's score
   ``(hits * 2^(-age/6h) + 1) * tokens / file_size``, the newest file
-  protected; one failed unlink does not stop eviction.
+  protected; one failed unlink does not stop eviction. With
+  ``tenant_share`` F < 1, a tenant over F of the budget loses its own
+  files first (:func:`.entries.plan_eviction`).
 * Temp files left by crashed writers (dead pid, or older than an hour) and
   files whose header is corrupt are removed on refresh, so nothing leaks
   outside the budget.
@@ -156,7 +158,10 @@ class KVStore:
         remote_ttl_s: int = 0,
         remote_namespace: str = DEFAULT_NAMESPACE,
         auth_key: bytes | None = None,
+        tenant_share: float = 1.0,
     ):
+        if not 0.0 < tenant_share <= 1.0:
+            raise ValueError(f"tenant_share must be in (0, 1], not {tenant_share!r}")
         self.dir = open_cache_dir(directory, trust_dir)
         if auth_key is not None and len(auth_key) != 32:
             raise ValueError("auth_key must be 32 bytes (ds4._core.derive_auth_key of the key file's bytes)")
@@ -168,6 +173,10 @@ class KVStore:
             RemoteTier(remote, ttl_s=remote_ttl_s, namespace=remote_namespace) if isinstance(remote, str) else remote
         )
         self.budget_bytes = int(budget_mb * 1024 * 1024)
+        #: the share of the budget (of what records leave of it) one tenant
+        #: may hold before its own files are evicted first (1: no shares,
+        #: ds4's one order)
+        self.tenant_share = tenant_share
         self.min_tokens = min_tokens
         self.cold_max_tokens = cold_max_tokens
         self.continued_interval_tokens = continued_interval_tokens
@@ -745,7 +754,7 @@ class KVStore:
         self.refresh(force=True)
         limit = self.budget_bytes - self.records.total_bytes()
         now = time.time()
-        victims = plan_eviction(self._entries(), limit, now, protect)
+        victims = plan_eviction(self._entries(), limit, now, protect, self.tenant_share)
         for victim in victims:
             self._forget(victim.name)
         removed = evict_entries(self.dir, victims)

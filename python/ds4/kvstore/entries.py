@@ -1,13 +1,15 @@
 """What the store's index holds: one :class:`Entry` per checkpoint (its
-header facts and ds4's eviction score), the results of a lookup and a load,
-and ds4's eviction order."""
+header facts, its cache namespace and ds4's eviction score), the results of
+a lookup and a load, and ds4's eviction order (with the tenants' shares)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections import deque
 from typing import TYPE_CHECKING
 
+from ..keytext import ANONYMOUS, namespace_of, tenant_of_namespace
 from .files import StatKey
 
 if TYPE_CHECKING:
@@ -30,8 +32,9 @@ __all__ = [
 HALF_LIFE_S = 6 * 3600
 
 # One entry of the core's index: (name, version, tokens, text_bytes, hits,
-# created, last_used, size, abi, reason, ctx, stat key)
-IndexRow = tuple[str, int, int, int, int, int, int, int, str, str, int, tuple[int, int, int]]
+# created, last_used, abi, reason, ctx, stat key, namespace); the size is the
+# stat key's
+IndexRow = tuple[str, int, int, int, int, int, int, str, str, int, tuple[int, int, int], str | None]
 
 # (path, stage, code, reason) of a file the store rejected
 Rejection = tuple[str, str, str, str]
@@ -61,6 +64,18 @@ class Entry:
     reason: str
     ctx: int
     stat_key: StatKey | tuple[()]
+    #: the cache namespace its text's preamble names (None: the default
+    #: namespace, or a start that is no whole preamble; docs/FORMAT.md §5)
+    namespace: str | None = None
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant whose share of the budget the file counts against
+        (:func:`ds4.keytext.tenant_of_namespace`: salts of one tenant are
+        that tenant; None: the default namespace, whose tenant, the
+        anonymous caller, also owns its salted namespaces)."""
+        tenant = tenant_of_namespace(self.namespace)
+        return None if tenant == ANONYMOUS else tenant
 
     @classmethod
     def from_checkpoint(cls, ck: Checkpoint, path: str, stat_key: StatKey | tuple[()] = ()) -> Entry:
@@ -79,12 +94,15 @@ class Entry:
             reason=ck.reason_name,
             ctx=ck.ctx,
             stat_key=stat_key,
+            namespace=text_namespace(ck.text),
         )
 
     @classmethod
     def from_row(cls, directory: str, row: IndexRow) -> Entry:
         """The entry for one row of the core's index (``StoreIndex``)."""
-        return cls(row[0], os.path.join(directory, row[0]), *row[1:])
+        name, version, tokens, text_bytes, hits, created, last_used, abi, reason, ctx, key, ns = row
+        path = os.path.join(directory, name)
+        return cls(name, path, version, tokens, text_bytes, hits, created, last_used, key[1], abi, reason, ctx, key, ns)
 
     def score(self, now: float, half_life: float = HALF_LIFE_S) -> float:
         used = self.last_used or self.created
@@ -93,6 +111,20 @@ class Entry:
         if eff < 0.01:
             eff = 0.0
         return (eff + 1.0) * self.tokens / max(1, self.size)
+
+
+def text_namespace(text: bytes) -> str | None:
+    """The namespace a stored text's preamble names, as the index reads it
+    (``rust/index.rs`` ``namespace_of``): a start that is no whole,
+    well-formed preamble is the default namespace's."""
+    try:
+        return namespace_of(bytes(text[:_NS_READ]))[0]
+    except ValueError:
+        return None
+
+
+#: the longest preamble: FF 00 "ns:", a 128-byte id, FF 00
+_NS_READ = 5 + 128 + 2
 
 
 @dataclasses.dataclass
@@ -140,16 +172,46 @@ class NamedLoad:
     error: CheckpointError | None = None
 
 
-def plan_eviction(entries: list[Entry], limit: int, now: float, protect: str | None = None) -> list[Entry]:
+def plan_eviction(
+    entries: list[Entry], limit: int, now: float, protect: str | None = None, tenant_share: float = 1.0
+) -> list[Entry]:
     """ds4's eviction order: while the total is over ``limit``, the entry
     with the lowest score goes (ties: least recently used, then the file
-    written first); ``protect`` (the newest file) never does."""
+    written first); ``protect`` (the newest file) never does.
+
+    With ``tenant_share`` F < 1, a tenant (:attr:`Entry.tenant`) holding
+    more than F x ``limit`` bytes loses its own entries first, in that
+    order among them (of several such tenants, the lowest entry of theirs
+    goes); a tenant within its share loses an entry only when no tenant
+    over it has one left to lose."""
+
+    def order(e: Entry) -> tuple[float, int, int]:
+        return (e.score(now), e.last_used or e.created, e.stat_key[2] if e.stat_key else 0)
+
     total = sum(e.size for e in entries)
-    pool = [e for e in entries if e.name != protect]
-    out = []
-    while total > limit and pool:
-        victim = min(pool, key=lambda e: (e.score(now), e.last_used or e.created, e.stat_key[2] if e.stat_key else 0))
-        pool.remove(victim)
+    pool = sorted((e for e in entries if e.name != protect), key=order)
+    out: list[Entry] = []
+    if tenant_share >= 1.0:
+        for victim in pool:
+            if total <= limit:
+                break
+            out.append(victim)
+            total -= victim.size
+        return out
+    share = tenant_share * limit
+    held: dict[str | None, int] = {}
+    for e in entries:
+        held[e.tenant] = held.get(e.tenant, 0) + e.size
+    queues: dict[str | None, deque[Entry]] = {}
+    for e in pool:  # each tenant's entries, in eviction order
+        queues.setdefault(e.tenant, deque()).append(e)
+    while total > limit and queues:
+        over = [t for t in queues if held[t] > share]
+        tenant = min(over or queues, key=lambda t: order(queues[t][0]))
+        victim = queues[tenant].popleft()
+        if not queues[tenant]:
+            del queues[tenant]
         out.append(victim)
         total -= victim.size
+        held[tenant] -= victim.size
     return out

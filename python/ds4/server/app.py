@@ -396,6 +396,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     add_engine_args(p)
     add_kv_args(p)
+    p.add_argument(
+        "--kv-tenant-share",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="a tenant (API key) holding more than F of the disk budget loses its own checkpoints first "
+        "(0 < F <= 1; default 1: one eviction order for all)",
+    )
     p.add_argument("--no-kv-cache", action="store_true", help="no disk cache at all (the live session is still reused)")
     p.add_argument(
         "--default-max-tokens",

@@ -24,10 +24,10 @@ import os
 import re
 from collections.abc import MutableMapping, Sequence
 
+from ..keytext import ANONYMOUS
+
 __all__ = ["ANONYMOUS", "load_tenant_keys", "namespace_for", "parse_key_line", "tenant_of"]
 
-#: the tenant of every request on a server without keys
-ANONYMOUS = "anonymous"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TENANT_DOMAIN = b"ds4 tenant v1\x00"
 _SALT_DOMAIN = b"ds4 cache_salt v1\x00"
