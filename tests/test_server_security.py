@@ -367,7 +367,11 @@ def test_error_bodies_show_no_absolute_path_unless_debug():
     assert body["code"] == "engine_error" and "/home" not in body["message"] and "secret" not in body["message"]
     assert "EngineError" in body["message"]
     assert "/home/alice" in exception_to_api(e, "messages", debug=True).message
-    bad = exception_to_api(ValueError("cannot read /var/lib/ds4/kv/ab12.kv: nope"), "prompt")
+    from ds4.errors import PromptError
+
+    bad = exception_to_api(PromptError("cannot read /var/lib/ds4/kv/ab12.kv: nope"), "prompt")
     assert bad.status == 400 and "/var/lib" not in bad.message and "ab12.kv" in bad.message
+    bug = exception_to_api(ValueError("cannot read /var/lib/ds4/kv/ab12.kv: nope"), "prompt")  # not the client's
+    assert bug.status == 500 and "/var/lib" not in bug.message
     crash = exception_to_api(KeyError("/etc/passwd"), None)
     assert crash.status == 500 and "/etc" not in crash.message and "passwd" not in crash.message
