@@ -226,6 +226,8 @@ def test_a_tenants_system_prompt_survives_anothers_flood(tmp_path, share):
         "0.5",
         "--kv-tenant-share",
         share,
+        "--admin-tenant",
+        "alice",  # her key reads the operator's /health (the store's counters)
         *KV_FLAGS,
         key=KA,
     ).start()
