@@ -29,17 +29,17 @@ mkdir -p "$OUT"
 # The files whose every mutant must be killed (or argued equivalent).
 RUST_FILES=(rust/verify.rs rust/format/mod.rs rust/format/bytes.rs rust/format/v2.rs rust/format/v1.rs rust/format/writer.rs rust/hash.rs rust/payload.rs rust/error.rs)
 PY_MODULES=(session.py recovery.py checkpoint.py kvstore/__init__.py kvstore/files.py kvstore/entries.py kvstore/save.py
-            kvstore/named.py kvstore/remove.py)
+            kvstore/named.py kvstore/remove.py kvstore/indexed.py)
 # What is mutated: all of session, recovery and checkpoint; of kvstore the
 # paths a checkpoint takes into a session and out of the directory (index,
 # lookup, load, discard, temp cleanup), not the save and eviction policy.
 PY_FUNCS=('ds4.session.*' 'ds4.recovery.*' 'ds4.checkpoint.*'
   'ds4.kvstore.xǁKVStoreǁtry_load_text__mutmut_*' 'ds4.kvstore.xǁKVStoreǁload_first__mutmut_*'
   'ds4.kvstore.xǁKVStoreǁcandidates__mutmut_*' 'ds4.kvstore.xǁKVStoreǁload_named__mutmut_*'
-  'ds4.kvstore.xǁKVStoreǁdiscard__mutmut_*' 'ds4.kvstore.xǁKVStoreǁ_index_file__mutmut_*'
-  'ds4.kvstore.xǁKVStoreǁrefresh__mutmut_*' 'ds4.kvstore.xǁKVStoreǁlookup__mutmut_*'
-  'ds4.kvstore.save.x_existing_file__mutmut_*' 'ds4.kvstore.xǁKVStoreǁ_open_index__mutmut_*'
-  'ds4.kvstore.xǁKVStoreǁ_read_index__mutmut_*' 'ds4.kvstore.xǁKVStoreǁ_recheck__mutmut_*'
+  'ds4.kvstore.xǁKVStoreǁdiscard__mutmut_*' 'ds4.kvstore.indexed.xǁDirIndexǁindex_file__mutmut_*'
+  'ds4.kvstore.indexed.xǁDirIndexǁrefresh__mutmut_*' 'ds4.kvstore.xǁKVStoreǁlookup__mutmut_*'
+  'ds4.kvstore.save.x_existing_file__mutmut_*' 'ds4.kvstore.indexed.xǁDirIndexǁopen__mutmut_*'
+  'ds4.kvstore.indexed.xǁDirIndexǁ_read_index__mutmut_*' 'ds4.kvstore.indexed.xǁDirIndexǁ_recheck__mutmut_*'
   'ds4.kvstore.files.x_remove_orphaned_temp__mutmut_*' 'ds4.kvstore.files.x_temp_is_orphaned__mutmut_*'
   'ds4.kvstore.files.x_temp_writer_pid__mutmut_*' 'ds4.kvstore.files.x_is_checkpoint_name__mutmut_*'
   'ds4.kvstore.named.*' 'ds4.kvstore.remove.*')

@@ -9,7 +9,7 @@
   numbers, no ``stat``): a file that is new or was replaced is indexed from
   its header, never by hashing its text; a damaged, foreign or missing index
   file is rebuilt from the headers. The index only proposes candidates:
-  every load runs the whole verification pipeline.
+  every load runs the whole verification pipeline (:mod:`.indexed`).
 * In a running store the directory is rescanned only when its mtime changes
   (another process added, replaced or removed a file), and only new or
   changed files are re-read.
@@ -51,8 +51,8 @@ from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     InvalidSessionError,
-    StoreError,
 )
+from ..errors import StoreError as StoreError  # what opening a store raises (re-exported)
 from .entries import (
     HALF_LIFE_S,
     Candidates,
@@ -65,14 +65,12 @@ from .entries import (
 )
 from .files import (
     INDEX_NAME,
-    INDEX_TMP_NAME,
     LOCK_NAME,
     NOT_REGULAR,
     TMP_MAX_AGE_S,
     DirLock,
     StatKey,
     is_checkpoint_name,
-    is_temp_name,
     open_cache_dir,
     remove_orphaned_temp,
     scan_dir,
@@ -80,6 +78,7 @@ from .files import (
     temp_is_orphaned,
     temp_writer_pid,
 )
+from .indexed import DirIndex
 from .named import load_named
 from .records import RecordStore
 from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
@@ -189,14 +188,6 @@ class KVStore:
         self.consume_over_cold_max = consume_over_cold_max
         self.chat_markers = chat_markers
         self._lock = DirLock(self.dir)
-        # name -> header facts and stat key; also the files kept but not
-        # indexed (another format's), by stat key, so a rescan reports them once
-        self._idx = _core.StoreIndex()
-        # Files rejected while indexing, not yet reported to a ladder run.
-        self._unreported: list[Rejection] = []
-        self._dir_mtime: int | None = None
-        # the in-memory index differs from the index file
-        self._dirty = False
         # small JSON records (stored Responses) in records/: at most 1 % of
         # the budget, and counted in it (eviction makes room for them)
         self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
@@ -210,6 +201,16 @@ class KVStore:
             "scans": 0,
             "index_rebuilds": 0,
         }
+        #: the index and its file, kept in step with the directory
+        #: (:mod:`.indexed`); headers are read through :func:`index_header`,
+        #: looked up when called
+        self._index = DirIndex(
+            self.dir,
+            self.stats,
+            read_header=lambda idx, path: index_header(idx, path),
+            discard=self.discard,
+            try_lock=self._lock.try_held,
+        )
         #: what this directory does with the tier's files (:mod:`.tiered`)
         self._tiered = (
             None
@@ -224,7 +225,7 @@ class KVStore:
             )
         )
         if scan:
-            self._open_index()
+            self._index.open()
             if self.total_bytes() > self.budget_bytes:
                 # as ds4 does when a store opens: a directory over its budget
                 # comes down to it (one we cannot write to is still read)
@@ -248,147 +249,21 @@ class KVStore:
     # -- index ---------------------------------------------------------------
     def refresh(self, force: bool = False) -> None:
         """Bring the index up to date with the directory. Cheap when nothing
-        changed (one stat of the directory)."""
-        try:
-            mt = os.stat(self.dir).st_mtime_ns
-        except OSError as e:
-            raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
-        if not force and mt == self._dir_mtime:
-            return
-        self.stats["scans"] += 1
-        seen = {}
-        now = time.time()
-        with os.scandir(self.dir) as it:
-            for de in it:
-                name = de.name
-                if is_checkpoint_name(name):
-                    seen[name] = de
-                elif is_temp_name(name):
-                    remove_orphaned_temp(de.path, now)
-        known = self._idx.keys()
-        for name in known:
-            if name not in seen:
-                self._idx.remove(name)
-                self._dirty = True
-        for name, de in seen.items():
-            try:
-                st = de.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            key = stat_key(st)
-            old = known.get(name)
-            if old is not None and old[0] == key:
-                continue
-            self._idx.remove(name)
-            self._index_file(name, de.path, key)
-        self._dir_mtime = mt
+        changed (one stat of the directory); see :mod:`.indexed`."""
+        self._index.refresh(force)
 
-    def _open_index(self) -> None:
-        """Open the store: read the index file and list the directory once
-        (names and inode numbers, no ``stat``); only the files that are new
-        or were replaced since the index was written are read, from their
-        headers. Without a usable index file, a full rescan rebuilds it."""
-        try:
-            st = os.stat(self.dir)
-        except OSError as e:
-            raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
-        idx = self._read_index(st)
-        if idx is None:
-            self.stats["index_rebuilds"] += 1
-            self._dirty = True
-            self.refresh(force=True)
-        else:
-            self._idx = idx
-            self.stats["scans"] += 1
-            changed, others, gone = idx.sync_listing(self.dir)
-            now = time.time()
-            for name in others:
-                if is_temp_name(name):
-                    remove_orphaned_temp(os.path.join(self.dir, name), now)
-            self._dirty = bool(gone)
-            known = idx.keys() if changed else {}
-            for name in changed:
-                self._recheck(name, known.get(name))
-            self._dir_mtime = st.st_mtime_ns
-        self._persist()
+    @property
+    def _idx(self) -> _core.StoreIndex:
+        # the index itself (:attr:`.indexed.DirIndex.idx`): lookups and hits
+        return self._index.idx
 
-    def _read_index(self, st: os.stat_result) -> _core.StoreIndex | None:
-        """The index file's contents, or None when it is missing, damaged
-        (torn, tampered: its checksum), not a regular file, or describes
-        another directory (copied or swapped in)."""
-        path = os.path.join(self.dir, INDEX_NAME)
-        try:
-            idx, (dev, ino, _mtime, _scanned) = _core.StoreIndex.load(path)
-        except FileNotFoundError:
-            return None
-        except (CheckpointError, OSError) as e:
-            log.warning("kv cache index file unusable (%s): rebuilt from the headers", e)
-            return None
-        if (dev, ino) != (st.st_dev, st.st_ino):
-            log.warning("kv cache index file describes another directory: rebuilt from the headers")
-            return None
-        return idx
+    @_idx.setter
+    def _idx(self, idx: _core.StoreIndex) -> None:
+        self._index.idx = idx
 
-    def _recheck(self, name: str, known: tuple[StatKey, bool] | None) -> None:
-        """A name the listing shows as new or replaced: stat it, and index
-        it when its stat key is not the one indexed."""
-        path = os.path.join(self.dir, name)
-        try:
-            key = stat_key(os.lstat(path))
-        except FileNotFoundError:
-            if self._idx.remove(name):
-                self._dirty = True
-            return
-        if known is not None and known[0] == key:
-            return
-        self._idx.remove(name)
-        self._index_file(name, path, key)
-
-    def _persist(self) -> None:
-        """Write the index file when the in-memory index changed since it
-        was read or written: only under the directory's lock (held, or free
-        now: a lookup never waits for it), never over an entry that is not a
-        regular file. A failure costs the next open a rescan, nothing more."""
-        path = os.path.join(self.dir, INDEX_NAME)
-        if not self._dirty or (len(self._idx) == 0 and not os.path.lexists(path)):
-            return
-        try:
-            before = os.stat(self.dir).st_mtime_ns
-            with self._lock.try_held() as held:
-                if not held:
-                    return
-                st = os.stat(self.dir)
-                stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, int(time.time() * 1e9))
-                self._idx.save(path, os.path.join(self.dir, INDEX_TMP_NAME), stamp)
-                after = os.stat(self.dir).st_mtime_ns
-        except (StoreError, CheckpointError, OSError) as e:
-            log.warning("kv cache could not write its index file: %s", e)
-            return
-        self._dirty = False
-        if self._dir_mtime == before:
-            self._dir_mtime = after  # the lock file and the rename were the only changes
-
-    def _index_file(self, name: str, path: str, key: StatKey) -> None:
-        self._dirty = True
-        try:
-            index_header(self._idx, path)
-        except CorruptCheckpointError as e:
-            if e.code == NOT_REGULAR:
-                log.warning("kv cache ignoring %s: %s", name, e.reason)
-                return
-            self.discard(path, e, "refresh", key)
-            self._unreported.append((path, e.stage, e.code, e.reason))
-            return
-        except CheckpointError as e:
-            log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", name, e.stage, e.code, e.reason)
-            self._unreported.append((path, e.stage, e.code, e.reason))
-            self._idx.keep(name, key)
-            return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            log.warning("kv cache cannot read %s: %s", name, e)
-            return
+    @property
+    def _unreported(self) -> list[Rejection]:
+        return self._index.unreported
 
     def entries(self) -> list[Entry]:
         self.refresh()
@@ -436,7 +311,7 @@ class KVStore:
         ``abi`` (the session's payload ABI), the tier's prefixes of
         ``prompt`` too (skipped while the tier cools down)."""
         entries = self.lookup(prompt, ctx=ctx)
-        rejected, self._unreported = self._unreported, []
+        rejected = self._index.take_unreported()
         if namespace is not None:
             rejected = []
         found = Candidates(prompt, entries, rejected, namespace)
@@ -457,14 +332,14 @@ class KVStore:
         name = os.path.basename(path)
         if not is_checkpoint_name(name):
             return None
-        self._forget(name)
+        self._index.forget(name)
         how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
         try:
             with self.locked():
                 dest = remove_exact(
                     self.dir, name, expect, quarantine_dir=self.quarantine_dir, tag=f"{int(time.time())}.{err.code}"
                 )
-                self._persist()
+                self._index.persist()
         except OSError as e:
             log.error("kv cache could not remove corrupt file %s: %s", name, e)
             return None
@@ -486,13 +361,9 @@ class KVStore:
             raise ValueError(f"not a checkpoint name: {name!r}")
         with self.locked():
             gone = remove_exact(self.dir, name, None) is not None
-            self._forget(name)
-            self._persist()
+            self._index.forget(name)
+            self._index.persist()
         return gone
-
-    def _forget(self, name: str) -> None:
-        if self._idx.remove(name):
-            self._dirty = True
 
     # -- load ----------------------------------------------------------------
     def _open_for(self, sess: Session, path: str, prompt: bytes, *, check_name: bool = True) -> Checkpoint:
@@ -553,7 +424,7 @@ class KVStore:
                 ck = self._open_for(sess, e.path, prompt)
                 sess.load_checkpoint(ck)
             except FileNotFoundError:
-                self._forget(e.name)  # removed by another process
+                self._index.forget(e.name)  # removed by another process
                 continue
             except OSError as err:  # unreadable (permissions, I/O): a typed rejection; skipped and kept
                 self.stats["rejected"] += 1
@@ -615,9 +486,9 @@ class KVStore:
             _core.sync_dir(self.dir)
             key = stat_key(os.lstat(final))
             e = Entry.from_checkpoint(ck, final, key)
-            self._index_file(name, final, key)
+            self._index.index_file(name, final, key)
             self._evict_locked(protect=name)
-            self._persist()
+            self._index.persist()
         return e if self._idx.get(name) is not None else None
 
     def _hit(self, e: Entry, ck: Checkpoint, ms: float, judged: StatKey) -> None:
@@ -625,11 +496,11 @@ class KVStore:
         if self.consume_over_cold_max and 0 < self.cold_max_tokens < ck.tokens:
             # ds4's consume: a load longer than cold_max_tokens deletes the
             # file (the version that was loaded; through the one removal).
-            self._forget(e.name)
+            self._index.forget(e.name)
             try:
                 with self.locked():
                     gone = remove_exact(self.dir, e.name, judged) is not None
-                    self._persist()
+                    self._index.persist()
             except OSError as ex:
                 log.error("kv cache could not consume %s: %s", e.name, ex)
                 gone = False
@@ -728,7 +599,7 @@ class KVStore:
             if size is None:
                 return None
             self.stats["stores"] += 1
-            self._index_file(name, path, stat_key(os.lstat(path)))
+            self._index.index_file(name, path, stat_key(os.lstat(path)))
             if self.remote is not None:  # shared in the background: never adds to this request's latency
                 self.remote.enqueue(path, sess.payload_abi, n, len(text))
             log.info(
@@ -740,14 +611,14 @@ class KVStore:
                 (time.perf_counter() - t0) * 1000,
             )
             self._evict_locked(protect=name)
-            self._persist()
+            self._index.persist()
         return path
 
     # -- eviction --------------------------------------------------------------
     def evict(self) -> int:
         with self.locked():
             removed = self._evict_locked(protect=None)
-            self._persist()
+            self._index.persist()
             return removed
 
     def _evict_locked(self, protect: str | None) -> int:
@@ -756,10 +627,10 @@ class KVStore:
         now = time.time()
         victims = plan_eviction(self._entries(), limit, now, protect, self.tenant_share)
         for victim in victims:
-            self._forget(victim.name)
+            self._index.forget(victim.name)
         removed = evict_entries(self.dir, victims)
         self.stats["evictions"] += removed
         if removed:
             _core.sync_dir(self.dir)
-            self._dir_mtime = None
+            self._index.stale()
         return removed

@@ -1,0 +1,241 @@
+"""The store's index and its upkeep: what keeps the in-memory
+``_core.StoreIndex`` (name -> header facts and stat key) and the index file
+(``.ds4.index``, docs/FORMAT.md §5) in step with the directory.
+
+* Opening reads the index file and lists the directory once (names and
+  inode numbers, no ``stat``); only the files that are new or were replaced
+  since it was written are read, from their headers. A missing, damaged or
+  foreign index file is rebuilt from the headers (a full rescan).
+* A running store rescans only when the directory's mtime changes, and
+  re-reads only new or changed files; orphaned temp files are removed on
+  the way.
+* The index file is written back only when the in-memory index changed,
+  under the directory's lock (held, or free now: never waited for).
+
+This module never removes a checkpoint or takes the lock itself: the store
+hands over its hooks (:class:`ds4.kvstore.KVStore`): reading one header, the
+removal of a corrupt file, the lock's non-blocking attempt. It only
+proposes candidates; every load runs the whole verification pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from .. import _core
+from ..errors import CheckpointError, CorruptCheckpointError, StoreError
+from .entries import Rejection
+from .files import (
+    INDEX_NAME,
+    INDEX_TMP_NAME,
+    NOT_REGULAR,
+    StatKey,
+    is_checkpoint_name,
+    is_temp_name,
+    remove_orphaned_temp,
+    stat_key,
+)
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = ["DirIndex"]
+
+#: the store's hooks: read one file's header into the index; remove (or
+#: quarantine) a corrupt file judged at a stat key; try the directory's lock
+#: without waiting (yields whether it is held)
+ReadHeader = Callable[[_core.StoreIndex, str], object]
+Discard = Callable[[str, CheckpointError, str, StatKey | None], object]
+TryLock = Callable[[], contextlib.AbstractContextManager[bool]]
+
+
+class DirIndex:
+    """One directory's index. ``stats`` is the store's counters (``scans``,
+    ``index_rebuilds``)."""
+
+    def __init__(
+        self,
+        directory: str,
+        stats: dict[str, int],
+        *,
+        read_header: ReadHeader,
+        discard: Discard,
+        try_lock: TryLock,
+    ):
+        self.dir = directory
+        self.stats = stats
+        self._read_header = read_header
+        self._discard = discard
+        self._try_lock = try_lock
+        #: name -> header facts and stat key; also the files kept but not
+        #: indexed (another format's), by stat key, so a rescan reports them once
+        self.idx = _core.StoreIndex()
+        #: files rejected while indexing, not yet reported to a ladder run
+        self.unreported: list[Rejection] = []
+        self._dir_mtime: int | None = None
+        # the in-memory index differs from the index file
+        self._dirty = False
+
+    def take_unreported(self) -> list[Rejection]:
+        """The files rejected while indexing since the last call."""
+        out, self.unreported = self.unreported, []
+        return out
+
+    def stale(self) -> None:
+        """The directory changed under this store's own hand (eviction):
+        the next :meth:`refresh` rescans it."""
+        self._dir_mtime = None
+
+    def refresh(self, force: bool = False) -> None:
+        """Bring the index up to date with the directory. Cheap when nothing
+        changed (one stat of the directory)."""
+        try:
+            mt = os.stat(self.dir).st_mtime_ns
+        except OSError as e:
+            raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
+        if not force and mt == self._dir_mtime:
+            return
+        self.stats["scans"] += 1
+        seen = {}
+        now = time.time()
+        with os.scandir(self.dir) as it:
+            for de in it:
+                name = de.name
+                if is_checkpoint_name(name):
+                    seen[name] = de
+                elif is_temp_name(name):
+                    remove_orphaned_temp(de.path, now)
+        known = self.idx.keys()
+        for name in known:
+            if name not in seen:
+                self.idx.remove(name)
+                self._dirty = True
+        for name, de in seen.items():
+            try:
+                st = de.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            key = stat_key(st)
+            old = known.get(name)
+            if old is not None and old[0] == key:
+                continue
+            self.idx.remove(name)
+            self.index_file(name, de.path, key)
+        self._dir_mtime = mt
+
+    def open(self) -> None:
+        """Open the store: read the index file and list the directory once
+        (names and inode numbers, no ``stat``); only the files that are new
+        or were replaced since the index was written are read, from their
+        headers. Without a usable index file, a full rescan rebuilds it."""
+        try:
+            st = os.stat(self.dir)
+        except OSError as e:
+            raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
+        idx = self._read_index(st)
+        if idx is None:
+            self.stats["index_rebuilds"] += 1
+            self._dirty = True
+            self.refresh(force=True)
+        else:
+            self.idx = idx
+            self.stats["scans"] += 1
+            changed, others, gone = idx.sync_listing(self.dir)
+            now = time.time()
+            for name in others:
+                if is_temp_name(name):
+                    remove_orphaned_temp(os.path.join(self.dir, name), now)
+            self._dirty = bool(gone)
+            known = idx.keys() if changed else {}
+            for name in changed:
+                self._recheck(name, known.get(name))
+            self._dir_mtime = st.st_mtime_ns
+        self.persist()
+
+    def _read_index(self, st: os.stat_result) -> _core.StoreIndex | None:
+        """The index file's contents, or None when it is missing, damaged
+        (torn, tampered: its checksum), not a regular file, or describes
+        another directory (copied or swapped in)."""
+        path = os.path.join(self.dir, INDEX_NAME)
+        try:
+            idx, (dev, ino, _mtime, _scanned) = _core.StoreIndex.load(path)
+        except FileNotFoundError:
+            return None
+        except (CheckpointError, OSError) as e:
+            log.warning("kv cache index file unusable (%s): rebuilt from the headers", e)
+            return None
+        if (dev, ino) != (st.st_dev, st.st_ino):
+            log.warning("kv cache index file describes another directory: rebuilt from the headers")
+            return None
+        return idx
+
+    def _recheck(self, name: str, known: tuple[StatKey, bool] | None) -> None:
+        """A name the listing shows as new or replaced: stat it, and index
+        it when its stat key is not the one indexed."""
+        path = os.path.join(self.dir, name)
+        try:
+            key = stat_key(os.lstat(path))
+        except FileNotFoundError:
+            self.forget(name)
+            return
+        if known is not None and known[0] == key:
+            return
+        self.idx.remove(name)
+        self.index_file(name, path, key)
+
+    def persist(self) -> None:
+        """Write the index file when the in-memory index changed since it
+        was read or written: only under the directory's lock (held, or free
+        now: a lookup never waits for it), never over an entry that is not a
+        regular file. A failure costs the next open a rescan, nothing more."""
+        path = os.path.join(self.dir, INDEX_NAME)
+        if not self._dirty or (len(self.idx) == 0 and not os.path.lexists(path)):
+            return
+        try:
+            before = os.stat(self.dir).st_mtime_ns
+            with self._try_lock() as held:
+                if not held:
+                    return
+                st = os.stat(self.dir)
+                stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, int(time.time() * 1e9))
+                self.idx.save(path, os.path.join(self.dir, INDEX_TMP_NAME), stamp)
+                after = os.stat(self.dir).st_mtime_ns
+        except (StoreError, CheckpointError, OSError) as e:
+            log.warning("kv cache could not write its index file: %s", e)
+            return
+        self._dirty = False
+        if self._dir_mtime == before:
+            self._dir_mtime = after  # the lock file and the rename were the only changes
+
+    def index_file(self, name: str, path: str, key: StatKey) -> None:
+        """Index one file from its header; a corrupt one is discarded (the
+        store's hook) and reported, another format's is kept and reported,
+        one that is not a regular file or cannot be read is left out."""
+        self._dirty = True
+        try:
+            self._read_header(self.idx, path)
+        except CorruptCheckpointError as e:
+            if e.code == NOT_REGULAR:
+                log.warning("kv cache ignoring %s: %s", name, e.reason)
+                return
+            self._discard(path, e, "refresh", key)
+            self.unreported.append((path, e.stage, e.code, e.reason))
+            return
+        except CheckpointError as e:
+            log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", name, e.stage, e.code, e.reason)
+            self.unreported.append((path, e.stage, e.code, e.reason))
+            self.idx.keep(name, key)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("kv cache cannot read %s: %s", name, e)
+            return
+
+    def forget(self, name: str) -> None:
+        """Drop ``name`` from the index (the file is gone or going)."""
+        if self.idx.remove(name):
+            self._dirty = True
