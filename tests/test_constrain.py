@@ -94,11 +94,6 @@ def small():
 
 
 @pytest.fixture(scope="module")
-def ref():
-    return ds4.ReferenceEngine()
-
-
-@pytest.fixture(scope="module")
 def smol():
     eng = ds4.LlamaCppEngine()
     yield eng
@@ -132,13 +127,13 @@ def test_random_schemas_validate_on_the_reference_engine(small):
     assert not failures, failures[:5]
 
 
-def test_json_object_is_parseable_json_object(ref, small):
+def test_json_object_is_parseable_json_object(eng, small):
     """Greedy and sampled: a complete answer is a JSON object. (The reference
     engine's random weights close it at once; SmolLM2, below, fills one.)"""
-    g = Generator(ref, 2048)
+    g = Generator(eng, 2048)
     for i in range(6):
         params = GenParams(max_tokens=300, constraint=Constraint.json_object(), temperature=0.7 * (i % 2), seed=i)
-        res = g.generate(_ask(ref, f"Give me an object ({i})."), params)
+        res = g.generate(_ask(eng, f"Give me an object ({i})."), params)
         assert res.finish_reason == "stop" and isinstance(json.loads(res.text), dict), res.text
     # the small engine loops inside a string (free strings have no bound):
     # cut by max_tokens, the text opens an object and has no end token
@@ -186,7 +181,7 @@ def _accepts(c: Constraint, eng, text: str) -> bool:
     return all(guide.matcher.consume_token(b) for b in text.encode()) and guide.accepting
 
 
-def test_the_json_format_is_ds4s_unless_the_schema_says_otherwise(ref):
+def test_the_json_format_is_ds4s_unless_the_schema_says_otherwise(eng):
     schema = {
         "type": "object",
         "properties": {"a": {"type": "integer"}, "b": {"type": "array"}},
@@ -202,7 +197,7 @@ def test_the_json_format_is_ds4s_unless_the_schema_says_otherwise(ref):
         (Constraint.lark(f"start: %json {json.dumps(schema)}"), (True, True, True)),  # llguidance's defaults
     ]
     for c, want in cases:
-        assert tuple(_accepts(c, ref, t) for t in (one_line, compact, free)) == want, c
+        assert tuple(_accepts(c, eng, t) for t in (one_line, compact, free)) == want, c
     with pytest.raises(ConstraintError):
         Constraint.json_schema({**schema, "x-guidance": 5})
 
@@ -268,8 +263,7 @@ def test_a_completed_grammar_ends_with_stop_and_its_last_token_unevaluated(small
     assert res.finish_reason == "length" and res.text == '{"a'
 
 
-def test_the_guide_allows_ends_only_when_complete_and_specials_never(ref):
-    eng = ref
+def test_the_guide_allows_ends_only_when_complete_and_specials_never(eng):
     ends = {eng.eos_token_id}
     guide = Constraint.json_schema({"type": "integer", "minimum": 10, "maximum": 99}).start(eng, ends)
     specials = sorted(eng.special_token_ids)
@@ -288,11 +282,10 @@ def test_the_guide_allows_ends_only_when_complete_and_specials_never(ref):
     assert logits[5] == 5.0  # the caller's logits are untouched
 
 
-def test_a_constraint_changes_sampling_only(ref, tmp_path):
+def test_a_constraint_changes_sampling_only(eng, tmp_path):
     """Same prompt with and without a constraint: the same prompt tokens,
     the same checkpoint names and payloads, the same live prompt state; and
     after the constrained turn the next one reuses the whole live state."""
-    eng = ref
     system = "You are a terse assistant. " * 12
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Give me a color as JSON."}]
     schema = {

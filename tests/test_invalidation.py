@@ -32,11 +32,6 @@ from ds4.turn import Generator, GenParams
 CTX = 512
 
 
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
-
-
 def toks(eng, text):
     return eng.tokenize(text, special=True)
 

@@ -14,11 +14,6 @@ from ds4.turn import Generator, GenParams
 CTX = 4096
 
 
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
-
-
 def _prompt(eng, n_words=700):
     body = " ".join(f"w{i % 97}" for i in range(n_words))
     return eng.render_chat([{"role": "user", "content": body}])

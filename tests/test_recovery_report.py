@@ -25,11 +25,6 @@ MS = STEP * 1000
 IM_START = "<|im_start|>"
 
 
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
-
-
 @pytest.fixture
 def clock(monkeypatch):
     """A fake perf_counter for ds4.recovery only (the store and the engines

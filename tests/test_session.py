@@ -22,11 +22,6 @@ from ds4.errors import (
 )
 
 
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
-
-
 def toks(eng, text):
     return eng.tokenize(text, special=True)
 

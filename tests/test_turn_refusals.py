@@ -20,11 +20,6 @@ from ds4.turn import Generator, GenParams, TextStream
 CTX = 512
 
 
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
-
-
 def _chat(eng, *texts):
     msgs = []
     for i, t in enumerate(texts):

@@ -159,11 +159,6 @@ def test_a_store_that_cannot_evict_on_open_still_opens(tmp_path, write_ck, caplo
 # -- the chat anchor ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def eng():
-    return ds4.ReferenceEngine()
-
-
 def _chat(eng, system, users):
     msgs = [{"role": "system", "content": system}]
     for i, u in enumerate(users):
