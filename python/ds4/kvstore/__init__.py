@@ -265,6 +265,13 @@ class KVStore:
     def _unreported(self) -> list[Rejection]:
         return self._index.unreported
 
+    def _persist(self) -> None:
+        # after each change made under the lock: the index file follows
+        self._index.persist()
+
+    def _forget(self, name: str) -> None:
+        self._index.forget(name)
+
     def entries(self) -> list[Entry]:
         self.refresh()
         return sorted(self._entries(), key=lambda e: (-e.text_bytes, e.name))
@@ -332,14 +339,14 @@ class KVStore:
         name = os.path.basename(path)
         if not is_checkpoint_name(name):
             return None
-        self._index.forget(name)
+        self._forget(name)
         how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
         try:
             with self.locked():
                 dest = remove_exact(
                     self.dir, name, expect, quarantine_dir=self.quarantine_dir, tag=f"{int(time.time())}.{err.code}"
                 )
-                self._index.persist()
+                self._persist()
         except OSError as e:
             log.error("kv cache could not remove corrupt file %s: %s", name, e)
             return None
@@ -361,8 +368,8 @@ class KVStore:
             raise ValueError(f"not a checkpoint name: {name!r}")
         with self.locked():
             gone = remove_exact(self.dir, name, None) is not None
-            self._index.forget(name)
-            self._index.persist()
+            self._forget(name)
+            self._persist()
         return gone
 
     # -- load ----------------------------------------------------------------
@@ -424,7 +431,7 @@ class KVStore:
                 ck = self._open_for(sess, e.path, prompt)
                 sess.load_checkpoint(ck)
             except FileNotFoundError:
-                self._index.forget(e.name)  # removed by another process
+                self._forget(e.name)  # removed by another process
                 continue
             except OSError as err:  # unreadable (permissions, I/O): a typed rejection; skipped and kept
                 self.stats["rejected"] += 1
@@ -488,7 +495,7 @@ class KVStore:
             e = Entry.from_checkpoint(ck, final, key)
             self._index.index_file(name, final, key)
             self._evict_locked(protect=name)
-            self._index.persist()
+            self._persist()
         return e if self._idx.get(name) is not None else None
 
     def _hit(self, e: Entry, ck: Checkpoint, ms: float, judged: StatKey) -> None:
@@ -496,11 +503,11 @@ class KVStore:
         if self.consume_over_cold_max and 0 < self.cold_max_tokens < ck.tokens:
             # ds4's consume: a load longer than cold_max_tokens deletes the
             # file (the version that was loaded; through the one removal).
-            self._index.forget(e.name)
+            self._forget(e.name)
             try:
                 with self.locked():
                     gone = remove_exact(self.dir, e.name, judged) is not None
-                    self._index.persist()
+                    self._persist()
             except OSError as ex:
                 log.error("kv cache could not consume %s: %s", e.name, ex)
                 gone = False
@@ -611,14 +618,14 @@ class KVStore:
                 (time.perf_counter() - t0) * 1000,
             )
             self._evict_locked(protect=name)
-            self._index.persist()
+            self._persist()
         return path
 
     # -- eviction --------------------------------------------------------------
     def evict(self) -> int:
         with self.locked():
             removed = self._evict_locked(protect=None)
-            self._index.persist()
+            self._persist()
             return removed
 
     def _evict_locked(self, protect: str | None) -> int:
@@ -627,7 +634,7 @@ class KVStore:
         now = time.time()
         victims = plan_eviction(self._entries(), limit, now, protect, self.tenant_share)
         for victim in victims:
-            self._index.forget(victim.name)
+            self._forget(victim.name)
         removed = evict_entries(self.dir, victims)
         self.stats["evictions"] += removed
         if removed:
