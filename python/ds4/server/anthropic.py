@@ -30,6 +30,7 @@ import uuid
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall
+from .fields import int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 
 __all__ = ["AnthropicWire", "MessagesParser"]
@@ -61,7 +62,7 @@ def _num(body: JSON, key: str, lo: float, hi: float) -> float | None:
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+    if not num_in(v, lo, hi):
         raise _bad(f"{key}: must be a number between {lo} and {hi}")
     return float(v)
 
@@ -70,7 +71,7 @@ def _int(body: JSON, key: str, lo: int) -> int | None:
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+    if not int_from(v, lo):
         raise _bad(f"{key}: must be an integer >= {lo}")
     return v
 
@@ -78,10 +79,8 @@ def _int(body: JSON, key: str, lo: int) -> int | None:
 def _str(v: object, where: str) -> str:
     if not isinstance(v, str):
         raise _bad(f"{where}: must be a string")
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _bad(f"{where}: is not valid Unicode (a lone surrogate)") from None
+    if utf8_len(v) is None:
+        raise _bad(f"{where}: is not valid Unicode (a lone surrogate)")
     return v
 
 

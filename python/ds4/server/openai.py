@@ -20,6 +20,7 @@ from ..constrain import Constraint
 from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError, EngineError, PromptError
 from ..turn import GenParams, GenResult
 from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outcome, Tool, ToolCall
+from .fields import is_int, is_num, utf8_len
 from .tools import StreamSplitter
 from .worker import Cancelled, QueueFull, ShuttingDown
 
@@ -50,19 +51,11 @@ def _bad(msg: str, param: str | None = None, code: str | None = "invalid_value")
     return ApiError(400, msg, "invalid_request_error", param, code)
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _opt_int(body: JSON, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
     v = body.get(key)
     if v is None:
         return None
-    if not _is_int(v):
+    if not is_int(v):
         raise _bad(f"'{key}' must be an integer, got {type(v).__name__}", key, "invalid_type")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
@@ -74,7 +67,7 @@ def _opt_num(body: JSON, key: str, lo: float, hi: float) -> float | None:
     v = body.get(key)
     if v is None:
         return None
-    if not _is_num(v):
+    if not is_num(v):
         raise _bad(f"'{key}' must be a number, got {type(v).__name__}", key, "invalid_type")
     if not lo <= v <= hi:
         raise _bad(f"'{key}' must be between {lo} and {hi}, got {v}", key)
@@ -103,12 +96,12 @@ def cache_salt_of(body: JSON) -> str | None:
 
 
 def _utf8_len(s: str, param: str) -> int:
-    """Bytes of ``s`` in UTF-8; 400 when it holds a lone surrogate (valid
-    JSON, but no tokenizer can encode it)."""
-    try:
-        return len(s.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise _bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string") from None
+    """Bytes of ``s`` in UTF-8 (:func:`.fields.utf8_len`); 400 when it
+    holds a lone surrogate."""
+    n = utf8_len(s)
+    if n is None:
+        raise _bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string")
+    return n
 
 
 class Turn:
@@ -202,7 +195,7 @@ class RequestParser:
         if top_p is not None and top_p <= 0.0:
             raise _bad("'top_p' must be > 0", "top_p")
         seed = body.get("seed")
-        if seed is not None and not _is_int(seed):
+        if seed is not None and not is_int(seed):
             raise _bad("'seed' must be an integer", "seed", "invalid_type")
         if seed is not None and seed < 0:
             seed = seed & ((1 << 64) - 1)

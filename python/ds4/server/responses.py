@@ -73,6 +73,7 @@ from typing import Any, Protocol
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall
+from .fields import int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 from .tenants import ANONYMOUS
 
@@ -135,10 +136,8 @@ def _bad(msg: str, param: str | None = None, code: str | None = "invalid_value")
 def _str(v: object, param: str) -> str:
     if not isinstance(v, str):
         raise _bad(f"'{param}' must be a string", param, "invalid_type")
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string") from None
+    if utf8_len(v) is None:
+        raise _bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string")
     return v
 
 
@@ -264,13 +263,13 @@ class ResponsesParser:
         v = body.get(key)
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        if not num_in(v, lo, hi):
             raise _bad(f"'{key}' must be a number between {lo} and {hi}", key)
         return float(v)
 
     def _params(self, body: JSON) -> GenParams:
         mot = body.get("max_output_tokens")
-        if mot is not None and (isinstance(mot, bool) or not isinstance(mot, int) or mot < 1):
+        if mot is not None and not int_from(mot, 1):
             raise _bad("'max_output_tokens' must be an integer >= 1", "max_output_tokens")
         top_p = self._num(body, "top_p", 0.0, 1.0)
         return GenParams(
