@@ -403,7 +403,7 @@ def kv_stats(args: argparse.Namespace) -> int:
         "newest_used": max((i["last_used"] or i["created"] for i in ok), default=None),
         "temp_files": len(tmps),
         "temp_bytes": _bytes_of(tmps),
-        "tenants": tenant_usage((i["_entry"].namespace, i["size"]) for i in ok),
+        "tenants": tenant_usage((i["_entry"].namespace, i["size"], 1) for i in ok),
     }
     if args.tenant_share is not None:
         _shares(st, d, args)

@@ -413,8 +413,9 @@ class KVStore:
 
     def tenant_usage(self) -> dict[str, dict[str, int]]:
         """Bytes and checkpoints of each tenant (:func:`.entries.tenant_usage`)
-        from the index as it stands: no directory scan, no file read."""
-        return tenant_usage((row[11], row[10][1]) for row in self._idx.entries())
+        from the index as it stands: no directory scan, no file read (the
+        core sums each namespace; Python names its tenant)."""
+        return tenant_usage(self._idx.namespace_usage())
 
     # -- lookup --------------------------------------------------------------
     def lookup(self, prompt: str | bytes, abi: str | None = None, ctx: int | None = None) -> list[Entry]:

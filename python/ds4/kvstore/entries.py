@@ -219,14 +219,15 @@ def plan_eviction(
     return out
 
 
-def tenant_usage(held: Iterable[tuple[str | None, int]]) -> dict[str, dict[str, int]]:
-    """Bytes and checkpoints per tenant, by name, of (namespace, size)
-    pairs: the tenants :func:`plan_eviction` counts shares of (the default
-    namespace's files are the anonymous tenant's, as its salted ones are;
-    a tenant is a name, never a key)."""
+def tenant_usage(held: Iterable[tuple[str | None, int, int]]) -> dict[str, dict[str, int]]:
+    """Bytes and checkpoints per tenant, by name, of (namespace, bytes,
+    files) triples (``StoreIndex.namespace_usage``, or one per file): the
+    tenants :func:`plan_eviction` counts shares of (the default namespace's
+    files are the anonymous tenant's, as its salted ones are; a tenant is a
+    name, never a key)."""
     out: dict[str, dict[str, int]] = {}
-    for ns, size in held:
+    for ns, size, files in held:
         t = out.setdefault(tenant_of_namespace(ns) or ANONYMOUS, {"bytes": 0, "checkpoints": 0})
         t["bytes"] += size
-        t["checkpoints"] += 1
+        t["checkpoints"] += files
     return dict(sorted(out.items()))
