@@ -356,6 +356,23 @@ impl Index {
     pub fn total_bytes(&self) -> u64 {
         self.entries.values().map(|e| e.key.size).sum()
     }
+    /// Bytes and files per namespace (None: the default), sorted, in one
+    /// pass over the entries: what the tenants' shares are counted from
+    /// (the tenant of a namespace is Python's policy, `ds4.keytext`).
+    pub fn namespace_usage(&self) -> Vec<(Option<Arc<str>>, u64, u64)> {
+        let mut by: HashMap<Option<&str>, (u64, u64)> = HashMap::new();
+        for e in self.entries.values() {
+            let u = by.entry(e.namespace.as_deref()).or_default();
+            u.0 += e.key.size;
+            u.1 += 1;
+        }
+        let mut out: Vec<_> = by
+            .into_iter()
+            .map(|(ns, (bytes, files))| (ns.map(Arc::from), bytes, files))
+            .collect();
+        out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
     /// An estimate of the heap the index holds (bytes).
     pub fn heap_bytes(&self) -> usize {
         let entry = std::mem::size_of::<(Sha1Digest, Entry)>() + 1;
@@ -805,6 +822,33 @@ mod tests {
             },
             case: 0,
         }
+    }
+
+    #[test]
+    fn namespace_usage_sums_each_namespace() {
+        let mut idx = Index::new();
+        assert!(idx.namespace_usage().is_empty());
+        let texts: [&[u8]; 5] = [
+            b"plain one",
+            b"plain two!",
+            b"\xff\x00ns:alice\xff\x00hello",
+            b"\xff\x00ns:alice\xff\x00bye",
+            b"\xff\x00ns:alice/salt-1\xff\x00hi",
+        ];
+        for text in texts {
+            idx.insert(entry(text, 10, "a"));
+        }
+        let size = |i: usize| 100 + texts[i].len() as u64;
+        let got = idx.namespace_usage();
+        assert_eq!(
+            got,
+            vec![
+                (None, size(0) + size(1), 2),
+                (Some(Arc::from("alice")), size(2) + size(3), 2),
+                (Some(Arc::from("alice/salt-1")), size(4), 1),
+            ]
+        );
+        assert_eq!(got.iter().map(|u| u.1).sum::<u64>(), idx.total_bytes());
     }
 
     #[test]

@@ -18,6 +18,7 @@ from .engine import Engine
 from .kvstore import KVStore, RemoteTier
 
 __all__ = [
+    "DEFAULT_BUDGET_MB",
     "ENGINE_KINDS",
     "add_engine_args",
     "add_kv_args",
@@ -32,6 +33,10 @@ __all__ = [
 log = logging.getLogger("ds4.config")
 
 ENGINE_KINDS = ("reference", "llamacpp", "auto")
+
+
+#: the disk budget in MiB without --kv-disk-space-mb (and of ds4 kv stats's shares)
+DEFAULT_BUDGET_MB = 4096.0
 
 
 def engine_kind(kind: str = "auto", model: str | None = None) -> str:
@@ -105,7 +110,11 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         else f"checkpoint directory (default {dir_default})",
     )
     g.add_argument(
-        "--kv-disk-space-mb", type=float, default=4096, metavar="MB", help="disk budget in MiB (default 4096)"
+        "--kv-disk-space-mb",
+        type=float,
+        default=DEFAULT_BUDGET_MB,
+        metavar="MB",
+        help=f"disk budget in MiB (default {DEFAULT_BUDGET_MB:g})",
     )
     g.add_argument(
         "--kv-cache-min-tokens", type=int, default=512, metavar="N", help="shortest stored prefix (default 512)"

@@ -242,6 +242,16 @@ impl PyStoreIndex {
         Ok(self.lock()?.total_bytes())
     }
 
+    /// `(namespace, bytes, files)` per namespace of the indexed files
+    /// (None: the default namespace), sorted.
+    fn namespace_usage(&self) -> PyResult<Vec<(Option<String>, u64, u64)>> {
+        let usage = self.lock()?.namespace_usage();
+        Ok(usage
+            .into_iter()
+            .map(|(ns, b, n)| (ns.as_deref().map(str::to_owned), b, n))
+            .collect())
+    }
+
     /// An estimate of the heap the index holds, in bytes.
     fn heap_bytes(&self) -> PyResult<usize> {
         Ok(self.lock()?.heap_bytes())

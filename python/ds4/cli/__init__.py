@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..config import add_engine_args, add_kv_args
+from ..config import DEFAULT_BUDGET_MB, add_engine_args, add_kv_args
 from .kvremote import add_remote_args
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
@@ -38,6 +38,21 @@ def _gen_args(q: argparse.ArgumentParser, max_tokens: int) -> None:
     )
     q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     q.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
+def tenant_share(s: str) -> float:
+    """``--tenant-share F``: in (0, 1], as ``ds4 serve --kv-tenant-share``
+    takes it (anything else exits 2, argparse's usage error)."""
+    try:
+        f = float(s)
+    except ValueError:
+        f = float("nan")
+    if not 0.0 < f <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {s!r}")
+    return f
+
+
+SHARE_HELP = "each tenant's share of the budget, as ds4 serve --kv-tenant-share F (0 < F <= 1)"
 
 
 def _kv_parser(sub: Any) -> None:
@@ -69,6 +84,13 @@ def _kv_parser(sub: Any) -> None:
         "--tmp-age", type=float, default=3600, help="temp files older than this (s) are orphans (default 3600)"
     )
     k.add_argument("--quarantine-dir", default=None, help="move corrupt files here instead of deleting")
+    k.add_argument(
+        "--tenant-share",
+        type=tenant_share,
+        default=None,
+        metavar="F",
+        help=SHARE_HELP + ": a tenant over it loses its own checkpoints first (with --budget-mb; default 1)",
+    )
     k.add_argument("--dry-run", action="store_true")
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("rm", help="remove checkpoints")
@@ -77,9 +99,16 @@ def _kv_parser(sub: Any) -> None:
     k.add_argument("names", nargs="*", help="file names or unique hex prefixes")
     k.add_argument("--all", action="store_true", help="every checkpoint in the directory")
     k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("stats", help="totals by version, reason and ABI")
+    k = ksub.add_parser("stats", help="totals by version, reason, ABI and tenant")
     k.add_argument("dir", nargs="?", help="directory (not with --remote)")
     add_remote_args(k)
+    k.add_argument("--tenant-share", type=tenant_share, default=None, metavar="F", help=SHARE_HELP + ": who is over it")
+    k.add_argument(
+        "--budget-mb",
+        type=float,
+        default=None,
+        help=f"the budget the shares are of (default {DEFAULT_BUDGET_MB:g}, ds4 serve's --kv-disk-space-mb)",
+    )
     k.add_argument("--verify", action="store_true", help=verify_help)
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("push", help="upload a directory's checkpoints to the shared tier")
@@ -184,6 +213,11 @@ def _remote_command(args: argparse.Namespace) -> Callable[[argparse.Namespace], 
     except push and pull, whose directory is the local side."""
     from .kvremote import REMOTE_COMMANDS
 
+    if getattr(args, "tenant_share", None) is not None or getattr(args, "budget_mb", None) is not None:
+        if args.kvcmd == "stats":
+            return _usage("ds4 kv stats --remote: --tenant-share and --budget-mb are a directory's")
+    if args.kvcmd == "gc" and getattr(args, "tenant_share", None) is not None:
+        return _usage("ds4 kv gc --remote: --tenant-share is a directory's (the tier's TTL evicts)")
     if args.kvcmd in ("rm", "verify"):
         args.names = ([args.dir] if args.dir else []) + list(args.names)
     elif args.kvcmd not in ("push", "pull") and args.dir is not None:

@@ -6,20 +6,22 @@ the directory's lock; the inspection commands change nothing."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import stat
 import sys
 import time
 
+from ..config import DEFAULT_BUDGET_MB
 from ..keytext import plain_text
 from ..kvstore import (
     KVStore,
     is_regular,
-    plan_eviction,
     remove_orphaned_temp,
     scan_dir,
     temp_is_orphaned,
+    tenant_usage,
 )
 from .kvinfo import READABLE, UNVERIFIED, Info, inspect_file, print_fields, public, resolve
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, printable, report_removed, table
@@ -42,7 +44,7 @@ def _ls_row(i: Info, now: float) -> list[str]:
     if i["status"] in READABLE:
         return [
             i["name"][:12],
-            i["tenant"] or "-",
+            i["tenant"],
             f"v{i['version']}",
             i["reason"],
             str(i["tokens"]),
@@ -234,7 +236,13 @@ class _Gc:
         # user's): it loads nothing into a session, so the directory's owner
         # is not what matters here
         self.store = KVStore(
-            self.d, budget_mb=budget, min_tokens=1, quarantine_dir=args.quarantine_dir, scan=False, trust_dir=True
+            self.d,
+            budget_mb=budget,
+            min_tokens=1,
+            quarantine_dir=args.quarantine_dir,
+            scan=False,
+            trust_dir=True,
+            tenant_share=args.tenant_share or 1.0,
         )
         self.removed: list[Info] = []
         self.quarantined: list[str] = []
@@ -272,14 +280,19 @@ class _Gc:
     def evict(self) -> None:
         if self.args.budget_mb is None:
             return
-        if self.args.dry_run:  # the store's policy, without unlinking
-            ents = [i["_entry"] for i in (inspect_file(p) for p in scan_dir(self.d)[0]) if i["status"] == "ok"]
-            limit = int(self.args.budget_mb * 1024 * 1024)
-            self.evicted = [e.name for e in plan_eviction(ents, limit, time.time())]
+        if self.args.dry_run:  # the store's plan (limit, shares, order), without unlinking
+            # what the index would hold once the corrupt files are out: every
+            # readable header's entry, with the stat key (its mtime breaks ties)
+            gone = {r["name"] for r in self.removed}
+            infos = (inspect_file(p) for p in scan_dir(self.d)[0])
+            ents = [
+                dataclasses.replace(i["_entry"], stat_key=i["_key"])
+                for i in infos
+                if i["status"] in READABLE and i["name"] not in gone
+            ]
+            self.evicted = [e.name for e in self.store.plan_evict(ents)]
             return
-        names_before = {os.path.basename(p) for p in scan_dir(self.d)[0]}
-        self.store.evict()
-        self.evicted = sorted(names_before - {os.path.basename(p) for p in scan_dir(self.d)[0]})
+        self.evicted = self.store.evict_names()
 
     def report(self, before: int, after: int) -> None:
         args = self.args
@@ -314,6 +327,9 @@ class _Gc:
 
 def kv_gc(args: argparse.Namespace) -> int:
     if _not_a_dir(args.dir):
+        return EXIT_USAGE
+    if args.tenant_share is not None and args.budget_mb is None:
+        print("ds4 kv gc: --tenant-share is a share of --budget-mb: give both", file=sys.stderr)
         return EXIT_USAGE
     cks, tmps, _ = scan_dir(args.dir)
     before = _bytes_of(cks)
@@ -387,12 +403,43 @@ def kv_stats(args: argparse.Namespace) -> int:
         "newest_used": max((i["last_used"] or i["created"] for i in ok), default=None),
         "temp_files": len(tmps),
         "temp_bytes": _bytes_of(tmps),
+        "tenants": tenant_usage((i["_entry"].namespace, i["size"], 1) for i in ok),
     }
+    if args.tenant_share is not None:
+        _shares(st, d, args)
     if args.json:
         print(json.dumps(st, indent=1))
         return EXIT_OK
     _print_stats(st)
     return EXIT_OK
+
+
+def _shares(st: Info, d: str, args: argparse.Namespace) -> None:
+    """Each tenant's share of the budget (F of what the records leave of
+    it, as the store's eviction counts it) and whether it holds more."""
+    budget_mb = DEFAULT_BUDGET_MB if args.budget_mb is None else args.budget_mb
+    # opened for its limit only: no scan, nothing read, moved or evicted
+    store = KVStore(d, budget_mb=budget_mb, scan=False, trust_dir=True, tenant_share=args.tenant_share)
+    share = int(store.tenant_share * store.eviction_limit())
+    st.update(budget_bytes=store.budget_bytes, tenant_share=store.tenant_share, share_bytes=share)
+    for t in st["tenants"].values():
+        t["over_share"] = t["bytes"] > share
+
+
+def _print_tenants(st: Info) -> None:
+    share = st.get("share_bytes")
+    if share is not None:
+        print(
+            f"tenant share   {st['tenant_share']:g} of {human_bytes(st['budget_bytes'])} "
+            f"(less the records): {human_bytes(share)} each"
+        )
+    rows = [
+        [name, str(t["checkpoints"]), human_bytes(t["bytes"])]
+        + ([f"{t['bytes'] / max(1, share):.0%}", "OVER" if t["over_share"] else "ok"] if share is not None else [])
+        for name, t in st["tenants"].items()
+    ]
+    head = ["TENANT", "CHECKPOINTS", "SIZE"] + (["OF SHARE", "SHARE"] if share is not None else [])
+    table(rows, head, sys.stdout)
 
 
 def _print_stats(st: Info) -> None:
@@ -410,6 +457,8 @@ def _print_stats(st: Info) -> None:
     if st["newest_used"]:
         print(f"last used      {age(st['newest_used'])}")
     print(f"temp files     {st['temp_files']} ({human_bytes(st['temp_bytes'])})")
+    if st["tenants"]:
+        _print_tenants(st)
     if st["unverified"]:
         print(NOT_VERIFIED)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError
-from ..keytext import namespace_of, plain_text, tenant_of_namespace
+from ..keytext import ANONYMOUS, namespace_of, plain_text, tenant_of_namespace
 from ..kvstore import NOT_REGULAR, Entry, scan_dir, stat_key
 from .term import age, human_bytes, preview, table
 
@@ -94,12 +94,14 @@ def inspect_file(path: str, full: bool = False) -> Info:
 
 def _namespace(text: bytes) -> Info:
     """The cache namespace and tenant a stored key text names (never a key:
-    a tenant is its name in the key file or a digest of its key)."""
+    a tenant is its name in the key file or a digest of its key). The
+    default namespace's files are the anonymous tenant's, as the budget's
+    shares count them (:attr:`ds4.kvstore.Entry.tenant`)."""
     try:
         ns, _ = namespace_of(text)
     except ValueError:
         return {"namespace": "?", "tenant": "?"}
-    return {"namespace": ns, "tenant": tenant_of_namespace(ns)}
+    return {"namespace": ns, "tenant": tenant_of_namespace(ns) or ANONYMOUS}
 
 
 def public(info: Info) -> Info:

@@ -62,6 +62,7 @@ from .entries import (
     Rejection,
     import_failure,
     plan_eviction,
+    tenant_usage,
 )
 from .files import (
     INDEX_NAME,
@@ -125,6 +126,7 @@ __all__ = [
     "stat_key",
     "temp_is_orphaned",
     "temp_writer_pid",
+    "tenant_usage",
 ]
 
 
@@ -286,9 +288,16 @@ class KVStore:
         """The directory, its indexed files and bytes, and the counters
         (what a status page shows), from the index as it stands."""
         out: dict[str, object] = {"dir": self.dir, "files": len(self._idx), "bytes": self.total_bytes(), **self.stats}
+        out["tenants"] = self.tenant_usage()
         if self.remote is not None:
             out["remote"] = self.remote.status()
         return out
+
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        """Bytes and checkpoints of each tenant (:func:`.entries.tenant_usage`)
+        from the index as it stands: no directory scan, no file read (the
+        core sums each namespace; Python names its tenant)."""
+        return tenant_usage(self._idx.namespace_usage())
 
     # -- lookup --------------------------------------------------------------
     def lookup(self, prompt: str | bytes, abi: str | None = None, ctx: int | None = None) -> list[Entry]:
@@ -623,20 +632,35 @@ class KVStore:
 
     # -- eviction --------------------------------------------------------------
     def evict(self) -> int:
+        """Evict down to the budget; returns how many files went."""
+        return len(self.evict_names())
+
+    def evict_names(self) -> list[str]:
+        """Evict down to the budget (:meth:`plan_evict`'s plan); returns the
+        names removed, in the plan's order."""
         with self.locked():
             removed = self._evict_locked(protect=None)
             self._persist()
             return removed
 
-    def _evict_locked(self, protect: str | None) -> int:
+    def eviction_limit(self) -> int:
+        """The bytes the checkpoints may hold: the budget, less what the
+        records (stored Responses) take of it."""
+        return self.budget_bytes - self.records.total_bytes()
+
+    def plan_evict(self, entries: list[Entry], protect: str | None = None) -> list[Entry]:
+        """What an eviction of ``entries`` removes, in order, with this
+        store's limit and tenant share (:func:`.entries.plan_eviction`):
+        :meth:`evict` and ``ds4 kv gc --dry-run`` plan with it."""
+        return plan_eviction(entries, self.eviction_limit(), time.time(), protect, self.tenant_share)
+
+    def _evict_locked(self, protect: str | None) -> list[str]:
         self.refresh(force=True)
-        limit = self.budget_bytes - self.records.total_bytes()
-        now = time.time()
-        victims = plan_eviction(self._entries(), limit, now, protect, self.tenant_share)
+        victims = self.plan_evict(self._entries(), protect)
         for victim in victims:
             self._forget(victim.name)
         removed = evict_entries(self.dir, victims)
-        self.stats["evictions"] += removed
+        self.stats["evictions"] += len(removed)
         if removed:
             _core.sync_dir(self.dir)
             self._index.stale()

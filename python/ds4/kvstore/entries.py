@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..keytext import ANONYMOUS, namespace_of, tenant_of_namespace
@@ -27,6 +28,7 @@ __all__ = [
     "Rejection",
     "import_failure",
     "plan_eviction",
+    "tenant_usage",
 ]
 
 HALF_LIFE_S = 6 * 3600
@@ -215,3 +217,17 @@ def plan_eviction(
         total -= victim.size
         held[tenant] -= victim.size
     return out
+
+
+def tenant_usage(held: Iterable[tuple[str | None, int, int]]) -> dict[str, dict[str, int]]:
+    """Bytes and checkpoints per tenant, by name, of (namespace, bytes,
+    files) triples (``StoreIndex.namespace_usage``, or one per file): the
+    tenants :func:`plan_eviction` counts shares of (the default namespace's
+    files are the anonymous tenant's, as its salted ones are; a tenant is a
+    name, never a key)."""
+    out: dict[str, dict[str, int]] = {}
+    for ns, size, files in held:
+        t = out.setdefault(tenant_of_namespace(ns) or ANONYMOUS, {"bytes": 0, "checkpoints": 0})
+        t["bytes"] += size
+        t["checkpoints"] += files
+    return dict(sorted(out.items()))

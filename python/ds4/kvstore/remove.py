@@ -161,12 +161,12 @@ def _dispose(directory: str, aside: str, path: str, quarantine_dir: str | None, 
     return dest
 
 
-def evict_entries(directory: str, victims: Iterable[Entry]) -> int:
+def evict_entries(directory: str, victims: Iterable[Entry]) -> list[str]:
     """Remove eviction's ``victims`` (each only as it was indexed: a file
     replaced since stays); one failure does not stop the others. The caller
     holds the directory's lock, and fsyncs the directory once after the
-    pass (each removal does not). Returns how many were removed."""
-    removed = 0
+    pass (each removal does not). Returns the names removed, in order."""
+    removed: list[str] = []
     for victim in victims:
         try:
             if remove_exact(directory, victim.name, victim.stat_key or None, sync=False) is None:
@@ -181,5 +181,5 @@ def evict_entries(directory: str, victims: Iterable[Entry]) -> int:
             victim.size / 2**20,
             victim.name,
         )
-        removed += 1
+        removed.append(victim.name)
     return removed
