@@ -18,6 +18,7 @@ import types
 
 import numpy as np
 import pytest
+from kv_helpers import toks
 
 import ds4
 from ds4 import Rewrite
@@ -30,10 +31,6 @@ from ds4.errors import (
 from ds4.turn import Generator, GenParams
 
 CTX = 512
-
-
-def toks(eng, text):
-    return eng.tokenize(text, special=True)
 
 
 def live_session(eng, text="an unrelated live conversation that must not survive a failure"):

@@ -14,6 +14,7 @@ import types
 
 import numpy as np
 import pytest
+from kv_helpers import toks
 
 import ds4
 from ds4 import _core, recovery
@@ -37,10 +38,6 @@ def clock(monkeypatch):
 
     monkeypatch.setattr(recovery, "time", types.SimpleNamespace(perf_counter=perf_counter))
     return calls
-
-
-def toks(eng, text):
-    return eng.tokenize(text, special=True)
 
 
 def byte_toks(eng, text):

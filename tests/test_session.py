@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_helpers import toks
 
 import ds4
 from ds4 import Rewrite
@@ -20,10 +21,6 @@ from ds4.errors import (
     InvalidSessionError,
     TokenCountMismatchError,
 )
-
-
-def toks(eng, text):
-    return eng.tokenize(text, special=True)
 
 
 def test_new_session_is_invalid(eng):
