@@ -6,6 +6,7 @@ installs them); they never skip."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 
@@ -639,3 +640,30 @@ def ctypes_address(p):
     import ctypes
 
     return ctypes.cast(p, ctypes.c_void_p).value
+
+
+def _topology(root, cpus):
+    """A fake sysfs cpu tree: ``cpus`` maps a cpu number to (package, core)."""
+    for c, (package, core) in cpus.items():
+        d = root / f"cpu{c}" / "topology"
+        d.mkdir(parents=True)
+        (d / "physical_package_id").write_text(f"{package}\n")
+        (d / "core_id").write_text(f"{core}\n")
+
+
+def test_default_threads_counts_physical_cores(tmp_path, monkeypatch):
+    from ds4.engines.llamacpp_lib import default_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    _topology(tmp_path / "smt", {0: (0, 0), 1: (0, 0), 2: (0, 1), 3: (0, 1)})  # 2 cores x 2 threads
+    assert default_threads(str(tmp_path / "smt")) == 2
+    _topology(tmp_path / "flat", {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)})  # 4 cores, no SMT
+    assert default_threads(str(tmp_path / "flat")) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # only the first package's cores
+    assert default_threads(str(tmp_path / "flat")) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    _topology(tmp_path / "big", {c: (0, c) for c in range(16)})
+    assert default_threads(str(tmp_path / "big")) == 4  # capped
+    assert default_threads(str(tmp_path / "missing")) == 4  # no topology: half the logical CPUs, capped
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    assert default_threads(str(tmp_path / "missing")) == 3

@@ -96,7 +96,13 @@ def add_engine_args(p: argparse.ArgumentParser, default_ctx: int = 4096) -> None
     g.add_argument(
         "--ctx", type=int, default=default_ctx, metavar="N", help=f"context size in tokens (default {default_ctx})"
     )
-    g.add_argument("--threads", type=int, default=None, metavar="N", help="engine threads (llamacpp)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="engine threads (llamacpp; default: the physical cores, at most 4)",
+    )
 
 
 def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -> None:
