@@ -257,3 +257,20 @@ def test_a_tenants_system_prompt_survives_anothers_flood(tmp_path, share):
     finally:
         srv.stop()
     shutil.rmtree(kv, ignore_errors=True)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_ties_go_least_recently_used_then_first_written(share):
+    """ds4's tie-breaks, with and without shares: among entries of one
+    score, the least recently used goes first (a never-used file by its
+    creation time), then the file written first (its stat key's mtime; a
+    file not yet stat'ed counts as written at time 0)."""
+
+    def tie(name, created, last_used=0, mtime=None):
+        st = () if mtime is None else (1, 100, mtime)
+        return Entry(name, name, 2, 100, 10, 0, created, last_used, 100, "t/1", "cold", 4096, st, None)
+
+    lru = [tie("new", created=300), tie("used", created=400, last_used=50), tie("old", created=100)]
+    assert [e.name for e in plan_eviction(lru, 0, NOW, tenant_share=share)] == ["used", "old", "new"]
+    same_age = [tie("later", 100, mtime=200), tie("earlier", 100, mtime=1), tie("unstated", 100)]
+    assert [e.name for e in plan_eviction(same_age, 0, NOW, tenant_share=share)] == ["unstated", "earlier", "later"]
