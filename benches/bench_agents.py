@@ -2,8 +2,8 @@
 """An agent loop on each protocol: prefilled tokens and time to first
 token with ds4 vs the same server without any prompt reuse.
 
-Workload: a ~2,000-token (SmolLM2; 11,237 tokens for the byte-level
-reference model) system prompt with eight tool schemas, then ``--turns``
+Workload: a system prompt with eight tool schemas (3,402 SmolLM2 tokens
+once rendered; 11,237 tokens for the byte-level reference model), then ``--turns``
 agent turns: a question, the model's tool call, the tool's result, the
 model's answer. Every request carries the whole history and echoes the
 model's earlier replies, as agent clients do. One loop per protocol, each on
