@@ -157,7 +157,10 @@ def test_missing_model_is_a_clear_error(monkeypatch, tmp_path):
 
 def test_abi_stable_across_instances(engine):
     abi = engine.payload_abi()
-    assert re.fullmatch(r"llamacpp/\S+ model=sha256:[0-9a-f]{16} layout=1 arch=llama kv=f16/f16 fa=off", abi), abi
+    assert re.fullmatch(
+        r"llamacpp/\S+ model=sha256:[0-9a-f]{16} layout=2 arch=llama layers=30 caches=30:[0-9a-f]{12} kv=f16/f16 fa=off batch=2x1",
+        abi,
+    ), abi
     other = LlamaCppEngine(model_path=engine.model_path)
     try:
         assert other.payload_abi() == abi
@@ -316,7 +319,9 @@ def test_resume_equals_cold(engine, prompt, cold, checkpoints, cut):
     state = checkpoints[cut]
     assert set(state) == {"llama_state", "logits"}
     assert state["llama_state"].dtype == np.uint8 and state["logits"].dtype == np.float32
-    assert state["llama_state"].size == 4 + 5 + 8 + cut * engine.state_bytes_per_token + 8 + 30 * 24
+    # magic and sequence id, the cache header, the cells, the layer header, 30 K and 30 V headers
+    assert state["llama_state"].size == 8 + 8 + cut * engine.state_bytes_per_token + 8 + 30 * 24
+    assert state["llama_state"].size == engine.state_layout.size(cut)
     dst = engine.new_context(1024)
     dst.import_state(state, cut)
     assert dst.n_past == cut
@@ -374,7 +379,7 @@ def test_import_over_live_state_replaces_it(engine, checkpoints):
 def test_import_rejects_bad_inputs_before_touching_state(engine, checkpoints):
     blob, logits = checkpoints[300]["llama_state"], checkpoints[300]["logits"]
     V = engine.vocab_size
-    arch_off = 4 + len(engine.arch)
+    arch_off = 8  # the cache starts after the magic and the sequence id
 
     live = engine.new_context(1024)
     live.import_state(checkpoints[512], 512)
@@ -422,8 +427,8 @@ def test_import_rejects_bad_inputs_before_touching_state(engine, checkpoints):
         ({"llama_state": blob[: blob.size // 2], "logits": logits}, 300),
         ({"llama_state": blob[:-1], "logits": logits}, 300),
         ({"llama_state": np.concatenate([blob, blob[:1]]), "logits": logits}, 300),
-        ({"llama_state": patched(0, 2**32 - 1), "logits": logits}, 300),  # arch length
-        ({"llama_state": patched(4, ord("x"), "u1"), "logits": logits}, 300),  # arch name
+        ({"llama_state": patched(0, 2**32 - 1), "logits": logits}, 300),  # magic
+        ({"llama_state": patched(4, 1, "<i4"), "logits": logits}, 300),  # sequence id
         ({"llama_state": patched(arch_off, 2), "logits": logits}, 300),  # n_stream
         ({"llama_state": patched(arch_off + 4, 10**6), "logits": logits}, 300),  # cell_count
         ({"llama_state": bad_pos("dup"), "logits": logits}, 300),
@@ -445,7 +450,7 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
     still fail cleanly (return 0, no abort) on truncated blobs and bad
     headers; the context is then reset and EngineStateError raised."""
     blob, logits = checkpoints[300]["llama_state"], checkpoints[300]["logits"]
-    arch_off = 4 + len(engine.arch)
+    arch_off = 8
     meta_end = arch_off + 8 + 12 * 300
 
     def patched(offset, value, dtype="<u4"):
@@ -453,7 +458,7 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
         b[offset : offset + np.dtype(dtype).itemsize].view(dtype)[0] = value
         return b
 
-    monkeypatch.setattr(engine, "state_layout_known", False)
+    monkeypatch.setattr(engine, "state_layout", None)
     ctx = engine.new_context(512)
     bad = [
         blob[:1],
@@ -466,10 +471,7 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
         # trailing bytes: llama.cpp loads the state and reads less than it was
         # given (n_read < size, positions fine): refused on n_read alone
         np.concatenate([blob, blob[:7]]),
-        patched(0, 6),  # arch string length
-        # NOT here: an arch length of 2**32-1, which llama.cpp allocates
-        # (4 GiB, zero-filled) before failing; ds4's pre-check rejects it.
-        patched(4, ord("x"), "u1"),  # arch name
+        patched(0, 6),  # magic
         patched(arch_off, 2),  # n_stream
         patched(arch_off + 4, 10**6),  # cell_count > cache size
         patched(meta_end, 0),  # v_trans
@@ -500,13 +502,16 @@ def test_rejected_import_leaves_a_fresh_context_empty(engine, checkpoints):
     EngineStateError before llama.cpp sees it: a fresh context stays empty,
     in ds4's bookkeeping and in llama.cpp's cache, and still works."""
     blob, logits = checkpoints[300]["llama_state"], checkpoints[300]["logits"]
-    arch_off = 4 + len(engine.arch)
+    arch_off = 8
     foreign = blob.copy()
-    foreign[4] = ord("x")
+    foreign[0] ^= 1
+    seq1 = blob.copy()
+    seq1[4] = 1
     other_seq = blob.copy()
     other_seq[arch_off + 8 : arch_off + 8 + 12 * 300].view("<i4").reshape(300, 3)[5, 2] = 1
     cases = [
-        (foreign, 300, "architecture b'xlama'"),
+        (foreign, 300, "not a sequence state (magic 0xaf143cd9)"),
+        (seq1, 300, "of sequence 1, expected 0"),
         (blob[:-7], 300, "truncated in V rows"),
         (blob[: arch_off + 3], 300, "truncated in the cache header"),
         (np.concatenate([blob, blob[:3]]), 300, "3 trailing bytes"),

@@ -3,124 +3,139 @@ synthetic state blobs: no model, no llama.cpp.
 
 Every rejection is checked by its exact message, so that a check that fires
 for the wrong reason (another check's bug hiding this one's) fails too. The
-blobs follow the layout walk_state documents (llama-cpp-python 0.3.36, one
-stream); tests/test_engine_llamacpp.py checks the same walker against real
-blobs exported by llama.cpp."""
+blobs follow the layout walk_state documents (llama-cpp-python 0.3.36, a
+sequence-0 state: one cache for a plain model, a full and a windowed one for
+a sliding-window model); tests/test_engine_llamacpp.py and
+tests/test_models_exact.py check the same walker against real blobs
+exported by llama.cpp for SmolLM2 and Gemma 3."""
 
 from __future__ import annotations
 
 import re
 import struct
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ds4.engines.llamacpp_state import _Reader, check_payload, walk_state
+from ds4.engines.llamacpp_state import (
+    SEQ_MAGIC,
+    CacheLayout,
+    StateLayout,
+    _Reader,
+    check_payload,
+    full_layout,
+    learn_layout,
+    walk_state,
+)
 from ds4.errors import EngineStateError
 
 F16 = 1
+K = (F16, 8)
+V_T = (F16, 2, 4)
 
 
-def facts(**kw):
-    base = {"arch": "llama", "n_layer": 2, "type_k": F16, "type_v": F16, "flash_attn": False}
-    base.update(kw)
-    return SimpleNamespace(**base)
+def cache(n_layer=2, *, n_swa=0, v_trans=True, k=K, v=V_T):
+    return CacheLayout(n_swa, v_trans, (k,) * n_layer, (v,) * n_layer)
 
 
-def make_blob(
-    n=3,
-    *,
-    arch=b"llama",
-    n_stream=1,
-    cells=None,
-    v_trans=1,
-    n_layer=2,
-    k=(F16, 8),
-    v=(F16, 2, 4),
-    trailing=b"",
-):
-    """A whole-context state blob: ``k`` is (type, row bytes) for every
-    layer; ``v`` is (type, element bytes, width) when ``v_trans``, else
-    (type, row bytes). ``cells``: (pos, n_seq, seq_id) per cell."""
-    cells = [(i, 1, 0) for i in range(n)] if cells is None else cells
-    out = [struct.pack("<I", len(arch)), arch, struct.pack("<II", n_stream, len(cells))]
-    out += [struct.pack("<iIi", *c) for c in cells]
-    out.append(struct.pack("<II", v_trans, n_layer))
-    for _ in range(n_layer):
-        out += [struct.pack("<iQ", k[0], k[1]), bytes(k[1] * len(cells))]
-    for _ in range(n_layer):
-        if v_trans:
-            out += [struct.pack("<iII", *v), bytes(v[1] * v[2] * len(cells))]
+PLAIN = StateLayout((cache(),))
+SWA = StateLayout((cache(1), cache(3, n_swa=4)))
+
+
+def cache_bytes(positions, c, *, n_stream=1, cells=None, v_trans=None, n_layer=None, k=None, v=None, fill=None):
+    """One cache's part of a blob: the cells at ``positions`` (or the raw
+    ``cells``: (pos, n_seq, seq_id) each), then every layer's K and V with
+    ``c``'s headers unless overridden; the data bytes are ``fill(pos)`` per
+    cell (default: the position's low byte, so layouts can be told apart)."""
+    cells = [(p, 1, 0) for p in positions] if cells is None else cells
+    fill = fill or (lambda p: p & 0xFF)
+    vt = int(c.v_trans) if v_trans is None else v_trans
+    nl = len(c.k) if n_layer is None else n_layer
+    out = [struct.pack("<II", n_stream, len(cells)), b"".join(struct.pack("<iIi", *x) for x in cells)]
+    out.append(struct.pack("<II", vt, nl))
+    for il in range(nl):
+        kt, krow = k or c.k[min(il, len(c.k) - 1)]
+        out += [struct.pack("<iQ", kt, krow), b"".join(bytes([fill(x[0])]) * krow for x in cells)]
+    for il in range(nl):
+        vh = v or c.v[min(il, len(c.v) - 1)]
+        if vt:
+            _, el, embd = vh
+            col = b"".join(bytes([fill(x[0])]) * el for x in cells)
+            out += [struct.pack("<iII", *vh), col * embd]
         else:
-            out += [struct.pack("<iQ", *v), bytes(v[1] * len(cells))]
-    out.append(trailing)
-    return np.frombuffer(b"".join(out), dtype=np.uint8)
+            out += [struct.pack("<iQ", *vh), b"".join(bytes([fill(x[0])]) * vh[1] for x in cells)]
+    return b"".join(out)
 
 
-def rejects(blob, n, message, eng=None):
+def make_blob(n=3, layout=PLAIN, *, magic=SEQ_MAGIC, seq=0, trailing=b"", caches=None):
+    """A well-formed sequence-0 state of ``n`` tokens under ``layout`` (each
+    windowed cache holding its last ``min(n, n_swa)`` positions), or the
+    given cache parts."""
+    parts = [struct.pack("<Ii", magic, seq)]
+    if caches is None:
+        caches = [cache_bytes(range(n - c.cells(n), n), c) for c in layout.caches]
+    parts += caches
+    parts.append(trailing)
+    return np.frombuffer(b"".join(parts), dtype=np.uint8)
+
+
+def rejects(blob, n, message, layout=PLAIN):
     """walk_state raises EngineStateError with exactly ``message``."""
     with pytest.raises(EngineStateError) as ei:
-        walk_state(blob, n, eng or facts())
+        walk_state(blob, n, layout)
     assert ei.value.reason == message
 
 
 # -- walk_state: what it accepts -------------------------------------------------
 def test_walks_a_well_formed_blob():
-    walk_state(make_blob(3), 3, facts())
-    walk_state(make_blob(1, n_layer=1), 1, facts(n_layer=1))
+    for n in (1, 3, 9):
+        assert len(walk_state(make_blob(n), n, PLAIN)) == 1
+        assert make_blob(n).size == PLAIN.size(n)
+    one = StateLayout((cache(1),))
+    walk_state(make_blob(1, one), 1, one)
     # flash attention: V stored in rows, like K
-    walk_state(make_blob(3, v_trans=0, v=(F16, 8)), 3, facts(flash_attn=True))
+    rows = StateLayout((cache(v_trans=False, v=(F16, 8)),))
+    walk_state(make_blob(3, rows), 3, rows)
 
 
-def test_walks_cells_in_any_order():
-    walk_state(make_blob(cells=[(2, 1, 0), (0, 1, 0), (1, 1, 0)]), 3, facts())
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 11])
+def test_walks_a_windowed_blob(n):
+    """The windowed cache holds exactly its last min(n, n_swa) positions."""
+    blob = make_blob(n, SWA)
+    spans = walk_state(blob, n, SWA)
+    assert [s.cells for s in spans] == [n, min(n, 4)]
+    assert blob.size == SWA.size(n)
 
 
-def test_walks_an_empty_cache():
-    """Zero cells (never imported: check_payload wants n >= 1) is still a
-    consistent blob; every read of zero bytes succeeds."""
-    walk_state(make_blob(0), 0, facts())
-    walk_state(make_blob(0, v_trans=0, v=(F16, 8)), 0, facts(flash_attn=True))
-
-
-def test_an_empty_architecture_name_is_read_as_empty():
-    walk_state(make_blob(2, arch=b""), 2, facts(arch=""))
-    rejects(make_blob(2, arch=b""), 2, "llama_state is for architecture b'', not 'llama'")
-
-
-def test_row_and_header_bounds_are_inclusive():
-    """K/V rows of 1 byte .. 2**24 bytes, V elements of 1..16 bytes, V width
-    1..2**20 are accepted; one past either end is not (tested below)."""
-    for k_row in (1, 1 << 24):
-        walk_state(make_blob(1, n_layer=1, k=(F16, k_row)), 1, facts(n_layer=1))
-    for v in ((F16, 1, 1), (F16, 16, 1), (F16, 1, 1 << 20)):
-        walk_state(make_blob(1, n_layer=1, v=v), 1, facts(n_layer=1))
-    walk_state(make_blob(1, n_layer=1, v_trans=0, v=(F16, 1 << 24)), 1, facts(n_layer=1, flash_attn=True))
+def test_layout_sizes_and_description():
+    assert PLAIN.caches[0].bytes_per_cell() == 12 + 2 * 8 + 2 * 2 * 4
+    assert PLAIN.size(3) == 8 + 8 + 8 + 24 * 2 + 3 * PLAIN.caches[0].bytes_per_cell()
+    assert re.fullmatch(r"2:[0-9a-f]{12}", PLAIN.describe())
+    assert re.fullmatch(r"1\+3w4:[0-9a-f]{12}", SWA.describe())
+    # any header change changes the description (the payload ABI)
+    other = StateLayout((cache(k=(F16, 16)),))
+    assert other.describe() != PLAIN.describe()
+    assert not PLAIN.windowed and SWA.windowed
 
 
 def test_reads_little_endian_fields_at_their_offsets():
-    """A K type and row size whose bytes all differ: read at the right place."""
-    eng = facts(type_k=0x01020304, n_layer=1)
-    walk_state(make_blob(2, n_layer=1, k=(0x01020304, 0x010203)), 2, eng)
-    rejects(
-        make_blob(2, n_layer=1, k=(0x04030201, 0x010203)),
-        2,
-        "llama_state layer 0: bad K header (type 67305985, row 66051)",
-        eng,
-    )
+    b = make_blob(3)
+    assert b[:4].tobytes() == struct.pack("<I", SEQ_MAGIC)
+    assert b[8:16].tobytes() == struct.pack("<II", 1, 3)
 
 
-# -- walk_state: what it rejects, and why -----------------------------------------
-def test_rejects_a_foreign_architecture():
-    rejects(make_blob(3, arch=b"gpt2"), 3, "llama_state is for architecture b'gpt2', not 'llama'")
-    rejects(make_blob(3, arch=b"llam"), 3, "llama_state is for architecture b'llam', not 'llama'")
-    rejects(make_blob(3, arch=b"llamaa"), 3, "llama_state is for architecture b'llamaa', not 'llama'")
+# -- walk_state: what it rejects -------------------------------------------------
+def test_rejects_another_magic_and_another_sequence():
+    rejects(make_blob(3, magic=SEQ_MAGIC ^ 1), 3, f"llama_state is not a sequence state (magic {SEQ_MAGIC ^ 1:#010x})")
+    rejects(make_blob(3, seq=2), 3, "llama_state is of sequence 2, expected 0")
 
 
 def test_rejects_other_stream_counts():
-    rejects(make_blob(3, n_stream=2), 3, "llama_state has 2 KV streams, expected 1")
-    rejects(make_blob(3, n_stream=0), 3, "llama_state has 0 KV streams, expected 1")
+    for ns in (0, 2):
+        blob = make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], n_stream=ns)])
+        rejects(blob, 3, f"llama_state has {ns} KV streams, expected 1")
 
 
 def test_rejects_another_cell_count():
@@ -128,127 +143,191 @@ def test_rejects_another_cell_count():
     rejects(make_blob(3), 4, "llama_state holds 3 cells, expected 4")
 
 
-@pytest.mark.parametrize(
-    "cells",
-    [
-        [(0, 1, 0), (1, 2, 0), (2, 1, 0)],  # a cell in two sequences
-        [(0, 1, 0), (1, 0, 0), (2, 1, 0)],  # a cell in none
-        [(0, 1, 0), (1, 1, 1), (2, 1, 0)],  # a cell of sequence 1
-        [(0, 1, 0), (1, 1, 0), (2, 1, -1)],
-    ],
-)
+@pytest.mark.parametrize("cells", [[(0, 1, 0), (1, 2, 0), (2, 1, 0)], [(0, 1, 0), (1, 1, 1), (2, 1, 0)]])
 def test_rejects_cells_outside_sequence_0(cells):
-    rejects(make_blob(cells=cells), 3, "llama_state has cells outside sequence 0")
+    blob = make_blob(caches=[cache_bytes(None, PLAIN.caches[0], cells=cells)])
+    rejects(blob, 3, "llama_state has cells outside sequence 0")
 
 
-@pytest.mark.parametrize(
-    "positions",
-    [(0, 1, 3), (0, 1, 1), (1, 2, 3), (-1, 0, 1), (0, 2, 2), (2, 1, 1)],
-)
-def test_rejects_positions_other_than_0_to_n(positions):
-    rejects(make_blob(cells=[(p, 1, 0) for p in positions]), 3, "llama_state cell positions are not 0..n-1")
+@pytest.mark.parametrize("positions", [[0, 1, 3], [0, 0, 1], [-1, 0, 1], [1, 2, 3], [2, 0, 1], [0, 2, 1]])
+def test_rejects_positions_other_than_0_to_n_in_order(positions):
+    """In order: a sequence restore puts cells where they come, and only
+    ascending positions give the cold layout."""
+    blob = make_blob(caches=[cache_bytes(positions, PLAIN.caches[0])])
+    rejects(blob, 3, "llama_state cell positions are not 0..2 in order")
+
+
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7], [1, 2, 3, 4], [2, 3, 4, 6], [3, 2, 4, 5]])
+def test_rejects_a_window_other_than_the_last_n_swa_positions(positions):
+    """n = 6, window 4: the windowed cache must hold exactly 2..5."""
+    c0, c1 = SWA.caches
+    blob = make_blob(caches=[cache_bytes(range(6), c0), cache_bytes(positions, c1)])
+    if len(positions) != 4:
+        rejects(blob, 6, f"llama_state holds {len(positions)} cells, expected 4", SWA)
+    else:
+        rejects(blob, 6, "llama_state cell positions are not 2..5 in order", SWA)
+
+
+def test_rejects_a_missing_or_an_extra_cache():
+    c0 = SWA.caches[0]
+    only_full = make_blob(caches=[cache_bytes(range(3), c0)])
+    rejects(
+        only_full, 3, f"llama_state truncated in the cache header (at byte {only_full.size} of {only_full.size})", SWA
+    )
+    both = make_blob(3, SWA)
+    rejects(both, 3, f"llama_state has {both.size - only_full.size} trailing bytes", StateLayout((c0,)))
 
 
 def test_rejects_layouts_of_another_attention_mode():
-    rejects(make_blob(3, v_trans=0, v=(F16, 8)), 3, "llama_state has v_trans=0, this engine uses 1")
-    rejects(make_blob(3), 3, "llama_state has v_trans=1, this engine uses 0", facts(flash_attn=True))
-    rejects(make_blob(3, v_trans=2), 3, "llama_state has v_trans=2, this engine uses 1")
+    blob = make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], v_trans=0, v=(F16, 8))])
+    rejects(blob, 3, "llama_state cache 0 has v_trans=0, this engine uses 1")
 
 
 def test_rejects_another_layer_count():
-    rejects(make_blob(3, n_layer=3), 3, "llama_state has 3 layers, the model 2")
-    rejects(make_blob(3, n_layer=1), 3, "llama_state has 1 layers, the model 2")
+    blob = make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], n_layer=3)])
+    rejects(blob, 3, "llama_state cache 0 has 3 layers, the model 2")
 
 
-@pytest.mark.parametrize(("k_type", "k_row"), [(0, 8), (2, 8), (F16, 0), (F16, (1 << 24) + 1), (F16, 1 << 40)])
-def test_rejects_bad_k_headers(k_type, k_row):
-    blob = make_blob(1, n_layer=1, k=(k_type, 8)).copy()
-    blob[37 + 4 : 37 + 12].view("<u8")[0] = k_row  # the header only: the check comes first
-    rejects(blob, 1, f"llama_state layer 0: bad K header (type {k_type}, row {k_row})", facts(n_layer=1))
+@pytest.mark.parametrize("k", [(0, 8), (F16, 16), (F16, 7)])
+def test_rejects_bad_k_headers(k):
+    blob = make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], k=k)])
+    rejects(blob, 3, f"llama_state cache 0 layer 0: bad K header (type {k[0]}, row {k[1]})")
 
 
-@pytest.mark.parametrize("v", [(0, 2, 4), (2, 2, 4), (F16, 0, 4), (F16, 17, 4), (F16, 2, 0), (F16, 1, (1 << 20) + 1)])
+@pytest.mark.parametrize("v", [(0, 2, 4), (F16, 4, 4), (F16, 2, 8)])
 def test_rejects_bad_transposed_v_headers(v):
-    rejects(make_blob(1, n_layer=1, v=v), 1, "llama_state layer 0: bad V header", facts(n_layer=1))
-
-
-@pytest.mark.parametrize("v", [(0, 8), (2, 8), (F16, 0), (F16, (1 << 24) + 1)])
-def test_rejects_bad_v_row_headers(v):
-    eng = facts(n_layer=1, flash_attn=True)
-    rejects(
-        make_blob(1, n_layer=1, v_trans=0, v=v),
-        1,
-        f"llama_state layer 0: bad V header (type {v[0]}, row {v[1]})",
-        eng,
-    )
+    blob = make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], v=v)])
+    rejects(blob, 3, f"llama_state cache 0 layer 0: bad V header {v}")
 
 
 def test_checks_every_layer_not_only_the_first():
-    blob = make_blob(2).copy()
-    k1 = 4 + 5 + 8 + 24 + 8 + (12 + 16)  # layer 1's K header
-    blob[k1 : k1 + 4].view("<i4")[0] = 0
-    rejects(blob, 2, "llama_state layer 1: bad K header (type 0, row 8)")
-    blob = make_blob(2).copy()
-    v1 = 4 + 5 + 8 + 24 + 8 + 2 * (12 + 16) + (12 + 16)  # layer 1's V header
-    blob[v1 : v1 + 4].view("<i4")[0] = 0
-    rejects(blob, 2, "llama_state layer 1: bad V header")
+    c = PLAIN.caches[0]
+    good = cache_bytes(range(3), c)
+    raw = bytearray(good)
+    # layer 1's K header sits after the cells, the layer header and layer 0's K
+    at = 8 + 12 * 3 + 8 + 12 + 8 * 3
+    raw[at : at + 12] = struct.pack("<iQ", F16, 9)
+    rejects(make_blob(caches=[bytes(raw)]), 3, "llama_state cache 0 layer 1: bad K header (type 1, row 9)")
 
 
 def test_rejects_trailing_bytes():
     rejects(make_blob(3, trailing=b"\0"), 3, "llama_state has 1 trailing bytes")
-    rejects(make_blob(3, trailing=b"abcde"), 3, "llama_state has 5 trailing bytes")
 
 
-# every section, cut one byte short of its end (and right at its start)
-SECTIONS = [
-    # (what, where it starts, its length) in make_blob(2)
-    ("the architecture name", 0, 4),
-    ("the architecture name", 4, 5),
-    ("the cache header", 9, 8),
-    ("the cell table", 17, 24),
-    ("the layer header", 41, 8),
-    ("a K header", 49, 12),
-    ("K rows", 61, 16),
-    ("a V header", 49 + 2 * 28, 12),
-    ("V rows", 49 + 2 * 28 + 12, 16),
-]
-
-
-@pytest.mark.parametrize(("what", "start", "length"), SECTIONS)
-def test_rejects_truncation_in_every_section(what, start, length):
-    blob = make_blob(2)
-    assert blob.size == 49 + 4 * 28
-    for cut in (start + length - 1, start) if length > 1 else (start,):
-        rejects(blob[:cut], 2, f"llama_state truncated in {what} (at byte {start} of {cut})")
-
-
-def test_rejects_a_huge_architecture_length():
-    """2**32 - 1 would make llama.cpp allocate 4 GiB before failing."""
-    blob = make_blob(2).copy()
-    blob[0:4].view("<u4")[0] = 2**32 - 1
-    rejects(blob, 2, f"llama_state truncated in the architecture name (at byte 4 of {blob.size})")
+def test_rejects_truncation_anywhere():
+    """Every prefix of a good blob is refused, with a truncation message."""
+    for layout, n in ((PLAIN, 3), (SWA, 6)):
+        b = make_blob(n, layout)
+        for cut in range(b.size):
+            with pytest.raises(EngineStateError) as ei:
+                walk_state(b[:cut], n, layout)
+            assert ei.value.reason.startswith("llama_state truncated in "), (cut, ei.value.reason)
 
 
 def test_rejects_a_cell_count_past_the_end():
-    blob = make_blob(2).copy()
-    blob[13:17].view("<u4")[0] = 10**6
-    rejects(blob, 10**6, f"llama_state truncated in the cell table (at byte 17 of {blob.size})")
+    blob = make_blob(3).copy()
+    blob[12:16].view("<u4")[0] = 10**9
+    rejects(blob, 3, "llama_state holds 1000000000 cells, expected 3")
 
 
-def test_rejects_rows_past_the_end():
-    blob = make_blob(2, n_layer=1).copy()
-    blob[49 + 4 : 49 + 12].view("<u8")[0] = 1 << 24
-    rejects(blob, 2, f"llama_state truncated in K rows (at byte 61 of {blob.size})", facts(n_layer=1))
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10**6), st.integers(0, 255), st.sampled_from([(PLAIN, 3), (SWA, 6), (SWA, 2)]))
+def test_any_one_byte_change_is_refused_or_walked_to_the_same_structure(at, value, case):
+    """Fuzz: a byte changed anywhere either fails with EngineStateError or
+    (a data byte) leaves the structure exactly as it was; never another
+    exception, never a different cell count or span."""
+    layout, n = case
+    good = make_blob(n, layout)
+    ref = [(s.start, s.cells, s.end) for s in walk_state(good, n, layout)]
+    b = good.copy()
+    b[at % b.size] = value
+    try:
+        spans = walk_state(b, n, layout)
+    except EngineStateError:
+        return
+    assert [(s.start, s.cells, s.end) for s in spans] == ref
+
+
+# -- learn_layout ------------------------------------------------------------------
+def test_learns_the_layout_of_its_own_states():
+    assert learn_layout(make_blob(3), 3, 0) == PLAIN
+    assert learn_layout(make_blob(3, SWA), 3, 4) == SWA
+    rows = StateLayout((cache(v_trans=False, v=(F16, 8)),))
+    assert learn_layout(make_blob(1, rows), 1, 0) == rows
+
+
+@pytest.mark.parametrize(
+    "blob, n_swa, message",
+    [
+        (make_blob(3, SWA), 0, "llama_state has 2 caches (window 0): not a layout this engine knows"),
+        (
+            make_blob(3, StateLayout((cache(), cache(), cache()))),
+            4,
+            "llama_state has 3 caches (window 4): not a layout this engine knows",
+        ),
+        (
+            make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], v_trans=2)]),
+            0,
+            "llama_state has a bad layer header",
+        ),
+        (
+            make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], n_layer=0)]),
+            0,
+            "llama_state has a bad layer header",
+        ),
+        (make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], k=(F16, 0))]), 0, "llama_state has a bad K header"),
+        (
+            make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], v=(F16, 0, 4))]),
+            0,
+            "llama_state has a bad V header",
+        ),
+        (
+            make_blob(caches=[cache_bytes(range(3), PLAIN.caches[0], v=(F16, 2, 0))]),
+            0,
+            "llama_state has a bad V header",
+        ),
+    ],
+)
+def test_learn_refuses_what_it_does_not_know(blob, n_swa, message):
+    with pytest.raises(EngineStateError) as ei:
+        learn_layout(blob, 3, n_swa)
+    assert ei.value.reason == message
+
+
+# -- full_layout ---------------------------------------------------------------------
+def test_full_layout_is_the_blob_itself_without_a_short_cache():
+    b = make_blob(3, SWA)  # 3 < window 4: every cell present
+    assert full_layout(b, 3, SWA, walk_state(b, 3, SWA)) is b
+    p = make_blob(9)
+    assert full_layout(p, 9, PLAIN, walk_state(p, 9, PLAIN)) is p
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_full_layout_gives_the_window_its_earlier_cells_as_zeros(rows):
+    """n = 7, window 4: the windowed cache gets cells 0..6, 0..2 zero, 3..6
+    its own bytes, in the layout llama.cpp writes for 7 cells."""
+    v = (F16, 8) if rows else V_T
+    lay = StateLayout((cache(1, v_trans=not rows, v=v), cache(2, n_swa=4, v_trans=not rows, v=v)))
+    n = 7
+    b = make_blob(n, lay)
+    out = full_layout(b, n, lay, walk_state(b, n, lay))
+    c0, c1 = lay.caches
+    exp = make_blob(
+        n, lay, caches=[cache_bytes(range(n), c0), cache_bytes(range(n), c1, fill=lambda p: 0 if p < 3 else p)]
+    )
+    assert np.array_equal(out, exp)
+    # and it walks as a whole-window state
+    full = StateLayout((c0, CacheLayout(0, c1.v_trans, c1.k, c1.v)))
+    assert [s.cells for s in walk_state(out, n, full)] == [n, n]
 
 
 def test_reader_refuses_negative_lengths():
-    r = _Reader(np.zeros(8, np.uint8))
-    r.take(3, "x")
-    with pytest.raises(EngineStateError, match=re.escape("llama_state truncated in y (at byte 3 of 8)")):
-        r.take(-1, "y")
-    assert r.off == 3
-    assert r.take(5, "z").size == 5 and r.off == 8
-    assert r.take(0, "end").size == 0
+    r = _Reader(np.zeros(4, np.uint8))
+    with pytest.raises(EngineStateError):
+        r.take(-1, "x")
+    assert r.take(4, "y").size == 4
+    with pytest.raises(EngineStateError):
+        r.take(1, "z")
 
 
 # -- check_payload ----------------------------------------------------------------

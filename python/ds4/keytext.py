@@ -207,10 +207,16 @@ class Prompt(str):
 def tokenize_prompt(engine: _Tokenizer, prompt: str) -> list[int]:
     """Tokens of ``prompt``: a :class:`Prompt` span by span (markers special,
     text as text); a plain ``str`` with special markers parsed (a trusted
-    caller's own rendering, as before)."""
+    caller's own rendering, as before). An engine whose model adds a BOS
+    token (``add_bos``, e.g. Gemma; not SmolLM2) gets it first, once: a
+    rendering that starts with it (a template's ``<bos>``) is left alone."""
     if isinstance(prompt, Prompt):
         out: list[int] = []
         for text, special in prompt.segments:
             out += engine.tokenize(text, special=special)
-        return out
-    return engine.tokenize(prompt, special=True)
+    else:
+        out = engine.tokenize(prompt, special=True)
+    bos = getattr(engine, "bos_token_id", None) if getattr(engine, "add_bos", False) else None
+    if bos is not None and bos >= 0 and out[:1] != [bos]:
+        out.insert(0, int(bos))
+    return out

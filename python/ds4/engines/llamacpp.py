@@ -16,26 +16,44 @@ Determinism
     ``n_batch``), so a resume from a checkpoint taken at an aligned position
     replays exactly the batches of a cold prefill.
 
-    On the CPU, ggml computes a batch of one token along a different code
-    path than a batch of two or more, and the results differ in the last
-    bits; every batch of two or more tokens gives bit-identical per-token
-    results whatever its size or split, and the thread count does not
-    matter either (measured with this build, on an AVX-512 CPU; other CPUs
-    pick other kernels, so bit-identity is only claimed within a machine --
-    the payload ABI does not name the CPU). So with ``exact=True`` (the default) a single token is
-    evaluated as a batch of two -- the token and a throw-away copy at the
-    next position, removed right after -- and then the K/V cache and the
-    logits are a pure function of the tokens: ``eval(a + b)`` and
-    ``eval(a); eval(b)`` are bit-identical for any split, a resume from any
-    checkpoint (aligned or not, with generated tokens or not) equals a cold
-    prefill bit for bit, and :meth:`LlamaCppContext.truncate` is exact. The
-    price is a slower single-token step (about 2x for this model).
-    ``exact=False`` uses the fast 1-token path; then a state that went
-    through a 1-token batch may differ from a cold prefill in the last bits
-    (enough to change a greedy continuation now and then).
+    On the CPU, ggml computes a token's activations along paths that
+    depend on the size of the batch it is in, and the results differ in the
+    last bits (enough to change a greedy continuation): a batch of one token
+    takes the matrix-vector path on every model; repacked weight types
+    (Q4_K: Gemma 3's file) go through their kernel four rows at a time; on
+    Gemma 3 270M batches of two to seven tokens differ from longer ones.
+    Batch sizes the kernels treat alike exist: at start-up the engine
+    measures which (:mod:`~ds4.engines.llamacpp_probe`: at least 2 tokens
+    for SmolLM2, at least 8 and a multiple of 4 for Gemma 3), and with
+    ``exact=True`` (the default) every batch is padded up to such a size with
+    throw-away copies of its last token at the next positions, removed right
+    after. Then the K/V cache and the logits are a pure function of the
+    tokens: ``eval(a + b)`` and ``eval(a); eval(b)`` are bit-identical for
+    any split, a resume from any checkpoint (aligned or not, with generated
+    tokens or not) equals a cold prefill bit for bit, and
+    :meth:`LlamaCppContext.truncate` is exact. The thread count does not
+    matter (measured with this build, on an AVX-512 CPU; other CPUs pick
+    other kernels, so bit-identity is only claimed within a machine -- the
+    payload ABI does not name the CPU). The price is a slower single-token
+    step (about 1.5x for SmolLM2's pad of one, 2.4x for Gemma's pad of
+    seven). ``exact=False`` uses the fast 1-token path; then a state that
+    went through a short batch may differ from a cold prefill in the last
+    bits.
+
+Sliding-window models (Gemma 3)
+    Contexts are made with ``swa_full``: the SWA layers' cache keeps every
+    position (masked, not overwritten), so a rewind of a live context
+    (:meth:`LlamaCppContext.truncate`) finds every cell a cold prefill to
+    that position holds, and stays exact. A checkpoint stores only the
+    window's cells of those layers (what a later token can see), and an
+    import restores them through a sequence restore into the cold layout
+    (:mod:`~ds4.engines.llamacpp_state`, "Exactness on import").
+    Recurrent and hybrid models cannot drop a tail of positions:
+    ``truncate`` refuses (the session's ladder then rebuilds).
 
 State payload
-    ``llama_state`` (the bytes of ``llama_state_get_data``) and ``logits``;
+    ``llama_state`` (the bytes of ``llama_state_seq_get_data`` for sequence
+    0) and ``logits``;
     see :mod:`ds4.engines.llamacpp_state`, which also checks them.
 
 Logging
@@ -65,16 +83,25 @@ from .llamacpp_lib import (
     model_fingerprint,
     render_chatml,
 )
-from .llamacpp_state import check_payload, walk_state
+from .llamacpp_probe import Probe, probe_engine
+from .llamacpp_state import StateLayout, check_payload, full_layout, walk_state
 
 __all__ = ["GGUF_NAME", "LlamaCppContext", "LlamaCppEngine", "default_model_path"]
 
 #: bump when the meaning of the exported arrays changes
-PAYLOAD_LAYOUT = 1
+PAYLOAD_LAYOUT = 2  # 2: llama_state is a sequence-0 state (llama_state_seq_get_data)
 DEFAULT_N_BATCH = 512
 
 _GGML_TYPE_F16 = 1
+#: the largest batch floor and multiple a probe may choose (llamacpp_probe)
+_MAX_FLOOR = 8
+_MAX_MULT = 4
 _LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
+
+
+def _padded(n: int, m: int) -> int:
+    """``n`` rounded up to a multiple of ``m``."""
+    return -(-n // m) * m
 
 
 # -- engine ------------------------------------------------------------------
@@ -137,6 +164,11 @@ class LlamaCppEngine:
         self.max_ctx = int(lc.llama_model_n_ctx_train(model))
         self.n_layer = int(lc.llama_model_n_layer(model))
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
+        self.bos_token_id = int(lc.llama_vocab_bos(self._vocab))
+        #: the sliding window of the model's SWA layers (0: none)
+        self.n_swa = max(0, int(lc.llama_model_n_swa(model)))
+        #: recurrent/hybrid memory cannot drop a tail of positions: no rewind
+        self.can_rewind = not (bool(lc.llama_model_is_recurrent(model)) or bool(lc.llama_model_is_hybrid(model)))
         self.arch = self.meta("general.architecture") or ""
         self.chat_template = self.meta("tokenizer.chat_template")
         self.type_k = self.type_v = _GGML_TYPE_F16
@@ -145,9 +177,14 @@ class LlamaCppEngine:
         self._eog: frozenset[int] | None = None
         self._special: frozenset[int] | None = None
         self._abi: str | None = None
-        self.state_layout_known = False
+        #: what a valid state looks like (None: not understood; see llamacpp_state)
+        self.state_layout: StateLayout | None = None
         self.state_bytes_per_token = 0
-        self._probe_state_layout()
+        #: every llama_decode gets at least ``batch_floor`` tokens, a multiple
+        #: of ``batch_multiple`` (exact mode; see "Determinism")
+        self.batch_floor, self.batch_multiple = 2, 1
+        self.exact_verified = False
+        self._apply_probe(probe_engine(self))
 
     # -- model facts -------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -186,9 +223,12 @@ class LlamaCppEngine:
     def payload_abi(self) -> str:
         if self._abi is None:
             digest = model_fingerprint(self.model_path)[:16]
+            lay = self.state_layout.describe() if self.state_layout is not None else "unknown"
+            swa = f" swa={self.n_swa}/full" if self.n_swa else ""
             self._abi = (
                 f"llamacpp/{self._lc.__version__} model=sha256:{digest} layout={PAYLOAD_LAYOUT} "
-                f"arch={self.arch} kv=f16/f16 fa={'on' if self.flash_attn else 'off'}"
+                f"arch={self.arch} layers={self.n_layer} caches={lay}{swa} kv=f16/f16 "
+                f"fa={'on' if self.flash_attn else 'off'} batch={self.batch_floor}x{self.batch_multiple}"
             )
         return self._abi
 
@@ -198,8 +238,9 @@ class LlamaCppEngine:
         return render_chatml(messages, add_generation_prompt)
 
     def tokenize(self, text: str, special: bool = False) -> list[int]:
-        """Tokens of ``text``, never with an added BOS (SmolLM2's
-        ``add_bos_token`` is false)."""
+        """Tokens of ``text``, never with an added BOS: this is the span
+        tokenizer; :func:`ds4.keytext.tokenize_prompt` puts the BOS first,
+        once, for a model that wants one (``add_bos``: Gemma yes, SmolLM2 no)."""
         data = text.encode("utf-8")
         n_max = len(data) + 8
         lc = self._lc
@@ -302,29 +343,18 @@ class LlamaCppEngine:
         except Exception:
             pass
 
-    # -- state layout probe ------------------------------------------------
-    def _probe_state_layout(self) -> None:
-        """Check, on a tiny context, that :func:`~ds4.engines.llamacpp_state.walk_state` understands
-        this llama.cpp's state layout for this model; otherwise import_state
-        falls back to llama.cpp's own checks only."""
-        try:
-            ctx = LlamaCppContext(self, 256)
-        except EngineError:  # pragma: no cover
-            return
-        try:
-            sizes = []
-            for n in (1, 3):
-                ctx.reset()
-                ctx.eval(list(range(n)))
-                blob = ctx.export_state()["llama_state"]
-                walk_state(blob, n, self)  # raises when not understood
-                sizes.append(blob.size)
-            self.state_bytes_per_token = (sizes[1] - sizes[0]) // 2
-            self.state_layout_known = True
-        except (EngineError, EngineStateError):
-            self.state_layout_known = False
-        finally:
-            ctx.close()
+    # -- start-up probe ---------------------------------------------------
+    def _apply_probe(self, p: Probe) -> None:
+        """Take what :func:`~ds4.engines.llamacpp_probe.probe_engine` found."""
+        self.state_layout = p.layout
+        self.state_bytes_per_token = p.bytes_per_token
+        if self.exact:
+            self.batch_floor, self.batch_multiple = p.batch_floor, p.batch_multiple
+            self.exact_verified = p.exact_verified
+
+    @property
+    def state_layout_known(self) -> bool:
+        return self.state_layout is not None
 
 
 # -- context -----------------------------------------------------------------
@@ -353,6 +383,10 @@ class LlamaCppContext:
         nb = engine.n_batch
         self._nb = nb
         self._exact = engine.exact
+        # exact mode: every decode is padded to a batch size the engine's
+        # kernels treat alike (see "Determinism")
+        self._floor = engine.batch_floor if self._exact else 1
+        self._mult = engine.batch_multiple if self._exact else 1
         self._tokens: list[int] = []
         # tokens [0, _known_from) came from import_state: their ids are unknown
         self._known_from = 0
@@ -360,16 +394,18 @@ class LlamaCppContext:
         if reuse is not None:
             self._ctx, self._mem, self._batch = reuse.ctx, reuse.mem, reuse.batch
             return
+        cap = _padded(max(nb, _MAX_FLOOR), _MAX_MULT)
         cparams = lc.llama_context_default_params()
-        cparams.n_ctx = self.n_ctx + 1  # room for the pad token of an exact 1-token step
-        cparams.n_batch = max(nb, 2)
-        cparams.n_ubatch = max(nb, 2)
+        cparams.n_ctx = self.n_ctx + cap  # room for the pad tokens of an exact short batch
+        cparams.n_batch = cap
+        cparams.n_ubatch = cap
         cparams.n_seq_max = 1
         cparams.n_threads = engine.n_threads
         cparams.n_threads_batch = engine.n_threads
         cparams.flash_attn_type = _LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.type_k = engine.type_k
         cparams.type_v = engine.type_v
+        cparams.swa_full = True  # SWA layers keep every position: rewind stays exact
         cparams.embeddings = False
         cparams.offload_kqv = False
         cparams.no_perf = True
@@ -378,11 +414,11 @@ class LlamaCppContext:
             raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self._ctx = ctx
         engine._contexts_alive += 1
-        if lc.llama_n_ctx(ctx) < self.n_ctx + 1:  # pragma: no cover - llama only rounds up
+        if lc.llama_n_ctx(ctx) < self.n_ctx + cap:  # pragma: no cover - llama only rounds up
             self.close()
             raise EngineError("llama.cpp gave a smaller context than requested")
         self._mem = lc.llama_get_memory(ctx)
-        self._batch = Batch(lc, max(nb, 2))
+        self._batch = Batch(lc, cap)
 
     # -- bookkeeping -------------------------------------------------------
     @property
@@ -436,21 +472,21 @@ class LlamaCppContext:
     def _decode(self, toks: np.ndarray, pos0: int) -> None:
         """One llama_decode of 1..n_batch tokens, logits for the last one.
 
-        In exact mode a single token goes through the batched kernels: it is
-        decoded together with a copy of itself at ``pos0 + 1`` (causal
-        attention: the copy cannot influence it), whose cell is removed
-        right after."""
+        In exact mode a batch shorter than the engine's floor, or not a
+        multiple of its multiple, is padded with copies of its last token at
+        the next positions (causal attention: they cannot influence the real
+        tokens), whose cells are removed right after."""
         n = int(toks.size)
-        pad = n == 1 and self._exact
+        m = max(self._floor, _padded(n, self._mult))
         batch = self._batch
         if batch is None:
             raise EngineError("the context is closed")
-        rc = self._lc.llama_decode(self._ctx, batch.load(toks, pos0, pad))
+        rc = self._lc.llama_decode(self._ctx, batch.load(toks, pos0, m))
         batch.logits[n - 1] = 0
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} at position {pos0}")
-        if pad and not self._lc.llama_memory_seq_rm(self._mem, 0, pos0 + 1, -1):
-            raise EngineError("llama.cpp could not drop the pad token")  # pragma: no cover
+        if m > n and not self._lc.llama_memory_seq_rm(self._mem, 0, pos0 + n, -1):
+            raise EngineError("llama.cpp could not drop the pad tokens")  # pragma: no cover
 
     def _read_logits(self) -> np.ndarray:
         p = self._lc.llama_get_logits_ith(self._ctx, -1)
@@ -508,7 +544,7 @@ class LlamaCppContext:
         if n == 0:
             self.reset()
             return True
-        if n - 1 < self._known_from:
+        if n - 1 < self._known_from or not self._engine.can_rewind:
             return False
         if not self._lc.llama_memory_seq_rm(self._mem, 0, n - 1, -1):
             return False
@@ -529,13 +565,14 @@ class LlamaCppContext:
         if self.n_past == 0 or self._logits is None:
             raise EngineError("nothing to export: the context is empty")
         lc = self._lc
-        size = int(lc.llama_state_get_size(self._ctx))
+        size = int(lc.llama_state_seq_get_size(self._ctx, 0))
         if size <= 0:
-            raise EngineError("llama_state_get_size failed")
+            raise EngineError("llama_state_seq_get_size failed")
         buf = np.empty(size, dtype=np.uint8)
-        n = int(lc.llama_state_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size))
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        n = int(lc.llama_state_seq_get_data(self._ctx, ptr, size, 0))
         if n <= 0 or n > size:
-            raise EngineError(f"llama_state_get_data wrote {n} of {size} bytes")
+            raise EngineError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
         if n < size:  # pragma: no cover - get_size is exact
             buf = buf[:n].copy()
         return {"llama_state": buf, "logits": self._logits.copy()}
@@ -545,12 +582,16 @@ class LlamaCppContext:
         eng = self._engine
         # -- validate everything before touching the context ---------------
         blob, new_logits, n_tokens = check_payload(arrays, n_tokens, self.n_ctx, eng.vocab_size)
-        if eng.state_layout_known:
-            walk_state(blob, n_tokens, eng)
-        # -- hand it to llama.cpp -----------------------------------------
+        layout = eng.state_layout
+        if layout is not None:
+            blob = full_layout(blob, n_tokens, layout, walk_state(blob, n_tokens, layout))
+        # -- hand it to llama.cpp: a sequence restore, into an empty cache,
+        # puts position i in cell i and the head after the last cell, as a
+        # cold prefill leaves them (llamacpp_state, "Exactness on import")
         lc = self._lc
+        lc.llama_memory_clear(self._mem, True)
         ptr = ctypes.cast(ctypes.c_void_p(blob.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
-        n_read = int(lc.llama_state_set_data(self._ctx, ptr, blob.size))
+        n_read = int(lc.llama_state_seq_set_data(self._ctx, ptr, blob.size, 0))
         pos_min = int(lc.llama_memory_seq_pos_min(self._mem, 0))
         pos_max = int(lc.llama_memory_seq_pos_max(self._mem, 0))
         if n_read != blob.size or pos_min != 0 or pos_max != n_tokens - 1:

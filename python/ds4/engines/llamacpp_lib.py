@@ -188,18 +188,17 @@ class Batch:
             b.seq_id[i][0] = 0
         self.logits[:] = 0
 
-    def load(self, toks: np.ndarray, pos0: int, pad: bool) -> Any:
+    def load(self, toks: np.ndarray, pos0: int, m: int) -> Any:
         """Fill in ``toks`` at positions ``pos0..``, logits requested for the
-        last one; with ``pad`` (one token) a copy of it follows at ``pos0 + 1``.
-        Returns the raw batch for ``llama_decode``; clear ``logits[n - 1]``
-        after it."""
+        last one, then copies of the last token up to ``m`` tokens in all (the
+        pad of an exact short batch). Returns the raw batch for
+        ``llama_decode``; clear ``logits[n - 1]`` after it."""
         n = int(toks.size)
-        m = 2 if pad else n
+        m = max(m, n)
         self.token[:n] = toks
+        self.token[n:m] = toks[n - 1]
         self.pos[:m] = np.arange(pos0, pos0 + m, dtype=np.int32)
         self.logits[:m] = 0
         self.logits[n - 1] = 1
-        if pad:
-            self.token[1] = self.token[0]
         self.raw.n_tokens = m
         return self.raw
