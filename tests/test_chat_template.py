@@ -370,7 +370,7 @@ def test_model_id_is_the_gguf_stem(smol, gemma):
 
 @pytest.mark.parametrize(
     "argv",
-    [["serve"], ["run", "-p", "x"], ["chat"]],
+    [["serve"], ["run", "-p", "x"], ["chat"], ["bench"]],
     ids=lambda a: a[0],
 )
 def test_every_engine_command_takes_model(argv):
@@ -390,3 +390,22 @@ def test_run_on_gemma_end_to_end(gemma):
     out = json.loads(r.stdout)
     want = tokenize_prompt(gemma, render_gemma([U("hi")]))
     assert out["usage"]["prompt_tokens"] == len(want) == 10 and 0 < out["usage"]["completion_tokens"] <= 4
+
+
+@pytest.mark.parametrize("n", [64, 1000])
+def test_bench_prompt_has_the_tokens_asked_on_a_gguf(smol, n):
+    """The bench's chat grows to the tokens asked for with a GGUF's tokens
+    too (its body was sized in bytes: ~10 SmolLM2 tokens a sentence)."""
+    from ds4.cli.bench import _prompt, token_range
+
+    msgs, prompt, toks = _prompt(smol, n)
+    assert len(toks) == n and toks == tokenize_prompt(smol, prompt) and prompt == smol.render_chat(msgs)
+    assert token_range(smol) == (len(tokenize_prompt(smol, smol.render_chat([*msgs[:1], U("?")]))), 4096)
+
+
+def test_bench_on_gemma(tmp_path):
+    r = ds4("bench", "--model", gemma_path(), "--tokens", 64, "--sha-mb", 1, "--kv-disk-dir", tmp_path, "--json")
+    assert r.returncode == 0, r.stderr
+    names = [row["name"] for row in json.loads(r.stdout)]
+    assert "TTFT cold (64 tokens, full prefill)" in names, names
+    assert any(n.startswith("TTFT resumed from disk") and n.endswith("rung=disk)") for n in names), names
