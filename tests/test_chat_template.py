@@ -409,3 +409,17 @@ def test_bench_on_gemma(tmp_path):
     names = [row["name"] for row in json.loads(r.stdout)]
     assert "TTFT cold (64 tokens, full prefill)" in names, names
     assert any(n.startswith("TTFT resumed from disk") and n.endswith("rung=disk)") for n in names), names
+
+
+def test_demo_refuses_model_with_the_reference_engine():
+    r = ds4("demo", "--engine", "reference", "--model", gemma_path())
+    assert r.returncode == 2 and "--model is for the llamacpp engine" in r.stderr
+
+
+def test_demo_on_gemma(tmp_path):
+    """``ds4 demo --model PATH``: every phase (a process each) runs on the
+    GGUF given, in its built-in chat format, and the demo's checks pass."""
+    r = ds4("demo", "--model", gemma_path(), "--tokens", 300, "--align", 128, "--dir", tmp_path / "demo", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "arch=gemma3" in r.stdout and "rung=disk" in r.stdout
+    assert r.stdout.rstrip().endswith("ds4 demo: OK")

@@ -8,7 +8,7 @@
     ds4 kv     ls|show|verify|gc|rm|stats DIR [...] [--json]                inspect a checkpoint directory
     ds4 kv     ls|stats|verify|gc|rm --remote URL, push|pull DIR --remote URL   the shared tier
     ds4 bench  [--tokens N] [--model PATH] [--json]                         headline figures on this machine
-    ds4 demo   [--engine ...]                                               the end-to-end demo
+    ds4 demo   [--engine ...] [--model PATH]                                the end-to-end demo
 
 Each command is a module of this package (run, chat, kv, bench); they stand
 on :mod:`ds4.turn`, :mod:`ds4.config`, :mod:`ds4.recovery` and
