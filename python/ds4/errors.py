@@ -31,6 +31,8 @@ __all__ = [
     "BadNameError",
     "BadPaddingError",
     "BadV1PayloadError",
+    "ChatTemplateError",
+    "ChatTemplateSegmentsError",
     "CheckpointChangedError",
     "CheckpointError",
     "CheckpointMismatchError",
@@ -50,6 +52,7 @@ __all__ = [
     "MacMismatchError",
     "MacMissingError",
     "NameMismatchError",
+    "NoChatTemplateError",
     "NotPrefixError",
     "NotRegularFileError",
     "PayloadChecksumError",
@@ -390,6 +393,27 @@ class ConstraintError(PromptError):
     the session is touched (a server answers 400)."""
 
     code = "invalid_constraint"
+
+
+class ChatTemplateError(PromptError):
+    """The chat cannot be rendered with the model's chat template: the
+    template refused the conversation (its ``raise_exception``: roles that
+    do not alternate, say), failed, or was handed a message that is not a
+    role and a content string. Raised before the session is touched (a
+    server answers 400)."""
+
+
+class ChatTemplateSegmentsError(ChatTemplateError):
+    """The template's output cannot be split faithfully into its own text
+    (where markers may be) and the messages' contents (client text, never a
+    marker): it cuts into or transforms a content beyond stripping its
+    whitespace (:mod:`ds4.engines.chat_template`). ds4 refuses rather than
+    guess which text is whose."""
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """The model has no chat template in its GGUF and ds4 has no built-in
+    format for its architecture: run the prompt as raw text (``--raw``)."""
 
 
 class EngineError(Ds4Error, RuntimeError):

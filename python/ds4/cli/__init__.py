@@ -7,8 +7,8 @@
     ds4 chat   [--system TEXT] [--kv-disk-dir DIR] ...                      interactive REPL
     ds4 kv     ls|show|verify|gc|rm|stats DIR [...] [--json]                inspect a checkpoint directory
     ds4 kv     ls|stats|verify|gc|rm --remote URL, push|pull DIR --remote URL   the shared tier
-    ds4 bench  [--tokens N] [--json]                                        headline figures on this machine
-    ds4 demo   [--engine ...]                                               the end-to-end demo
+    ds4 bench  [--tokens N] [--model PATH] [--json]                         headline figures on this machine
+    ds4 demo   [--engine ...] [--model PATH]                                the end-to-end demo
 
 Each command is a module of this package (run, chat, kv, bench); they stand
 on :mod:`ds4.turn`, :mod:`ds4.config`, :mod:`ds4.recovery` and
@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..config import DEFAULT_BUDGET_MB, add_engine_args, add_kv_args
+from ..config import DEFAULT_BUDGET_MB, ENGINE_KINDS, add_engine_args, add_kv_args
 from .kvremote import add_remote_args
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
@@ -158,7 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     _kv_parser(sub)
 
-    bp = sub.add_parser("bench", help="headline figures on this machine (reference engine)")
+    bp = sub.add_parser("bench", help="headline figures on this machine (reference engine, or --model PATH)")
+    bp.add_argument(
+        "--engine",
+        choices=ENGINE_KINDS,
+        default=None,
+        help="the session figures' engine (default: reference, or llamacpp with --model)",
+    )
+    bp.add_argument("--model", metavar="PATH", help="GGUF model file: the session figures run on it through llama.cpp")
+    bp.add_argument("--threads", type=int, default=None, metavar="N", help="engine threads (llamacpp)")
     bp.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
     bp.add_argument("--sha-mb", type=int, default=64, help="MiB hashed for the SHA-1 figures (default 64)")
     bp.add_argument("--kv-disk-dir", default=None, help="directory for the checkpoint (default: a temp dir)")

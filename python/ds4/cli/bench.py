@@ -1,6 +1,7 @@
-"""``ds4 bench``: headline figures on this machine (reference engine): time
-to first token cold and resumed, checkpoint save and load, SHA-1 speed and
-the one-pass prefix lookup."""
+"""``ds4 bench``: headline figures on this machine: time to first token
+cold and resumed, checkpoint save and load (on the reference engine, or
+with ``--model PATH`` a GGUF through llama.cpp), SHA-1 speed and the
+one-pass prefix lookup."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import numpy as np
 
 from .. import _core
 from ..checkpoint import open_checkpoint
-from ..engines.reference import ReferenceEngine
+from ..config import build_engine
+from ..engine import Engine
+from ..keytext import tokenize_prompt
 from ..kvstore import KVStore
 from ..recovery import recover
 from ..session import Session
@@ -35,36 +38,51 @@ def _msgs(body: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": "You are a benchmark."}, {"role": "user", "content": body}]
 
 
-def token_range(eng: ReferenceEngine) -> tuple[int, int]:
+def token_range(eng: Engine) -> tuple[int, int]:
     """The ``--tokens`` the bench can build: a prompt with a one-token
     question that the store keeps, up to half the engine's context (the
     session's context is twice the prompt)."""
-    least = len(eng.tokenize(eng.render_chat(_msgs("?")), special=True))
+    least = len(tokenize_prompt(eng, eng.render_chat(_msgs("?"))))
     return max(least, MIN_STORED), eng.max_ctx // 2
 
 
-def _prompt(eng: ReferenceEngine, n_tokens: int) -> tuple[str, list[int]]:
-    """A chat prompt of exactly ``n_tokens`` tokens (within
-    :func:`token_range`), and its tokens."""
-    body = "The quick brown fox jumps over the lazy dog. " * (n_tokens // 40 + 2)
-    msgs = _msgs(body)
-    prompt = eng.render_chat(msgs)
-    toks = eng.tokenize(prompt, special=True)
+def _prompt(eng: Engine, n_tokens: int) -> tuple[list[dict[str, str]], str, list[int]]:
+    """A chat of ``n_tokens`` tokens (exactly so with the reference engine's
+    byte tokens; at most so with a GGUF's), within :func:`token_range`: its
+    messages, prompt and tokens."""
+    reps = n_tokens // 40 + 2  # enough in bytes; a GGUF's tokens take ~10 a sentence
+    while True:
+        body = "The quick brown fox jumps over the lazy dog. " * reps
+        msgs = _msgs(body)
+        prompt = eng.render_chat(msgs)
+        toks = tokenize_prompt(eng, prompt)
+        if len(toks) >= n_tokens:
+            break
+        reps *= 2
     while len(toks) > n_tokens:
         body = body[: len(body) - (len(toks) - n_tokens)]
         msgs[1]["content"] = body
         prompt = eng.render_chat(msgs)
-        toks = eng.tokenize(prompt, special=True)
-    return prompt, toks
+        toks = tokenize_prompt(eng, prompt)
+    return msgs, prompt, toks
 
 
-def _session_rows(args: argparse.Namespace) -> list[Row]:
+def bench_engine(args: argparse.Namespace) -> Engine:
+    """The engine the session rows run on: the reference engine, or with
+    ``--model`` (or ``--engine llamacpp``) llama.cpp."""
+    kind = args.engine or ("llamacpp" if args.model else "reference")
+    return build_engine(kind, args.model, args.threads)
+
+
+def _session_rows(args: argparse.Namespace, eng: Engine) -> list[Row]:
     rows: list[Row] = []
-    eng = ReferenceEngine()
-    ctx = max(8192, args.tokens * 2)
-    prompt, toks = _prompt(eng, args.tokens)
+    ctx = min(eng.max_ctx, max(8192, args.tokens * 2))
+    msgs, prompt, toks = _prompt(eng, args.tokens)
     n = len(toks)
-    follow = prompt + "Sure.<|im_end|>\n<|im_start|>user\nAnd in one word?<|im_end|>\n<|im_start|>assistant\n"
+    # the next turn, in the engine's own chat format
+    follow = eng.render_chat(
+        [*msgs, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "And in one word?"}]
+    )
     with tempfile.TemporaryDirectory(prefix="ds4-bench-") as tmp:
         store = KVStore(args.kv_disk_dir or tmp, budget_mb=4096, min_tokens=16)
         Session(eng, ctx=ctx).sync(toks[:512])  # warm-up: first-call allocations and tables
@@ -93,7 +111,7 @@ def _session_rows(args: argparse.Namespace) -> list[Row]:
         rows.append((label, resumed * 1000, "ms"))
         s4 = Session(eng, ctx=ctx)
         t0 = time.perf_counter()
-        s4.sync(eng.tokenize(follow, special=True))
+        s4.sync(tokenize_prompt(eng, follow))
         s4.argmax()
         cold2 = time.perf_counter() - t0
         rows.append(("TTFT same follow-up, cold", cold2 * 1000, "ms"))
@@ -130,11 +148,12 @@ def _sha_rows(args: argparse.Namespace) -> list[Row]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    lo, hi = token_range(ReferenceEngine())
+    eng = bench_engine(args)
+    lo, hi = token_range(eng)
     if not lo <= args.tokens <= hi:
         print(f"ds4 bench: --tokens must be between {lo} and {hi} (a chat prompt the store keeps)", file=sys.stderr)
         return EXIT_USAGE
-    rows = _session_rows(args) + _sha_rows(args)
+    rows = _session_rows(args, eng) + _sha_rows(args)
     if args.json:
         print(json.dumps([{"name": r[0], "value": r[1], "unit": r[2]} for r in rows], indent=1))
         return EXIT_OK

@@ -73,6 +73,7 @@ import numpy as np
 from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
 from ..keytext import Prompt
+from .chat_template import chat_renderer
 from .llamacpp_lib import (
     GGUF_NAME,
     Batch,
@@ -81,7 +82,6 @@ from .llamacpp_lib import (
     install_log_callback,
     load_llama_cpp,
     model_fingerprint,
-    render_chatml,
 )
 from .llamacpp_probe import Probe, probe_engine
 from .llamacpp_state import StateLayout, check_payload, full_layout, walk_state
@@ -234,8 +234,11 @@ class LlamaCppEngine:
 
     # -- text --------------------------------------------------------------
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
-        """The GGUF's ChatML template (see :func:`~ds4.engines.llamacpp_lib.render_chatml`)."""
-        return render_chatml(messages, add_generation_prompt)
+        """The chat rendered with the GGUF's own ``tokenizer.chat_template``
+        (Jinja2), else the built-in format of its architecture (Gemma), else
+        :class:`~ds4.errors.NoChatTemplateError` (see
+        :mod:`ds4.engines.chat_template`): markers special, contents text."""
+        return chat_renderer(self).render(messages, add_generation_prompt)
 
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         """Tokens of ``text``, never with an added BOS: this is the span
