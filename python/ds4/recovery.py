@@ -47,6 +47,8 @@ class RecoveryReport:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     evict_saved: str | None = None
     cold_saved: str | None = None
+    #: the whole prompt's checkpoint (``recover(prompt_save=...)``)
+    prompt_saved: str | None = None
     events: list[str] = dataclasses.field(default_factory=list)
     #: the shared tier's state when the store was asked (``up``,
     #: ``degraded``, ``cooldown``, ``closed``); ``""``: no tier, or not asked
@@ -123,14 +125,27 @@ def recover(
     frontier_every: int | None = None,
     on_frontier: Callable[[Session], None] | None = None,
     cancel: Callable[[], bool] | None = None,
+    prompt_save: bool | None = None,
 ) -> RecoveryReport:
     """Bring ``sess`` to the state of ``prompt_text`` as cheaply as the
     verified material allows. ``store`` may be None (no disk rung). With
     ``cold_save``, a full prefill also stores ds4's trimmed/aligned cold
     prefix on the way. ``cancel`` makes the prefill stoppable (see
-    :meth:`Session.sync`: :class:`ds4.errors.PrefillCancelledError`)."""
+    :meth:`Session.sync`: :class:`ds4.errors.PrefillCancelledError`).
+
+    ``prompt_save``: after prefilling anything, also store the whole prompt
+    (reason ``continued``), the checkpoint an edited reply or a retried turn
+    resumes from (llama.cpp's context checkpoints). ``None`` (the default)
+    does so on engines whose rewind cannot reach into a loaded state
+    (``engine.rewind_limited``: sliding-window and recurrent models), where
+    no other checkpoint would be there for it."""
+    if prompt_save is None:
+        prompt_save = bool(getattr(sess.engine, "rewind_limited", False))
     ladder = _Ladder(sess, store, prompt_text, evict_save, progress, frontier_every, on_frontier, cancel)
-    return ladder.run(cold_save)
+    rep = ladder.run(cold_save)
+    if prompt_save and store is not None and rep.prompt_tokens > rep.reused_tokens:
+        ladder.save_prompt()
+    return rep
 
 
 class _Ladder:
@@ -232,6 +247,16 @@ class _Ladder:
             on_frontier=self.on_frontier,
             cancel=self.cancel,
         )
+
+    def save_prompt(self) -> None:
+        """Store the live session at the whole prompt (never raises)."""
+        store, sess = self.store, self.sess
+        if store is None or sess.n_past < store.min_tokens:
+            return
+        try:
+            self.rep.prompt_saved = store.store_live_prefix(sess, "continued")
+        except (OSError, InvalidSessionError) as e:
+            self.rep._event("ds4 prompt save failed: %s", e)
 
     def save_evict(self) -> None:
         """Store the live session before it is replaced (never raises)."""

@@ -359,6 +359,14 @@ class LlamaCppEngine:
     def state_layout_known(self) -> bool:
         return self.state_layout is not None
 
+    @property
+    def rewind_limited(self) -> bool:
+        """Whether a loaded state cannot be rewound (a sliding window's
+        earlier cells are not in a checkpoint; recurrent memory has no
+        positions to drop): then the ladder stores each prompt
+        (:func:`ds4.recover`'s ``prompt_save``)."""
+        return not self.can_rewind or (self.state_layout is not None and self.state_layout.windowed)
+
 
 # -- context -----------------------------------------------------------------
 @dataclasses.dataclass

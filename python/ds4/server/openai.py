@@ -504,6 +504,7 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
         ],
         "evict_saved": shown_path(r.evict_saved, debug),
         "cold_saved": shown_path(r.cold_saved, debug),
+        "prompt_saved": shown_path(r.prompt_saved, debug),
         "stop_action": res.stop_action,
         "ttft_ms": round(res.ttft_s * 1000, 3),
         "total_ms": round(res.total_s * 1000, 3),
