@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..constrain import Constraint
 from ..errors import PromptError
 from . import tools as conv_tools
+from .volatile import SystemText
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -85,6 +86,8 @@ class Conversation:
     tools: list[Tool] = dataclasses.field(default_factory=list)
     tool_choice: str = "auto"  # "auto", "none", "required" or a tool's name
     parallel_tool_calls: bool = True
+    #: what is taken out of the system text before rendering (ds4.server.volatile)
+    volatile: SystemText | None = None
 
     @property
     def tools_active(self) -> bool:
@@ -102,8 +105,12 @@ class Conversation:
     def engine_messages(self) -> list[dict[str, str]]:
         """The engine-level chat (role/content only): the tools block opens
         the first system turn (one is added when there is none), assistant
-        calls and tool results in the convention's blocks."""
+        calls and tool results in the convention's blocks; the system
+        text's volatile lines out, or (tail) in a system turn after the
+        last (:class:`ds4.server.volatile.SystemText`)."""
         out = turns(self.messages)
+        if self.volatile is not None:
+            out = self.volatile.render(out)
         if self.tools_active:
             block = conv_tools.tools_block([t.schema() for t in self.tools], self.parallel_tool_calls)
             if out and out[0]["role"] == "system":

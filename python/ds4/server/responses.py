@@ -76,6 +76,7 @@ from .conversation import Conversation, Message, Outcome, Tool, ToolCall
 from .fields import int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 from .tenants import ANONYMOUS
+from .volatile import SystemText
 
 __all__ = ["MemoryRecords", "ResponsesParser", "ResponsesWire", "StoredResponses"]
 
@@ -200,13 +201,20 @@ class ResponsesParser:
     """Validates ``/v1/responses`` bodies (previous responses from ``stored``,
     the requesting tenant's only)."""
 
-    def __init__(self, default_max_tokens: int, ctx: int, stored: StoredResponses, max_prompt_bytes: int | None = None):
+    def __init__(
+        self,
+        default_max_tokens: int,
+        ctx: int,
+        stored: StoredResponses,
+        max_prompt_bytes: int | None = None,
+        volatile: SystemText | None = None,
+    ):
         self.default_max_tokens = default_max_tokens if default_max_tokens > 0 else ctx
         self.stored = stored
         self.max_prompt_bytes = max_prompt_bytes
+        self.volatile = volatile or SystemText()
 
-    @staticmethod
-    def _item(i: int, it: object, out: list[Message]) -> None:
+    def _item(self, i: int, it: object, out: list[Message]) -> None:
         p = f"input[{i}]"
         if not isinstance(it, dict):
             raise _bad(f"'{p}' must be an object", "input", "invalid_type")
@@ -215,7 +223,11 @@ class ResponsesParser:
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise _bad(f"'{p}.role' must be user, assistant, system or developer", "input")
-            out.append(Message("system" if role == "developer" else str(role), _text(it.get("content"), p)))
+            text: str | None = _text(it.get("content"), p)
+            if role in ("system", "developer"):
+                text = self.volatile.header(str(text))  # None: it was the billing line alone
+            if text is not None:
+                out.append(Message("system" if role == "developer" else str(role), text))
         elif kind == "function_call":
             call = ToolCall(_str(it.get("call_id"), f"{p}.call_id"), _str(it.get("name"), f"{p}.name"), "")
             call.arguments = _str(it.get("arguments", "{}"), f"{p}.arguments")
@@ -317,9 +329,11 @@ class ResponsesParser:
         ids = ids + [new_item_id(m) for m in new]
         msgs = list(history)
         if raw.get("instructions") is not None:
-            msgs.insert(0, Message("system", _str(raw["instructions"], "instructions")))
+            instructions = self.volatile.header(_str(raw["instructions"], "instructions"))
+            if instructions is not None:
+                msgs.insert(0, Message("system", instructions))
         tools, choice, parallel = self._tools(raw)
-        conv = Conversation(msgs, tools, choice, parallel)
+        conv = Conversation(msgs, tools, choice, parallel, volatile=self.volatile)
         n = sum(len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in msgs)
         if self.max_prompt_bytes is not None and n > self.max_prompt_bytes:
             raise _bad(f"the input has {n} bytes, more than fit the context", "input", "context_length_exceeded")
