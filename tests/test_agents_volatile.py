@@ -273,6 +273,7 @@ def test_a_bad_pattern_is_a_flag_error(tmp_path):
     srv = ScriptedServer(tmp_path, "bad", "--no-kv-cache", "--prompt-volatile", "([a-z")
     with pytest.raises(AssertionError, match="--prompt-volatile") as ei:
         srv.start()
+    srv.log.close()  # start() leaves it open when the process exits
     assert "exited with 2" in str(ei.value) and "is not a valid regular expression" in str(ei.value)
 
 
