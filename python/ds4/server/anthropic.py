@@ -17,6 +17,14 @@ Mapping
     auto/required/named/none, ``disable_parallel_tool_use`` to
     ``parallel_tool_calls: false``. Images and documents get a 400.
 
+Tool results (ds4's 400/409 split)
+    A ``tool_result`` whose ``tool_use_id`` no earlier ``tool_use`` of the
+    request has and this server never issued is a 400 (``count_tokens``
+    too). One whose call this server issued but the history leaves out can
+    only be served from the live tool state (ds4's live-only
+    continuation): when that state no longer holds the turn, a 409 "retry
+    by replaying the full messages history".
+
 Usage
     ``cache_read_input_tokens`` are the tokens reused (live state or disk);
     ``cache_creation_input_tokens`` the tokens prefilled, which the live
@@ -31,7 +39,7 @@ import uuid
 
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
-from .conversation import Conversation, Message, Outcome, Tool, ToolCall
+from .conversation import Conversation, Message, Outcome, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 from .volatile import SystemText
@@ -230,7 +238,15 @@ class MessagesParser:
             raise _bad("the request body must be a JSON object")
         _str(raw.get("model"), "model")  # any name; answered with the served one
         tools, choice, parallel = self._tools(raw)
-        conv = Conversation(self._messages(raw), tools, choice, parallel, volatile=self.volatile)
+        msgs = self._messages(raw)
+        missing = results_without_calls(msgs)
+        for cid in missing:
+            if not issued_call_id(cid):
+                raise _bad(
+                    f"messages: a tool_result answers tool_use_id {cid!r}, which no earlier tool_use block "
+                    "has and this server never issued; send the tool_use with its result"
+                )
+        conv = Conversation(msgs, tools, choice, parallel, volatile=self.volatile, live_only=bool(missing))
         n = sum(len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in conv.messages)
         if self.max_prompt_bytes is not None and n > self.max_prompt_bytes:
             raise _bad(f"prompt is too long: {n} bytes cannot fit the context")

@@ -186,7 +186,7 @@ class _Routes:
         except ApiError as e:
             return self.wire_err(self.responses_wire, e)
         assert turn.conv is not None
-        turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses", live_only=turn.live_only)
+        turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses")
         turn.agent.on_outcome = lambda oc, res: self.stored.remember(turn, oc, res)  # in the worker thread
         return await self.run(request, turn, self.responses_wire)
 
