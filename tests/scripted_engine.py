@@ -9,7 +9,8 @@ exactly what a cold prefill answers, and a wrong resume shows. The token
 history travels with the state (an extra ``script.tokens`` array), so a
 checkpoint loaded from disk goes on with the same script.
 
-The script, for a prompt whose system turn describes tools:
+The script, for a prompt whose system turn describes tools (the last turn
+is the last one that is not a system turn):
     * after a tool turn: ``Result: <the last result's first 24 characters>.``
     * after a user turn: a call of the first tool, ``{"n": <a number taken
       from the prompt>}``; the user text steers it: ``MALFORMED`` (a broken
@@ -39,7 +40,9 @@ def _first_tool(prompt: str) -> str:
 def script(prompt: str) -> str:
     if "<tools>" not in prompt:
         return "Hello from the script."
-    last = prompt.rsplit("<|im_start|>", 1)[-1]
+    # the last turn that is not a system turn (ds4 serve's --prompt-volatile-mode tail puts one last)
+    turns = prompt.split("<|im_start|>")
+    last = next((t for t in reversed(turns) if not t.startswith("system\n")), turns[-1])
     if last.startswith("tool\n"):
         res = last.rsplit("<tool_response>\n", 1)[-1].split("\n</tool_response>", 1)[0]
         return f"Result: {res[:24]}."

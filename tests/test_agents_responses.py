@@ -2,8 +2,8 @@
 against servers over the scripted reference engine: ten-turn tool loops
 with ``previous_response_id`` and with full replay (replies equal a cold
 server's, prompts served from the cache from the second turn on), stored
-responses surviving a restart, the 409 when live tool state is required and
-gone, OpenAI's error for an unknown ``previous_response_id``."""
+responses surviving a restart, the 400 for outputs nobody's calls made,
+OpenAI's error for an unknown ``previous_response_id``."""
 
 from __future__ import annotations
 
@@ -92,10 +92,10 @@ def test_unknown_previous_response_and_live_only_outputs(warm):
     with pytest.raises(openai.BadRequestError) as ei:
         ask(warm, "hi", previous_response_id="resp_doesnotexist")
     assert ei.value.code == "previous_response_not_found"
-    # tool outputs alone, for calls nobody made here: ds4's 409
+    # tool outputs alone, for calls nobody made here: ds4's 400 (tests/test_agents_call_ids.py: the 409)
     out = [{"type": "function_call_output", "call_id": "call_unknown", "output": "1"}]
     resp = httpx.post(warm.base + "/v1/responses", json={"model": "m", "input": out}, timeout=60)
-    assert resp.status_code == 409 and "replaying the full input history" in resp.json()["error"]["message"]
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "unknown_call_id"
     # tool outputs alone for the calls generated at the live end: continued live
     r = ask(warm, "Look up 8.", store=False)
     (call,) = [o for o in r.output if o.type == "function_call"]

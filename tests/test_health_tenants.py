@@ -21,6 +21,7 @@ from test_server import KV_FLAGS, Server, _conv
 
 from ds4.engines.reference import ReferenceContext
 from ds4.server.app import create_app
+from ds4.server.conversation import new_call_id
 from ds4.server.guard import Guard, add_guard_args, guard_from_args
 from ds4.server.tenants import tenant_of
 from ds4.server.worker import TENANT_COUNTERS, Service
@@ -218,7 +219,9 @@ def test_a_tenants_own_refusals_and_failures_are_counted_for_it_alone(eng, monke
 
         b0 = get(KB).content
         alice = {"Authorization": f"Bearer {KA}"}
-        gone = {"model": "any", "input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}
+        # an output for a call this server issued, its live state gone: 409 (refused by the worker)
+        out = [{"type": "function_call_output", "call_id": new_call_id("call_"), "output": "1"}]
+        gone = {"model": "any", "input": out}
         assert c.post("/v1/responses", json=gone, headers=alice).status_code == 409
         long = {"model": "any", "messages": [{"role": "user", "content": "x " * 512}], "max_tokens": 2}
         assert c.post("/v1/chat/completions", json=long, headers=alice).status_code == 400

@@ -6,14 +6,24 @@ driver. Errors are Anthropic-shaped: ``{"type": "error", "error": {"type",
 "message"}}``. The ``anthropic-version`` header is accepted (any value).
 
 Mapping
-    ``system`` (a string or text blocks; parts starting ``x-anthropic-``
-    are dropped, as ds4 does) is the system turn; ``text`` blocks are
+    ``system`` (a string or text blocks) is the system turn: a block (or
+    the string) whose first line starts with ``x-anthropic-`` loses that
+    line, one that held only it is dropped, as in ds4 (the billing line
+    unless ``--keep-billing-header``; :mod:`ds4.server.volatile`); ``text`` blocks are
     content; an assistant's ``tool_use`` blocks are its calls; a user's
     ``tool_result`` blocks are tool results (text content, ``is_error``
     noted as ``Error:``); ``thinking`` blocks are dropped (no hidden
     reasoning here). ``tool_choice`` ``auto``/``any``/``tool``/``none`` map to
     auto/required/named/none, ``disable_parallel_tool_use`` to
     ``parallel_tool_calls: false``. Images and documents get a 400.
+
+Tool results (ds4's 400/409 split)
+    A ``tool_result`` whose ``tool_use_id`` no earlier ``tool_use`` of the
+    request has and this server never issued is a 400 (``count_tokens``
+    too). One whose call this server issued but the history leaves out can
+    only be served from the live tool state (ds4's live-only
+    continuation): when that state no longer holds the turn, a 409 "retry
+    by replaying the full messages history".
 
 Usage
     ``cache_read_input_tokens`` are the tokens reused (live state or disk);
@@ -29,9 +39,10 @@ import uuid
 
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
-from .conversation import Conversation, Message, Outcome, Tool, ToolCall
+from .conversation import Conversation, Message, Outcome, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
+from .volatile import SystemText
 
 __all__ = ["AnthropicWire", "MessagesParser"]
 
@@ -102,9 +113,16 @@ class MessagesParser:
     """Validates ``/v1/messages`` and ``count_tokens`` bodies into a
     :class:`~ds4.server.openai.Turn` carrying a :class:`Conversation`."""
 
-    def __init__(self, default_max_tokens: int, ctx: int, max_prompt_bytes: int | None = None):
+    def __init__(
+        self,
+        default_max_tokens: int,
+        ctx: int,
+        max_prompt_bytes: int | None = None,
+        volatile: SystemText | None = None,
+    ):
         self.default_max_tokens = default_max_tokens if default_max_tokens > 0 else ctx
         self.max_prompt_bytes = max_prompt_bytes
+        self.volatile = volatile or SystemText()
 
     def _system(self, body: JSON) -> list[Message]:
         sys_ = body.get("system")
@@ -116,7 +134,8 @@ class MessagesParser:
             parts = [_text_blocks([b], f"system.{j}") for j, b in enumerate(sys_)]
         else:
             raise _bad("system: must be a string or an array of text blocks")
-        parts = [p for p in parts if not p.startswith("x-anthropic-")]
+        kept = [self.volatile.header(p, anthropic=True) for p in parts]
+        parts = [p for p in kept if p is not None]
         return [Message("system", "\n".join(parts))] if parts else []
 
     @staticmethod
@@ -219,7 +238,15 @@ class MessagesParser:
             raise _bad("the request body must be a JSON object")
         _str(raw.get("model"), "model")  # any name; answered with the served one
         tools, choice, parallel = self._tools(raw)
-        conv = Conversation(self._messages(raw), tools, choice, parallel)
+        msgs = self._messages(raw)
+        missing = results_without_calls(msgs)
+        for cid in missing:
+            if not issued_call_id(cid):
+                raise _bad(
+                    f"messages: a tool_result answers tool_use_id {cid!r}, which no earlier tool_use block "
+                    "has and this server never issued; send the tool_use with its result"
+                )
+        conv = Conversation(msgs, tools, choice, parallel, volatile=self.volatile, live_only=bool(missing))
         n = sum(len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in conv.messages)
         if self.max_prompt_bytes is not None and n > self.max_prompt_bytes:
             raise _bad(f"prompt is too long: {n} bytes cannot fit the context")

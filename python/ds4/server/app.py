@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import re
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ from .health import operator_view, tenant_view
 from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
 from .responses import MemoryRecords, ResponsesParser, ResponsesWire, StoredResponses
 from .tenants import ANONYMOUS, namespace_for
+from .volatile import MODES, SystemText
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -106,7 +108,13 @@ class _JobRun:
 
 class _Routes:
     def __init__(
-        self, service: Service, default_max_tokens: int, model_aliases: Sequence[str], limits: BodyLimits, debug: bool
+        self,
+        service: Service,
+        default_max_tokens: int,
+        model_aliases: Sequence[str],
+        limits: BodyLimits,
+        debug: bool,
+        volatile: SystemText | None = None,
     ):
         self.service = service
         self.debug = debug
@@ -115,17 +123,18 @@ class _Routes:
         self.live = LiveTools()  # ds4's live tool state (the worker thread's)
         self.limits = limits
         self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
+        volatile = volatile or SystemText()  # one, so that the billing line is logged once per client
         self.parser = RequestParser(
-            self.model_ids, default_max_tokens, self.gen.ctx, max_prompt_bytes=self.gen.max_prompt_bytes()
+            self.model_ids, default_max_tokens, self.gen.ctx, self.gen.max_prompt_bytes(), volatile
         )
         self.openai = OpenAIWire(service.model_id, debug)
         self.anthropic = AnthropicWire(service.model_id, debug)
-        self.messages_parser = MessagesParser(default_max_tokens, self.gen.ctx, self.parser.max_prompt_bytes)
+        self.messages_parser = MessagesParser(default_max_tokens, self.gen.ctx, self.parser.max_prompt_bytes, volatile)
         records = self.gen.store.records if self.gen.store is not None else MemoryRecords()
         self.stored = StoredResponses(records, service.model_id)
         self.responses_wire = ResponsesWire(service.model_id, self.stored, debug)
         self.responses_parser = ResponsesParser(
-            default_max_tokens, self.gen.ctx, self.stored, self.parser.max_prompt_bytes
+            default_max_tokens, self.gen.ctx, self.stored, self.parser.max_prompt_bytes, volatile
         )
 
     @staticmethod
@@ -177,7 +186,7 @@ class _Routes:
         except ApiError as e:
             return self.wire_err(self.responses_wire, e)
         assert turn.conv is not None
-        turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses", live_only=turn.live_only)
+        turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses")
         turn.agent.on_outcome = lambda oc, res: self.stored.remember(turn, oc, res)  # in the worker thread
         return await self.run(request, turn, self.responses_wire)
 
@@ -349,15 +358,17 @@ def create_app(
     limits: BodyLimits | None = None,
     debug: bool = False,
     sse_keepalive_s: float = SSE_KEEPALIVE_S,
+    volatile: SystemText | None = None,
 ) -> Starlette:
     """The app; ``guard`` (keys, hosts, origins) defaults to no key and the
-    loopback names, ``limits`` to a 16 MiB body read within 30 s."""
+    loopback names, ``limits`` to a 16 MiB body read within 30 s,
+    ``volatile`` (what is taken out of system text) to the billing line."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
     from starlette.routing import Route
 
-    r = _Routes(service, default_max_tokens, model_aliases, limits or BodyLimits(), debug)
+    r = _Routes(service, default_max_tokens, model_aliases, limits or BodyLimits(), debug, volatile)
     r.keepalive_s = sse_keepalive_s
 
     @contextlib.asynccontextmanager
@@ -422,6 +433,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_guard_args(p)
+    g = p.add_argument_group('volatile system text (docs/DESIGN.md, "Volatile system text")')
+    g.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="keep Claude Code's x-anthropic-billing-header first line of system text (its cch changes on every "
+        "request: each turn is then a prefill from there on)",
+    )
+    g.add_argument(
+        "--prompt-volatile",
+        action="append",
+        default=[],
+        type=_regex,
+        metavar="REGEX",
+        help="lines of system text this matches (re.search; repeatable) are dropped or moved to the prompt's tail "
+        "(--prompt-volatile-mode); never user or assistant text",
+    )
+    g.add_argument(
+        "--prompt-volatile-mode",
+        choices=MODES,
+        default="drop",
+        help="drop: the lines are removed; tail: they become a system turn after the last message, in their "
+        "order (default drop)",
+    )
     p.add_argument(
         "--sse-keepalive",
         type=float,
@@ -443,6 +477,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--keep-alive-timeout", type=int, default=5, metavar="S", help="close idle keep-alive connections (default 5 s)"
     )
+
+
+def _regex(s: str) -> str:
+    """A ``--prompt-volatile`` pattern, compiled once to check it."""
+    try:
+        re.compile(s)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a valid regular expression: {e}") from None
+    return s
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -484,6 +527,7 @@ def serve_main(args: argparse.Namespace) -> int:
         limits=limits,
         debug=args.debug,
         sse_keepalive_s=args.sse_keepalive,
+        volatile=SystemText(args.keep_billing_header, args.prompt_volatile, args.prompt_volatile_mode),
     )
     config = uvicorn.Config(
         app,

@@ -21,6 +21,8 @@ from their request bodies and format :class:`Outcome` back.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..constrain import Constraint
 from ..errors import PromptError
 from . import tools as conv_tools
+from .volatile import SystemText
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -36,7 +39,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds4.server")
 
-__all__ = ["AgentTurn", "Conversation", "LiveStateGone", "LiveTools", "Message", "Outcome", "Tool", "ToolCall"]
+__all__ = [
+    "AgentTurn",
+    "Conversation",
+    "LiveStateGone",
+    "LiveTools",
+    "Message",
+    "Outcome",
+    "Tool",
+    "ToolCall",
+    "issued_call_id",
+    "new_call_id",
+    "results_without_calls",
+]
 
 
 class LiveStateGone(PromptError):
@@ -75,8 +90,43 @@ class Tool:
         return d
 
 
+#: the key of the tags of the call ids this process issues (drawn at start)
+_ID_KEY = secrets.token_bytes(32)
+_TAG_HEX = 12
+
+
+def _tag(body: str) -> str:
+    return hmac.new(_ID_KEY, body.encode("utf-8", "replace"), hashlib.sha256).hexdigest()[:_TAG_HEX]
+
+
 def new_call_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(16)
+    """A new call id: ``prefix``, 20 random hex digits and a 12-digit tag
+    (an HMAC of the rest under this process's key), so that a call id this
+    process issued is known again (:func:`issued_call_id`) whatever became
+    of the live state, with nothing remembered."""
+    body = prefix + secrets.token_hex(10)
+    return body + _tag(body)
+
+
+def issued_call_id(call_id: str) -> bool:
+    """Whether this process issued ``call_id`` (a client's own ids, and the
+    ids of a process before a restart, are not)."""
+    body, tag = call_id[:-_TAG_HEX], call_id[-_TAG_HEX:]
+    return bool(body) and hmac.compare_digest(_tag(body).encode(), tag.encode("utf-8", "replace"))
+
+
+def results_without_calls(messages: Sequence[Message], start: int = 0) -> list[str]:
+    """The call ids of the tool results from ``messages[start]`` on that no
+    earlier call of ``messages`` made, in order: only the live tool state
+    can serve them (ds4's live-only continuation), or nothing when no such
+    call was ever issued."""
+    seen: set[str] = set()
+    out = []
+    for i, m in enumerate(messages):
+        seen.update(c.id for c in m.tool_calls)
+        if i >= start and m.role == "tool" and (m.tool_call_id or "") not in seen:
+            out.append(m.tool_call_id or "")
+    return out
 
 
 @dataclasses.dataclass
@@ -85,6 +135,10 @@ class Conversation:
     tools: list[Tool] = dataclasses.field(default_factory=list)
     tool_choice: str = "auto"  # "auto", "none", "required" or a tool's name
     parallel_tool_calls: bool = True
+    #: what is taken out of the system text before rendering (ds4.server.volatile)
+    volatile: SystemText | None = None
+    #: tool results whose calls are not in the history: only the live tool state can serve it
+    live_only: bool = False
 
     @property
     def tools_active(self) -> bool:
@@ -102,8 +156,12 @@ class Conversation:
     def engine_messages(self) -> list[dict[str, str]]:
         """The engine-level chat (role/content only): the tools block opens
         the first system turn (one is added when there is none), assistant
-        calls and tool results in the convention's blocks."""
+        calls and tool results in the convention's blocks; the system
+        text's volatile lines out, or (tail) in a system turn after the
+        last (:class:`ds4.server.volatile.SystemText`)."""
         out = turns(self.messages)
+        if self.volatile is not None:
+            out = self.volatile.render(out)
         if self.tools_active:
             block = conv_tools.tools_block([t.schema() for t in self.tools], self.parallel_tool_calls)
             if out and out[0]["role"] == "system":
@@ -198,6 +256,13 @@ class Outcome:
     finish_reason: str  # "stop", "length", "tool_calls" or "cancelled"
 
 
+#: ds4's 409 messages, by protocol (AgentTurn's label)
+GONE = {
+    "anthropic": "Anthropic continuation state is not available; retry by replaying the full messages history",
+    "responses": "Responses continuation state is not available; retry by replaying the full input history",
+}
+
+
 class AgentTurn:
     """The worker's hooks for one agent request: :meth:`render` the prompt
     and, once decoded, :meth:`done` (parse, canonicalize, remember)."""
@@ -214,7 +279,8 @@ class AgentTurn:
     ):
         self.conv, self.live, self.gen = conv, live, gen
         self.id_prefix, self.label = id_prefix, label
-        self.live_only = live_only  # the request has no history: only the live state can serve it
+        # results whose calls the history does not hold: only the live state can serve it
+        self.live_only = live_only or conv.live_only
         self.messages: list[dict[str, str]] = []
         self.outcome: Outcome | None = None
         self.on_outcome: Callable[[Outcome, GenResult], None] | None = None  # (the outcome, the turn's result)
@@ -225,9 +291,7 @@ class AgentTurn:
         msgs = self._live_continuation(namespace)
         if msgs is None:
             if self.live_only:
-                raise LiveStateGone(
-                    "Responses continuation state is not available; retry by replaying the full input history"
-                )
+                raise LiveStateGone(GONE.get(self.label, GONE["responses"]))
             msgs = self.conv.engine_messages()
         self.messages = msgs
         return engine.render_chat(msgs)

@@ -22,6 +22,7 @@ from ..turn import GenParams, GenResult
 from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outcome, Tool, ToolCall
 from .fields import is_int, is_num, utf8_len
 from .tools import StreamSplitter
+from .volatile import SystemText
 from .worker import Cancelled, QueueFull, ShuttingDown
 
 __all__ = ["ApiError", "OpenAIWire", "RequestParser", "Turn", "Wire", "exception_to_api"]
@@ -141,9 +142,16 @@ class RequestParser:
     ROLES = ("system", "developer", "user", "assistant", "tool")
 
     def __init__(
-        self, model_ids: Sequence[str], default_max_tokens: int, ctx: int, max_prompt_bytes: int | None = None
+        self,
+        model_ids: Sequence[str],
+        default_max_tokens: int,
+        ctx: int,
+        max_prompt_bytes: int | None = None,
+        volatile: SystemText | None = None,
     ):
         self.model_ids = tuple(model_ids)
+        # the billing line and the volatile lines of system text (ds4.server.volatile)
+        self.volatile = volatile or SystemText()
         self.default_max_tokens = default_max_tokens
         self.ctx = ctx
         # a prompt longer than this cannot fit ctx whatever its tokens
@@ -347,6 +355,7 @@ class RequestParser:
         if not isinstance(msgs, list) or not msgs:
             raise _bad("'messages' must be a non-empty array", "messages", "invalid_type")
         out = [self._message(i, m) for i, m in enumerate(msgs)]
+        out = [m for m in out if m.role != "system" or self._system_text(m)]
         if _opt_bool(body, "logprobs"):
             raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
         tools = self._tools(body)
@@ -357,13 +366,23 @@ class RequestParser:
         params.constraint = response_format(body.get("response_format"))
         salt = cache_salt_of(body)
         if tools or any(m.role == "tool" or m.tool_calls for m in out):
-            conv = Conversation(out, tools, choice, parallel is not False)
+            conv = Conversation(out, tools, choice, parallel is not False, volatile=self.volatile)
             try:
                 params = conv.gen_params(params)
             except ConstraintError as e:
                 raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
             return Turn("chat", None, params, stream, inc, conv, cache_salt=salt)
-        return Turn("chat", [{"role": m.role, "content": m.content} for m in out], params, stream, inc, cache_salt=salt)
+        chat = self.volatile.render([{"role": m.role, "content": m.content} for m in out])
+        return Turn("chat", chat, params, stream, inc, cache_salt=salt)
+
+    def _system_text(self, m: Message) -> bool:
+        """``m`` (a system or developer message) without its billing line;
+        False when nothing is left (the message is then dropped)."""
+        text = self.volatile.header(m.content)
+        if text is None:
+            return False
+        m.content = text
+        return True
 
     def completion(self, raw: object) -> Turn:
         body, params, stream, inc = self._common(raw)

@@ -21,9 +21,12 @@ State
     budget), so ``previous_response_id`` resolves after a restart; without
     one they live in memory (the last 1,000). An unknown
     ``previous_response_id`` gets OpenAI's 400 ``previous_response_not_found``.
-    An input of tool outputs only, with no previous response, is served
-    from the live tool state when it answers exactly the calls generated at
-    the live end (ds4's ``responses-tool-output`` match); when that state is
+    Tool outputs whose calls the input (and the previous response) does
+    not hold (ds4's 400/409 split): with a ``previous_response_id``, a 400
+    (that response never made the call); without one, a 400 for a call id
+    this server never issued, and for one it did, the live tool state
+    serves the request when it answers exactly the calls generated at the
+    live end (ds4's ``responses-tool-output`` match); when that state is
     gone, ds4's 409 ("replay the full input history"). ds4's
     ``responses-visible`` match is the ladder's ``memory-text`` rung: after a
     turn the live state is the canonical rendering of the conversation, so a
@@ -72,10 +75,11 @@ from typing import Any, Protocol
 
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
-from .conversation import Conversation, Message, Outcome, Tool, ToolCall
+from .conversation import Conversation, Message, Outcome, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 from .tenants import ANONYMOUS
+from .volatile import SystemText
 
 __all__ = ["MemoryRecords", "ResponsesParser", "ResponsesWire", "StoredResponses"]
 
@@ -188,7 +192,6 @@ class ResponsesTurn(Turn):
         self.msg_id = "msg_" + uuid.uuid4().hex  # the output message's item id
         self.created = int(time.time())
         self.store = body.get("store") is not False
-        self.live_only = False
         self.tenant = ANONYMOUS  # who asked: the owner of its stored response
 
     @property
@@ -200,13 +203,20 @@ class ResponsesParser:
     """Validates ``/v1/responses`` bodies (previous responses from ``stored``,
     the requesting tenant's only)."""
 
-    def __init__(self, default_max_tokens: int, ctx: int, stored: StoredResponses, max_prompt_bytes: int | None = None):
+    def __init__(
+        self,
+        default_max_tokens: int,
+        ctx: int,
+        stored: StoredResponses,
+        max_prompt_bytes: int | None = None,
+        volatile: SystemText | None = None,
+    ):
         self.default_max_tokens = default_max_tokens if default_max_tokens > 0 else ctx
         self.stored = stored
         self.max_prompt_bytes = max_prompt_bytes
+        self.volatile = volatile or SystemText()
 
-    @staticmethod
-    def _item(i: int, it: object, out: list[Message]) -> None:
+    def _item(self, i: int, it: object, out: list[Message]) -> None:
         p = f"input[{i}]"
         if not isinstance(it, dict):
             raise _bad(f"'{p}' must be an object", "input", "invalid_type")
@@ -215,7 +225,11 @@ class ResponsesParser:
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise _bad(f"'{p}.role' must be user, assistant, system or developer", "input")
-            out.append(Message("system" if role == "developer" else str(role), _text(it.get("content"), p)))
+            text: str | None = _text(it.get("content"), p)
+            if role in ("system", "developer"):
+                text = self.volatile.header(str(text))  # None: it was the billing line alone
+            if text is not None:
+                out.append(Message("system" if role == "developer" else str(role), text))
         elif kind == "function_call":
             call = ToolCall(_str(it.get("call_id"), f"{p}.call_id"), _str(it.get("name"), f"{p}.name"), "")
             call.arguments = _str(it.get("arguments", "{}"), f"{p}.arguments")
@@ -311,15 +325,16 @@ class ResponsesParser:
                 self._item(i, it, new)
         else:
             raise _bad("'input' must be a string or a non-empty array of items", "input", "missing_required_parameter")
-        known = {c.id for m in (*history, *new) for c in m.tool_calls}
-        live_only = bool(new) and all(m.role == "tool" for m in new) and not any(m.tool_call_id in known for m in new)
+        missing = self._check_outputs(history + new, len(history), raw.get("previous_response_id"))
         history = history + new
         ids = ids + [new_item_id(m) for m in new]
         msgs = list(history)
         if raw.get("instructions") is not None:
-            msgs.insert(0, Message("system", _str(raw["instructions"], "instructions")))
+            instructions = self.volatile.header(_str(raw["instructions"], "instructions"))
+            if instructions is not None:
+                msgs.insert(0, Message("system", instructions))
         tools, choice, parallel = self._tools(raw)
-        conv = Conversation(msgs, tools, choice, parallel)
+        conv = Conversation(msgs, tools, choice, parallel, volatile=self.volatile, live_only=bool(missing))
         n = sum(len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in msgs)
         if self.max_prompt_bytes is not None and n > self.max_prompt_bytes:
             raise _bad(f"the input has {n} bytes, more than fit the context", "input", "context_length_exceeded")
@@ -333,8 +348,29 @@ class ResponsesParser:
         turn = ResponsesTurn(params, stream, conv, raw, history, ids)
         turn.cache_salt = cache_salt_of(raw)
         turn.tenant = tenant
-        turn.live_only = live_only and not raw.get("previous_response_id")
         return turn
+
+    @staticmethod
+    def _check_outputs(history: list[Message], start: int, prev: object) -> list[str]:
+        """The call ids of the tool outputs of the input (``history[start:]``,
+        after the previous responses' messages) that no earlier call of
+        ``history`` made (only the live tool state can serve them); a 400
+        for any with a previous response (it never made that call) and for
+        any this server never issued. (A stored conversation is not judged
+        again: a turn served from the live state holds its outputs without
+        their calls.)"""
+        missing = results_without_calls(history, start)
+        for cid in missing:
+            if prev is not None:
+                why = f"response '{prev}' and the input before the output made no such call"
+            elif not issued_call_id(cid):
+                why = "no function_call earlier in the input has it and this server never issued it"
+            else:
+                continue
+            raise _bad(
+                f"No tool call found for function call output with call_id {cid}: {why}", "input", "unknown_call_id"
+            )
+        return missing
 
 
 def _usage(res: GenResult) -> JSON:
