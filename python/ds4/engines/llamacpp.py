@@ -182,7 +182,8 @@ class LlamaCppEngine:
         self.state_bytes_per_token = 0
         #: every llama_decode gets at least ``batch_floor`` tokens, a multiple
         #: of ``batch_multiple`` (exact mode; see "Determinism")
-        self.batch_floor, self.batch_multiple = 2, 1
+        #: (exact=False: 1x1, no pad; the ABI says so, its states differ)
+        self.batch_floor, self.batch_multiple = 1, 1
         self.exact_verified = False
         self._apply_probe(probe_engine(self))
 
@@ -396,8 +397,8 @@ class LlamaCppContext:
         self._exact = engine.exact
         # exact mode: every decode is padded to a batch size the engine's
         # kernels treat alike (see "Determinism")
-        self._floor = engine.batch_floor if self._exact else 1
-        self._mult = engine.batch_multiple if self._exact else 1
+        self._floor = engine.batch_floor
+        self._mult = engine.batch_multiple
         self._tokens: list[int] = []
         # tokens [0, _known_from) came from import_state: their ids are unknown
         self._known_from = 0
