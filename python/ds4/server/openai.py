@@ -510,7 +510,8 @@ def http_error(status: int, detail: str) -> JSON:
 
 def ds4_info(res: GenResult, debug: bool = False) -> JSON:
     """ds4's own block in every response: how the cache served the turn
-    (checkpoints by file name; whole paths only with ``debug``)."""
+    (checkpoints by file name; whole paths only with ``debug``) and where
+    the prompt left its best candidate (``divergence``)."""
     r = res.report
     return {
         "rung": r.rung,
@@ -524,6 +525,9 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
         "evict_saved": shown_path(r.evict_saved, debug),
         "cold_saved": shown_path(r.cold_saved, debug),
         "prompt_saved": shown_path(r.prompt_saved, debug),
+        # where the prompt left the best candidate (ds4.recovery): the live
+        # state or a checkpoint of the request's own namespace
+        "divergence": r.divergence,
         "stop_action": res.stop_action,
         "ttft_ms": round(res.ttft_s * 1000, 3),
         "total_ms": round(res.total_s * 1000, 3),
