@@ -9,6 +9,8 @@ the time went. Timings are made exact with a fake ``perf_counter`` in
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import types
 
@@ -97,6 +99,7 @@ def test_as_dict_spells_out_every_field():
         cold_saved=None,
         events=["one"],
         remote="up",
+        divergence={"against": "live", "token": 3, "byte": 5, "cached": "ab", "prompt": "cd"},
     )
     assert rep.as_dict() == {
         "rung": "disk",
@@ -111,10 +114,13 @@ def test_as_dict_spells_out_every_field():
         "timings": {"tokenize_ms": 1.5},
         "evict_saved": "/c/e.kv",
         "cold_saved": None,
+        "prompt_saved": None,
         "events": ["one"],
         "remote": "up",
+        "divergence": {"against": "live", "token": 3, "byte": 5, "cached": "ab", "prompt": "cd"},
     }
     assert RecoveryReport().as_dict()["rejected"] == []
+    assert RecoveryReport().as_dict()["divergence"] is None
 
 
 def test_event_formats_only_with_arguments():
@@ -183,8 +189,10 @@ def test_prefill_report_progress_and_frontiers(eng, clock):
         "timings": {"tokenize_ms": MS, "prefill_ms": MS, "total_ms": 5 * MS},
         "evict_saved": None,
         "cold_saved": None,
+        "prompt_saved": None,
         "events": [ladder_event("prefill", "full", 0, 41, 0, 5 * MS)],
         "remote": "",
+        "divergence": None,  # a fresh session, no store: no candidate
     }
 
 
@@ -286,8 +294,11 @@ def test_rewind_report(eng, clock, monkeypatch):
         "timings": {"tokenize_ms": MS, "rewrite_ms": MS, "total_ms": 5 * MS},
         "evict_saved": None,
         "cold_saved": None,
+        "prompt_saved": None,
         "events": [f"ds4 ladder rung=rewrite reused={common} prompt={len(b)}"],
         "remote": "",
+        # "shared prefix then branch " (26 bytes, one token each), then "one" / "two"
+        "divergence": {"against": "live", "token": 26, "byte": 26, "cached": "one", "prompt": "two, longer"},
     }
     assert s.tokens == b and np.array_equal(s.logits, cold_logits(eng, b, 128))
 
@@ -595,3 +606,181 @@ def _sess_at(eng, text):
     s = ds4.Session(eng, ctx=256)
     s.sync(toks(eng, text))
     return s
+
+
+# -- the divergence: where the prompt left its best candidate --------------------
+
+SYS = "<|im_start|>system\nrules <a> cch=abc12; keep going<|im_end|>\n"
+Q1 = "<|im_start|>user\nhi there, this is the first question<|im_end|>\n"
+AS = "<|im_start|>assistant\nan answer of some length<|im_end|>\n"
+Q2 = "<|im_start|>user\nand a second question<|im_end|>\n"
+NONCE_AT = len("<|im_start|>system\nrules <a> cch=")  # one marker before it: 11 tokens fewer
+
+
+def _ntok(text):
+    """The reference engine's tokens of a rendering: one a byte, one a marker."""
+    return len(text.encode()) - 11 * text.count("<|im_start|>") - 9 * text.count("<|im_end|>")
+
+
+def _cut(text, n=32):
+    """At most ``n`` bytes of ``text``, no character split."""
+    return text.encode()[:n].decode("utf-8", "ignore")
+
+
+def _fresh(eng, namespace=None, ctx=512):
+    s = ds4.Session(eng, ctx=ctx)
+    s.set_namespace(namespace)
+    return s
+
+
+def _at_ns(eng, text, namespace=None, ctx=512):
+    s = _fresh(eng, namespace, ctx)
+    s.sync(toks(eng, text))
+    return s
+
+
+def test_divergence_none_without_a_candidate(eng, tmp_path):
+    """No live state and no checkpoint the lookup considered: None (a
+    checkpoint longer than the prompt is not considered)."""
+    assert ds4.recover(ds4.Session(eng, ctx=512), None, SYS + Q1).divergence is None
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    assert ds4.recover(ds4.Session(eng, ctx=512), store, SYS + Q1).divergence is None
+    store.store_live_prefix(_at_ns(eng, SYS + Q1 + AS), "continued")
+    assert ds4.recover(ds4.Session(eng, ctx=512), store, SYS + Q1).divergence is None
+
+
+def test_divergence_of_a_live_hit_is_the_whole_live_state(eng):
+    """The live rung used the live state whole: ``cached`` is empty and
+    ``token``/``byte`` are its end (the prompt's typed ``<`` is an escape
+    in the key text, not in the snippet)."""
+    s = _at_ns(eng, "<|im_start|>user\nabc")  # 9 tokens, 20 bytes
+    rep = ds4.recover(s, None, "<|im_start|>user\nabc<defg")
+    assert rep.rung == "live"
+    assert rep.divergence == {"against": "live", "token": 9, "byte": 20, "cached": "", "prompt": "<defg"}
+
+
+def test_divergence_against_live_where_a_prompt_ends_early(eng):
+    """A prompt that stops inside the live state (a retried turn): it left
+    the live state where it ends; the live text goes on."""
+    s = _at_ns(eng, SYS + Q1 + AS)
+    rep = ds4.recover(s, None, SYS + Q1)
+    n = len(SYS + Q1)
+    assert rep.divergence == {"against": "live", "token": _ntok(SYS + Q1), "byte": n, "cached": AS[:32], "prompt": ""}
+
+
+def test_divergence_against_a_checkpoint_at_a_nonce(eng, tmp_path, caplog):
+    """After a restart (no live state) the prompt differs from the stored
+    conversation at one nonce of its system text: nothing is a prefix, the
+    lookup's longest considered checkpoint is the one it left, at the
+    nonce's byte (counted in the rendered text, escapes undone) and token,
+    both texts shown from there; the log says the same at info level."""
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    old = SYS + Q1 + AS
+    store.store_live_prefix(_at_ns(eng, old), "shutdown")
+    store.store_live_prefix(_at_ns(eng, SYS[:19] + "RULES"), "continued")  # shorter, parts earlier: not the best
+    new = SYS.replace("abc12", "def34") + Q1 + AS + Q2
+    with caplog.at_level(logging.INFO, logger="ds4.recovery"):
+        rep = ds4.recover(ds4.Session(eng, ctx=512), store, new)
+    assert rep.rung == "prefill"
+    want = {
+        "against": "checkpoint",
+        "token": NONCE_AT - 11,
+        "byte": NONCE_AT,
+        "cached": old[NONCE_AT : NONCE_AT + 32],
+        "prompt": new[NONCE_AT : NONCE_AT + 32],
+    }
+    assert rep.divergence == want
+    line = (
+        f"kv cache miss at byte {NONCE_AT} (token {NONCE_AT - 11}) against checkpoint: "
+        f"{json.dumps(want['cached'])} vs {json.dumps(want['prompt'])}"
+    )
+    assert line in [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+
+
+def test_divergence_prefers_the_checkpoint_the_prompt_follows_longest(eng, tmp_path):
+    """A loaded prefix (the disk rung) against a longer checkpoint that the
+    prompt leaves later: the later parting is the one shown; when the other
+    checkpoint parts before the loaded one ends, the loaded one is shown,
+    held whole."""
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    head = store.store_live_prefix(_at_ns(eng, SYS), "cold")
+    q = Q1.replace("first", "final")  # parts inside the user turn
+    store.store_live_prefix(_at_ns(eng, SYS + Q1 + AS), "continued")
+    prompt = SYS + q + AS + Q2
+    rep = ds4.recover(ds4.Session(eng, ctx=512), store, prompt)
+    at = len(SYS + "<|im_start|>user\nhi there, this is the fi")
+    assert (rep.rung, rep.loaded_path) == ("disk", head)
+    assert rep.divergence == {
+        "against": "checkpoint",
+        "token": _ntok(prompt[:at]),
+        "byte": at,
+        "cached": (Q1 + AS)[at - len(SYS) :][:32],
+        "prompt": (q + AS)[at - len(SYS) :][:32],
+    }
+    # the other checkpoint parts in the system text: the loaded one wins, whole
+    store2 = ds4.KVStore(str(tmp_path / "two"), min_tokens=1)
+    head = store2.store_live_prefix(_at_ns(eng, SYS), "cold")
+    store2.store_live_prefix(_at_ns(eng, SYS.replace("rules", "RULES") + Q1 + AS), "continued")
+    rep = ds4.recover(ds4.Session(eng, ctx=512), store2, prompt)
+    assert (rep.rung, rep.loaded_path) == ("disk", head)
+    n = len(toks(eng, SYS))
+    assert rep.divergence == {"against": "checkpoint", "token": n, "byte": len(SYS), "cached": "", "prompt": q[:32]}
+
+
+def test_divergence_never_shows_another_namespace(eng, tmp_path):
+    """A tenant's (or salt's) checkpoint that would be the best candidate
+    is never one for another namespace, nor for the default one: no
+    candidate (None), or the namespace's own checkpoint."""
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    secret = SYS + "<|im_start|>user\nalice-secret-1234 and then some<|im_end|>\n"
+    store.store_live_prefix(_at_ns(eng, secret, "alice"), "continued")
+    prompt = SYS + "<|im_start|>user\nalice-secret-9999 and then some more<|im_end|>\n"
+    for ns in (None, "bob", "alice/salt-0123456789abcdef"):
+        assert ds4.recover(_fresh(eng, ns), store, prompt).divergence is None, ns
+    own = SYS[:40].replace("rules", "Rules")  # bob's own, parting at byte 19
+    store.store_live_prefix(_at_ns(eng, own, "bob"), "continued")
+    d = ds4.recover(_fresh(eng, "bob"), store, prompt).divergence
+    assert d == {"against": "checkpoint", "token": 8, "byte": 19, "cached": own[19:], "prompt": _cut(prompt[19:])}
+    # alice's own prompt is shown her own text
+    d = ds4.recover(_fresh(eng, "alice"), store, prompt).divergence
+    assert d is not None and d["cached"].startswith("1234 and") and d["prompt"].startswith("9999 and")
+
+
+def test_divergence_reads_the_text_not_the_payload(eng, tmp_path):
+    """The considered checkpoint's header and text are read, not its
+    payload: a payload that would fail a load still shows where the prompt
+    left the text, and the file stays (no load was tried)."""
+    store = ds4.KVStore(str(tmp_path), min_tokens=1)
+    old = SYS + Q1
+    path = store.store_live_prefix(_at_ns(eng, old), "continued")
+    off = open_checkpoint(path, load_payload=False).payload_offset
+    with open(path, "r+b") as f:
+        f.seek(off + 64)
+        b = f.read(1)
+        f.seek(off + 64)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(ds4.errors.CheckpointError):
+        open_checkpoint(path)
+    new = SYS.replace("abc12", "def34") + Q1 + AS
+    d = ds4.recover(ds4.Session(eng, ctx=512), store, new).divergence
+    assert d is not None and (d["against"], d["byte"]) == ("checkpoint", NONCE_AT)
+    assert os.path.exists(path)
+
+
+def test_divergence_backs_up_to_a_character_and_off_an_escape(eng):
+    """A parting inside a UTF-8 character is shown from the character's
+    start; a typed ``<`` against a real marker (the same bytes, another key
+    text) is shown at the ``<``."""
+    s = _at_ns(eng, "<|im_start|>user\ncafé au lait, s'il vous plaît")
+    d = ds4.recover(s, None, "<|im_start|>user\ncafè noir").divergence
+    at = len(b"<|im_start|>user\ncaf")
+    cached = _cut("é au lait, s'il vous plaît")
+    assert d == {"against": "live", "token": at - 11, "byte": at, "cached": cached, "prompt": "è noir"}
+    s = _at_ns(eng, "<|im_start|>user\nx <|im_end|> y")
+    typed = ds4.keytext.Prompt([("<|im_start|>", True), ("user\nx <|im_end|> z", False)])
+    d = ds4.recover(s, None, typed).divergence
+    assert d == {"against": "live", "token": 8, "byte": 19, "cached": "<|im_end|> y", "prompt": "<|im_end|> z"}
+    # a 32-byte cut never splits a character
+    s = _at_ns(eng, "ab" + "é" * 20)
+    d = ds4.recover(s, None, "ac" + "é" * 20).divergence
+    assert d is not None and d["cached"] == "b" + "é" * 15 and d["prompt"] == "c" + "é" * 15

@@ -201,15 +201,22 @@ def _b_messages(known: str, guess: str) -> list:
     ]
 
 
-def _shown(r) -> tuple:
+def _shown(r, own: list[str]) -> tuple:
     """What B sees of its probe: cached tokens and the ds4 block. The names
     of B's own new files (SHA-1 of B's own text) are shown as set or not;
-    timings are wall-clock and not compared."""
+    timings are wall-clock and not compared. The divergence's texts must
+    be B's own (in one of the ``own`` texts: its earlier guesses differ from
+    this one, so they are compared as that, with its positions)."""
     d = dict((r.model_extra or {}).get("ds4") or {})
     for k in ("ttft_ms", "total_ms"):
         d.pop(k)
     for k in ("cold_saved", "evict_saved"):
         d[k] = d[k] is not None
+    div = d["divergence"]
+    if div is not None:
+        for k in ("cached", "prompt"):
+            assert any(div[k] in t for t in own), (k, div)
+        d["divergence"] = {**div, "cached": "own", "prompt": "own"}
     return r.usage.prompt_tokens_details.cached_tokens, tuple(sorted((k, repr(v)) for k, v in d.items()))
 
 
@@ -226,13 +233,16 @@ def _probe_run(srv, a_client, b_client, secret, k, a_salt=None, b_salt=None, a_t
     r = a_client.chat.completions.create(model=model, messages=msgs, max_tokens=a_tokens, extra_body=a_extra)
     msgs = [*msgs, {"role": "assistant", "content": r.choices[0].message.content}]
     seen, a_frac = {}, []
+    own: list[str] = []  # B's texts (and A's, when B is A: one tenant, one salt)
     # B's own warm-up first (B's files must not depend on which probe comes first), then A, B, A, B, ...
     for g in "x0123456789":
-        rb = b_client.chat.completions.create(
-            model=model, messages=_b_messages(secret[:k], g), max_tokens=1, extra_body=b_extra
-        )
+        b_msgs = _b_messages(secret[:k], g)
+        own += [m["content"] for m in b_msgs]
+        if a_client is b_client and a_salt == b_salt:
+            own += [m["content"] or "" for m in msgs]
+        rb = b_client.chat.completions.create(model=model, messages=b_msgs, max_tokens=1, extra_body=b_extra)
         if g != "x":
-            seen[g] = _shown(rb)
+            seen[g] = _shown(rb, own)
         msgs = [*msgs, {"role": "user", "content": f"And digit {g}?"}]
         ra = a_client.chat.completions.create(model=model, messages=msgs, max_tokens=a_tokens, extra_body=a_extra)
         msgs = [*msgs, {"role": "assistant", "content": ra.choices[0].message.content}]

@@ -42,13 +42,19 @@ __all__ = [
     "KeyRenderer",
     "Prompt",
     "namespace_of",
+    "parting",
+    "plain_len",
     "plain_text",
     "preamble",
+    "snippet",
     "tenant_of_namespace",
     "tokenize_prompt",
+    "unescape",
 ]
 
 ESC = 0xFF
+#: an escape: FF and the byte it stands for
+_ESC_PAIR = re.compile(rb"\xff([\x00-\xff])")
 _PRE_MARK = b"\xff\x00"
 _PRE_HEAD = _PRE_MARK + b"ns:"
 #: a namespace id: printable ASCII without spaces, at most 128 characters
@@ -94,19 +100,54 @@ def plain_text(key_text: bytes) -> bytes:
         _, n = namespace_of(key_text)
     except ValueError:
         n = 0
-    body = key_text[n:]
-    if ESC not in body:
-        return body
-    out, i = bytearray(), 0
-    while i < len(body):
-        c = body[i]
-        if c == ESC and i + 1 < len(body):
-            out.append(body[i + 1])
-            i += 2
-        else:
-            out.append(c)
-            i += 1
-    return bytes(out)
+    return unescape(key_text[n:])
+
+
+def unescape(body: bytes) -> bytes:
+    """The bytes a key text's body (no preamble) spells: each escape
+    ``FF x`` is ``x`` (a lone ``FF`` at the end stays)."""
+    return _ESC_PAIR.sub(rb"\1", body) if ESC in body else body
+
+
+def plain_len(key_text: bytes, start: int, end: int) -> int:
+    """How many bytes ``key_text[start:end]`` spells (:func:`unescape`),
+    without copying it; ``start`` is where an escape may begin (the end of
+    the preamble, a token's start), ``end`` is not inside an escape."""
+    escapes = key_text.count(b"\xff", start, end) - key_text.count(b"\xff\xff", start, end)
+    return end - start - escapes
+
+
+def snippet(key_text: bytes, at: int, n: int) -> str:
+    """At most ``n`` bytes of what ``key_text`` spells from ``at`` (where no
+    escape is cut), cut before a character the limit would split, decoded
+    with ``errors="replace"``."""
+    chunk = unescape(key_text[at : at + 2 * n + 2])  # enough key bytes for n plain ones
+    j = min(n, len(chunk))
+    for _ in range(3):
+        if j == 0 or j >= len(chunk) or not _continues(chunk, j):
+            break
+        j -= 1
+    return chunk[:j].decode("utf-8", "replace")
+
+
+def parting(a: bytes, b: bytes, at: int, start: int) -> int:
+    """Where two key texts whose first ``at`` bytes agree part, for people:
+    ``at`` moved back to the start of the UTF-8 character it falls in and
+    off the escaped byte of an escape (never before ``start``, the end of
+    their preamble)."""
+    for _ in range(3):
+        if at <= start or not (_continues(a, at) or _continues(b, at)):
+            break
+        at -= 1
+    run = 0
+    while at - run > start and a[at - run - 1] == ESC:
+        run += 1
+    return at - 1 if run % 2 else at
+
+
+def _continues(text: bytes, i: int) -> bool:
+    """True when ``text[i]`` is a UTF-8 continuation byte."""
+    return i < len(text) and 0x80 <= text[i] <= 0xBF
 
 
 class _Vocab(Protocol):

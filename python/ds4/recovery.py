@@ -14,6 +14,12 @@ tokens were reused, every rejected candidate and where the time went.
 
 The prompt is encoded once, and the store is asked once per run: the rewrite
 rung and the disk rung share one :class:`ds4.kvstore.Candidates`.
+
+The report's ``divergence`` says where the prompt left the best candidate
+the run had (:meth:`_Ladder.divergence`): the live state, or the longest
+checkpoint of the prompt's namespace that the lookup considered; it is
+also logged (``kv cache miss at byte ...``) when the prompt did not hold
+that candidate whole.
 """
 
 from __future__ import annotations
@@ -21,17 +27,22 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
+from . import _core
 from .errors import InvalidSessionError, PromptError
-from .keytext import KeyRenderer, tokenize_prompt
-from .kvstore import Candidates, KVStore
+from .keytext import KeyRenderer, parting, plain_len, snippet, tokenize_prompt
+from .kvstore import Candidates, Entry, KVStore, LoadResult
 from .session import Rewrite, Session
 
 log = logging.getLogger("ds4.recovery")
+
+#: the most bytes of each text a divergence shows
+SNIPPET_BYTES = 32
 
 __all__ = ["RecoveryReport", "recover", "switch_namespace"]
 
@@ -53,6 +64,11 @@ class RecoveryReport:
     #: the shared tier's state when the store was asked (``up``,
     #: ``degraded``, ``cooldown``, ``closed``); ``""``: no tier, or not asked
     remote: str = ""
+    #: where the prompt left the best candidate it had (:meth:`_Ladder.divergence`):
+    #: ``{"against": "live"|"checkpoint", "token", "byte", "cached", "prompt"}``;
+    #: ``cached`` is ``""`` exactly when the prompt holds the whole candidate;
+    #: None when there was no candidate
+    divergence: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -181,6 +197,13 @@ class _Ladder:
         self._cum: list[int] | None = None
         self._found: Candidates | None = None
         self.cancel = cancel
+        self.pre = 0  # the length of the namespace's preamble in the key texts
+        #: the live tokens and key text the run started from (the text is
+        #: rendered only when the tokens are not a prefix of the prompt's)
+        self.live_tokens: list[int] | None = None
+        self.live_text: bytes | None = None
+        self.loaded: LoadResult | None = None  # the checkpoint the disk rung used
+        self.considered: Entry | None = None  # the longest checkpoint the lookup considered
 
     def found(self) -> Candidates:
         """The store's candidates for this prompt, looked up once."""
@@ -191,15 +214,23 @@ class _Ladder:
             )
             self.rep.rejected.extend(self._found.rejected)
             self.rep.remote = self._found.remote_state
+            # what the lookup considered, before this run stores anything
+            self.considered = self.store.longest_considered(self._found, ctx=self.sess.ctx)
         return self._found
 
     def run(self, cold_save: bool) -> RecoveryReport:
+        rep = self.climb(cold_save)
+        self.divergence()
+        return rep
+
+    def climb(self, cold_save: bool) -> RecoveryReport:
         rep, sess = self.rep, self.sess
         t0 = time.perf_counter()
         self.tokens = tokenize_prompt(self.engine, self.prompt_s)
         rep.prompt_tokens = len(self.tokens)
         sess.check_prompt(self.tokens)  # typed error before anything is touched
         self.prompt_b = sess.key_of(self.tokens)
+        self.pre = len(sess.key_of(()))
         rep.timings["tokenize_ms"] = (time.perf_counter() - t0) * 1000
         if sess.checkpoint_valid:
             done = self.live()
@@ -211,13 +242,18 @@ class _Ladder:
                 return done
         return self.prefill(cold_save)
 
+    def cum(self) -> list[int]:
+        """``cum[i]``: the key length of the prompt's first ``i`` tokens (no
+        preamble), computed once."""
+        if self._cum is None:
+            self._cum = [0, *itertools.accumulate(self.sess.key_renderer.lengths(self.tokens))]
+        return self._cum
+
     def rest_after(self, n_key: int) -> list[int] | None:
         """The prompt's tokens after the first ``n_key`` bytes of its key
         text (preamble included); see :func:`_rest_after`."""
-        keys = self.sess.key_renderer
-        if self._cum is None:
-            self._cum = [0, *itertools.accumulate(keys.lengths(self.tokens))]
-        return _rest_after(keys, self.tokens, self._cum, n_key - (len(self.prompt_b) - self._cum[-1]))
+        cum = self.cum()
+        return _rest_after(self.sess.key_renderer, self.tokens, cum, n_key - self.pre)
 
     def finish(self, rung: str, source: str, effective: Sequence[int], reused: int) -> RecoveryReport:
         rep = self.rep
@@ -268,13 +304,76 @@ class _Ladder:
         except (OSError, InvalidSessionError) as e:
             self.rep._event("ds4 evict save failed: %s", e)
 
+    # where the prompt left its best candidate ----------------------------------
+    def divergence(self) -> None:
+        """Set the report's ``divergence``: where the prompt's key text left
+        the best candidate the run had, and log it when that was a miss.
+
+        The candidates: the live state the run started from (in the
+        prompt's namespace: :func:`switch_namespace` drops any other), the
+        checkpoint the disk rung loaded, and the longest checkpoint of the
+        namespace the store's lookup considered
+        (:meth:`ds4.kvstore.KVStore.longest_considered`, noted at the lookup,
+        so nothing this run stores is one; its header and text are read only
+        when it could be the best). A live state the prompt holds
+        whole (the live rung) is the candidate; otherwise the one the prompt
+        follows longest (ties: live, loaded, considered). Nothing is looked
+        up again: without a lookup this run (a live hit, no store) only the
+        live state is a candidate."""
+        rep, prompt = self.rep, self.prompt_b
+        best: tuple[int, str, bytes | None] | None = None  # (agreed key bytes, against, its key text)
+        token: int | None = None  # the prompt's tokens before the parting, when known without counting
+        if rep.rung == "live" and self.live_tokens is not None:
+            if self.live_text is None:  # memory-token: the live tokens are the prompt's first ones
+                token = len(self.live_tokens)
+                agreed = len(prompt) - sum(self.sess.key_renderer.lengths(self.tokens[token:]))
+            else:
+                agreed = len(self.live_text)
+            best = (agreed, "live", None)
+        else:
+            if self.live_text is not None:
+                best = (_core.common_prefix_len(self.live_text, prompt), "live", self.live_text)
+            if self.loaded is not None and (best is None or self.loaded.text_bytes > best[0]):
+                best = (self.loaded.text_bytes, "checkpoint", None)
+            e = self.considered
+            if self.store is not None and e is not None and (best is None or e.text_bytes > best[0]):
+                text = self.store.stored_text(e, self.sess.namespace)
+                if text is not None:
+                    agreed = _core.common_prefix_len(text, prompt)
+                    if best is None or agreed > best[0]:
+                        best = (agreed, "checkpoint", text)
+        if best is None:
+            return
+        agreed, against, cached = best
+        whole = cached is None or agreed >= len(cached)
+        at = agreed if whole or cached is None else parting(cached, prompt, agreed, self.pre)
+        if token is None:
+            token = bisect.bisect_right(self.cum(), at - self.pre) - 1
+        d = {
+            "against": against,
+            "token": token,
+            "byte": plain_len(prompt, self.pre, at),
+            "cached": "" if whole or cached is None else snippet(cached, at, SNIPPET_BYTES),
+            "prompt": snippet(prompt, at, SNIPPET_BYTES),
+        }
+        rep.divergence = d
+        if not whole:
+            log.info(
+                "kv cache miss at byte %d (token %d) against %s: %s vs %s",
+                d["byte"],
+                d["token"],
+                against,
+                json.dumps(d["cached"], ensure_ascii=False),
+                json.dumps(d["prompt"], ensure_ascii=False),
+            )
+
     # 1. the live session ---------------------------------------------------
     def live(self) -> RecoveryReport | None:
         sess, tokens, prompt_b = self.sess, self.tokens, self.prompt_b
-        live = sess.tokens
+        live = self.live_tokens = sess.tokens
         if len(tokens) >= len(live) and tokens[: len(live)] == live:
             return self.finish("live", "memory-token", tokens, len(live))
-        live_text = sess.key_bytes()
+        live_text = self.live_text = sess.key_bytes()
         if len(live_text) <= len(prompt_b) and prompt_b.startswith(live_text):
             rest = self.rest_after(len(live_text))
             if rest is not None and len(live) + len(rest) < sess.ctx:
@@ -338,7 +437,7 @@ class _Ladder:
             return None
         rest = self.rest_after(res.text_bytes)
         if rest is not None and res.tokens + len(rest) < sess.ctx:
-            rep.loaded_path = res.path
+            rep.loaded_path, self.loaded = res.path, res
             if res.tier == "remote":
                 return self.finish("remote", "remote-text", sess.tokens + rest, res.tokens)
             return self.finish("disk", "disk-text", sess.tokens + rest, res.tokens)

@@ -53,10 +53,12 @@ from ..errors import (
     InvalidSessionError,
 )
 from ..errors import StoreError as StoreError  # what opening a store raises (re-exported)
+from ..keytext import namespace_of
 from .entries import (
     HALF_LIFE_S,
     Candidates,
     Entry,
+    IndexRow,
     LoadResult,
     NamedLoad,
     Rejection,
@@ -334,6 +336,47 @@ class KVStore:
         if self._tiered is not None and abi is not None:
             self._tiered.lookup(found, abi, min_tokens=self.min_tokens, ctx=ctx)
         return found
+
+    def longest_considered(self, found: Candidates, *, ctx: int | None = None) -> Entry | None:
+        """The longest checkpoint that the lookup of ``found`` considered,
+        from the index as it stands (call it right after the lookup: no
+        rescan, no file read, nothing hashed): a file of this directory in
+        ``found``'s namespace whose text is no longer than the prompt, of at
+        least ``min_tokens`` tokens and fewer than ``ctx`` (the lookup's own
+        filters, before it compares tails and hashes), the lookup's order
+        breaking ties. It need not be a prefix of the prompt: where the
+        prompt leaves it is what the ladder reports (its ``divergence``;
+        :meth:`stored_text` reads its text)."""
+        limit, ns = len(found.prompt), found.namespace
+        best: IndexRow | None = None
+        for row in self._idx.entries():
+            tokens, text_bytes = row[2], row[3]
+            if row[11] != ns or text_bytes > limit or tokens < self.min_tokens or (ctx is not None and tokens >= ctx):
+                continue
+            if best is None or (text_bytes, tokens, best[0]) > (best[3], best[2], row[0]):
+                best = row
+        return None if best is None else Entry.from_row(self.dir, best)
+
+    def stored_text(self, entry: Entry, namespace: str | None) -> bytes | None:
+        """The stored key text of ``entry`` when it is in ``namespace``:
+        its header and text read and verified
+        (:func:`ds4.checkpoint.open_checkpoint` without the payload; with
+        this store's key, a file without a MAC is refused). None when it
+        cannot be read or its text does not start with the namespace's own
+        preamble (never another namespace's text)."""
+        if not is_checkpoint_name(entry.name):
+            return None
+        try:
+            ck = open_checkpoint(os.path.join(self.dir, entry.name), load_payload=False, auth_key=self.auth_key)
+            text = bytes(ck.text)
+        except (OSError, CheckpointError) as e:
+            log.debug("kv cache could not read the text of %s: %s", entry.name, e)
+            return None
+        try:
+            same = namespace_of(text)[0] == namespace
+        except ValueError:
+            same = False
+        return text if same else None
 
     # -- removal -------------------------------------------------------------
     def discard(self, path: str, err: CheckpointError, where: str, expect: StatKey | None) -> str | None:

@@ -1,7 +1,8 @@
 """The request-field tests the three protocols share (:mod:`.openai`,
 :mod:`.anthropic`, :mod:`.responses`): what counts as an integer or a
 number in a JSON body (``true`` is neither), a number in a range, and text
-a tokenizer can encode (UTF-8, no lone surrogate).
+a tokenizer can encode (UTF-8, no lone surrogate), a structured-output
+format's name.
 
 Only the tests: each protocol words its errors and gives them its own shape
 (its module's ``_bad``), so a client sees what it always saw.
@@ -9,9 +10,12 @@ Only the tests: each protocol words its errors and gives them its own shape
 
 from __future__ import annotations
 
+import re
 from typing import TypeGuard
 
-__all__ = ["int_from", "is_int", "is_num", "num_in", "utf8_len"]
+__all__ = ["format_name", "int_from", "is_int", "is_num", "num_in", "utf8_len"]
+
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def is_int(v: object) -> TypeGuard[int]:
@@ -41,3 +45,8 @@ def utf8_len(s: str) -> int | None:
         return len(s.encode("utf-8"))
     except UnicodeEncodeError:
         return None
+
+
+def format_name(v: object) -> TypeGuard[str]:
+    """A ``json_schema`` format's name: 1 to 64 of a-z, A-Z, 0-9, ``_``, ``-``."""
+    return isinstance(v, str) and _FORMAT_NAME.fullmatch(v) is not None

@@ -20,7 +20,7 @@ from ..constrain import Constraint
 from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError, EngineError, PromptError
 from ..turn import GenParams, GenResult
 from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outcome, Tool, ToolCall
-from .fields import is_int, is_num, utf8_len
+from .fields import format_name, is_int, is_num, utf8_len
 from .tools import StreamSplitter
 from .volatile import SystemText
 from .worker import Cancelled, QueueFull, ShuttingDown
@@ -425,7 +425,7 @@ def response_format(rf: object) -> Constraint | None:
     if not isinstance(js, dict):
         raise _bad(f"'{p}.json_schema' must be an object", f"{p}.json_schema", "invalid_type")
     name = js.get("name")
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+    if not format_name(name):
         raise _bad(f"'{p}.json_schema.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{p}.json_schema.name")
     if js.get("strict") is not None and not isinstance(js["strict"], bool):
         raise _bad(f"'{p}.json_schema.strict' must be a boolean", f"{p}.json_schema.strict", "invalid_type")
@@ -510,7 +510,8 @@ def http_error(status: int, detail: str) -> JSON:
 
 def ds4_info(res: GenResult, debug: bool = False) -> JSON:
     """ds4's own block in every response: how the cache served the turn
-    (checkpoints by file name; whole paths only with ``debug``)."""
+    (checkpoints by file name; whole paths only with ``debug``) and where
+    the prompt left its best candidate (``divergence``)."""
     r = res.report
     return {
         "rung": r.rung,
@@ -524,6 +525,9 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
         "evict_saved": shown_path(r.evict_saved, debug),
         "cold_saved": shown_path(r.cold_saved, debug),
         "prompt_saved": shown_path(r.prompt_saved, debug),
+        # where the prompt left the best candidate (ds4.recovery): the live
+        # state or a checkpoint of the request's own namespace
+        "divergence": r.divergence,
         "stop_action": res.stop_action,
         "ttft_ms": round(res.ttft_s * 1000, 3),
         "total_ms": round(res.total_s * 1000, 3),

@@ -10,7 +10,11 @@ Input
     ``instructions`` is the system turn (not carried over from a previous
     response, as in OpenAI's API). Function ``tools``, ``tool_choice``,
     ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``,
-    ``top_p``.
+    ``top_p``. ``text.format`` constrains the reply as chat's
+    ``response_format`` does (:func:`text_format`: ``text``, ``json_object``,
+    ``json_schema`` with its ``name`` and ``schema``, enforced whether
+    ``strict`` is true or not; a schema the grammar library rejects is a
+    400), and the response object's ``text.format`` echoes it.
 
 State
     With ``store`` (the default), each response is kept as a record: its
@@ -73,10 +77,11 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from ..constrain import Constraint
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall, issued_call_id, results_without_calls
-from .fields import int_from, num_in, utf8_len
+from .fields import format_name, int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 from .tenants import ANONYMOUS
 from .volatile import SystemText
@@ -193,6 +198,7 @@ class ResponsesTurn(Turn):
         self.created = int(time.time())
         self.store = body.get("store") is not False
         self.tenant = ANONYMOUS  # who asked: the owner of its stored response
+        self.text_format: JSON = {"type": "text"}  # what the response's text.format says
 
     @property
     def param(self) -> str:
@@ -341,11 +347,15 @@ class ResponsesParser:
         stream = raw.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad("'stream' must be a boolean", "stream", "invalid_type")
+        constraint, echo = text_format(raw.get("text"))
+        params = self._params(raw)
+        params.constraint = constraint  # as chat's response_format: a forced tool call's grammar wins
         try:
-            params = conv.gen_params(self._params(raw))
+            params = conv.gen_params(params)
         except ConstraintError as e:
             raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
         turn = ResponsesTurn(params, stream, conv, raw, history, ids)
+        turn.text_format = echo
         turn.cache_salt = cache_salt_of(raw)
         turn.tenant = tenant
         return turn
@@ -371,6 +381,59 @@ class ResponsesParser:
                 f"No tool call found for function call output with call_id {cid}: {why}", "input", "unknown_call_id"
             )
         return missing
+
+
+def text_format(text: object) -> tuple[Constraint | None, JSON]:
+    """``text.format`` as a constraint, and what the response object says of
+    it: ``text`` (none; also when ``text`` or its ``format`` is absent),
+    ``json_object`` (any JSON object), ``json_schema`` (JSON valid under
+    its ``schema``, whether ``strict`` is true or not; the echo has its
+    ``name``, ``schema``, ``description`` and ``strict`` as given). A bad
+    one is a 400 naming the field; a schema the grammar library rejects is
+    ``invalid_json_schema`` (the check chat's ``response_format`` makes)."""
+    if text is None:
+        return None, {"type": "text"}
+    if not isinstance(text, dict):
+        raise _bad("'text' must be an object", "text", "invalid_type")
+    p = "text.format"
+    fmt = text.get("format")
+    if fmt is None:
+        return None, {"type": "text"}
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise _bad(f"'{p}' must be an object with a string 'type'", p, "invalid_type")
+    kind = fmt["type"]
+    if kind == "text":
+        return None, {"type": "text"}
+    if kind == "json_object":
+        return Constraint.json_object(), {"type": "json_object"}
+    if kind != "json_schema":
+        raise _bad(f"'{p}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{p}.type")
+    return _json_schema_format(fmt, p)
+
+
+def _json_schema_format(fmt: JSON, p: str) -> tuple[Constraint, JSON]:
+    """A ``json_schema`` format (``p``: its parameter) as a constraint and its echo."""
+    name = fmt.get("name")
+    if name is None:
+        raise _bad(f"Missing required parameter: '{p}.name'.", f"{p}.name", "missing_required_parameter")
+    if not format_name(name):
+        raise _bad(f"'{p}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{p}.name")
+    schema = fmt.get("schema")
+    if schema is None:
+        raise _bad(f"Missing required parameter: '{p}.schema'.", f"{p}.schema", "missing_required_parameter")
+    if not isinstance(schema, dict):
+        raise _bad(f"'{p}.schema' must be an object", f"{p}.schema", "invalid_type")
+    strict, description = fmt.get("strict"), fmt.get("description")
+    if strict is not None and not isinstance(strict, bool):
+        raise _bad(f"'{p}.strict' must be a boolean", f"{p}.strict", "invalid_type")
+    if description is not None:
+        _str(description, f"{p}.description")
+    try:
+        constraint = Constraint.json_schema(schema)
+    except ConstraintError as e:
+        raise _bad(f"Invalid schema for response_format '{name}': {e}", f"{p}.schema", "invalid_json_schema") from None
+    echo = {"type": "json_schema", "name": name, "schema": schema, "description": description, "strict": strict}
+    return constraint, echo
 
 
 def _usage(res: GenResult) -> JSON:
@@ -422,6 +485,7 @@ def _head(turn: ResponsesTurn, model: str) -> JSON:
         "top_p": b.get("top_p", 1.0),
         "tool_choice": b.get("tool_choice", "auto"),
         "tools": b.get("tools") or [],
+        "text": {"format": turn.text_format},
         "metadata": b.get("metadata") or {},
     }
 
@@ -447,7 +511,7 @@ def _response(head: JSON, status: str, output: list[JSON], usage: JSON | None, s
         "top_p": h["top_p"],
         "tool_choice": h["tool_choice"],
         "tools": h["tools"],
-        "text": {"format": {"type": "text"}},
+        "text": h.get("text") or {"format": {"type": "text"}},  # a record stored before text.format: none
         "truncation": "disabled",
         "metadata": h["metadata"],
         "usage": usage,
@@ -591,6 +655,8 @@ def _check_record(rid: str, d: object) -> None:
         raise ValueError("not a response record")
     if head["id"] != rid or head["status"] not in ("completed", "incomplete") or not isinstance(head["usage"], dict):
         raise ValueError("the response's head does not match its name")
+    if not isinstance(head.get("text", {}), dict):
+        raise ValueError("the response's text settings are not an object")
     if last["role"] != "assistant" or not all("id" in m for m in d["messages"]):
         raise ValueError("the messages have no item ids")
 
