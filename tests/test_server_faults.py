@@ -18,6 +18,7 @@ from starlette.testclient import TestClient
 
 from ds4.engines.reference import ReferenceContext
 from ds4.server.app import create_app
+from ds4.server.conversation import new_call_id
 from ds4.server.worker import Service
 from ds4.turn import Generator
 
@@ -99,9 +100,10 @@ def test_a_refused_prompt_is_still_a_400_counted_as_rejected(client):
 
 
 def test_a_responses_continuation_without_live_state_is_still_a_409(client):
+    # a call id this process issued (an unknown one is a 400: ds4-server's split)
     body = {
         "model": "any",
-        "input": [{"type": "function_call_output", "call_id": "call_gone", "output": "42"}],
+        "input": [{"type": "function_call_output", "call_id": new_call_id("call_"), "output": "42"}],
         "max_output_tokens": 2,
     }
     r = client.post("/v1/responses", json=body)
