@@ -35,8 +35,8 @@ Determinism
     matter (measured with this build, on an AVX-512 CPU; other CPUs pick
     other kernels, so bit-identity is only claimed within a machine -- the
     payload ABI does not name the CPU). The price is a slower single-token
-    step (about 1.5x for SmolLM2's pad of one, 2.4x for Gemma's pad of
-    seven). ``exact=False`` uses the fast 1-token path; then a state that
+    step (1.6x for SmolLM2's pad of one, 2.3x for Gemma's pad of seven:
+    ``benches/bench_pad.py``). ``exact=False`` uses the fast 1-token path; then a state that
     went through a short batch may differ from a cold prefill in the last
     bits.
 
