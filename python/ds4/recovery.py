@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
@@ -203,7 +204,6 @@ class _Ladder:
         self.live_tokens: list[int] | None = None
         self.live_text: bytes | None = None
         self.loaded: LoadResult | None = None  # the checkpoint the disk rung used
-        self.considered: Entry | None = None  # the longest checkpoint the lookup considered
 
     def found(self) -> Candidates:
         """The store's candidates for this prompt, looked up once."""
@@ -214,8 +214,6 @@ class _Ladder:
             )
             self.rep.rejected.extend(self._found.rejected)
             self.rep.remote = self._found.remote_state
-            # what the lookup considered, before this run stores anything
-            self.considered = self.store.longest_considered(self._found, ctx=self.sess.ctx)
         return self._found
 
     def run(self, cold_save: bool) -> RecoveryReport:
@@ -335,7 +333,7 @@ class _Ladder:
                 best = (_core.common_prefix_len(self.live_text, prompt), "live", self.live_text)
             if self.loaded is not None and (best is None or self.loaded.text_bytes > best[0]):
                 best = (self.loaded.text_bytes, "checkpoint", None)
-            e = self.considered
+            e = self.considered_on_a_miss()
             if self.store is not None and e is not None and (best is None or e.text_bytes > best[0]):
                 text = self.store.stored_text(e, self.sess.namespace)
                 if text is not None:
@@ -366,6 +364,16 @@ class _Ladder:
                 json.dumps(d["cached"], ensure_ascii=False),
                 json.dumps(d["prompt"], ensure_ascii=False),
             )
+
+    def considered_on_a_miss(self) -> Entry | None:
+        """The longest checkpoint the lookup considered, looked for only when
+        nothing was reused (a full prefill, beside which a pass over the
+        index rows costs little; a hit has its live state or loaded file as
+        the candidate), leaving out what this run stored itself."""
+        if self.store is None or self._found is None or self.rep.rung != "prefill":
+            return None
+        mine = {os.path.basename(p) for p in (self.rep.cold_saved, self.rep.evict_saved) if p}
+        return self.store.longest_considered(self._found, ctx=self.sess.ctx, exclude=mine)
 
     # 1. the live session ---------------------------------------------------
     def live(self) -> RecoveryReport | None:

@@ -42,7 +42,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from .. import _core
@@ -337,7 +337,9 @@ class KVStore:
             self._tiered.lookup(found, abi, min_tokens=self.min_tokens, ctx=ctx)
         return found
 
-    def longest_considered(self, found: Candidates, *, ctx: int | None = None) -> Entry | None:
+    def longest_considered(
+        self, found: Candidates, *, ctx: int | None = None, exclude: Collection[str] = ()
+    ) -> Entry | None:
         """The longest checkpoint that the lookup of ``found`` considered,
         from the index as it stands (call it right after the lookup: no
         rescan, no file read, nothing hashed): a file of this directory in
@@ -346,12 +348,16 @@ class KVStore:
         filters, before it compares tails and hashes), the lookup's order
         breaking ties. It need not be a prefix of the prompt: where the
         prompt leaves it is what the ladder reports (its ``divergence``;
-        :meth:`stored_text` reads its text)."""
+        :meth:`stored_text` reads its text). Names in ``exclude`` are left
+        out (what the caller stored since the lookup). A pass over every
+        index row: the ladder asks only on a full miss."""
         limit, ns = len(found.prompt), found.namespace
         best: IndexRow | None = None
         for row in self._idx.entries():
             tokens, text_bytes = row[2], row[3]
             if row[11] != ns or text_bytes > limit or tokens < self.min_tokens or (ctx is not None and tokens >= ctx):
+                continue
+            if row[0] in exclude:
                 continue
             if best is None or (text_bytes, tokens, best[0]) > (best[3], best[2], row[0]):
                 best = row
