@@ -4,7 +4,7 @@ For each kind: a damaged long checkpoint sits beside a good shorter one; the
 ladder must reject the damaged one (removing it when corrupt, keeping it when
 incompatible), serve the shorter one, leave the session valid at exactly the
 prompt, and generate the same tokens a cold prefill generates. Runs on the
-NumPy reference engine and on SmolLM2 through llama.cpp.
+NumPy reference engine, and on SmolLM2 and Gemma 3 through llama.cpp.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
 
@@ -21,6 +22,14 @@ from ds4 import _core
 from ds4.checkpoint import open_checkpoint, write_checkpoint
 
 GEN = 12
+
+
+def recover(*a, **kw):
+    """The ladder without its prompt checkpoints (Gemma's default): these
+    tests count the files a recovery leaves, and a new file for the prompt
+    is not what they are about (tests/test_models_rungs.py tests it)."""
+    kw.setdefault("prompt_save", False)
+    return ds4.recover(*a, **kw)
 
 
 def _chat(engine, n_turns):
@@ -96,13 +105,15 @@ class World:
         return d
 
 
-@pytest.fixture(scope="module", params=["reference", "llamacpp"])
+@pytest.fixture(scope="module", params=["reference", "llamacpp", "gemma3"])
 def world(request, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp(f"ladder-{request.param}"))
     if request.param == "reference":
         eng = ds4.ReferenceEngine()
         return World(eng, tmp, short=256, long=512, min_prompt=600)
-    eng = ds4.LlamaCppEngine()
+    # SmolLM2 (dense) and Gemma 3 (sliding window; its long checkpoint
+    # sits at the 512-token window)
+    eng = models.engine("smollm2" if request.param == "llamacpp" else "gemma3")
     return World(eng, tmp, short=256, long=512, min_prompt=600)
 
 
@@ -208,7 +219,7 @@ def test_ladder_rejects_damaged_and_serves_shorter(world, kind, tmp_path, caplog
     sess = ds4.Session(world.engine, ctx=world.ctx)
     # A live session on an unrelated conversation, to be replaced.
     sess.sync(world.engine.tokenize("unrelated words " * 4, special=True))
-    rep = ds4.recover(sess, store, world.prompt, evict_save=False)
+    rep = recover(sess, store, world.prompt, evict_save=False)
 
     assert rep.rung == "disk", rep.as_dict()
     assert rep.loaded_path == os.path.join(d, os.path.basename(world.short_path))
@@ -263,7 +274,7 @@ def test_ladder_damage_found_at_load(world, kind, tmp_path, caplog):
     assert [e.path for e in store.lookup(world.prompt)] == [bad, short]
     sess = ds4.Session(world.engine, ctx=world.ctx)
     sess.sync(world.engine.tokenize("unrelated words " * 4, special=True))
-    rep = ds4.recover(sess, store, world.prompt, evict_save=False)
+    rep = recover(sess, store, world.prompt, evict_save=False)
 
     assert rep.rung == "disk", rep.as_dict()
     assert rep.loaded_path == short
@@ -293,7 +304,7 @@ def test_ladder_all_corrupt_falls_back_to_prefill(world, tmp_path):
         Path(fp).write_bytes(b)
     store = world.store(d)
     sess = ds4.Session(world.engine, ctx=world.ctx)
-    rep = ds4.recover(sess, store, world.prompt)
+    rep = recover(sess, store, world.prompt)
     assert rep.rung == "prefill" and rep.reused_tokens == 0
     assert sorted(c for (_p, _s, c, _r) in rep.rejected) == ["payload_checksum", "payload_checksum"]
     assert [f for f in os.listdir(d) if f.endswith(".kv")] == []
@@ -304,13 +315,13 @@ def test_ladder_longest_wins_and_live_rungs(world, tmp_path):
     d = world.fresh_dir(tmp_path)
     store = world.store(d)
     sess = ds4.Session(world.engine, ctx=world.ctx)
-    rep = ds4.recover(sess, store, world.prompt)
+    rep = recover(sess, store, world.prompt)
     assert rep.rung == "disk" and rep.reused_tokens == world.long and rep.rejected == []
     assert sess.generate(GEN) == world.cold_out
     # Same prompt again: the live session serves it (token prefix).
     sess2 = ds4.Session(world.engine, ctx=world.ctx)
-    ds4.recover(sess2, store, world.prompt)
-    rep2 = ds4.recover(sess2, store, world.prompt)
+    recover(sess2, store, world.prompt)
+    rep2 = recover(sess2, store, world.prompt)
     assert rep2.rung == "live" and rep2.reused_tokens == len(world.tokens)
     assert sess2.generate(GEN) == world.cold_out
 
@@ -319,7 +330,7 @@ def test_resumed_equals_cold_after_restart(world, tmp_path):
     """A new store object (a restarted process) resumes from disk exactly."""
     d = world.fresh_dir(tmp_path)
     sess = ds4.Session(world.engine, ctx=world.ctx)
-    rep = ds4.recover(sess, world.store(d), world.prompt)
+    rep = recover(sess, world.store(d), world.prompt)
     assert rep.rung == "disk"
     logits_resumed = np.array(sess.logits)
     cold = ds4.Session(world.engine, ctx=world.ctx)
@@ -338,7 +349,7 @@ def test_longer_disk_prefix_beats_a_short_rewind(world, tmp_path):
     sess = ds4.Session(world.engine, ctx=world.ctx)
     diverged = world.tokens[:100] + world.engine.tokenize(" a different branch of this conversation", special=False)
     sess.sync(diverged)
-    rep = ds4.recover(sess, store, world.prompt, evict_save=False)
+    rep = recover(sess, store, world.prompt, evict_save=False)
     assert rep.rung == "disk" and rep.reused_tokens == world.long, rep.as_dict()
     assert any("rewrite skipped" in e for e in rep.events)
     assert sess.generate(GEN) == world.cold_out
@@ -354,8 +365,8 @@ def test_rewind_saves_the_discarded_branch_first(world, tmp_path):
     a = world.tokens
     b = world.tokens[:100] + eng.tokenize(" another user's question, quite different", special=False)
     sess.sync(a)
-    rep_b = ds4.recover(sess, store, eng.detokenize(b))
+    rep_b = recover(sess, store, eng.detokenize(b))
     assert rep_b.evict_saved is not None  # the A branch went to disk first
-    rep_a = ds4.recover(sess, store, world.prompt)
+    rep_a = recover(sess, store, world.prompt)
     assert rep_a.rung == "disk" and rep_a.reused_tokens == len(a)
     assert sess.generate(GEN) == world.cold_out
