@@ -432,3 +432,54 @@ def test_check_payload_logits_finite(bad):
     logits = np.zeros(V, np.float32)
     logits[V - 1] = bad
     payload_rejected(payload(logits=logits), 3, "logits contain NaN or infinity")
+
+
+# -- the section each truncation names (pinned: a wrong name would mislead) -----
+def _sections(n, layout):
+    """(first byte, section name) of every part of a good blob, in order."""
+    out, at = [(0, "the sequence header")], 8
+    for c in layout.caches:
+        cells = c.cells(n)
+        out += [(at, "the cache header"), (at + 8, "the cell table")]
+        at += 8 + 12 * cells
+        out.append((at, "the layer header"))
+        at += 8
+        for _, row in c.k:
+            out += [(at, "a K header"), (at + 12, "K rows")]
+            at += 12 + row * cells
+        for vh in c.v:
+            per = vh[1] * vh[2] if c.v_trans else vh[1]
+            out += [(at, "a V header"), (at + 12, "V rows")]
+            at += 12 + per * cells
+    return out
+
+
+@pytest.mark.parametrize("layout, n", [(PLAIN, 3), (SWA, 6)])
+@pytest.mark.parametrize("fn", ["walk", "learn"])
+def test_a_truncation_names_the_section_it_falls_in(layout, n, fn):
+    b = make_blob(n, layout)
+    secs = _sections(n, layout)
+    if fn == "learn":
+        n = min(n, 4)  # learn_layout reads states shorter than the window
+        b = make_blob(n, layout)
+        secs = _sections(n, layout)
+    for (start, name), (nxt, _) in zip(secs, [*secs[1:], (b.size, "")], strict=True):
+        for cut in {start, (start + nxt) // 2}:
+            if cut >= nxt or (fn == "learn" and cut == start and name == "the cache header"):
+                continue  # learn_layout reads caches while bytes are left: a cut there is fewer caches
+            with pytest.raises(EngineStateError) as ei:
+                walk_state(b[:cut], n, layout) if fn == "walk" else learn_layout(b[:cut], n, layout.caches[-1].n_swa)
+            assert ei.value.reason.startswith(f"llama_state truncated in {name} (at byte "), (
+                cut,
+                name,
+                ei.value.reason,
+            )
+
+
+def test_learn_refuses_more_than_four_caches_and_takes_a_window_of_one():
+    five = StateLayout(tuple(cache() for _ in range(5)))
+    with pytest.raises(EngineStateError) as ei:
+        learn_layout(make_blob(1, five), 1, 4)
+    assert ei.value.reason == "llama_state has too many caches"
+    one = StateLayout((cache(1), cache(3, n_swa=1)))
+    assert learn_layout(make_blob(1, one), 1, 1) == one
