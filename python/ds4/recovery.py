@@ -29,7 +29,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
@@ -203,6 +202,7 @@ class _Ladder:
         #: rendered only when the tokens are not a prefix of the prompt's)
         self.live_tokens: list[int] | None = None
         self.live_text: bytes | None = None
+        self.considered: Entry | None = None  # see found()
         self.loaded: LoadResult | None = None  # the checkpoint the disk rung used
 
     def found(self) -> Candidates:
@@ -214,6 +214,9 @@ class _Ladder:
             )
             self.rep.rejected.extend(self._found.rejected)
             self.rep.remote = self._found.remote_state
+            # what the lookup considered, before this run stores anything (a
+            # pass over the index rows in Python: see DESIGN, "Why a turn missed")
+            self.considered = self.store.longest_considered(self._found, ctx=self.sess.ctx)
         return self._found
 
     def run(self, cold_save: bool) -> RecoveryReport:
@@ -333,7 +336,7 @@ class _Ladder:
                 best = (_core.common_prefix_len(self.live_text, prompt), "live", self.live_text)
             if self.loaded is not None and (best is None or self.loaded.text_bytes > best[0]):
                 best = (self.loaded.text_bytes, "checkpoint", None)
-            e = self.considered_on_a_miss()
+            e = self.considered
             if self.store is not None and e is not None and (best is None or e.text_bytes > best[0]):
                 text = self.store.stored_text(e, self.sess.namespace)
                 if text is not None:
@@ -364,16 +367,6 @@ class _Ladder:
                 json.dumps(d["cached"], ensure_ascii=False),
                 json.dumps(d["prompt"], ensure_ascii=False),
             )
-
-    def considered_on_a_miss(self) -> Entry | None:
-        """The longest checkpoint the lookup considered, looked for only when
-        nothing was reused (a full prefill, beside which a pass over the
-        index rows costs little; a hit has its live state or loaded file as
-        the candidate), leaving out what this run stored itself."""
-        if self.store is None or self._found is None or self.rep.rung != "prefill":
-            return None
-        mine = {os.path.basename(p) for p in (self.rep.cold_saved, self.rep.evict_saved) if p}
-        return self.store.longest_considered(self._found, ctx=self.sess.ctx, exclude=mine)
 
     # 1. the live session ---------------------------------------------------
     def live(self) -> RecoveryReport | None:

@@ -349,8 +349,7 @@ class KVStore:
         breaking ties. It need not be a prefix of the prompt: where the
         prompt leaves it is what the ladder reports (its ``divergence``;
         :meth:`stored_text` reads its text). Names in ``exclude`` are left
-        out (what the caller stored since the lookup). A pass over every
-        index row: the ladder asks only on a full miss."""
+        out. A pass over every index row, in Python."""
         limit, ns = len(found.prompt), found.namespace
         best: IndexRow | None = None
         for row in self._idx.entries():
