@@ -266,3 +266,26 @@ def test_an_engine_that_cannot_rewind_rebuilds_from_a_checkpoint(eng, tmp_path):
     assert rep.rung == "disk", rep.events
     assert any("rewrite needs rebuild" in e for e in rep.events), rep.events
     assert s.generate(GEN) == cold_reply(eng, b)
+
+
+def test_rewind_into_a_loaded_state(eng, tmp_path):
+    """A session loaded from disk, then a prompt that leaves the loaded
+    prefix: SmolLM2's full cache rewinds into it (rung rewrite); a Gemma
+    state longer than the window lost the window layers' earlier cells, so
+    the rewind is refused (REBUILD_NEEDED: here, with no store, a prefill).
+    Both replies are cold's."""
+    st = store(tmp_path / "kv")
+    a = story(eng, 75, "The end.")
+    s = ds4.Session(eng, ctx=CTX)
+    recover(s, st, a, prompt_save=False)
+    assert st.store_live_prefix(s, "continued")
+    loaded = ds4.Session(eng, ctx=CTX)
+    assert recover(loaded, st, a + " More.", prompt_save=False).rung == "disk"
+    b = story(eng, 30, "But the heron stood still in the reeds, waiting.")
+    rep = recover(loaded, None, b)
+    if eng.rewind_limited:
+        assert rep.rung == "prefill", rep.events
+        assert any("rewrite needs rebuild" in e for e in rep.events), rep.events
+    else:
+        assert rep.rung == "rewrite" and rep.reused_tokens > 300, rep.events
+    assert loaded.generate(GEN) == cold_reply(eng, b)

@@ -350,6 +350,9 @@ class Session:
         except Exception as e:
             self.invalidate(f"engine failed loading checkpoint: {e}")
             raise EngineStateError(f"engine failed to load the state: {e}") from e
+        know = getattr(self._ectx, "know_tokens", None)
+        if know is not None:
+            know(new_tokens)  # verified against the text: a rewind may re-decode them
         self._tokens = new_tokens
         self._logits = new_logits
         self._valid = True

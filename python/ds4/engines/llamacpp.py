@@ -402,6 +402,11 @@ class LlamaCppContext:
         self._tokens: list[int] = []
         # tokens [0, _known_from) came from import_state: their ids are unknown
         self._known_from = 0
+        # the shortest state a rewind may leave: 0, but after an import of a
+        # windowed state the window layers' cells before its window are zeros
+        # (a rewind to n re-decodes token n-1, which sees the window before
+        # it), so then the import's length, unless it fit in the window
+        self._rewind_min = 0
         self._logits: np.ndarray | None = None
         if reuse is not None:
             self._ctx, self._mem, self._batch = reuse.ctx, reuse.mem, reuse.batch
@@ -446,6 +451,7 @@ class LlamaCppContext:
         self._lc.llama_memory_clear(self._mem, True)
         self._tokens = []
         self._known_from = 0
+        self._rewind_min = 0
         self._logits = None
 
     def close(self) -> None:
@@ -556,7 +562,7 @@ class LlamaCppContext:
         if n == 0:
             self.reset()
             return True
-        if n - 1 < self._known_from or not self._engine.can_rewind:
+        if n - 1 < self._known_from or not self._engine.can_rewind or n < self._rewind_min:
             return False
         if not self._lc.llama_memory_seq_rm(self._mem, 0, n - 1, -1):
             return False
@@ -614,7 +620,20 @@ class LlamaCppContext:
             )
         self._tokens = [-1] * n_tokens
         self._known_from = n_tokens
+        short = layout is None or (layout.windowed and n_tokens > eng.n_swa)
+        self._rewind_min = n_tokens if short else 0
         self._logits = new_logits
+
+    def know_tokens(self, tokens: Sequence[int]) -> None:
+        """The ids of the tokens the last import restored (a session checked
+        them against the checkpoint's verified text), so that a rewind into
+        the imported prefix can re-decode its last kept token. What the
+        window layers lost stays lost: :meth:`truncate` still refuses a cut
+        into a windowed import longer than its window (``_rewind_min``)."""
+        if self._known_from == 0 or len(tokens) != len(self._tokens):
+            raise EngineError("know_tokens: not the tokens of the last import")
+        self._tokens = [int(t) for t in tokens]
+        self._known_from = 0
 
     @property
     def tokens(self) -> list[int] | None:
