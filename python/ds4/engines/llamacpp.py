@@ -83,7 +83,7 @@ from .llamacpp_lib import (
     load_llama_cpp,
     model_fingerprint,
 )
-from .llamacpp_probe import Probe, probe_engine
+from .llamacpp_probe import CANDIDATES, Probe, probe_engine
 from .llamacpp_state import StateLayout, check_payload, full_layout, walk_state
 
 __all__ = ["GGUF_NAME", "LlamaCppContext", "LlamaCppEngine", "default_model_path"]
@@ -93,9 +93,10 @@ PAYLOAD_LAYOUT = 2  # 2: llama_state is a sequence-0 state (llama_state_seq_get_
 DEFAULT_N_BATCH = 512
 
 _GGML_TYPE_F16 = 1
-#: the largest batch floor and multiple a probe may choose (llamacpp_probe)
-_MAX_FLOOR = 8
-_MAX_MULT = 4
+#: the largest batch floor and multiple a probe may choose (a context's
+#: batch and cells have room for their pads)
+_MAX_FLOOR = max(f for f, _ in CANDIDATES)
+_MAX_MULT = max(m for _, m in CANDIDATES)
 _LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
 
 
@@ -362,9 +363,10 @@ class LlamaCppEngine:
 
     @property
     def rewind_limited(self) -> bool:
-        """Whether a loaded state cannot be rewound (a sliding window's
-        earlier cells are not in a checkpoint; recurrent memory has no
-        positions to drop): then the ladder stores each prompt
+        """Whether a loaded state may not be rewound (a sliding window's
+        earlier cells are not in a checkpoint once it is longer than the
+        window; recurrent memory has no positions to drop): then the ladder
+        stores each prompt
         (:func:`ds4.recover`'s ``prompt_save``)."""
         return not self.can_rewind or (self.state_layout is not None and self.state_layout.windowed)
 
@@ -550,9 +552,11 @@ class LlamaCppContext:
         llama.cpp keeps no logits for earlier positions, so the last kept
         token is removed too and evaluated again to get its logits (exact:
         bit-identical to a cold prefill in ``exact`` mode). That needs its
-        id, which the context knows for tokens it evaluated itself but not
-        for the ones restored by ``import_state``: then (and only then) it
-        returns False and leaves the state unchanged."""
+        id, which the context knows for tokens it evaluated itself, and for
+        imported ones once told (:meth:`know_tokens`). It returns False and
+        leaves the state unchanged when the ids are unknown, when the model
+        cannot rewind (recurrent memory), and when the cut reaches into a
+        windowed import longer than its window (``_rewind_min``)."""
         self._check_open()
         n = int(n_tokens)
         if n < 0 or n > self.n_past:
