@@ -476,7 +476,7 @@ class _CallBlock:
                 self.out.append(StreamEvent("args", text, self._index(path)))
 
     def end(self, path: tuple[str | int, ...], value: object) -> None:
-        got = self._call(path) if path else None
+        got = self._call(path) if path or self.top == "{" else None
         if got is None:
             return
         c, rest = got
