@@ -30,10 +30,15 @@ Parsing
     first ``<tool_call>`` must be one JSON array (or object) of calls to
     declared tools with object arguments, closed by ``</tool_call>`` and
     followed by nothing but whitespace. Anything else is returned whole as
-    content, never an error. :class:`StreamSplitter` does the same
-    incrementally for streams: visible text goes out at once except what
-    could be the start of a ``<tool_call>`` marker; a block is held until it
-    closes, then sent as calls (or, when it does not parse, as text).
+    content, never an error (a duplicate key in a call included: its
+    streamed prefix could not be canonical). :class:`StreamSplitter` does
+    the same incrementally for streams: visible text goes out at once
+    except what could be the start of a ``<tool_call>`` marker; inside a
+    block, each call is announced once its name is complete and declared,
+    then its arguments stream as fragments of their canonical text
+    (re-serialized as they are read, so they join to exactly the parsed
+    call's ``arguments``); a block that turns out not to parse ends the
+    calls already announced and follows them with the block's text.
 """
 
 from __future__ import annotations
