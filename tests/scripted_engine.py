@@ -15,7 +15,9 @@ is the last one that is not a system turn):
     * after a user turn: a call of the first tool, ``{"n": <a number taken
       from the prompt>}``; the user text steers it: ``MALFORMED`` (a broken
       call block), ``COMPACT`` (a valid call not in the canonical spacing),
-      ``TWO`` (two parallel calls), ``TALK`` (plain text, no call).
+      ``ESCAPED`` (a compact call of ``note`` whose string is ``\\u``-escaped),
+      ``TWO`` (two parallel calls), ``TALK`` (plain text, no call),
+      ``PREFACE`` (visible text before the call).
 Without tools: ``Hello from the script.``
 """
 
@@ -52,12 +54,15 @@ def script(prompt: str) -> str:
         return '<tool_call>[{"name": "' + name + '", "arguments": {"n": </tool_call>'
     if "COMPACT" in last:
         return f'<tool_call>[{{"name":"{name}","arguments":{{"n":{n}}}}}]</tool_call>'
+    if "ESCAPED" in last:
+        return f'<tool_call>[{{"name":"note","arguments":{{"text":"caf\\u00e9 \\"{n}\\"","n":{n}}}}}]</tool_call>'
     if "TALK" in last:
         return "No tool needed."
     calls = [{"name": name, "arguments": {"n": n}}]
     if "TWO" in last:
         calls.append({"name": name, "arguments": {"n": n + 1}})
-    return "<tool_call>" + json.dumps(calls) + "</tool_call>"
+    pre = "Let me look that up.\n" if "PREFACE" in last else ""
+    return pre + "<tool_call>" + json.dumps(calls) + "</tool_call>"
 
 
 class ScriptedContext(ReferenceContext):

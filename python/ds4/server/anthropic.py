@@ -39,9 +39,19 @@ import uuid
 
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
-from .conversation import Conversation, Message, Outcome, Tool, ToolCall, issued_call_id, results_without_calls
+from .conversation import (
+    Conversation,
+    Message,
+    Outcome,
+    Tool,
+    ToolCall,
+    issued_call_id,
+    new_call_id,
+    results_without_calls,
+)
 from .fields import int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
+from .tools import StreamEvent
 from .volatile import SystemText
 
 __all__ = ["AnthropicWire", "MessagesParser"]
@@ -289,7 +299,12 @@ def stop_reason(oc: Outcome, res: GenResult) -> tuple[str, str | None]:
 
 
 class MessagesReply:
-    """The bodies of one ``/v1/messages`` answer."""
+    """The bodies of one ``/v1/messages`` answer. A stream with tools goes
+    through the convention's splitter (:class:`ds4.server.tools.StreamSplitter`):
+    text in a text block, then each call as it is generated, a ``tool_use``
+    block (the id the turn's outcome will hold, the name, ``input: {}``)
+    once its name is complete, its canonical arguments as ``input_json_delta``
+    fragments, ``content_block_stop`` when its object closes."""
 
     terminator = b""
 
@@ -341,32 +356,55 @@ class MessagesReply:
         if not self.text_open:
             self.text_open = True
             block = {"type": "text", "text": ""}
-            out.append(_sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": block}))
-        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
+            start = {"type": "content_block_start", "index": self.index, "content_block": block}
+            out.append(_sse("content_block_start", start))
+        delta = {"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}
         out.append(_sse("content_block_delta", delta))
+        return out
+
+    def _stop_text(self) -> list[bytes]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        self.index += 1
+        return [_sse("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]
+
+    def _events(self, events: list[StreamEvent]) -> list[bytes]:
+        """The events of the splitter's: text in a text block, each call a
+        ``tool_use`` block (started once its name is known, ``input_json_delta``
+        fragments, stopped when its object closes)."""
+        out = []
+        for e in events:
+            if e.kind == "text":
+                out += self._text(e.text)
+            elif e.kind == "start":
+                out += self._stop_text()
+                agent = self.turn.agent
+                cid = agent.call_id(e.index) if agent is not None else new_call_id("toolu_")
+                block = {"type": "tool_use", "id": cid, "name": e.text, "input": {}}
+                start = {"type": "content_block_start", "index": self.index, "content_block": block}
+                out.append(_sse("content_block_start", start))
+            elif e.kind == "args":
+                part = {"type": "input_json_delta", "partial_json": e.text}
+                out.append(
+                    _sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": part})
+                )
+            elif e.kind == "end":
+                out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+                self.index += 1
         return out
 
     def chunk(self, text: str) -> bytes:
         if self.splitter is not None:
-            text = self.splitter.push(text)
+            return b"".join(self._events(self.splitter.feed(text)))
         return b"".join(self._text(text))
 
     def closing(self, res: GenResult) -> list[bytes]:
         oc = self._outcome(res)
         out: list[bytes] = []
         if self.splitter is not None:
-            _, rest = self.splitter.finish()
-            out += self._text(rest if oc.calls else self.splitter.buf[self.splitter.shown :])
-        if self.text_open:
-            out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
-        k = 1 if self.text_open else 0
-        for c in oc.calls:
-            block = {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}
-            out.append(_sse("content_block_start", {"type": "content_block_start", "index": k, "content_block": block}))
-            part = {"type": "input_json_delta", "partial_json": c.arguments}
-            out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": k, "delta": part}))
-            out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": k}))
-            k += 1
+            out += self._events(self.splitter.close([(c.name, c.arguments) for c in oc.calls]))
+        out += self._stop_text()
         reason, seq = stop_reason(oc, res)
         delta: JSON = {
             "type": "message_delta",

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -188,7 +189,11 @@ class Conversation:
         return rep
 
     def splitter(self) -> conv_tools.StreamSplitter | None:
-        return conv_tools.StreamSplitter(self.names()) if self.tools_active else None
+        """The stream's splitter (None without tools): declared names, one
+        call at most without ``parallel_tool_calls`` (as :meth:`parse`)."""
+        if not self.tools_active:
+            return None
+        return conv_tools.StreamSplitter(self.names(), None if self.parallel_tool_calls else 1)
 
     def gen_params(self, params: GenParams) -> GenParams:
         """The turn's decoding parameters: with tools, decoding stops right
@@ -284,6 +289,18 @@ class AgentTurn:
         self.messages: list[dict[str, str]] = []
         self.outcome: Outcome | None = None
         self.on_outcome: Callable[[Outcome, GenResult], None] | None = None  # (the outcome, the turn's result)
+        self._ids: list[str] = []
+        self._ids_lock = threading.Lock()
+
+    def call_id(self, k: int) -> str:
+        """The id of the turn's call ``k`` (:func:`new_call_id`, drawn on first
+        use): a stream announces a call by it while it is generated (in the
+        event loop), :meth:`done` gives it to the parsed call ``k`` (in the
+        worker thread), so the client holds the id the server recognises."""
+        with self._ids_lock:
+            while len(self._ids) <= k:
+                self._ids.append(new_call_id(self.id_prefix))
+            return self._ids[k]
 
     def render(self, engine: Engine, namespace: str | None = None) -> str:
         """The prompt of a turn in the cache ``namespace`` (the request's:
@@ -323,7 +340,7 @@ class AgentTurn:
         calls, bring the live state to the turn's canonical rendering
         (before the final event is sent) and remember it."""
         rep = self.conv.parse(res.text)
-        calls = [ToolCall(new_call_id(self.id_prefix), c.name, c.arguments) for c in rep.calls]
+        calls = [ToolCall(self.call_id(k), c.name, c.arguments) for k, c in enumerate(rep.calls)]
         finish = "tool_calls" if calls else res.finish_reason
         self.outcome = Outcome(rep.content if calls else res.text, calls, finish)
         self.live.clear()

@@ -19,9 +19,9 @@ from typing import Any
 from ..constrain import Constraint
 from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError, EngineError, PromptError
 from ..turn import GenParams, GenResult
-from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outcome, Tool, ToolCall
+from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outcome, Tool, ToolCall, new_call_id
 from .fields import format_name, is_int, is_num, utf8_len
-from .tools import StreamSplitter
+from .tools import StreamEvent, StreamSplitter
 from .volatile import SystemText
 from .worker import Cancelled, QueueFull, ShuttingDown
 
@@ -534,12 +534,6 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
     }
 
 
-def _call_json(k: int, c: ToolCall, head: bool) -> JSON:
-    if head:
-        return {"index": k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
-    return {"index": k, "function": {"arguments": c.arguments}}
-
-
 class Wire:
     """How one protocol answers (the app's routes are protocol-blind):
     ``reply(turn)`` builds the response bodies of a turn (an object with
@@ -566,9 +560,13 @@ class OpenAIWire(Wire):
 
 class Reply:
     """The response bodies of one turn: a whole completion, or its SSE
-    chunks. A chat with tools streams its visible text through the
-    convention's splitter (a call block is held back) and its calls, each a
-    header delta then an arguments delta, at the end."""
+    chunks. A chat with tools streams through the convention's splitter
+    (:class:`ds4.server.tools.StreamSplitter`): visible text as content
+    deltas, each call as it is generated, a header delta (``index``, the
+    ``id`` the turn's outcome will hold, ``type``, ``function.name`` and
+    empty ``arguments``) once its name is complete, then ``arguments``
+    fragments; what the splitter could not send live goes out at the end
+    (see :meth:`ds4.server.tools.StreamSplitter.close`)."""
 
     terminator = b"data: [DONE]\n\n"
 
@@ -616,12 +614,28 @@ class Reply:
         ch = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
         return sse({**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch]}, ensure_ascii=False)
 
+    def _call_id(self, k: int) -> str:
+        agent = self.turn.agent
+        return agent.call_id(k) if agent is not None else new_call_id("call_")
+
+    def _events(self, events: list[StreamEvent]) -> bytes:
+        """The chunks of the splitter's events: text as content, a call's
+        start as its header delta, its fragments as arguments deltas."""
+        out = []
+        for e in events:
+            if e.kind == "text":
+                out.append(self._delta({"content": e.text}))
+            elif e.kind == "start":
+                head = {"index": e.index, "id": self._call_id(e.index), "type": "function"}
+                out.append(self._delta({"tool_calls": [{**head, "function": {"name": e.text, "arguments": ""}}]}))
+            elif e.kind == "args":
+                out.append(self._delta({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}))
+        return b"".join(out)
+
     def chunk(self, delta: str | None, finish: str | None = None, first: bool = False) -> bytes:
         if self.chat:
-            if self.splitter is not None and delta:
-                delta = self.splitter.push(delta)
-                if not delta and finish is None:
-                    return b""
+            if self.splitter is not None and delta and finish is None and not first:
+                return self._events(self.splitter.feed(delta))
             d: JSON = {}
             if first:
                 d["role"] = "assistant"
@@ -640,14 +654,9 @@ class Reply:
         finish = res.finish_reason
         if self.chat and self.splitter is not None:
             oc = self._outcome(res)
-            _, rest = self.splitter.finish()
-            if not oc.calls:
-                rest = self.splitter.buf[self.splitter.shown :]
-            if rest:
-                out.append(self._delta({"content": rest}))
-            for k, c in enumerate(oc.calls):
-                out.append(self._delta({"tool_calls": [_call_json(k, c, True)]}))
-                out.append(self._delta({"tool_calls": [_call_json(k, c, False)]}))
+            ev = self._events(self.splitter.close([(c.name, c.arguments) for c in oc.calls]))
+            if ev:
+                out.append(ev)
             finish = oc.finish_reason
         out.append(self.chunk(None if self.chat else "", finish))
         if self.turn.include_usage:
