@@ -49,6 +49,25 @@ def test_split_and_the_stream_splitter_agree(text, opened, want):
         assert not any(p[0] for p in pieces[first_c + 1 :]), cut
 
 
+def test_next_turn_prefix_ends_where_the_assistant_turn_does():
+    """The rendering every next request starts with: the reply as an
+    earlier turn, up to its end-of-turn (not the next turn's opening)."""
+    from types import SimpleNamespace
+
+    from scripted_engine import QWEN3_LIKE, ScriptedEngine
+
+    from ds4.engines.chat_template import render_gemma
+    from ds4.server.conversation import next_turn_prefix
+
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]
+    gemma = next_turn_prefix(SimpleNamespace(render_chat=render_gemma), msgs)
+    assert str(gemma) == "<bos><start_of_turn>user\nq<end_of_turn>\n<start_of_turn>model\na<end_of_turn>\n"
+    qwen = next_turn_prefix(ScriptedEngine(template=QWEN3_LIKE), msgs)
+    assert str(qwen) == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"
+    chatml = next_turn_prefix(ScriptedEngine(), msgs)
+    assert str(chatml) == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\na<|im_end|>\n"
+
+
 # -- servers -------------------------------------------------------------------
 def _server(tmp_path_factory, name, env=None):
     tmp = tmp_path_factory.mktemp(name)
