@@ -36,10 +36,12 @@ SYSTEM = "You are an agent. Use the tools to answer. " + " ".join(f"rule-{i}: be
 class ScriptedServer(Server):
     """``ds4 serve`` over the scripted engine (or, with ``engine``, a real
     one), in a subprocess: :class:`test_server.Server`'s life cycle with
-    the scripted engine's command line."""
+    the scripted engine's command line (``env``: more of its environment,
+    e.g. ``DS4_SCRIPTED_TEMPLATE``)."""
 
-    def __init__(self, tmp, name, *args, ctx=8192, engine=None):
-        super().__init__(str(tmp), name, ctx=ctx, env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+    def __init__(self, tmp, name, *args, ctx=8192, engine=None, env=None):
+        env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **(env or {})}
+        super().__init__(str(tmp), name, ctx=ctx, env=env)
         cmd = [sys.executable, os.path.join(HERE, "scripted_serve.py"), "--engine", "reference"]
         if engine is not None:
             cmd = [sys.executable, "-m", "ds4", "serve", "--engine", engine]

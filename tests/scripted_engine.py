@@ -18,7 +18,15 @@ is the last one that is not a system turn):
       ``ESCAPED`` (a compact call of ``note`` whose string is ``\\u``-escaped),
       ``TWO`` (two parallel calls), ``TALK`` (plain text, no call),
       ``PREFACE`` (visible text before the call).
-Without tools: ``Hello from the script.``
+Without tools: ``Hello from the script.``; when the last turn's text has
+``THINK``, a reasoning model's reply: ``<think>\nThinking about N.\n</think>\n\n``
+then ``The answer is N.`` (N from the prompt).
+
+``ScriptedEngine(template=...)`` renders chats with a GGUF-style Jinja
+template (:data:`QWEN3_LIKE`: Qwen3's handling of ``reasoning_content``,
+kept in the turns after the last user message and dropped from earlier
+ones) instead of the reference engine's ChatML, which keeps reasoning in
+every turn; ``scripted_serve.py`` takes it from ``DS4_SCRIPTED_TEMPLATE=qwen3``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import re
 
 import numpy as np
 
+from ds4.engines.chat_template import TemplateRenderer, marker_texts
 from ds4.engines.reference import ReferenceContext, ReferenceEngine
 
 IM_START, IM_END = 257, 258
@@ -39,12 +48,36 @@ def _first_tool(prompt: str) -> str:
     return json.loads(m.group(1))["name"] if m else "none"
 
 
+#: Qwen3's template's reasoning rule (its tool handling left out): an
+#: assistant turn after the last user message renders ``<think>`` (its
+#: reasoning, or empty when it is the last message), earlier ones drop it
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_query_index=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}"
+    "{%- set ns.last_query_index = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
 def script(prompt: str) -> str:
-    if "<tools>" not in prompt:
-        return "Hello from the script."
     # the last turn that is not a system turn (ds4 serve's --prompt-volatile-mode tail puts one last)
     turns = prompt.split("<|im_start|>")
     last = next((t for t in reversed(turns) if not t.startswith("system\n")), turns[-1])
+    if "<tools>" not in prompt:
+        if "THINK" in last:
+            n = len(prompt) % 97
+            return f"<think>\nThinking about {n}.\n</think>\n\nThe answer is {n}."
+        return "Hello from the script."
     if last.startswith("tool\n"):
         res = last.rsplit("<tool_response>\n", 1)[-1].split("\n</tool_response>", 1)[0]
         return f"Result: {res[:24]}."
@@ -128,8 +161,20 @@ class ScriptedContext(ReferenceContext):
 
 
 class ScriptedEngine(ReferenceEngine):
+    def __init__(self, *args, template: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chat_template = template
+        self._renderer = None
+
     def payload_abi(self) -> str:
         return super().payload_abi() + "+scripted"
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        if self.chat_template is None:
+            return super().render_chat(messages, add_generation_prompt)
+        if self._renderer is None:
+            self._renderer = TemplateRenderer(self.chat_template, markers=marker_texts(self))
+        return self._renderer.render(messages, add_generation_prompt)
 
     def new_context(self, n_ctx: int) -> ScriptedContext:
         return ScriptedContext(self, n_ctx)

@@ -6,12 +6,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from scripted_engine import ScriptedEngine
+from scripted_engine import QWEN3_LIKE, ScriptedEngine
 
 import ds4.server.app as app
 from ds4.cli import main
 
-app.build_engine = lambda *a, **k: ScriptedEngine()  # type: ignore[assignment]
+TEMPLATE = {"qwen3": QWEN3_LIKE}.get(os.environ.get("DS4_SCRIPTED_TEMPLATE", ""))
+app.build_engine = lambda *a, **k: ScriptedEngine(template=TEMPLATE)  # type: ignore[assignment]
 app.engine_model_id = lambda e: "ds4-scripted"  # type: ignore[assignment]
 
 if __name__ == "__main__":

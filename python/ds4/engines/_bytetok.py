@@ -39,7 +39,10 @@ class ByteTokenizer:
         """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
         then ``<|im_start|>assistant\\n`` when ``add_generation_prompt``. The
         markers are special spans, roles and contents text
-        (:class:`ds4.keytext.Prompt`)."""
+        (:class:`ds4.keytext.Prompt`). An assistant turn with a non-empty
+        ``reasoning_content`` keeps it in every turn, before its content, in
+        the form a reasoning model writes it (and :mod:`ds4.server.reasoning`
+        splits it): ``<think>\\n{reasoning}\\n</think>\\n\\n{content}``."""
         out: list[tuple[str, bool]] = []
         for m in messages:
             try:
@@ -48,6 +51,9 @@ class ByteTokenizer:
                 raise ValueError("each message must be a mapping with 'role' and 'content'") from None
             if not isinstance(role, str) or not isinstance(content, str):
                 raise TypeError("message role and content must be str")
+            reasoning = m.get("reasoning_content")
+            if reasoning and role == "assistant":
+                content = f"<think>\n{reasoning}\n</think>\n\n{content}"
             out += [("<|im_start|>", True), (f"{role}\n{content}", False), ("<|im_end|>", True), ("\n", False)]
         if add_generation_prompt:
             out += [("<|im_start|>", True), ("assistant\n", False)]

@@ -41,8 +41,18 @@ How the contents are found (the template's output is not trusted to tell)
     of, transforms or branches on a content so that these checks fail
     raises :class:`~ds4.errors.ChatTemplateSegmentsError`, never a guess (a
     content may appear any number of times, each a text span).
-    Messages reach the template as ``{"role", "content"}`` only, contents
-    strings; a role holding a marker's text is refused.
+    Messages reach the template as ``{"role", "content"}``, contents
+    strings, and an assistant turn with reasoning also has
+    ``reasoning_content`` (wrapped in sentinels and checked like a content:
+    client text, a text span); a role holding a marker's text is refused.
+
+Reasoning (``reasoning_content``)
+    A GGUF template renders it as it was written to (Qwen3's renders it in
+    ``<think>`` tags in the turns after the last user message and drops it
+    from earlier ones; a template that never reads it, SmolLM2's, drops it
+    everywhere). The Gemma built-in drops it (Gemma has no reasoning
+    format). The reference engine's ChatML (:mod:`ds4.engines._bytetok`)
+    keeps it in every turn.
 """
 
 from __future__ import annotations
@@ -131,8 +141,19 @@ def _messages(messages: Sequence[Mapping[str, str]], splitter: MarkerSplitter) -
             raise ChatTemplateError(f"message {i}: role and content must be strings")
         if splitter.find(role) is not None:
             raise ChatTemplateError(f"message {i}: the role {role!r} holds a marker")
-        out.append({"role": role, "content": content})
+        msg = {"role": role, "content": content}
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise ChatTemplateError(f"message {i}: reasoning_content must be a string")
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+        out.append(msg)
     return out
+
+
+#: the message fields a template gets that are client text (each a text span)
+_TEXT_FIELDS = ("content", "reasoning_content")
 
 
 # -- the GGUF's template (Jinja2) ------------------------------------------------
@@ -232,15 +253,19 @@ class TemplateRenderer:
         nonce = secrets.token_hex(8)
         if nonce in plain:  # pragma: no cover - 64 random bits
             raise ChatTemplateSegmentsError("the sentinel nonce occurs in the rendering")
-        wrapped = [
-            {"role": m["role"], "content": f"{_OPEN}{nonce}.{i}.o{_CLOSE}{m['content']}{_OPEN}{nonce}.{i}.c{_CLOSE}"}
-            if m["content"]
-            else m
-            for i, m in enumerate(msgs)
-        ]
+        texts: list[str] = []  # what the k-th pair of sentinels holds
+        wrapped = []
+        for m in msgs:
+            w = dict(m)
+            for f in _TEXT_FIELDS:
+                if m.get(f):
+                    k = len(texts)
+                    texts.append(m[f])
+                    w[f] = f"{_OPEN}{nonce}.{k}.o{_CLOSE}{m[f]}{_OPEN}{nonce}.{k}.c{_CLOSE}"
+            wrapped.append(w)
         marked = self.render_text(wrapped, add_generation_prompt, now)
         pieces = _pieces(marked, nonce)
-        if any(i >= 0 and text != msgs[i]["content"] for text, i in pieces):
+        if any(i >= 0 and text != texts[i] for text, i in pieces):
             raise ChatTemplateSegmentsError("the template transforms a message's content")
         spans = _align(pieces, plain)
         return _segments(spans, self.splitter)

@@ -12,8 +12,10 @@ Mapping
     unless ``--keep-billing-header``; :mod:`ds4.server.volatile`); ``text`` blocks are
     content; an assistant's ``tool_use`` blocks are its calls; a user's
     ``tool_result`` blocks are tool results (text content, ``is_error``
-    noted as ``Error:``); ``thinking`` blocks are dropped (no hidden
-    reasoning here). ``tool_choice`` ``auto``/``any``/``tool``/``none`` map to
+    noted as ``Error:``); an assistant's ``thinking`` blocks are its
+    reasoning, rendered as the chat template renders reasoning
+    (``redacted_thinking`` is dropped: ds4 never writes it, and its data is
+    no text); a ``thinking`` block's ``signature`` is not checked. ``tool_choice`` ``auto``/``any``/``tool``/``none`` map to
     auto/required/named/none, ``disable_parallel_tool_use`` to
     ``parallel_tool_calls: false``. Images and documents get a 400.
 
@@ -30,10 +32,20 @@ Usage
     ``cache_creation_input_tokens`` the tokens prefilled, which the live
     state holds afterwards; ``input_tokens`` is 0, so the three add up to
     the prompt, as they do in Anthropic's accounting.
+
+Thinking
+    A reply's reasoning (``<think>…</think>``, :mod:`ds4.server.reasoning`)
+    is a ``thinking`` block before the text (streamed as a
+    ``content_block_start`` of type ``thinking``, ``thinking_delta`` events,
+    one ``signature_delta`` and the block's stop); its ``signature`` is a
+    SHA-256 of the thinking text, which ds4 does not check when the block
+    comes back. A reply cut inside its reasoning (``max_tokens``) is its
+    ``thinking`` block alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 
@@ -51,6 +63,7 @@ from .conversation import (
 )
 from .fields import int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
+from .reasoning import ReasoningSplitter
 from .tools import StreamEvent
 from .volatile import SystemText
 
@@ -157,6 +170,7 @@ class MessagesParser:
             raise _bad(f"{where}: must be a string or an array of content blocks")
         out: list[Message] = []
         text: list[str] = []
+        thinking: list[str] = []
         calls: list[ToolCall] = []
         for j, b in enumerate(content):
             w = f"{where}.{j}"
@@ -173,12 +187,14 @@ class MessagesParser:
                 if b.get("is_error") is True:
                     res = f"Error: {res}"
                 out.append(Message("tool", res, tool_call_id=_str(b.get("tool_use_id"), f"{w}.tool_use_id")))
+            elif kind == "thinking" and role == "assistant":
+                thinking.append(_str(b.get("thinking"), f"{w}.thinking"))
             elif kind in ("thinking", "redacted_thinking"):
                 continue
             else:
                 raise _bad(f"{w}: content blocks of type {kind!r} are not supported")
-        if text or calls or not out:
-            out.append(Message(role, "".join(text), calls))
+        if text or calls or thinking or not out:
+            out.append(Message(role, "".join(text), calls, reasoning="\n\n".join(thinking) or None))
         return out
 
     def _messages(self, body: JSON) -> list[Message]:
@@ -257,7 +273,10 @@ class MessagesParser:
                     "has and this server never issued; send the tool_use with its result"
                 )
         conv = Conversation(msgs, tools, choice, parallel, volatile=self.volatile, live_only=bool(missing))
-        n = sum(len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in conv.messages)
+        n = sum(
+            len(m.content.encode()) + len((m.reasoning or "").encode()) + sum(len(c.arguments) for c in m.tool_calls)
+            for m in conv.messages
+        )
         if self.max_prompt_bytes is not None and n > self.max_prompt_bytes:
             raise _bad(f"prompt is too long: {n} bytes cannot fit the context")
         return conv
@@ -290,6 +309,12 @@ def usage(res: GenResult | None) -> JSON:
     }
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's signature: the SHA-256 of its text (ds4 does not
+    check it when the block comes back)."""
+    return hashlib.sha256(thinking.encode("utf-8", "replace")).hexdigest()
+
+
 def stop_reason(oc: Outcome, res: GenResult) -> tuple[str, str | None]:
     if oc.calls:
         return "tool_use", None
@@ -314,7 +339,10 @@ class MessagesReply:
         conv = turn.conv
         self.splitter = conv.splitter() if conv is not None else None
         self.text_open = False
-        self.index = 0
+        self.index = 0  # the index of the block open or next (thinking, text, then each call)
+        self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
+        self.thinking: str | None = None  # the thinking block's text so far (None: no block)
+        self.think_done = False  # the thinking block is closed
 
     def _outcome(self, res: GenResult) -> Outcome:
         oc = self.turn.agent.outcome if self.turn.agent is not None else None
@@ -338,7 +366,9 @@ class MessagesReply:
     def complete(self, res: GenResult) -> JSON:
         oc = self._outcome(res)
         content: list[JSON] = []
-        if oc.content or not oc.calls:
+        if oc.reasoning is not None:
+            content.append({"type": "thinking", "thinking": oc.reasoning, "signature": signature(oc.reasoning)})
+        if oc.content or (not oc.calls and oc.reasoning is None):
             content.append({"type": "text", "text": oc.content})
         content += [
             {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in oc.calls
@@ -394,14 +424,64 @@ class MessagesReply:
                 self.index += 1
         return out
 
+    def _think(self, text: str) -> list[bytes]:
+        """A thinking delta (the block, the first of the message, opened on
+        the first)."""
+        if not text:
+            return []
+        out = []
+        if self.thinking is None:
+            self.thinking = ""
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+            start = {"type": "content_block_start", "index": self.index, "content_block": block}
+            out.append(_sse("content_block_start", start))
+        self.thinking += text
+        delta = {
+            "type": "content_block_delta",
+            "index": self.index,
+            "delta": {"type": "thinking_delta", "thinking": text},
+        }
+        return [*out, _sse("content_block_delta", delta)]
+
+    def _end_think(self) -> list[bytes]:
+        """The thinking block's signature and stop (once, before the text)."""
+        if self.thinking is None or self.think_done:
+            return []
+        self.think_done = True
+        sig = {"type": "signature_delta", "signature": signature(self.thinking)}
+        self.index += 1
+        return [
+            _sse("content_block_delta", {"type": "content_block_delta", "index": self.index - 1, "delta": sig}),
+            _sse("content_block_stop", {"type": "content_block_stop", "index": self.index - 1}),
+        ]
+
+    def _split(self, text: str) -> tuple[list[bytes], str]:
+        """A text delta through the reasoning splitter: the thinking events
+        and the content left."""
+        if self.turn.agent is None:
+            return [], text
+        if self.rsplit is None:
+            self.rsplit = self.turn.agent.reasoning_splitter()
+        reasoning, content = self.rsplit.push(text)
+        out = self._think(reasoning)
+        return (out + self._end_think() if content else out), content
+
     def chunk(self, text: str) -> bytes:
+        pre, text = self._split(text)
         if self.splitter is not None:
-            return b"".join(self._events(self.splitter.feed(text)))
-        return b"".join(self._text(text))
+            return b"".join(pre + self._events(self.splitter.feed(text)))
+        return b"".join(pre + self._text(text))
 
     def closing(self, res: GenResult) -> list[bytes]:
         oc = self._outcome(res)
         out: list[bytes] = []
+        if self.rsplit is not None:
+            reasoning, content = self.rsplit.finish()
+            out += self._think(reasoning) + self._end_think()
+            if content and self.splitter is not None:
+                out += self._events(self.splitter.feed(content))
+            else:
+                out += self._text(content)
         if self.splitter is not None:
             out += self._events(self.splitter.close([(c.name, c.arguments) for c in oc.calls]))
         out += self._stop_text()

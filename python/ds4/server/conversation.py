@@ -12,7 +12,14 @@ calls generated at the live end: ds4's ``anthropic-tool-output`` /
 ``responses-tool-output`` match), then, after decoding and before the final
 event, parse the reply and bring the live state to its canonical rendering
 (ds4's ``canonicalize_tool_checkpoint``) so that the next request, the
-history plus the tool results, is a live hit.
+history plus the tool results, is a live hit. A reply's reasoning
+(``<think>…</think>``, :mod:`ds4.server.reasoning`) is split off first;
+after a turn that produced reasoning the live state is brought to the
+rendering every next request starts with (:func:`next_turn_prefix`: the
+reasoning kept or dropped as the template renders an earlier turn), so
+the next turn is a live hit whether the client sends the reasoning back or
+strips it, wherever the template renders both alike (docs/DESIGN.md,
+"Canonical reasoning checkpoints").
 
 Nothing here knows HTTP; the protocol modules build a :class:`Conversation`
 from their request bodies and format :class:`Outcome` back.
@@ -31,7 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..constrain import Constraint
 from ..errors import PromptError
+from ..keytext import Prompt
 from . import tools as conv_tools
+from .reasoning import OPEN as THINK_OPEN
+from .reasoning import ReasoningSplitter, split_reasoning
 from .volatile import SystemText
 
 if TYPE_CHECKING:
@@ -75,6 +85,9 @@ class Message:
     content: str = ""
     tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
     tool_call_id: str | None = None  # role "tool": the call it answers
+    #: role "assistant": the turn's reasoning (chat ``reasoning_content``, Anthropic
+    #: ``thinking``, Responses ``reasoning``); None when it has none or the client stripped it
+    reasoning: str | None = None
 
 
 @dataclasses.dataclass
@@ -214,7 +227,9 @@ class Conversation:
 
 def turns(messages: Sequence[Message]) -> list[dict[str, str]]:
     """Messages to engine chat turns: a run of tool results is one ``tool``
-    turn; an assistant turn's calls follow its content."""
+    turn; an assistant turn's calls follow its content, and its reasoning
+    (when it has some) is the turn's ``reasoning_content``, which the chat
+    template renders as it renders it (:mod:`ds4.engines.chat_template`)."""
     out: list[dict[str, str]] = []
     run: list[str] = []
     for m in messages:
@@ -226,7 +241,10 @@ def turns(messages: Sequence[Message]) -> list[dict[str, str]]:
             run = []
         if m.role == "assistant":
             calls = [(c.name, c.arguments) for c in m.tool_calls]
-            out.append({"role": "assistant", "content": conv_tools.render_assistant(m.content, calls)})
+            turn = {"role": "assistant", "content": conv_tools.render_assistant(m.content, calls)}
+            if m.reasoning:  # the template renders it (or drops it) as it renders the model's own
+                turn["reasoning_content"] = m.reasoning
+            out.append(turn)
         else:
             out.append({"role": m.role, "content": m.content})
     if run:
@@ -259,6 +277,7 @@ class Outcome:
     content: str
     calls: list[ToolCall]
     finish_reason: str  # "stop", "length", "tool_calls" or "cancelled"
+    reasoning: str | None = None  # the reply's <think> part (ds4.server.reasoning); None: none
 
 
 #: ds4's 409 messages, by protocol (AgentTurn's label)
@@ -287,6 +306,8 @@ class AgentTurn:
         # results whose calls the history does not hold: only the live state can serve it
         self.live_only = live_only or conv.live_only
         self.messages: list[dict[str, str]] = []
+        #: the prompt opens the reasoning (its generation prompt ends in <think>)
+        self.opened = False
         self.outcome: Outcome | None = None
         self.on_outcome: Callable[[Outcome, GenResult], None] | None = None  # (the outcome, the turn's result)
         self._ids: list[str] = []
@@ -311,7 +332,14 @@ class AgentTurn:
                 raise LiveStateGone(GONE.get(self.label, GONE["responses"]))
             msgs = self.conv.engine_messages()
         self.messages = msgs
-        return engine.render_chat(msgs)
+        prompt = engine.render_chat(msgs)
+        self.opened = prompt.rstrip().endswith(THINK_OPEN)
+        return prompt
+
+    def reasoning_splitter(self) -> ReasoningSplitter:
+        """A stream's reasoning splitter (call it once the prompt is rendered:
+        before the first text event)."""
+        return ReasoningSplitter(self.opened)
 
     def _live_continuation(self, namespace: str | None) -> list[dict[str, str]] | None:
         """ds4's tool-output match: the request ends in results for exactly
@@ -336,23 +364,50 @@ class AgentTurn:
         return [*live.messages, *turns(tail)]
 
     def done(self, res: GenResult) -> None:
-        """Parse the reply, give its calls ids; after a turn that ended in
+        """Split the reply's reasoning off (:mod:`ds4.server.reasoning`),
+        parse the rest, give its calls ids; after a turn that ended in
         calls, bring the live state to the turn's canonical rendering
-        (before the final event is sent) and remember it."""
-        rep = self.conv.parse(res.text)
+        (before the final event is sent) and remember it. After a turn that
+        produced reasoning (closed) and no calls, bring the live state to
+        the rendering the next request will hold (:meth:`_canonicalize_reasoning`)."""
+        sp = split_reasoning(res.text, self.opened)
+        text = res.text if sp.reasoning is None else sp.content
+        rep = self.conv.parse(text)
         calls = [ToolCall(self.call_id(k), c.name, c.arguments) for k, c in enumerate(rep.calls)]
         finish = "tool_calls" if calls else res.finish_reason
-        self.outcome = Outcome(rep.content if calls else res.text, calls, finish)
+        self.outcome = Outcome(rep.content if calls else text, calls, finish, sp.reasoning)
         self.live.clear()
         if calls and res.finish_reason == "stop":
-            self._canonicalize(rep.content, calls)
+            self._canonicalize(rep.content, calls, sp.reasoning)
+        elif sp.reasoning is not None and sp.closed and res.finish_reason in ("stop", "length"):
+            self._canonicalize_reasoning(text, sp.reasoning)
         if self.on_outcome is not None:
             self.on_outcome(self.outcome, res)
 
-    def _canonicalize(self, content: str, calls: list[ToolCall]) -> None:
+    def _canonicalize_reasoning(self, content: str, reasoning: str) -> None:
+        """The live state after a reasoning turn: the prompt and the reply as
+        the next request renders them (:func:`next_turn_prefix`: with the
+        reasoning where the template keeps it in earlier turns, without it
+        where it drops it), so that the next request, whether its client
+        sends the reasoning back or strips it, is a live hit wherever the
+        template renders both alike."""
+        gen = self.gen
+        turn = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        try:
+            text = next_turn_prefix(gen.engine, [*self.messages, turn])
+            if text is None:
+                return
+            gen.canonicalize(text)
+        except Exception as e:  # the reply stands; the next turn recovers as usual
+            log.warning("reasoning checkpoint rebuild failed: %s: %s", type(e).__name__, e)
+
+    def _canonicalize(self, content: str, calls: list[ToolCall], reasoning: str | None = None) -> None:
         gen = self.gen
         turn = conv_tools.render_assistant(content, [(c.name, c.arguments) for c in calls])
-        msgs = [*self.messages, {"role": "assistant", "content": turn}]
+        msg = {"role": "assistant", "content": turn}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        msgs = [*self.messages, msg]
         text = gen.engine.render_chat(msgs, add_generation_prompt=False)
         try:
             outcome = gen.canonicalize(text)
@@ -361,6 +416,42 @@ class AgentTurn:
             return
         if outcome != "failed":  # the live state holds ``text`` (canonicalize checked it)
             self.live.remember(frozenset(c.id for c in calls), msgs, gen.sess.key_bytes())
+
+
+#: the two user turns :func:`next_turn_prefix` renders after the turn
+_PROBES = ("a", "b")
+
+
+def next_turn_prefix(engine: Engine, messages: list[dict[str, str]]) -> Prompt | None:
+    """What every next request after ``messages`` (its last an assistant
+    turn) starts with: the rendering of ``messages`` and a user turn, cut
+    where two different user turns first part, then back before the next
+    turn's opening marker (the last special span), so that it ends where
+    the assistant turn does. This is the template's rendering of the turn
+    as an *earlier* turn (Qwen3's drops its reasoning then; rendering the
+    chat with the assistant turn last would keep it). A template with no
+    marker after the reply keeps the next turn's opening text. None when
+    nothing is left."""
+    a, b = (engine.render_chat([*messages, {"role": "user", "content": p}], False) for p in _PROBES)
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    segs: list[tuple[str, bool]] = []
+    at = 0
+    for text, special in getattr(a, "segments", ((str(a), False),)):
+        if at + len(text) > n:
+            if not special:
+                segs.append((text[: n - at], False))
+            break
+        segs.append((text, special))
+        at += len(text)
+    last = max((i for i, (_, sp) in enumerate(segs) if sp), default=-1)
+    prompt_len = len(engine.render_chat(messages[:-1], True))  # where the reply starts
+    if last > 0 and sum(len(t) for t, _ in segs[:last]) > prompt_len:  # a marker after the reply: its turn's end
+        segs = segs[:last]
+    return Prompt(segs) if segs else None
 
 
 def message_text(parts: Sequence[Mapping[str, Any]] | str) -> str:

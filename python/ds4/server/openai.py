@@ -21,6 +21,7 @@ from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError, En
 from ..turn import GenParams, GenResult
 from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outcome, Tool, ToolCall, new_call_id
 from .fields import format_name, is_int, is_num, utf8_len
+from .reasoning import ReasoningSplitter
 from .tools import StreamEvent, StreamSplitter
 from .volatile import SystemText
 from .worker import Cancelled, QueueFull, ShuttingDown
@@ -124,8 +125,8 @@ class Turn:
         self.params = params
         self.stream = stream
         self.include_usage = include_usage
-        # a chat with tools, tool calls or tool results: the worker runs it
-        # as an agent turn (ds4.server.conversation)
+        # a chat (every chat: its reasoning is split and canonicalized, its
+        # tools parsed): the worker runs it as an agent turn (ds4.server.conversation)
         self.conv = conv
         self.agent: AgentTurn | None = None
         self.cache_salt = cache_salt  # vLLM's field: its own cache namespace (ds4.server.tenants)
@@ -277,8 +278,8 @@ class RequestParser:
             raise _bad(f"{p}.name must be a string", f"{p}.name", "invalid_type")
         _utf8_len(name or "", f"{p}.name")
         msg = Message("system" if role == "developer" else role, content)
-        if role == "assistant" and m.get("tool_calls") is not None:
-            msg.tool_calls = self._calls(p, m["tool_calls"])
+        if role == "assistant":
+            msg.reasoning, msg.tool_calls = self._reasoning(p, m), self._calls(p, m.get("tool_calls"))
         if role == "tool":
             tcid = m.get("tool_call_id")
             if not isinstance(tcid, str):
@@ -287,7 +288,24 @@ class RequestParser:
         return msg
 
     @staticmethod
+    def _reasoning(p: str, m: JSON) -> str | None:
+        """An assistant message's ``reasoning_content`` (DeepSeek's and
+        vLLM's name; ``reasoning`` is taken too, OpenRouter's): rendered as
+        the chat template renders reasoning (ds4.server.reasoning)."""
+        for key in ("reasoning_content", "reasoning"):
+            v = m.get(key)
+            if v is None:
+                continue
+            if not isinstance(v, str):
+                raise _bad(f"{p}.{key} must be a string", f"{p}.{key}", "invalid_type")
+            _utf8_len(v, f"{p}.{key}")
+            return v or None
+        return None
+
+    @staticmethod
     def _calls(p: str, raw: object) -> list[ToolCall]:
+        if raw is None:
+            return []
         if not isinstance(raw, list):
             raise _bad(f"{p}.tool_calls must be an array", f"{p}.tool_calls", "invalid_type")
         out = []
@@ -361,19 +379,21 @@ class RequestParser:
         tools = self._tools(body)
         choice = self._tool_choice(body, tools)
         parallel = _opt_bool(body, "parallel_tool_calls")
-        n_bytes = sum(_utf8_len(m.content, "messages") + sum(len(c.arguments) for c in m.tool_calls) for m in out)
+        n_bytes = sum(
+            _utf8_len(m.content, "messages") + len(m.reasoning or "") + sum(len(c.arguments) for c in m.tool_calls)
+            for m in out
+        )
         self._fits(n_bytes + sum(len(json.dumps(t.schema())) for t in tools), "messages")
         params.constraint = response_format(body.get("response_format"))
         salt = cache_salt_of(body)
-        if tools or any(m.role == "tool" or m.tool_calls for m in out):
-            conv = Conversation(out, tools, choice, parallel is not False, volatile=self.volatile)
-            try:
-                params = conv.gen_params(params)
-            except ConstraintError as e:
-                raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
-            return Turn("chat", None, params, stream, inc, conv, cache_salt=salt)
-        chat = self.volatile.render([{"role": m.role, "content": m.content} for m in out])
-        return Turn("chat", chat, params, stream, inc, cache_salt=salt)
+        # every chat is an agent turn: its reply's reasoning is split off, and
+        # a reasoning turn is canonicalized like a tool turn (ds4.server.conversation)
+        conv = Conversation(out, tools, choice, parallel is not False, volatile=self.volatile)
+        try:
+            params = conv.gen_params(params)
+        except ConstraintError as e:
+            raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
+        return Turn("chat", None, params, stream, inc, conv, cache_salt=salt)
 
     def _system_text(self, m: Message) -> bool:
         """``m`` (a system or developer message) without its billing line;
@@ -566,7 +586,10 @@ class Reply:
     ``id`` the turn's outcome will hold, ``type``, ``function.name`` and
     empty ``arguments``) once its name is complete, then ``arguments``
     fragments; what the splitter could not send live goes out at the end
-    (see :meth:`ds4.server.tools.StreamSplitter.close`)."""
+    (see :meth:`ds4.server.tools.StreamSplitter.close`). A reply's
+    reasoning (``<think>…</think>``, :mod:`ds4.server.reasoning`) is the
+    message's ``reasoning_content``, streamed as ``reasoning_content``
+    deltas before the content's."""
 
     terminator = b"data: [DONE]\n\n"
 
@@ -575,6 +598,7 @@ class Reply:
         self.debug = debug
         self.chat = turn.kind == "chat"
         self.splitter: StreamSplitter | None = turn.conv.splitter() if turn.conv is not None else None
+        self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
 
     def _head(self, obj: str) -> JSON:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -587,6 +611,8 @@ class Reply:
         if self.chat:
             oc = self._outcome(res)
             msg: JSON = {"role": "assistant", "content": oc.content}
+            if oc.reasoning is not None:
+                msg["reasoning_content"] = oc.reasoning
             if oc.calls:
                 msg["content"] = oc.content or None
                 msg["tool_calls"] = [
@@ -632,16 +658,31 @@ class Reply:
                 out.append(self._delta({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}))
         return b"".join(out)
 
+    def _reasoning(self, delta: str) -> tuple[bytes, str]:
+        """A text delta through the reasoning splitter: the reasoning delta
+        to send first (``reasoning_content``) and the content left."""
+        if self.turn.agent is None:
+            return b"", delta
+        if self.rsplit is None:
+            self.rsplit = self.turn.agent.reasoning_splitter()
+        reasoning, content = self.rsplit.push(delta)
+        return (self._delta({"reasoning_content": reasoning}) if reasoning else b""), content
+
     def chunk(self, delta: str | None, finish: str | None = None, first: bool = False) -> bytes:
         if self.chat:
+            pre = b""
+            if delta:
+                pre, delta = self._reasoning(delta)
+                if not delta and finish is None:
+                    return pre
             if self.splitter is not None and delta and finish is None and not first:
-                return self._events(self.splitter.feed(delta))
+                return pre + self._events(self.splitter.feed(delta))
             d: JSON = {}
             if first:
                 d["role"] = "assistant"
             if delta is not None:
                 d["content"] = delta
-            return self._delta(d, finish)
+            return pre + self._delta(d, finish)
         ch = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
         o = {**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch]}
         return sse(o, ensure_ascii=False)
@@ -652,6 +693,14 @@ class Reply:
     def closing(self, res: GenResult) -> list[bytes]:
         out = []
         finish = res.finish_reason
+        if self.chat and self.rsplit is not None:
+            reasoning, content = self.rsplit.finish()
+            if reasoning:
+                out.append(self._delta({"reasoning_content": reasoning}))
+            if content and self.splitter is not None:
+                out.append(self._events(self.splitter.feed(content)))
+            elif content:
+                out.append(self._delta({"content": content}))
         if self.chat and self.splitter is not None:
             oc = self._outcome(res)
             ev = self._events(self.splitter.close([(c.name, c.arguments) for c in oc.calls]))

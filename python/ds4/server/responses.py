@@ -5,8 +5,11 @@ driver.
 
 Input
     ``input`` is a string or a list of items: messages (``input_text`` /
-    ``output_text`` parts), ``function_call`` and ``function_call_output``;
-    ``reasoning`` items are dropped (no hidden reasoning here).
+    ``output_text`` parts), ``function_call``, ``function_call_output`` and
+    ``reasoning`` (its ``content`` ``reasoning_text`` parts, else its
+    ``summary`` texts: the reasoning of the assistant turn that follows it,
+    rendered as the chat template renders reasoning; ``encrypted_content``
+    is not read).
     ``instructions`` is the system turn (not carried over from a previous
     response, as in OpenAI's API). Function ``tools``, ``tool_choice``,
     ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``,
@@ -35,6 +38,17 @@ State
     ``responses-visible`` match is the ladder's ``memory-text`` rung: after a
     turn the live state is the canonical rendering of the conversation, so a
     request that extends it continues from the live tokens.
+
+Reasoning
+    A reply's reasoning (``<think>…</think>``, :mod:`ds4.server.reasoning`)
+    is a ``reasoning`` output item before the message (id ``rs_`` and the
+    message's hex), its text as one ``summary_text`` (ds4 shows the whole
+    reasoning: it keeps no hidden part); streamed as that item's
+    ``response.reasoning_summary_part.added``,
+    ``response.reasoning_summary_text.delta`` events, their ``.done``
+    events, then the message at output index 1. A reply cut inside its
+    reasoning is an ``incomplete`` response with the reasoning item and an
+    empty message. ``reasoning_tokens`` stays 0 (not counted apart).
 
 Retrieval
     ``GET /v1/responses/{id}`` (the response object as created, without
@@ -83,6 +97,7 @@ from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import format_name, int_from, num_in, utf8_len
 from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
+from .reasoning import ReasoningSplitter
 from .tenants import ANONYMOUS
 from .volatile import SystemText
 
@@ -170,12 +185,48 @@ def _to_json(m: Message, item_id: str) -> JSON:
         d["tool_calls"] = [[c.id, c.name, c.arguments] for c in m.tool_calls]
     if m.tool_call_id is not None:
         d["tool_call_id"] = m.tool_call_id
+    if m.reasoning is not None:
+        d["reasoning"] = m.reasoning
     return d
 
 
 def _from_json(d: JSON) -> Message:
     calls = [ToolCall(i, n, a) for i, n, a in d.get("tool_calls", [])]
-    return Message(d["role"], d["content"], calls, d.get("tool_call_id"))
+    return Message(d["role"], d["content"], calls, d.get("tool_call_id"), d.get("reasoning"))
+
+
+def _reasoning_only(m: Message) -> bool:
+    """An assistant turn a reasoning item opened, with nothing else yet."""
+    return m.role == "assistant" and m.reasoning is not None and not m.content and not m.tool_calls
+
+
+def _reasoning_text(it: JSON, p: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content parts, else
+    its ``summary`` texts (joined by blank lines)."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = it.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise _bad(f"'{p}.{key}' must be an array", "input", "invalid_type")
+        texts = [
+            _str(part.get("text"), f"{p}.{key}")
+            for part in parts
+            if isinstance(part, dict) and part.get("type") == kind
+        ]
+        if texts:
+            return "\n\n".join(texts)
+    return ""
+
+
+def reasoning_id(msg_id: str) -> str:
+    """The reasoning item's id beside the message item ``msg_id``."""
+    return "rs_" + msg_id.removeprefix("msg_")
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> JSON:
+    summary = [{"type": "summary_text", "text": text}] if status == "completed" else []
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": summary}
 
 
 def new_item_id(m: Message) -> str:
@@ -234,7 +285,9 @@ class ResponsesParser:
             text: str | None = _text(it.get("content"), p)
             if role in ("system", "developer"):
                 text = self.volatile.header(str(text))  # None: it was the billing line alone
-            if text is not None:
+            if role == "assistant" and out and _reasoning_only(out[-1]):
+                out[-1].content = str(text)  # the message its reasoning item opened
+            elif text is not None:
                 out.append(Message("system" if role == "developer" else str(role), text))
         elif kind == "function_call":
             call = ToolCall(_str(it.get("call_id"), f"{p}.call_id"), _str(it.get("name"), f"{p}.name"), "")
@@ -246,7 +299,13 @@ class ResponsesParser:
         elif kind == "function_call_output":
             call_id = _str(it.get("call_id"), f"{p}.call_id")
             out.append(Message("tool", _text(it.get("output", ""), f"{p}.output"), tool_call_id=call_id))
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            text = _reasoning_text(it, p)
+            if out and _reasoning_only(out[-1]):
+                out[-1].reasoning = f"{out[-1].reasoning}\n\n{text}" if text else out[-1].reasoning
+            elif text:
+                out.append(Message("assistant", "", reasoning=text))  # the assistant turn it opens
+        else:
             raise _bad(f"'{p}.type' {kind!r} is not supported", "input")
 
     @staticmethod
@@ -341,7 +400,10 @@ class ResponsesParser:
                 msgs.insert(0, Message("system", instructions))
         tools, choice, parallel = self._tools(raw)
         conv = Conversation(msgs, tools, choice, parallel, volatile=self.volatile, live_only=bool(missing))
-        n = sum(len(m.content.encode()) + sum(len(c.arguments) for c in m.tool_calls) for m in msgs)
+        n = sum(
+            len(m.content.encode()) + len((m.reasoning or "").encode()) + sum(len(c.arguments) for c in m.tool_calls)
+            for m in msgs
+        )
         if self.max_prompt_bytes is not None and n > self.max_prompt_bytes:
             raise _bad(f"the input has {n} bytes, more than fit the context", "input", "context_length_exceeded")
         stream = raw.get("stream", False)
@@ -461,10 +523,11 @@ def _call_item(c: ToolCall, status: str, item_id: str | None = None) -> JSON:
     return {**item, "arguments": args}
 
 
-def _output(msg_id: str, content: str, calls: list[ToolCall]) -> list[JSON]:
-    """A turn's output items: its text as a message (also when empty and
-    there are no calls), then one item per call."""
-    output: list[JSON] = []
+def _output(msg_id: str, content: str, calls: list[ToolCall], reasoning: str | None = None) -> list[JSON]:
+    """A turn's output items: its reasoning (when it has some), its text as
+    a message (also when empty and there are no calls), then one item per
+    call."""
+    output: list[JSON] = [] if reasoning is None else [_reasoning_item(reasoning_id(msg_id), reasoning)]
     if content or not calls:
         output.append(_msg_item(msg_id, content, "completed"))
     return output + [_call_item(c, "completed") for c in calls]
@@ -530,6 +593,10 @@ class ResponsesReply:
         self.msg_id = turn.msg_id
         self.splitter = turn.conv.splitter() if turn.conv is not None else None
         self.msg_open = False
+        self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
+        self.reasoning: str | None = None  # the reasoning item's text so far (None: no item)
+        self.reasoning_done = False
+        self.msg_index = 0  # the message's output index (1 after a reasoning item)
 
     def _ev(self, kind: str, **data: Any) -> bytes:
         d = {"type": kind, "sequence_number": self.seq, **data}
@@ -549,7 +616,7 @@ class ResponsesReply:
 
     def _final(self, res: GenResult) -> tuple[str, list[JSON], Outcome]:
         oc = self._outcome(res)
-        return _status(oc), _output(self.msg_id, oc.content, oc.calls), oc
+        return _status(oc), _output(self.msg_id, oc.content, oc.calls, oc.reasoning), oc
 
     def complete(self, res: GenResult) -> JSON:
         status, output, _ = self._final(res)
@@ -566,41 +633,94 @@ class ResponsesReply:
         self.msg_open = True
         part = {"type": "output_text", "text": "", "annotations": []}
         return [
-            self._ev("response.output_item.added", output_index=0, item=self._msg_item("", "in_progress")),
-            self._ev("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0, part=part),
+            self._ev("response.output_item.added", output_index=self.msg_index, item=self._msg_item("", "in_progress")),
+            self._ev(
+                "response.content_part.added",
+                item_id=self.msg_id,
+                output_index=self.msg_index,
+                content_index=0,
+                part=part,
+            ),
         ]
 
     def _delta(self, text: str) -> list[bytes]:
         if not text:
             return []
         out = self._open_message()
-        out.append(
-            self._ev("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0, delta=text)
-        )
+        ids = {"item_id": self.msg_id, "output_index": self.msg_index, "content_index": 0}
+        out.append(self._ev("response.output_text.delta", **ids, delta=text))
         return out
 
+    def _think(self, text: str) -> list[bytes]:
+        """A reasoning summary delta (the item opened on the first)."""
+        if not text:
+            return []
+        out = []
+        rid = reasoning_id(self.msg_id)
+        ids = {"item_id": rid, "output_index": 0, "summary_index": 0}
+        if self.reasoning is None:
+            self.reasoning, self.msg_index = "", 1
+            out.append(
+                self._ev("response.output_item.added", output_index=0, item=_reasoning_item(rid, "", "in_progress"))
+            )
+            part = {"type": "summary_text", "text": ""}
+            out.append(self._ev("response.reasoning_summary_part.added", **ids, part=part))
+        self.reasoning += text
+        return [*out, self._ev("response.reasoning_summary_text.delta", **ids, delta=text)]
+
+    def _end_think(self) -> list[bytes]:
+        """The reasoning item's done events (once, before the message)."""
+        if self.reasoning is None or self.reasoning_done:
+            return []
+        self.reasoning_done = True
+        rid, text = reasoning_id(self.msg_id), self.reasoning
+        ids = {"item_id": rid, "output_index": 0, "summary_index": 0}
+        return [
+            self._ev("response.reasoning_summary_text.done", **ids, text=text),
+            self._ev("response.reasoning_summary_part.done", **ids, part={"type": "summary_text", "text": text}),
+            self._ev("response.output_item.done", output_index=0, item=_reasoning_item(rid, text)),
+        ]
+
+    def _split(self, text: str) -> tuple[list[bytes], str]:
+        """A text delta through the reasoning splitter: the reasoning events
+        and the content left."""
+        if self.turn.agent is None:
+            return [], text
+        if self.rsplit is None:
+            self.rsplit = self.turn.agent.reasoning_splitter()
+        reasoning, content = self.rsplit.push(text)
+        out = self._think(reasoning)
+        return (out + self._end_think() if content else out), content
+
     def chunk(self, text: str) -> bytes:
+        pre, text = self._split(text)
         if self.splitter is not None:
             text = self.splitter.push(text)
-        return b"".join(self._delta(text))
+        return b"".join(pre + self._delta(text))
 
     def closing(self, res: GenResult) -> list[bytes]:
         status, output, oc = self._final(res)
         out: list[bytes] = []
+        if self.rsplit is not None:
+            reasoning, content = self.rsplit.finish()
+            out += self._think(reasoning) + self._end_think()
+            if content and self.splitter is not None:
+                content = self.splitter.push(content)
+            out += self._delta(content)
         if self.splitter is not None:
             _, rest = self.splitter.finish()
             out += self._delta(rest if oc.calls else self.splitter.buf[self.splitter.shown :])
         if not oc.calls:
             out += self._open_message()  # an empty answer is still a message
-        k = 0
+        k = self.msg_index
         if self.msg_open:
             text = oc.content
-            ids = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+            ids = {"item_id": self.msg_id, "output_index": k, "content_index": 0}
             part = {"type": "output_text", "text": text, "annotations": []}
             out.append(self._ev("response.output_text.done", **ids, text=text))
             out.append(self._ev("response.content_part.done", **ids, part=part))
-            out.append(self._ev("response.output_item.done", output_index=0, item=self._msg_item(text, "completed")))
-            k = 1
+            out.append(self._ev("response.output_item.done", output_index=k, item=self._msg_item(text, "completed")))
+            k += 1
         for c in oc.calls:
             item_id = "fc_" + c.id
             out.append(self._ev("response.output_item.added", output_index=k, item=_call_item(c, "in_progress")))
@@ -634,6 +754,8 @@ def _check_message(m: object) -> None:
     for c in m.get("tool_calls", []):
         if not isinstance(c, list) or len(c) != 3 or not all(isinstance(x, str) for x in c):
             raise ValueError("a tool call is not [id, name, arguments]")
+    if not isinstance(m.get("reasoning", ""), str):
+        raise ValueError("a message's reasoning is not a string")
     if not isinstance(m.get("tool_call_id", ""), str) or not isinstance(m.get("id", ""), str):
         raise ValueError("a message's ids are not strings")
 
@@ -679,7 +801,8 @@ def _input_item(d: JSON, used: set[str]) -> list[JSON]:
     if m.role != "assistant":
         part = {"type": "input_text", "text": m.content}
         return [{"id": d["id"], "type": "message", "role": m.role, "status": "completed", "content": [part]}]
-    out = [_msg_item(d["id"], m.content, "completed")] if m.content or not m.tool_calls else []
+    out = [_reasoning_item(reasoning_id(d["id"]), m.reasoning)] if m.reasoning is not None else []
+    out += [_msg_item(d["id"], m.content, "completed")] if m.content or not m.tool_calls else []
     for c in m.tool_calls:
         item_id, k = "fc_" + c.id, 1
         while item_id in used:
@@ -718,7 +841,7 @@ class StoredResponses:
         instructions), each message with its item id."""
         if not turn.store or oc.finish_reason == "cancelled":
             return
-        msgs = [*turn.history, Message("assistant", oc.content, list(oc.calls))]
+        msgs = [*turn.history, Message("assistant", oc.content, list(oc.calls), reasoning=oc.reasoning)]
         ids = [*turn.ids, turn.msg_id]
         rec = {
             "v": RECORD_VERSION,
@@ -757,7 +880,8 @@ class StoredResponses:
         rec = self._retrievable(rid, tenant)
         head, last = rec["response"], rec["messages"][-1]
         out = _from_json(last)
-        return _response(head, head["status"], _output(last["id"], out.content, out.tool_calls), head["usage"], True)
+        output = _output(last["id"], out.content, out.tool_calls, out.reasoning)
+        return _response(head, head["status"], output, head["usage"], True)
 
     def input_items(self, rid: str, tenant: str, query: Mapping[str, str]) -> JSON:
         """``GET /v1/responses/{rid}/input_items``: the items the response
