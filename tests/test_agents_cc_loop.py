@@ -133,7 +133,7 @@ def test_results_alone_continue_the_live_state_in_every_mode(plain, drop, tail, 
     date line and, kept, its billing line; the client's new ones are not
     rendered until the history is.)"""
     srv = {"drop": drop, "tail": tail, "none": plain}[mode]
-    rows = cc_loop.loop(srv.base, TURNS, "separate", reminder=False)
+    rows = cc_loop.loop(srv.base, 8, "separate", reminder=False)  # (the 20-turn loop above; shorter here)
     assert_hits(rows, mode)
     assert "live continuation match=tool-output-ids" in srv.text_log()
 
@@ -143,9 +143,9 @@ def test_without_the_flag_the_date_line_misses_every_turn(plain):
     """No ``--prompt-volatile``: each turn leaves what the server holds at
     the date line's seconds, and ``divergence`` points there (the reference
     engine cannot rewind: the whole prompt is prefilled again)."""
-    rows = cc_loop.loop(plain.base, 4, "block")
-    assert [r["stop_reason"] for r in rows] == ["tool_use"] * 4
-    for k in range(1, 4):
+    rows = cc_loop.loop(plain.base, 3, "block")
+    assert [r["stop_reason"] for r in rows] == ["tool_use"] * 3
+    for k in range(1, 3):
         text = rendered(rows[k]["body"])
         assert rows[k]["prompt"] == tokens(text)
         line = date_line(k)
@@ -159,9 +159,9 @@ def test_without_the_flag_the_date_line_misses_every_turn(plain):
 def test_a_kept_billing_header_misses_at_its_cch(keep, form):
     """``--keep-billing-header`` (the date line dropped): every turn misses
     inside the header's ``cch=`` value, which ``divergence`` shows."""
-    rows = cc_loop.loop(keep.base, 4, form)
-    assert [r["stop_reason"] for r in rows] == ["tool_use"] * 4
-    for k in range(1, 4):
+    rows = cc_loop.loop(keep.base, 3, form)
+    assert [r["stop_reason"] for r in rows] == ["tool_use"] * 3
+    for k in range(1, 3):
         text = rendered(rows[k]["body"], keep_billing_header=True, patterns=(DATE_RE,))
         hdr = rows[k]["header"]
         cch = text.index(hdr) + hdr.index("cch=") + len("cch=")
@@ -176,9 +176,9 @@ def test_tail_mode_misses_when_the_history_is_rendered(tail):
     engine that can rewind, the previous turn's additions are prefilled
     again; the reference engine, which cannot, goes back to a stored
     checkpoint). Drop mode, or results alone, keep the loop a hit."""
-    rows = cc_loop.loop(tail.base, 4, "separate")
-    assert [r["stop_reason"] for r in rows] == ["tool_use"] * 4
-    for k in range(1, 4):
+    rows = cc_loop.loop(tail.base, 3, "separate")
+    assert [r["stop_reason"] for r in rows] == ["tool_use"] * 3
+    for k in range(1, 3):
         text = rendered(rows[k]["body"], patterns=(DATE_RE,), mode="tail")
         prev = rendered(rows[k - 1]["body"], patterns=(DATE_RE,), mode="tail")
         at = prev.rindex("<|im_start|>system\n") + len("<|im_start|>")  # the previous turn's date turn
