@@ -1,0 +1,17 @@
+"""``ds4 serve`` over the scripted engine answering with :func:`cc_loop.script`
+(a tool call on every request): the Claude-Code-shaped loop's server."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cc_loop
+import scripted_engine
+
+scripted_engine.script = cc_loop.script  # ScriptedContext looks it up at each reply
+
+import scripted_serve  # noqa: E402  (patches ds4.server.app's engine)
+
+if __name__ == "__main__":
+    sys.exit(scripted_serve.main(["serve", *sys.argv[1:]]))
