@@ -258,7 +258,9 @@ def test_tail_mode_renders_the_lines_after_the_rest_of_the_system_text(tmp_path)
     user = "Current date: 1999-01-01 00:00:00 is what my note says. Look up 3."
     try:
         with client(srv) as c:
-            m = c.messages.create(model="m", max_tokens=300, system=dated(7), messages=[{"role": "user", "content": user}])
+            m = c.messages.create(
+                model="m", max_tokens=300, system=dated(7), messages=[{"role": "user", "content": user}]
+            )
     finally:
         srv.stop()
     date = "Current date: 2026-12-01 21:00:07"
