@@ -129,9 +129,10 @@ def test_twenty_turns_with_a_new_cch_and_date_each_are_hits_from_turn_2(drop, fo
 def test_results_alone_continue_the_live_state_in_every_mode(plain, drop, tail, mode):
     """The results alone in the user message: each turn continues the live
     tool state, a hit from turn 2 on in every mode, without the flag too.
-    (The continued prompt is what the live state holds: the first turn's
-    date line and, kept, its billing line; the client's new ones are not
-    rendered until the history is.)"""
+    (The continued prompt is what the live state holds: without the flag,
+    the first turn's date line and, kept, its billing line; the client's
+    new ones are not rendered until the history is. In ``tail`` mode the
+    request's own date turn follows the results.)"""
     srv = {"drop": drop, "tail": tail, "none": plain}[mode]
     rows = cc_loop.loop(srv.base, 8, "separate", reminder=False)  # (the 20-turn loop above; shorter here)
     assert_hits(rows, mode)
@@ -168,20 +169,16 @@ def test_a_kept_billing_header_misses_at_its_cch(keep, form):
         assert_miss_at(rows, k, text, cch, cch + 5)
 
 
-def test_tail_mode_misses_when_the_history_is_rendered(tail):
+def test_tail_mode_is_a_hit_and_shows_each_turn_its_own_date(tail):
     """``--prompt-volatile-mode tail`` moves the date line into a system
-    turn after the last message. The live state then holds that turn before
-    the reply, and the next turn's history has the reply there instead: a
-    rendered history leaves the live state at the old date turn (on an
-    engine that can rewind, the previous turn's additions are prefilled
-    again; the reference engine, which cannot, goes back to a stored
-    checkpoint). Drop mode, or results alone, keep the loop a hit."""
-    rows = cc_loop.loop(tail.base, 3, "separate")
-    assert [r["stop_reason"] for r in rows] == ["tool_use"] * 3
-    for k in range(1, 3):
-        text = rendered(rows[k]["body"], patterns=(DATE_RE,), mode="tail")
-        prev = rendered(rows[k - 1]["body"], patterns=(DATE_RE,), mode="tail")
-        at = prev.rindex("<|im_start|>system\n") + len("<|im_start|>")  # the previous turn's date turn
-        d = assert_miss_at(rows, k, text, at, at + 1)
-        assert d["against"] == "live" and f"system\n{date_line(k - 1)}".startswith(d["cached"]), d
-        assert d["prompt"].startswith("assistant\n<tool_call>"), d
+    turn after the last message. The canonical checkpoint of a turn leaves
+    that turn out (the next request renders it after its own last message):
+    the live state after turn k is the stable history and the reply, so
+    turn k+1, the whole history rendered, is a hit from turn 2 on, and each
+    turn's prompt ends in its own date (the model sees today's)."""
+    rows = cc_loop.loop(tail.base, 8, "separate")
+    assert_hits(rows, "tail")
+    for k, r in enumerate(rows):
+        text = rendered(r["body"], patterns=(DATE_RE,), mode="tail")
+        assert r["prompt"] == tokens(text)
+        assert text.rindex("<|im_start|>system\n" + date_line(k)) > text.rindex("<|im_start|>user\n"), k

@@ -237,8 +237,11 @@ def test_a_user_message_matching_the_pattern_is_untouched(plain, drop, tail):
 
 
 def test_tail_mode_renders_the_lines_after_the_rest_of_the_system_text(tmp_path):
-    """Over the wire: the prompt a tail server rendered, as its shutdown
-    checkpoint holds it (the prompt and the reply)."""
+    """Over the wire: the prompt a tail server rendered (its usage counts
+    the date turn after the user's message), and the checkpoint it keeps at
+    shutdown: the turn's canonical rendering, the stable system text, the
+    user's message and the reply without the date turn, which the next
+    request renders after its own last message."""
     kv = tmp_path / "kv"
     srv = ScriptedServer(
         tmp_path,
@@ -255,15 +258,24 @@ def test_tail_mode_renders_the_lines_after_the_rest_of_the_system_text(tmp_path)
     user = "Current date: 1999-01-01 00:00:00 is what my note says. Look up 3."
     try:
         with client(srv) as c:
-            c.messages.create(model="m", max_tokens=300, system=dated(7), messages=[{"role": "user", "content": user}])
+            m = c.messages.create(
+                model="m", max_tokens=300, system=dated(7), messages=[{"role": "user", "content": user}]
+            )
     finally:
         srv.stop()
-    (text,) = [t.decode() for t, reason, _ in _stored_texts(str(kv)).values() if reason == "shutdown"]
     date = "Current date: 2026-12-01 21:00:07"
-    assert text.count(date) == 1 and user in text
-    assert text.index(HEAD) < text.index(TAIL) < text.index(user) < text.index(date)
-    assert f"{HEAD}\n{TAIL}<|im_end|>" in text  # the stable system text: the line and its newline out
-    assert f"<|im_start|>system\n{date}<|im_end|>\n<|im_start|>assistant\n" in text
+    body = {"model": "m", "system": dated(7), "messages": [{"role": "user", "content": user}]}
+    conv = MessagesParser(0, CTX, volatile=SystemText(patterns=(DATE,), mode="tail")).conversation(body)
+    prompt = ScriptedEngine().render_chat(conv.engine_messages())  # what the server renders, in process
+    head = prompt[: prompt.index("<|im_start|>user")]
+    assert head.endswith(f"{HEAD}\n{TAIL}<|im_end|>\n")  # the stable system text: the line and its newline out
+    assert prompt.endswith(f"<|im_start|>system\n{date}<|im_end|>\n<|im_start|>assistant\n")
+    seen = m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) + (m.usage.cache_creation_input_tokens or 0)
+    # a byte a token on the reference engine, a marker one
+    assert seen == len(prompt.encode()) - 11 * prompt.count("<|im_start|>") - 9 * prompt.count("<|im_end|>")
+    (text,) = [t.decode() for t, reason, _ in _stored_texts(str(kv)).values() if reason == "shutdown"]
+    assert text.startswith(head) and user in text and date not in text
+    assert text.endswith(f"{user}<|im_end|>\n<|im_start|>assistant\n{m.content[0].text}<|im_end|>\n")
     # in process: the same, and drop leaves the line out
     assert rendered(dated(7), patterns=(DATE,), mode="tail").count(date) == 1
     assert date not in rendered(dated(7), patterns=(DATE,), mode="drop")

@@ -173,16 +173,23 @@ class Conversation:
         calls and tool results in the convention's blocks; the system
         text's volatile lines out, or (tail) in a system turn after the
         last (:class:`ds4.server.volatile.SystemText`)."""
-        out = turns(self.messages)
+        out, tail = self.stable_messages()
+        return [*out, tail] if tail is not None else out
+
+    def stable_messages(self) -> tuple[list[dict[str, str]], dict[str, str] | None]:
+        """:meth:`engine_messages` in two parts: the chat without the
+        ``tail`` mode's system turn of volatile lines, and that turn (None
+        in ``drop`` mode or when no line matched)."""
+        out, tail = turns(self.messages), None
         if self.volatile is not None:
-            out = self.volatile.render(out)
+            out, tail = self.volatile.split(out)
         if self.tools_active:
             block = conv_tools.tools_block([t.schema() for t in self.tools], self.parallel_tool_calls)
             if out and out[0]["role"] == "system":
                 out[0] = {"role": "system", "content": f"{block}\n\n{out[0]['content']}"}
             else:
                 out.insert(0, {"role": "system", "content": block})
-        return out
+        return out, tail
 
     def trailing_results(self) -> list[Message]:
         """The run of tool results the conversation ends with."""
@@ -308,6 +315,8 @@ class AgentTurn:
         self.messages: list[dict[str, str]] = []
         #: the prompt opens the reasoning (its generation prompt ends in <think>)
         self.opened = False
+        #: the prompt ends in the tail mode's system turn of volatile lines
+        self.tailed = False
         self.outcome: Outcome | None = None
         self.on_outcome: Callable[[Outcome, GenResult], None] | None = None  # (the outcome, the turn's result)
         self._ids: list[str] = []
@@ -327,11 +336,17 @@ class AgentTurn:
         """The prompt of a turn in the cache ``namespace`` (the request's:
         only a live state of that namespace can be continued)."""
         msgs = self._live_continuation(namespace)
+        stable, tail = self.conv.stable_messages()
         if msgs is None:
             if self.live_only:
                 raise LiveStateGone(GONE.get(self.label, GONE["responses"]))
-            msgs = self.conv.engine_messages()
-        self.messages = msgs
+            msgs = stable
+        # the turn's canonical checkpoint renders ``self.messages`` and the
+        # reply: the tail turn of volatile lines is left out of it, since the
+        # next request puts that turn after the reply (a live hit then)
+        self.messages, self.tailed = msgs, tail is not None
+        if tail is not None:
+            msgs = [*msgs, tail]
         prompt = engine.render_chat(msgs)
         self.opened = prompt.rstrip().endswith(THINK_OPEN)
         return prompt
@@ -368,8 +383,10 @@ class AgentTurn:
         parse the rest, give its calls ids; after a turn that ended in
         calls, bring the live state to the turn's canonical rendering
         (before the final event is sent) and remember it. After a turn that
-        produced reasoning (closed) and no calls, bring the live state to
-        the rendering the next request will hold (:meth:`_canonicalize_reasoning`)."""
+        produced reasoning (closed) and no calls, or a text turn after the
+        tail mode's volatile turn, bring the live state to the rendering the
+        next request will hold (:meth:`_canonicalize_next_turn`). The
+        canonical rendering of a turn never holds the tail turn."""
         sp = split_reasoning(res.text, self.opened)
         text = res.text if sp.reasoning is None else sp.content
         rep = self.conv.parse(text)
@@ -379,20 +396,25 @@ class AgentTurn:
         self.live.clear()
         if calls and res.finish_reason == "stop":
             self._canonicalize(rep.content, calls, sp.reasoning)
-        elif sp.reasoning is not None and sp.closed and res.finish_reason in ("stop", "length"):
-            self._canonicalize_reasoning(text, sp.reasoning)
+        elif res.finish_reason in ("stop", "length") and (sp.closed if sp.reasoning is not None else self.tailed):
+            self._canonicalize_next_turn(text, sp.reasoning)
         if self.on_outcome is not None:
             self.on_outcome(self.outcome, res)
 
-    def _canonicalize_reasoning(self, content: str, reasoning: str) -> None:
-        """The live state after a reasoning turn: the prompt and the reply as
-        the next request renders them (:func:`next_turn_prefix`: with the
-        reasoning where the template keeps it in earlier turns, without it
-        where it drops it), so that the next request, whether its client
-        sends the reasoning back or strips it, is a live hit wherever the
-        template renders both alike."""
+    def _canonicalize_next_turn(self, content: str, reasoning: str | None) -> None:
+        """The live state after a reasoning turn, or any text turn whose
+        prompt ended in the tail mode's system turn of volatile lines: the
+        prompt and the reply as the next request renders them
+        (:func:`next_turn_prefix`: with the reasoning where the template
+        keeps it in earlier turns, without it where it drops it; without the
+        tail turn, which the next request renders after its own last
+        message), so that the next request, whether its client sends the
+        reasoning back or strips it, is a live hit wherever the template
+        renders both alike."""
         gen = self.gen
-        turn = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        turn = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            turn["reasoning_content"] = reasoning
         try:
             text = next_turn_prefix(gen.engine, [*self.messages, turn])
             if text is None:

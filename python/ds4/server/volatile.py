@@ -26,9 +26,10 @@ Volatile lines (``--prompt-volatile REGEX``, repeatable)
     order, become one system turn of their own after the last message, just
     before the assistant's turn, so the model still sees them while the
     system text and the history before them stay the same from turn to turn.
-    A system text that held only such lines disappears. Whatever a turn
-    continued from the live tool state (a tool-result turn) renders is what
-    the live state holds: the lines of the request that rendered it.
+    A system text that held only such lines disappears. A turn's canonical
+    checkpoint (ds4.server.conversation) holds the stable part and the reply,
+    never the tail turn, so the next request, which renders its own tail
+    turn after its own last message, extends it.
 
 These rules are a function of the request alone (a replayed history and a
 ``previous_response_id`` chain render the same).
@@ -108,6 +109,13 @@ class SystemText:
         """Engine chat turns as rendered: each system turn without its
         volatile lines (one that held only those disappears); in ``tail``
         mode, those lines as a system turn after the last."""
+        out, tail = self.split(turns)
+        return [*out, tail] if tail is not None else out
+
+    def split(self, turns: Sequence[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, str] | None]:
+        """(the turns without their volatile lines, the ``tail`` mode's
+        system turn of those lines or None): :meth:`render` in two parts,
+        so that a turn's canonical checkpoint can leave the tail out."""
         out: list[dict[str, str]] = []
         tail: list[str] = []
         for t in turns:
@@ -121,5 +129,5 @@ class SystemText:
             elif text.strip("\n"):
                 out.append({**t, "content": text})
         if tail and self.mode == "tail":
-            out.append({"role": "system", "content": "\n".join(tail)})
-        return out
+            return out, {"role": "system", "content": "\n".join(tail)}
+        return out, None
