@@ -99,7 +99,7 @@ def test_the_share_must_be_a_fraction(tmp_path):
 
 # -- namespaces in the index ----------------------------------------------------------
 def test_the_index_reads_the_namespace_as_keytext_does():
-    """``rust/index.rs`` ``namespace_of`` and :func:`ds4.keytext.namespace_of`
+    """``rust/index/entry.rs`` ``namespace_of`` and :func:`ds4.keytext.namespace_of`
     agree (via :func:`text_namespace`, the Python side's reading)."""
     long_id = "t" * 128
     for text, ns in [

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_server import KV_FLAGS, Server
 
 import ds4
@@ -69,6 +72,31 @@ def test_namespaces_of_tenants_and_salts():
     assert salted == "alice/salt-" + hashlib.sha256(b"ds4 cache_salt v1\x00s3cret").hexdigest()[:16]
     assert "s3cret" not in salted and namespace_for("bob", "s3cret") != salted
     assert namespace_for(ANONYMOUS, "x").startswith("anonymous/salt-")
+
+
+#: the preamble's grammar (docs/FORMAT.md, "Key text"), written out once
+#: here against the one parser both sides use
+_PREAMBLE = re.compile(rb"\xff\x00ns:([!-~]{1,128})\xff\x00", re.DOTALL)
+_PIECES = st.sampled_from([b"\xff\x00", b"ns:", b"\xff", b"\x00", b"a", b"~", b" ", b"/", b"\xe9", b"t" * 64])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_PIECES, max_size=12), st.booleans())
+def test_one_namespace_parser_with_one_contract(pieces, headed):
+    """``keytext.namespace_of`` is the index's reading (``_core.namespace_of``)
+    plus its one rule: a start like a preamble that is no whole, well-formed
+    one raises ValueError. Both are pinned against the grammar, on texts made
+    of preamble-like pieces."""
+    text = (b"\xff\x00ns:" if headed else b"") + b"".join(pieces)
+    m = _PREAMBLE.match(text)
+    assert _core.namespace_of(text) == (m.group(1).decode() if m else None)
+    if m:
+        assert namespace_of(text) == (m.group(1).decode(), m.end())
+    elif text.startswith(b"\xff\x00ns:"):
+        with pytest.raises(ValueError):
+            namespace_of(text)
+    else:
+        assert namespace_of(text) == (None, 0)
 
 
 def test_preamble_vectors_and_prefix_freedom():

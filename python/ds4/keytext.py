@@ -35,6 +35,8 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
+from . import _core
+
 __all__ = [
     "ANONYMOUS",
     "DEFAULT_NAMESPACE",
@@ -78,14 +80,16 @@ def preamble(namespace: str | None) -> bytes:
 def namespace_of(key_text: bytes) -> tuple[str | None, int]:
     """(namespace, preamble length) of a stored key text; (None, 0) for the
     default namespace. A text that starts like a preamble but is not a whole
-    one raises ValueError."""
-    if not key_text.startswith(_PRE_HEAD):
+    one raises ValueError. The reading is the store index's own
+    (``rust/index/entry.rs`` ``namespace_of``, through ``_core``): one
+    parser, so the index never files a text under another namespace than
+    this says."""
+    ns = _core.namespace_of(key_text)
+    if ns is None:
+        if key_text.startswith(_PRE_HEAD):
+            raise ValueError("a truncated or malformed namespace preamble")
         return None, 0
-    end = key_text.find(_PRE_MARK, len(_PRE_HEAD))
-    ns = key_text[len(_PRE_HEAD) : end].decode("ascii", "replace") if end > 0 else ""
-    if end < 0 or not NAMESPACE_ID_RE.match(ns):
-        raise ValueError("a truncated or malformed namespace preamble")
-    return ns, end + len(_PRE_MARK)
+    return ns, len(_PRE_HEAD) + len(ns) + len(_PRE_MARK)
 
 
 def tenant_of_namespace(namespace: str | None) -> str | None:

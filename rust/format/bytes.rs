@@ -1,7 +1,7 @@
 //! Little-endian readers for untrusted bytes, shared by the v1 and v2
 //! readers: fixed-offset reads (`le_*`, [`byte`]) for the fixed headers and
 //! one [`Cursor`] for sequential fields (the v2 metadata, the DSV4 payload
-//! header of a v1 file). None of them can panic: a fixed-offset read past
+//! header of a v1 file, the index file). None of them can panic: a fixed-offset read past
 //! the end yields zero (its callers have checked the length first), a cursor
 //! read past the end fails with the error its reader chose.
 
@@ -71,5 +71,9 @@ impl<'a, E: Fn(&str) -> Error> Cursor<'a, E> {
 
     pub(crate) fn u64(&mut self, what: &str) -> Result<u64> {
         Ok(le_u64(self.take(8, what)?, 0))
+    }
+
+    pub(crate) fn i64(&mut self, what: &str) -> Result<i64> {
+        Ok(i64::from_le_bytes(array(self.take(8, what)?, 0)))
     }
 }

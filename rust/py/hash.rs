@@ -1,4 +1,4 @@
-//! SHA-1 and prefix helpers over Python buffers.
+//! SHA-1, prefix and key-text helpers over Python buffers.
 
 use super::buffer::bytes_of;
 use crate::hash;
@@ -66,4 +66,12 @@ pub(super) fn common_prefix_len(
 #[pyfunction]
 pub(super) fn common_token_prefix(a: Vec<u32>, b: Vec<u32>) -> usize {
     hash::common_prefix_len_u32(&a, &b)
+}
+
+/// The namespace a key text's preamble names, the index's reading
+/// ([`crate::index::namespace_of`]); None for the default namespace and for
+/// a start that is not a whole, well-formed preamble.
+#[pyfunction]
+pub(super) fn namespace_of(text: PyBuffer<u8>) -> PyResult<Option<String>> {
+    Ok(crate::index::namespace_of(bytes_of(&text)?).map(str::to_owned))
 }

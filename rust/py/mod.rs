@@ -29,7 +29,8 @@ mod _core {
     };
     #[pymodule_export]
     use super::hash::{
-        common_prefix_len, common_token_prefix, is_byte_prefix, sha1_hex, sha1_prefixes,
+        common_prefix_len, common_token_prefix, is_byte_prefix, namespace_of, sha1_hex,
+        sha1_prefixes,
     };
     #[pymodule_export]
     use super::index::PyStoreIndex;

@@ -1,0 +1,299 @@
+//! The in-memory index: the entries by name, their lengths and tails sorted
+//! for the lookup's filter, and the one-pass lookup ([`Index::lookup`]).
+
+use super::{name_of, tail_of, Entry, StatKey};
+use crate::error::Result;
+use crate::format::VERSION_V1;
+use crate::hash::{self, Sha1Digest};
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::path::Path;
+use std::sync::Arc;
+
+/// What a lookup filters on besides the text (see `KVStore.lookup`).
+#[derive(Debug, Clone, Default)]
+pub struct Query<'a> {
+    pub min_tokens: u32,
+    /// Only this ABI (v1 files pass: they are rejected at load, and reported).
+    pub abi: Option<&'a str>,
+    /// Only entries with fewer tokens than this.
+    pub ctx: Option<u32>,
+}
+
+/// What [`Index::sync_listing`] found.
+#[derive(Debug, Default)]
+pub struct Listing {
+    pub changed: Vec<String>,
+    pub others: Vec<String>,
+    pub gone: usize,
+}
+
+/// Hashes a SHA-1 digest key by its first 8 bytes: the names are digests
+/// already (uniform), and `SipHash` over 100,000 of them is a good part of
+/// an open. (A writer of the directory could pick names that collide here;
+/// whoever can write the directory is trusted already: see
+/// `open_cache_dir` on the Python side.)
+#[derive(Default)]
+pub struct DigestHasher(u64);
+
+impl Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // `Hash for [u8; 20]` writes the 20 bytes once (after a length,
+        // through `write_usize`, which only folds in)
+        let mut b = [0u8; 8];
+        let n = bytes.len().min(8);
+        b[..n].copy_from_slice(&bytes[..n]);
+        self.0 ^= u64::from_le_bytes(b);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = self.0.rotate_left(7) ^ n as u64;
+    }
+}
+
+pub(super) type DigestMap<V> = HashMap<Sha1Digest, V, BuildHasherDefault<DigestHasher>>;
+type DigestSet = HashSet<Sha1Digest, BuildHasherDefault<DigestHasher>>;
+
+/// The directory an index file describes and when it was scanned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DirStamp {
+    pub dev: u64,
+    pub ino: u64,
+    /// The directory's mtime (ns) when the scan began.
+    pub mtime_ns: i64,
+    /// The wall clock (ns since the epoch) when the scan began.
+    pub scanned_ns: i64,
+}
+
+/// The index: entries by name, files kept unindexed (another format's) by
+/// name with their stat key, and the length-sorted lookup table.
+#[derive(Debug, Default)]
+pub struct Index {
+    pub(super) entries: DigestMap<Entry>,
+    pub(super) kept: DigestMap<(StatKey, u64)>,
+    pub(super) abis: Vec<Arc<str>>,
+    pub(super) namespaces: Vec<Arc<str>>,
+    /// (text length, tail, digest), sorted by length; None when stale.
+    pub(super) table: Option<Table>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Table {
+    lens: Vec<u32>,
+    tails: Vec<u64>,
+    digests: Vec<Sha1Digest>,
+}
+
+impl Index {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+    pub fn get(&self, d: &Sha1Digest) -> Option<&Entry> {
+        self.entries.get(d)
+    }
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.values()
+    }
+    /// The stat key the index holds for a name: its entry's, or the kept file's.
+    pub fn key_of(&self, d: &Sha1Digest) -> Option<(StatKey, bool)> {
+        self.entries
+            .get(d)
+            .map(|e| (e.key, true))
+            .or_else(|| self.kept.get(d).map(|k| (k.0, false)))
+    }
+    /// The file name the index knows for a digest (its case as on disk).
+    pub fn name(&self, d: &Sha1Digest) -> Option<String> {
+        self.entries
+            .get(d)
+            .map(|e| e.case)
+            .or_else(|| self.kept.get(d).map(|k| k.1))
+            .map(|case| name_of(d, case))
+    }
+    pub fn names(&self) -> impl Iterator<Item = &Sha1Digest> {
+        self.entries.keys().chain(self.kept.keys())
+    }
+    fn intern(pool: &mut Vec<Arc<str>>, s: &Arc<str>) -> Arc<str> {
+        if let Some(a) = pool.iter().find(|a| ***a == **s) {
+            return Arc::clone(a);
+        }
+        pool.push(Arc::clone(s));
+        Arc::clone(s)
+    }
+    /// Adds or replaces an entry (and forgets a kept file of that name).
+    pub fn insert(&mut self, mut e: Entry) {
+        e.abi = Self::intern(&mut self.abis, &e.abi);
+        e.namespace = e
+            .namespace
+            .as_ref()
+            .map(|n| Self::intern(&mut self.namespaces, n));
+        self.kept.remove(&e.digest);
+        self.entries.insert(e.digest, e);
+        self.table = None;
+    }
+    /// Remembers a file that is kept but not indexed, by its stat key (and
+    /// the case of its name).
+    pub fn keep(&mut self, d: Sha1Digest, key: StatKey, case: u64) {
+        if self.entries.remove(&d).is_some() {
+            self.table = None;
+        }
+        self.kept.insert(d, (key, case));
+    }
+    /// Forgets a name (entry or kept file); true when it was known.
+    pub fn remove(&mut self, d: &Sha1Digest) -> bool {
+        let was = self.entries.remove(d).is_some();
+        if was {
+            self.table = None;
+        }
+        self.kept.remove(d).is_some() || was
+    }
+    /// Updates an entry after a hit; false when the name is not indexed.
+    pub fn set_hit(&mut self, d: &Sha1Digest, hits: u32, last_used: u64, key: StatKey) -> bool {
+        match self.entries.get_mut(d) {
+            Some(e) => {
+                e.hits = hits;
+                e.last_used = last_used;
+                e.key = key;
+                true
+            }
+            None => false,
+        }
+    }
+    /// Sum of the indexed files' sizes.
+    pub fn total_bytes(&self) -> u64 {
+        self.entries.values().map(|e| e.key.size).sum()
+    }
+    /// Bytes and files per namespace (None: the default), sorted, in one
+    /// pass over the entries: what the tenants' shares are counted from
+    /// (the tenant of a namespace is Python's policy, `ds4.keytext`).
+    pub fn namespace_usage(&self) -> Vec<(Option<Arc<str>>, u64, u64)> {
+        let mut by: HashMap<Option<&str>, (u64, u64)> = HashMap::new();
+        for e in self.entries.values() {
+            let u = by.entry(e.namespace.as_deref()).or_default();
+            u.0 += e.key.size;
+            u.1 += 1;
+        }
+        let mut out: Vec<_> = by
+            .into_iter()
+            .map(|(ns, (bytes, files))| (ns.map(Arc::from), bytes, files))
+            .collect();
+        out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+    /// An estimate of the heap the index holds (bytes).
+    pub fn heap_bytes(&self) -> usize {
+        let entry = std::mem::size_of::<(Sha1Digest, Entry)>() + 1;
+        let kept = std::mem::size_of::<(Sha1Digest, (StatKey, u64))>() + 1;
+        let table = self.table.as_ref().map_or(0, |t| {
+            t.lens.capacity() * 4 + t.tails.capacity() * 8 + t.digests.capacity() * 20
+        });
+        self.entries.capacity() * entry
+            + self.kept.capacity() * kept
+            + table
+            + self
+                .abis
+                .iter()
+                .chain(&self.namespaces)
+                .map(|a| a.len() + 16)
+                .sum::<usize>()
+    }
+
+    /// Brings the names up to date with one listing of `dir` (names and
+    /// inode numbers from `readdir`, no `stat`): names gone from the
+    /// directory are forgotten; checkpoint names that are new, or whose
+    /// inode differs from the indexed one (replaced by a rename), are
+    /// returned in `changed` for the caller to stat and index; every other
+    /// name is returned in `others` (the caller's temp-file rules).
+    pub fn sync_listing(&mut self, dir: &Path) -> Result<Listing> {
+        use std::os::unix::fs::DirEntryExt;
+        let mut out = Listing::default();
+        let mut seen = DigestSet::with_capacity_and_hasher(
+            self.entries.len() + self.kept.len(),
+            BuildHasherDefault::default(),
+        );
+        for de in std::fs::read_dir(dir)? {
+            let de = de?;
+            let name = de.file_name();
+            let Some(name) = name.to_str() else { continue };
+            match name.strip_suffix(".kv").and_then(hash::parse_hex_digest) {
+                Some(d) => {
+                    seen.insert(d);
+                    let same_name = self.name(&d).is_some_and(|n| n == name);
+                    if !same_name || self.key_of(&d).is_none_or(|(k, _)| k.ino != de.ino()) {
+                        out.changed.push(name.to_owned());
+                    }
+                }
+                None => out.others.push(name.to_owned()),
+            }
+        }
+        let before = self.entries.len() + self.kept.len();
+        self.entries.retain(|d, _| seen.contains(d));
+        self.kept.retain(|d, _| seen.contains(d));
+        out.gone = before - self.entries.len() - self.kept.len();
+        if out.gone > 0 {
+            self.table = None;
+        }
+        Ok(out)
+    }
+
+    fn table(&mut self) -> &Table {
+        self.table.get_or_insert_with(|| {
+            let mut rows: Vec<(u32, u64, Sha1Digest)> = self
+                .entries
+                .values()
+                .map(|e| (e.text_bytes, e.tail, e.digest))
+                .collect();
+            rows.sort_unstable_by_key(|r| r.0);
+            Table {
+                lens: rows.iter().map(|r| r.0).collect(),
+                tails: rows.iter().map(|r| r.1).collect(),
+                digests: rows.iter().map(|r| r.2).collect(),
+            }
+        })
+    }
+
+    /// The entries whose name is the SHA-1 of a prefix of `prompt` and that
+    /// pass `q`, longest first (then most tokens): the tails filter, then
+    /// one SHA-1 pass hashes the prompt at the remaining lengths.
+    pub fn lookup(&mut self, prompt: &[u8], q: &Query<'_>) -> Vec<Entry> {
+        let t = self.table();
+        let end = t.lens.partition_point(|&l| l as usize <= prompt.len());
+        let mut cands: Vec<Sha1Digest> = Vec::new();
+        for ((&len, &tail), d) in t.lens[..end].iter().zip(&t.tails[..end]).zip(&t.digests) {
+            if tail_of(prompt, len as usize) == tail {
+                cands.push(*d);
+            }
+        }
+        let hits: Vec<&Entry> = cands
+            .iter()
+            .filter_map(|d| self.entries.get(d))
+            .filter(|e| {
+                e.tokens >= q.min_tokens
+                    && q.abi
+                        .is_none_or(|a| e.version == VERSION_V1 || &*e.abi == a)
+                    && q.ctx.is_none_or(|c| e.tokens < c)
+            })
+            .collect();
+        let lengths: Vec<usize> = hits.iter().map(|e| e.text_bytes as usize).collect();
+        let digests = hash::sha1_prefixes(prompt, &lengths);
+        let mut out: Vec<Entry> = hits
+            .into_iter()
+            .zip(digests)
+            .filter(|(e, d)| d.as_ref() == Some(&e.digest))
+            .map(|(e, _)| e.clone())
+            .collect();
+        out.sort_by(|a, b| {
+            (b.text_bytes, b.tokens, a.digest).cmp(&(a.text_bytes, a.tokens, b.digest))
+        });
+        out
+    }
+}
+
+// -- the index file --------------------------------------------------------------

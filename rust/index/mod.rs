@@ -1,0 +1,36 @@
+//! The store's index: what the headers of a directory's checkpoints say,
+//! kept in memory, looked up in one pass over a prompt, and persisted in the
+//! directory (docs/FORMAT.md, "The index file").
+//!
+//! A file enters the index from its header alone ([`read_entry`]: the fixed
+//! header and metadata, checked as a load checks them, and the last 8 bytes
+//! of its text, the lookup's filter); its text is never hashed here. The
+//! index only proposes candidates: every load runs the whole pipeline
+//! ([`crate::verify::open`]) again, so an index that lies (stale, torn,
+//! foreign, tampered) can cost a miss or a rejected candidate, never a wrong
+//! load.
+//!
+//! Each entry also records its cache namespace ([`namespace_of`]: the key
+//! text's preamble, read with the header from the text's first
+//! [`NS_READ`] bytes), so the store's eviction policy can tell tenants
+//! apart without reading any file again. Like every header fact it is a
+//! claim of the file's: the load pipeline verifies the whole text (and the
+//! name is its SHA-1), so a lying preamble cannot make a file load for
+//! another namespace's prompt; it can only misattribute its own bytes.
+//!
+//! Lookup ([`Index::lookup`]) keeps the entries' text lengths and tails in
+//! two arrays sorted by length: an entry is a candidate when its tail equals
+//! the prompt's bytes just before its length (one comparison per entry, no
+//! hashing), and only the candidates' lengths are hashed, in one SHA-1 pass
+//! ([`crate::hash::sha1_prefixes`]).
+
+mod entry;
+mod file;
+mod lookup;
+
+pub use entry::*;
+pub use file::*;
+pub use lookup::*;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,202 @@
+//! The index's unit tests: entries, lookup and the index file together.
+
+use super::*;
+use crate::hash;
+use std::sync::Arc;
+use xxhash_rust::xxh3::xxh3_64;
+
+fn entry(text: &[u8], tokens: u32, abi: &str) -> Entry {
+    Entry {
+        digest: hash::sha1(text),
+        version: 2,
+        quant_bits: 0,
+        reason: 1,
+        tokens,
+        hits: 0,
+        ctx: 4096,
+        text_bytes: u32::try_from(text.len()).unwrap(),
+        created: 1,
+        last_used: 2,
+        abi: Arc::from(abi),
+        namespace: namespace_of(text).map(Arc::from),
+        tail: tail_of(text, text.len()),
+        key: StatKey {
+            ino: 7,
+            size: 100 + text.len() as u64,
+            mtime_ns: 9,
+        },
+        case: 0,
+    }
+}
+
+#[test]
+fn namespace_usage_sums_each_namespace() {
+    let mut idx = Index::new();
+    assert!(idx.namespace_usage().is_empty());
+    let texts: [&[u8]; 5] = [
+        b"plain one",
+        b"plain two!",
+        b"\xff\x00ns:alice\xff\x00hello",
+        b"\xff\x00ns:alice\xff\x00bye",
+        b"\xff\x00ns:alice/salt-1\xff\x00hi",
+    ];
+    for text in texts {
+        idx.insert(entry(text, 10, "a"));
+    }
+    let size = |i: usize| 100 + texts[i].len() as u64;
+    let got = idx.namespace_usage();
+    assert_eq!(
+        got,
+        vec![
+            (None, size(0) + size(1), 2),
+            (Some(Arc::from("alice")), size(2) + size(3), 2),
+            (Some(Arc::from("alice/salt-1")), size(4), 1),
+        ]
+    );
+    assert_eq!(got.iter().map(|u| u.1).sum::<u64>(), idx.total_bytes());
+}
+
+#[test]
+fn tails() {
+    assert_eq!(tail_of(b"", 0), 0);
+    assert_eq!(tail_of(b"ab", 2), u64::from_le_bytes(*b"ab\0\0\0\0\0\0"));
+    assert_eq!(tail_of(b"0123456789", 10), u64::from_le_bytes(*b"23456789"));
+    assert_eq!(tail_of(b"0123456789", 9), u64::from_le_bytes(*b"12345678"));
+}
+
+#[test]
+fn lookup_longest_first_with_filters() {
+    let p: Vec<u8> = (0..1000u32).map(|i| (i * 31 % 251) as u8).collect();
+    let mut idx = Index::new();
+    for (n, tok, abi) in [
+        (5, 10, "a"),
+        (100, 10, "a"),
+        (400, 3, "a"),
+        (500, 10, "b"),
+        (1000, 10, "a"),
+    ] {
+        idx.insert(entry(&p[..n], tok, abi));
+    }
+    idx.insert(entry(b"another text entirely", 10, "a"));
+    let mut other = p[..700].to_vec();
+    other[0] ^= 1; // same tail, another text: hashed, not a hit
+    idx.insert(entry(&other, 10, "a"));
+    let q = Query {
+        min_tokens: 5,
+        abi: Some("a"),
+        ctx: None,
+    };
+    let got: Vec<u32> = idx.lookup(&p, &q).iter().map(|e| e.text_bytes).collect();
+    assert_eq!(got, [1000, 100, 5]);
+    let got: Vec<u32> = idx
+        .lookup(&p[..999], &Query::default())
+        .iter()
+        .map(|e| e.text_bytes)
+        .collect();
+    assert_eq!(got, [500, 400, 100, 5]);
+    idx.remove(&hash::sha1(&p[..100]));
+    let q = Query {
+        ctx: Some(11),
+        ..Query::default()
+    };
+    let got: Vec<u32> = idx.lookup(&p, &q).iter().map(|e| e.text_bytes).collect();
+    assert_eq!(got, [1000, 500, 400, 5]);
+}
+
+#[test]
+fn namespaces_of_key_texts() {
+    assert_eq!(namespace_of(b"plain text"), None);
+    assert_eq!(
+        namespace_of(b"\xff\x00ns:alice\xff\x00hello"),
+        Some("alice")
+    );
+    assert_eq!(
+        namespace_of(b"\xff\x00ns:alice/salt-0123\xff\x00"),
+        Some("alice/salt-0123")
+    );
+    // not whole, empty, a space, too long: not a preamble
+    assert_eq!(namespace_of(b"\xff\x00ns:alice"), None);
+    assert_eq!(namespace_of(b"\xff\x00ns:\xff\x00x"), None);
+    assert_eq!(namespace_of(b"\xff\x00ns:a b\xff\x00x"), None);
+    let mut long = b"\xff\x00ns:".to_vec();
+    long.extend_from_slice(&[b'a'; NS_ID_MAX]);
+    long.extend_from_slice(b"\xff\x00");
+    assert_eq!(long.len(), NS_READ);
+    assert_eq!(namespace_of(&long).map(str::len), Some(NS_ID_MAX));
+    long.insert(5, b'a');
+    assert_eq!(namespace_of(&long), None);
+}
+
+#[test]
+fn encode_decode_roundtrip_and_every_flip_detected() {
+    let mut idx = Index::new();
+    idx.insert(entry(b"one text", 3, "x/1"));
+    idx.insert(entry(b"two texts here", 4, "y/2"));
+    idx.insert(entry(b"\xff\x00ns:t1\xff\x00a text", 4, "y/2"));
+    idx.insert(entry(b"\xff\x00ns:t1\xff\x00another", 4, "y/2"));
+    idx.insert(entry(b"\xff\x00ns:t2/salt-1\xff\x00x", 4, "y/2"));
+    idx.keep(hash::sha1(b"kept"), StatKey::default(), 1 << 39);
+    let stamp = DirStamp {
+        dev: 1,
+        ino: 2,
+        mtime_ns: 3,
+        scanned_ns: 4,
+    };
+    let b = encode(&idx, &stamp);
+    let (back, st) = decode(&b).unwrap();
+    assert_eq!(st, stamp);
+    assert_eq!(back.len(), 5);
+    assert_eq!(back.namespaces.len(), 2);
+    assert_eq!(back.kept.len(), 1);
+    for e in idx.entries() {
+        assert_eq!(back.get(&e.digest), Some(e));
+    }
+    for i in 0..b.len() {
+        assert!(decode(&b[..i]).is_err(), "torn at {i}");
+        let mut c = b.clone();
+        c[i] ^= 0x40;
+        assert!(decode(&c).is_err(), "flip at {i}");
+    }
+    // a file of the previous version (checksummed as such) is refused:
+    // the store rebuilds it from the headers
+    let mut old = b[..b.len() - 8].to_vec();
+    old[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let sum = xxh3_64(&old);
+    old.extend_from_slice(&sum.to_le_bytes());
+    assert!(decode(&old).is_err());
+}
+
+#[test]
+fn save_load_listing_and_file_policy() {
+    let d = tempfile::tempdir().unwrap();
+    let (path, tmp) = (d.path().join(".ds4.index"), d.path().join(".ds4.index.tmp"));
+    let mut idx = Index::new();
+    let a = entry(b"first text", 3, "x/1");
+    let b = entry(b"second text", 4, "x/1");
+    idx.insert(a.clone());
+    idx.insert(b.clone());
+    save(&idx, &DirStamp::default(), &path, &tmp).unwrap();
+    assert!(!tmp.exists());
+    let (mut back, _) = load(&path).unwrap();
+    assert_eq!(back.len(), 2);
+    // a listing: `a` is on disk (another inode than indexed), `b` is gone
+    let name_a = format!("{}.kv", hash::to_hex(&a.digest));
+    std::fs::write(d.path().join(&name_a), b"x").unwrap();
+    let l = back.sync_listing(d.path()).unwrap();
+    assert_eq!(l.changed, [name_a]);
+    assert_eq!(l.gone, 1);
+    let mut others = l.others;
+    others.sort();
+    assert_eq!(others, [".ds4.index"]);
+    assert!(back.get(&b.digest).is_none() && back.get(&a.digest).is_some());
+    // never written through a symlinked temp file, never over a non-file
+    std::os::unix::fs::symlink(d.path().join("elsewhere"), &tmp).unwrap();
+    assert!(save(&idx, &DirStamp::default(), &path, &tmp).is_err());
+    assert!(!d.path().join("elsewhere").exists());
+    std::fs::remove_file(&tmp).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    std::fs::create_dir(&path).unwrap();
+    assert!(save(&idx, &DirStamp::default(), &path, &tmp).is_err());
+    assert!(path.is_dir() && !tmp.exists());
+    assert!(load(&path).is_err());
+}
