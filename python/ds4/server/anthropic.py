@@ -62,10 +62,10 @@ from .conversation import (
     results_without_calls,
 )
 from .fields import int_from, num_in, utf8_len
-from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 from .reasoning import ReasoningSplitter
 from .tools import StreamEvent
 from .volatile import SystemText
+from .wire import JSON, ApiError, Turn, Wire, bad, cache_salt_of, ds4_info, exception_to_api, sse
 
 __all__ = ["AnthropicWire", "MessagesParser"]
 
@@ -85,7 +85,8 @@ _TYPES = {
 
 
 def _bad(msg: str) -> ApiError:
-    return ApiError(400, msg, "invalid_request_error")
+    """A 400 in Anthropic's terms: a message, no ``param`` or ``code``."""
+    return bad(msg, code=None)
 
 
 def error_body(status: int, message: str) -> JSON:
@@ -134,7 +135,7 @@ def _text_blocks(v: object, where: str) -> str:
 
 class MessagesParser:
     """Validates ``/v1/messages`` and ``count_tokens`` bodies into a
-    :class:`~ds4.server.openai.Turn` carrying a :class:`Conversation`."""
+    :class:`~ds4.server.wire.Turn` carrying a :class:`Conversation`."""
 
     def __init__(
         self,
@@ -295,7 +296,7 @@ class MessagesParser:
 
 
 def _sse(event: str, data: JSON) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return sse(data, ensure_ascii=False, event=event)
 
 
 def usage(res: GenResult | None) -> JSON:

@@ -7,7 +7,8 @@ Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 /v1/responses/{id}/input_items``, ``GET /v1/models``, ``GET
 /v1/models/{id}``, ``GET /health``.
 
-A handler parses the request (:mod:`ds4.server.openai`), submits a job to
+A handler parses the request (its protocol's module over
+:mod:`ds4.server.wire`), submits a job to
 the one worker (:mod:`ds4.server.worker`) and relays its events. The job's
 cancel flag is set as soon as the client disconnects. On SIGTERM/SIGINT
 uvicorn drains the in-flight requests, then the lifespan hook closes the
@@ -33,10 +34,11 @@ from .body import BodyLimits, read_json
 from .conversation import AgentTurn, LiveTools
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
 from .health import operator_view, tenant_view
-from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
+from .openai import OpenAIWire, RequestParser
 from .responses import MemoryRecords, ResponsesParser, ResponsesWire, StoredResponses
 from .tenants import ANONYMOUS, namespace_for
 from .volatile import MODES, SystemText
+from .wire import ApiError, Turn, Wire, http_error
 from .worker import Job, Service
 
 if TYPE_CHECKING:

@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import collections
 import hmac
-import json
 import logging
 import secrets
 import threading
@@ -96,10 +95,10 @@ from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import format_name, int_from, num_in, utf8_len
-from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
 from .reasoning import ReasoningSplitter
 from .tenants import ANONYMOUS
 from .volatile import SystemText
+from .wire import JSON, ApiError, Turn, Wire, bad, cache_salt_of, ds4_info, exception_to_api, sse
 
 __all__ = ["MemoryRecords", "ResponsesParser", "ResponsesWire", "StoredResponses"]
 
@@ -153,15 +152,11 @@ class MemoryRecords:
             return self._d.pop(f"{kind}-{key}", None) is not None
 
 
-def _bad(msg: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
-    return ApiError(400, msg, "invalid_request_error", param, code)
-
-
 def _str(v: object, param: str) -> str:
     if not isinstance(v, str):
-        raise _bad(f"'{param}' must be a string", param, "invalid_type")
+        raise bad(f"'{param}' must be a string", param, "invalid_type")
     if utf8_len(v) is None:
-        raise _bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string")
+        raise bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string")
     return v
 
 
@@ -170,11 +165,11 @@ def _text(v: object, param: str) -> str:
     if isinstance(v, str):
         return _str(v, param)
     if not isinstance(v, list):
-        raise _bad(f"'{param}' must be a string or an array of text parts", param, "invalid_type")
+        raise bad(f"'{param}' must be a string or an array of text parts", param, "invalid_type")
     out = []
     for j, p in enumerate(v):
         if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
-            raise _bad(f"'{param}[{j}]': only text parts are supported", param)
+            raise bad(f"'{param}[{j}]': only text parts are supported", param)
         out.append(_str(p.get("text"), f"{param}[{j}].text"))
     return "".join(out)
 
@@ -208,7 +203,7 @@ def _reasoning_text(it: JSON, p: str) -> str:
         if parts is None:
             continue
         if not isinstance(parts, list):
-            raise _bad(f"'{p}.{key}' must be an array", "input", "invalid_type")
+            raise bad(f"'{p}.{key}' must be an array", "input", "invalid_type")
         texts = [
             _str(part.get("text"), f"{p}.{key}")
             for part in parts
@@ -276,12 +271,12 @@ class ResponsesParser:
     def _item(self, i: int, it: object, out: list[Message]) -> None:
         p = f"input[{i}]"
         if not isinstance(it, dict):
-            raise _bad(f"'{p}' must be an object", "input", "invalid_type")
+            raise bad(f"'{p}' must be an object", "input", "invalid_type")
         kind = it.get("type", "message")
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise _bad(f"'{p}.role' must be user, assistant, system or developer", "input")
+                raise bad(f"'{p}.role' must be user, assistant, system or developer", "input")
             text: str | None = _text(it.get("content"), p)
             if role in ("system", "developer"):
                 text = self.volatile.header(str(text))  # None: it was the billing line alone
@@ -306,35 +301,35 @@ class ResponsesParser:
             elif text:
                 out.append(Message("assistant", "", reasoning=text))  # the assistant turn it opens
         else:
-            raise _bad(f"'{p}.type' {kind!r} is not supported", "input")
+            raise bad(f"'{p}.type' {kind!r} is not supported", "input")
 
     @staticmethod
     def _tools(body: JSON) -> tuple[list[Tool], str, bool]:
         raw = body.get("tools") or []
         if not isinstance(raw, list):
-            raise _bad("'tools' must be an array", "tools", "invalid_type")
+            raise bad("'tools' must be an array", "tools", "invalid_type")
         tools = []
         for i, t in enumerate(raw):
             if not isinstance(t, dict) or t.get("type") != "function":
-                raise _bad(f"tools[{i}]: only function tools are supported", "tools")
+                raise bad(f"tools[{i}]: only function tools are supported", "tools")
             params = t.get("parameters") or {}
             if not isinstance(params, dict):
-                raise _bad(f"tools[{i}].parameters must be an object", "tools", "invalid_type")
+                raise bad(f"tools[{i}].parameters must be an object", "tools", "invalid_type")
             tools.append(Tool(_str(t.get("name"), "tools"), _str(t.get("description") or "", "tools"), params))
         tc = body.get("tool_choice", "auto")
         if isinstance(tc, dict) and tc.get("type") == "function":
             choice = _str(tc.get("name"), "tool_choice")
             if choice not in {t.name for t in tools}:
-                raise _bad(f"tool_choice names {choice!r}, which is not in 'tools'", "tool_choice")
+                raise bad(f"tool_choice names {choice!r}, which is not in 'tools'", "tool_choice")
         elif tc in ("auto", "none", "required"):
             choice = str(tc)
             if choice == "required" and not tools:
-                raise _bad("tool_choice 'required' needs 'tools'", "tool_choice")
+                raise bad("tool_choice 'required' needs 'tools'", "tool_choice")
         else:
-            raise _bad("'tool_choice' must be 'auto', 'none', 'required' or a function", "tool_choice")
+            raise bad("'tool_choice' must be 'auto', 'none', 'required' or a function", "tool_choice")
         par = body.get("parallel_tool_calls")
         if par is not None and not isinstance(par, bool):
-            raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
+            raise bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
         return tools, choice, par is not False
 
     @staticmethod
@@ -343,13 +338,13 @@ class ResponsesParser:
         if v is None:
             return None
         if not num_in(v, lo, hi):
-            raise _bad(f"'{key}' must be a number between {lo} and {hi}", key)
+            raise bad(f"'{key}' must be a number between {lo} and {hi}", key)
         return float(v)
 
     def _params(self, body: JSON) -> GenParams:
         mot = body.get("max_output_tokens")
         if mot is not None and not int_from(mot, 1):
-            raise _bad("'max_output_tokens' must be an integer >= 1", "max_output_tokens")
+            raise bad("'max_output_tokens' must be an integer >= 1", "max_output_tokens")
         top_p = self._num(body, "top_p", 0.0, 1.0)
         return GenParams(
             max_tokens=self.default_max_tokens if mot is None else mot,
@@ -378,7 +373,7 @@ class ResponsesParser:
         """The turn of a request body from ``tenant`` (whose stored
         responses alone ``previous_response_id`` may name)."""
         if not isinstance(raw, dict):
-            raise _bad("the request body must be a JSON object", None, "invalid_type")
+            raise bad("the request body must be a JSON object", None, "invalid_type")
         _str(raw.get("model"), "model")
         history, ids = self._previous(raw, tenant)
         inp = raw.get("input")
@@ -389,7 +384,7 @@ class ResponsesParser:
             for i, it in enumerate(inp):
                 self._item(i, it, new)
         else:
-            raise _bad("'input' must be a string or a non-empty array of items", "input", "missing_required_parameter")
+            raise bad("'input' must be a string or a non-empty array of items", "input", "missing_required_parameter")
         missing = self._check_outputs(history + new, len(history), raw.get("previous_response_id"))
         history = history + new
         ids = ids + [new_item_id(m) for m in new]
@@ -405,17 +400,17 @@ class ResponsesParser:
             for m in msgs
         )
         if self.max_prompt_bytes is not None and n > self.max_prompt_bytes:
-            raise _bad(f"the input has {n} bytes, more than fit the context", "input", "context_length_exceeded")
+            raise bad(f"the input has {n} bytes, more than fit the context", "input", "context_length_exceeded")
         stream = raw.get("stream", False)
         if not isinstance(stream, bool):
-            raise _bad("'stream' must be a boolean", "stream", "invalid_type")
+            raise bad("'stream' must be a boolean", "stream", "invalid_type")
         constraint, echo = text_format(raw.get("text"))
         params = self._params(raw)
         params.constraint = constraint  # as chat's response_format: a forced tool call's grammar wins
         try:
             params = conv.gen_params(params)
         except ConstraintError as e:
-            raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
+            raise bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
         turn = ResponsesTurn(params, stream, conv, raw, history, ids)
         turn.text_format = echo
         turn.cache_salt = cache_salt_of(raw)
@@ -439,7 +434,7 @@ class ResponsesParser:
                 why = "no function_call earlier in the input has it and this server never issued it"
             else:
                 continue
-            raise _bad(
+            raise bad(
                 f"No tool call found for function call output with call_id {cid}: {why}", "input", "unknown_call_id"
             )
         return missing
@@ -456,20 +451,20 @@ def text_format(text: object) -> tuple[Constraint | None, JSON]:
     if text is None:
         return None, {"type": "text"}
     if not isinstance(text, dict):
-        raise _bad("'text' must be an object", "text", "invalid_type")
+        raise bad("'text' must be an object", "text", "invalid_type")
     p = "text.format"
     fmt = text.get("format")
     if fmt is None:
         return None, {"type": "text"}
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise _bad(f"'{p}' must be an object with a string 'type'", p, "invalid_type")
+        raise bad(f"'{p}' must be an object with a string 'type'", p, "invalid_type")
     kind = fmt["type"]
     if kind == "text":
         return None, {"type": "text"}
     if kind == "json_object":
         return Constraint.json_object(), {"type": "json_object"}
     if kind != "json_schema":
-        raise _bad(f"'{p}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{p}.type")
+        raise bad(f"'{p}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{p}.type")
     return _json_schema_format(fmt, p)
 
 
@@ -477,23 +472,23 @@ def _json_schema_format(fmt: JSON, p: str) -> tuple[Constraint, JSON]:
     """A ``json_schema`` format (``p``: its parameter) as a constraint and its echo."""
     name = fmt.get("name")
     if name is None:
-        raise _bad(f"Missing required parameter: '{p}.name'.", f"{p}.name", "missing_required_parameter")
+        raise bad(f"Missing required parameter: '{p}.name'.", f"{p}.name", "missing_required_parameter")
     if not format_name(name):
-        raise _bad(f"'{p}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{p}.name")
+        raise bad(f"'{p}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{p}.name")
     schema = fmt.get("schema")
     if schema is None:
-        raise _bad(f"Missing required parameter: '{p}.schema'.", f"{p}.schema", "missing_required_parameter")
+        raise bad(f"Missing required parameter: '{p}.schema'.", f"{p}.schema", "missing_required_parameter")
     if not isinstance(schema, dict):
-        raise _bad(f"'{p}.schema' must be an object", f"{p}.schema", "invalid_type")
+        raise bad(f"'{p}.schema' must be an object", f"{p}.schema", "invalid_type")
     strict, description = fmt.get("strict"), fmt.get("description")
     if strict is not None and not isinstance(strict, bool):
-        raise _bad(f"'{p}.strict' must be a boolean", f"{p}.strict", "invalid_type")
+        raise bad(f"'{p}.strict' must be a boolean", f"{p}.strict", "invalid_type")
     if description is not None:
         _str(description, f"{p}.description")
     try:
         constraint = Constraint.json_schema(schema)
     except ConstraintError as e:
-        raise _bad(f"Invalid schema for response_format '{name}': {e}", f"{p}.schema", "invalid_json_schema") from None
+        raise bad(f"Invalid schema for response_format '{name}': {e}", f"{p}.schema", "invalid_json_schema") from None
     echo = {"type": "json_schema", "name": name, "schema": schema, "description": description, "strict": strict}
     return constraint, echo
 
@@ -601,7 +596,7 @@ class ResponsesReply:
     def _ev(self, kind: str, **data: Any) -> bytes:
         d = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(d, ensure_ascii=False)}\n\n".encode()
+        return sse(d, ensure_ascii=False, event=kind)
 
     def _outcome(self, res: GenResult) -> Outcome:
         oc = self.turn.agent.outcome if self.turn.agent is not None else None
@@ -821,7 +816,7 @@ def _query_int(query: Mapping[str, str], key: str, default: int, lo: int, hi: in
     except ValueError:
         n = lo - 1
     if not lo <= n <= hi:
-        raise _bad(f"'{key}' must be an integer between {lo} and {hi}", key)
+        raise bad(f"'{key}' must be an integer between {lo} and {hi}", key)
     return n
 
 
@@ -876,7 +871,7 @@ class StoredResponses:
     def retrieve(self, rid: str, tenant: str, query: Mapping[str, str]) -> JSON:
         """``GET /v1/responses/{rid}``: the response object as created."""
         if query.get("stream", "false").lower() not in ("false", "0"):
-            raise _bad("streaming a stored response again is not supported", "stream")
+            raise bad("streaming a stored response again is not supported", "stream")
         rec = self._retrievable(rid, tenant)
         head, last = rec["response"], rec["messages"][-1]
         out = _from_json(last)
@@ -890,7 +885,7 @@ class StoredResponses:
         limit = _query_int(query, "limit", 20, 1, 100)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
-            raise _bad("'order' must be 'asc' or 'desc'", "order")
+            raise bad("'order' must be 'asc' or 'desc'", "order")
         rec = self._retrievable(rid, tenant)
         used: set[str] = set()
         items = [it for d in rec["messages"][:-1] for it in _input_item(d, used)]
@@ -901,7 +896,7 @@ class StoredResponses:
         if after is not None:
             start = next((i + 1 for i, it in enumerate(items) if it["id"] == after), -1)
             if start < 0:
-                raise _bad(f"no input item with id '{after}' in response '{rid}'", "after")
+                raise bad(f"no input item with id '{after}' in response '{rid}'", "after")
         page = items[start : start + limit]
         return {
             "object": "list",
