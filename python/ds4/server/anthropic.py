@@ -63,7 +63,7 @@ from .conversation import (
 )
 from .fields import int_from, num_in, utf8_len
 from .reasoning import ReasoningSplitter
-from .tools import StreamEvent
+from .tool_stream import StreamEvent
 from .volatile import SystemText
 from .wire import JSON, ApiError, Turn, Wire, bad, cache_salt_of, ds4_info, exception_to_api, sse
 
@@ -326,7 +326,7 @@ def stop_reason(oc: Outcome, res: GenResult) -> tuple[str, str | None]:
 
 class MessagesReply:
     """The bodies of one ``/v1/messages`` answer. A stream with tools goes
-    through the convention's splitter (:class:`ds4.server.tools.StreamSplitter`):
+    through the convention's splitter (:class:`ds4.server.tool_stream.StreamSplitter`):
     text in a text block, then each call as it is generated, a ``tool_use``
     block (the id the turn's outcome will hold, the name, ``input: {}``)
     once its name is complete, its canonical arguments as ``input_json_delta``

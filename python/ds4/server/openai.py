@@ -20,7 +20,7 @@ from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall, new_call_id
 from .fields import format_name, is_int
 from .reasoning import ReasoningSplitter
-from .tools import StreamEvent, StreamSplitter
+from .tool_stream import StreamEvent, StreamSplitter
 from .volatile import SystemText
 from .wire import (
     JSON,
@@ -369,12 +369,12 @@ class OpenAIWire(Wire):
 class Reply:
     """The response bodies of one turn: a whole completion, or its SSE
     chunks. A chat with tools streams through the convention's splitter
-    (:class:`ds4.server.tools.StreamSplitter`): visible text as content
+    (:class:`ds4.server.tool_stream.StreamSplitter`): visible text as content
     deltas, each call as it is generated, a header delta (``index``, the
     ``id`` the turn's outcome will hold, ``type``, ``function.name`` and
     empty ``arguments``) once its name is complete, then ``arguments``
     fragments; what the splitter could not send live goes out at the end
-    (see :meth:`ds4.server.tools.StreamSplitter.close`). A reply's
+    (see :meth:`ds4.server.tool_stream.StreamSplitter.close`). A reply's
     reasoning (``<think>…</think>``, :mod:`ds4.server.reasoning`) is the
     message's ``reasoning_content``, streamed as ``reasoning_content``
     deltas before the content's."""
