@@ -35,7 +35,8 @@ from .conversation import AgentTurn, LiveTools
 from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
 from .health import operator_view, tenant_view
 from .openai import OpenAIWire, RequestParser
-from .responses import MemoryRecords, ResponsesParser, ResponsesWire, StoredResponses
+from .response_store import MemoryRecords, StoredResponses
+from .responses import ResponsesParser, ResponsesWire
 from .tenants import ANONYMOUS, namespace_for
 from .volatile import MODES, SystemText
 from .wire import ApiError, Turn, Wire, http_error

@@ -14,11 +14,11 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from ..constrain import Constraint
 from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall, new_call_id
-from .fields import format_name, is_int
+from .fields import is_int
+from .formats import response_format
 from .reasoning import ReasoningSplitter
 from .tool_stream import StreamEvent, StreamSplitter
 from .volatile import SystemText
@@ -38,7 +38,7 @@ from .wire import (
     utf8_bytes,
 )
 
-__all__ = ["OpenAIWire", "RequestParser", "response_format"]
+__all__ = ["OpenAIWire", "RequestParser"]
 
 
 class RequestParser:
@@ -325,39 +325,6 @@ class RequestParser:
         if body.get("suffix"):
             raise bad("suffix is not supported", "suffix", "unsupported_value")
         return Turn("completion", prompt, params, stream, inc, cache_salt=cache_salt_of(body))
-
-
-def response_format(rf: object) -> Constraint | None:
-    """``response_format`` as a constraint: ``text`` (none), ``json_object``
-    (any JSON object), ``json_schema`` (JSON valid under its ``schema``;
-    enforced whether ``strict`` is true or not). A bad one is a 400."""
-    p = "response_format"
-    if rf is None:
-        return None
-    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-        raise bad(f"'{p}' must be an object with a string 'type'", p, "invalid_type")
-    kind = rf["type"]
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return Constraint.json_object()
-    if kind != "json_schema":
-        raise bad(f"'{p}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{p}.type")
-    js = rf.get("json_schema")
-    if not isinstance(js, dict):
-        raise bad(f"'{p}.json_schema' must be an object", f"{p}.json_schema", "invalid_type")
-    name = js.get("name")
-    if not format_name(name):
-        raise bad(f"'{p}.json_schema.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{p}.json_schema.name")
-    if js.get("strict") is not None and not isinstance(js["strict"], bool):
-        raise bad(f"'{p}.json_schema.strict' must be a boolean", f"{p}.json_schema.strict", "invalid_type")
-    schema = js.get("schema", {})
-    if not isinstance(schema, dict):
-        raise bad(f"'{p}.json_schema.schema' must be an object", f"{p}.json_schema.schema", "invalid_type")
-    try:
-        return Constraint.json_schema(schema)
-    except ConstraintError as e:
-        raise bad(f"Invalid schema for response_format '{name}': {e}", p, "invalid_json_schema") from None
 
 
 class OpenAIWire(Wire):

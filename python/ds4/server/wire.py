@@ -40,6 +40,7 @@ __all__ = [
     "scrub",
     "shown_path",
     "sse",
+    "str_field",
     "utf8_bytes",
 ]
 
@@ -97,6 +98,15 @@ def opt_bool(body: JSON, key: str) -> bool | None:
         return None
     if not isinstance(v, bool):
         raise bad(f"'{key}' must be a boolean, got {type(v).__name__}", key, "invalid_type")
+    return v
+
+
+def str_field(v: object, param: str) -> str:
+    """A string field (``param``: its name), valid Unicode; a 400 otherwise."""
+    if not isinstance(v, str):
+        raise bad(f"'{param}' must be a string", param, "invalid_type")
+    if utf8_len(v) is None:
+        raise bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string")
     return v
 
 
