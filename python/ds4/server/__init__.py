@@ -1,6 +1,7 @@
 """``ds4 serve``: an OpenAI-compatible HTTP server over one live session.
 
-- :mod:`ds4.server.app`: the routes (Starlette) and ``serve_main``;
+- :mod:`ds4.server.app`: the routes (Starlette);
+- :mod:`ds4.server.serve`: ``ds4 serve``'s command line and ``serve_main``;
 - :mod:`ds4.server.worker`: the job queue and the one thread that owns the
   session (through :class:`ds4.turn.Generator`);
 - :mod:`ds4.server.wire`: what every protocol shares (the parsed request,
@@ -10,7 +11,8 @@
   protocol is one more module beside them.
 """
 
-from .app import add_serve_args, create_app, serve_main
+from .app import create_app
+from .serve import add_serve_args, serve_main
 from .wire import ApiError
 from .worker import Service
 
