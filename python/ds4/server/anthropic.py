@@ -28,7 +28,7 @@ Tool results (ds4's 400/409 split)
     by replaying the full messages history".
 
 Answers
-    Bodies, stream events, usage and thinking blocks:
+    Bodies, stream events, usage, thinking blocks and errors (the wire):
     :mod:`ds4.server.anthropic_reply`.
 """
 
@@ -38,13 +38,12 @@ import json
 
 from ..errors import ConstraintError
 from ..turn import GenParams
-from .anthropic_reply import MessagesReply, error_body
 from .conversation import Conversation, Message, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import int_from, num_in, utf8_len
 from .volatile import SystemText
-from .wire import JSON, ApiError, Turn, Wire, bad, cache_salt_of, exception_to_api
+from .wire import JSON, ApiError, MakeAgent, Turn, bad, cache_salt_of
 
-__all__ = ["AnthropicWire", "MessagesParser"]
+__all__ = ["MessagesParser"]
 
 
 def _bad(msg: str) -> ApiError:
@@ -102,8 +101,10 @@ class MessagesParser:
         ctx: int,
         max_prompt_bytes: int | None = None,
         volatile: SystemText | None = None,
+        make_agent: MakeAgent | None = None,
     ):
         self.default_max_tokens = default_max_tokens if default_max_tokens > 0 else ctx
+        self.make_agent = make_agent  # a chat's agent turn (None: parse only)
         self.max_prompt_bytes = max_prompt_bytes
         self.volatile = volatile or SystemText()
 
@@ -251,13 +252,5 @@ class MessagesParser:
         stream = raw.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad("stream: must be a boolean")
-        return Turn("chat", None, params, stream, True, conv, cache_salt=cache_salt_of(raw))
-
-
-class AnthropicWire(Wire):
-    def reply(self, turn: Turn) -> MessagesReply:
-        return MessagesReply(turn, self.model, self.debug)
-
-    def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
-        api = e if isinstance(e, ApiError) else exception_to_api(e, param, self.debug)
-        return api.status, error_body(api.status, api.message)
+        agent = self.make_agent(conv, id_prefix="toolu_", label="anthropic") if self.make_agent is not None else None
+        return Turn(params, stream, True, conv=conv, agent=agent, cache_salt=cache_salt_of(raw))

@@ -29,9 +29,9 @@ from ..turn import GenResult
 from .conversation import Outcome, new_call_id
 from .reasoning import ReasoningSplitter
 from .tool_stream import StreamEvent
-from .wire import JSON, Turn, ds4_info, exception_to_api, sse
+from .wire import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api, sse
 
-__all__ = ["MessagesReply", "error_body"]
+__all__ = ["AnthropicWire", "MessagesReply", "error_body"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -255,3 +255,12 @@ class MessagesReply:
     def failed(self, e: BaseException) -> list[bytes]:
         api = exception_to_api(e, None, self.debug)
         return [_sse("error", error_body(api.status, api.message))]
+
+
+class AnthropicWire(Wire):
+    def reply(self, turn: Turn) -> MessagesReply:
+        return MessagesReply(turn, self.model, self.debug)
+
+    def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
+        api = e if isinstance(e, ApiError) else exception_to_api(e, param, self.debug)
+        return api.status, error_body(api.status, api.message)

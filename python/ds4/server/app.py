@@ -26,14 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..keytext import tokenize_prompt
 from ..turn import GenResult
-from .anthropic import AnthropicWire, MessagesParser
+from .anthropic import MessagesParser
+from .anthropic_reply import AnthropicWire
 from .body import BodyLimits, read_json
-from .conversation import AgentTurn, LiveTools
+from .conversation import AgentTurn, Conversation, LiveTools
 from .guard import Guard, GuardMiddleware
 from .health import operator_view, tenant_view
 from .openai import OpenAIWire, RequestParser
 from .response_store import MemoryRecords, StoredResponses
-from .responses import ResponsesParser, ResponsesWire
+from .responses import ResponsesParser
+from .responses_reply import ResponsesWire
 from .tenants import ANONYMOUS, namespace_for
 from .volatile import SystemText
 from .wire import ApiError, Turn, Wire, http_error
@@ -79,10 +81,7 @@ class _JobRun:
 
         tenant = tenant_of_request(request)
         namespace = namespace_for(tenant, turn.cache_salt)
-        if turn.agent is not None:
-            self.job = Job("agent", turn.agent, turn.params, post, namespace, tenant)
-        else:
-            self.job = Job(turn.kind, turn.payload, turn.params, post, namespace, tenant)
+        self.job = Job(turn.work(), turn.params, post, namespace, tenant)
         service.submit(self.job)
         self.watcher = asyncio.ensure_future(self._watch(request))
 
@@ -125,17 +124,24 @@ class _Routes:
         self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
         volatile = volatile or SystemText()  # one, so that the billing line is logged once per client
         self.parser = RequestParser(
-            self.model_ids, default_max_tokens, self.gen.ctx, self.gen.max_prompt_bytes(), volatile
+            self.model_ids, default_max_tokens, self.gen.ctx, self.gen.max_prompt_bytes(), volatile, self.agent
         )
         self.openai = OpenAIWire(service.model_id, debug)
         self.anthropic = AnthropicWire(service.model_id, debug)
-        self.messages_parser = MessagesParser(default_max_tokens, self.gen.ctx, self.parser.max_prompt_bytes, volatile)
+        self.messages_parser = MessagesParser(
+            default_max_tokens, self.gen.ctx, self.parser.max_prompt_bytes, volatile, self.agent
+        )
         records = self.gen.store.records if self.gen.store is not None else MemoryRecords()
         self.stored = StoredResponses(records, service.model_id)
         self.responses_wire = ResponsesWire(service.model_id, self.stored, debug)
         self.responses_parser = ResponsesParser(
-            default_max_tokens, self.gen.ctx, self.stored, self.parser.max_prompt_bytes, volatile
+            default_max_tokens, self.gen.ctx, self.stored, self.parser.max_prompt_bytes, volatile, self.agent
         )
+
+    def agent(self, conv: Conversation, *, id_prefix: str = "call_", label: str = "chat") -> AgentTurn:
+        """A chat's agent turn, over ds4's live tool state and the generator
+        (the parsers make one per chat: :class:`ds4.server.wire.MakeAgent`)."""
+        return AgentTurn(conv, self.live, self.gen, id_prefix=id_prefix, label=label)
 
     @staticmethod
     def err(e: ApiError) -> Response:
@@ -174,8 +180,6 @@ class _Routes:
             turn = self.messages_parser.messages(await self.read_json(request))
         except ApiError as e:
             return self.wire_err(self.anthropic, e)
-        assert turn.conv is not None
-        turn.agent = AgentTurn(turn.conv, self.live, self.gen, id_prefix="toolu_", label="anthropic")
         return await self.run(request, turn, self.anthropic)
 
     async def responses(self, request: Request) -> Response:
@@ -185,9 +189,6 @@ class _Routes:
             turn = await asyncio.to_thread(self.responses_parser.parse, raw, tenant_of_request(request))
         except ApiError as e:
             return self.wire_err(self.responses_wire, e)
-        assert turn.conv is not None
-        turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses")
-        turn.agent.on_outcome = lambda oc, res: self.stored.remember(turn, oc, res)  # in the worker thread
         return await self.run(request, turn, self.responses_wire)
 
     async def stored_response(self, request: Request) -> Response:
@@ -227,8 +228,6 @@ class _Routes:
     async def run(self, request: Request, turn: Turn, wire: Wire | None = None) -> Response:
         """Submit ``turn`` and answer it in ``wire``'s protocol (OpenAI's by default)."""
         wire = wire or self.openai
-        if turn.conv is not None and turn.agent is None:
-            turn.agent = AgentTurn(turn.conv, self.live, self.gen)
         try:
             run = _JobRun(self.service, request, turn)
         except Exception as e:  # refused: queue full or shutting down

@@ -25,6 +25,7 @@ from .volatile import SystemText
 from .wire import (
     JSON,
     ApiError,
+    MakeAgent,
     Turn,
     Wire,
     bad,
@@ -53,8 +54,10 @@ class RequestParser:
         ctx: int,
         max_prompt_bytes: int | None = None,
         volatile: SystemText | None = None,
+        make_agent: MakeAgent | None = None,
     ):
         self.model_ids = tuple(model_ids)
+        self.make_agent = make_agent  # a chat's agent turn (None: parse only)
         # the billing line and the volatile lines of system text (ds4.server.volatile)
         self.volatile = volatile or SystemText()
         self.default_max_tokens = default_max_tokens
@@ -295,7 +298,8 @@ class RequestParser:
             params = conv.gen_params(params)
         except ConstraintError as e:
             raise bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
-        return Turn("chat", None, params, stream, inc, conv, cache_salt=salt)
+        agent = self.make_agent(conv) if self.make_agent is not None else None
+        return Turn(params, stream, inc, conv=conv, agent=agent, cache_salt=salt)
 
     def _system_text(self, m: Message) -> bool:
         """``m`` (a system or developer message) without its billing line;
@@ -324,7 +328,7 @@ class RequestParser:
             raise bad("echo is not supported", "echo", "unsupported_value")
         if body.get("suffix"):
             raise bad("suffix is not supported", "suffix", "unsupported_value")
-        return Turn("completion", prompt, params, stream, inc, cache_salt=cache_salt_of(body))
+        return Turn(params, stream, inc, prompt=prompt, cache_salt=cache_salt_of(body))
 
 
 class OpenAIWire(Wire):

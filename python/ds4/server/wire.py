@@ -14,18 +14,19 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ContextOverflowError, EmptyPromptError, EngineError, PromptError
 from ..turn import GenParams, GenResult
 from .conversation import AgentTurn, Conversation, LiveStateGone
 from .fields import is_int, is_num, utf8_len
-from .worker import Cancelled, QueueFull, ShuttingDown
+from .worker import Cancelled, QueueFull, ShuttingDown, TextPrompt, Work
 
 __all__ = [
     "JSON",
     "SSE_DONE",
     "ApiError",
+    "MakeAgent",
     "Turn",
     "Wire",
     "bad",
@@ -131,35 +132,56 @@ def utf8_bytes(s: str, param: str) -> int:
     return n
 
 
+class MakeAgent(Protocol):
+    """Makes a chat's agent turn (the app's: over its live tool state and
+    generator); a parser without one parses only (its chats have no agent)."""
+
+    def __call__(self, conv: Conversation, *, id_prefix: str = "call_", label: str = "chat") -> AgentTurn: ...
+
+
 class Turn:
-    """One parsed request: what to render (chat messages or a raw prompt),
-    how to generate, and how to answer."""
+    """One parsed request: what to run (a chat's conversation and its agent
+    turn, or a completion's raw prompt), how to generate, and how to
+    answer. Whole once made: nothing is filled in after parsing."""
 
     def __init__(
         self,
-        kind: str,
-        payload: Any,
         params: GenParams,
         stream: bool,
         include_usage: bool,
+        *,
         conv: Conversation | None = None,
+        agent: AgentTurn | None = None,
+        prompt: str | None = None,
         cache_salt: str | None = None,
     ):
-        self.kind = kind  # "chat" (payload: messages) or "completion" (payload: prompt text)
-        self.payload = payload
         self.params = params
         self.stream = stream
         self.include_usage = include_usage
         # a chat (every chat: its reasoning is split and canonicalized, its
         # tools parsed): the worker runs it as an agent turn (ds4.server.conversation)
         self.conv = conv
-        self.agent: AgentTurn | None = None
+        self.agent = agent
+        self.prompt = prompt  # a completion's prompt text
         self.cache_salt = cache_salt  # vLLM's field: its own cache namespace (ds4.server.tenants)
+
+    @property
+    def kind(self) -> str:
+        """``chat`` (a conversation) or ``completion`` (a raw prompt)."""
+        return "chat" if self.conv is not None else "completion"
 
     @property
     def param(self) -> str:
         """The request field an error about the prompt points at."""
         return "messages" if self.kind == "chat" else "prompt"
+
+    def work(self) -> Work:
+        """What the worker runs: the agent turn, or the completion's prompt."""
+        if self.agent is not None:
+            return self.agent
+        if self.prompt is None:
+            raise ValueError("a chat parsed without an agent turn cannot run")
+        return TextPrompt(self.prompt)
 
 
 def invalid_json(e: Exception) -> ApiError:
