@@ -41,7 +41,7 @@ from ..turn import GenParams
 from .conversation import Conversation, Message, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import int_from, num_in, utf8_len
 from .volatile import SystemText
-from .wire import JSON, ApiError, MakeAgent, Turn, bad, cache_salt_of
+from .wire import JSON, ApiError, ApiRequest, MakeAgent, bad, cache_salt_of
 
 __all__ = ["MessagesParser"]
 
@@ -93,7 +93,7 @@ def _text_blocks(v: object, where: str) -> str:
 
 class MessagesParser:
     """Validates ``/v1/messages`` and ``count_tokens`` bodies into a
-    :class:`~ds4.server.wire.Turn` carrying a :class:`Conversation`."""
+    :class:`~ds4.server.wire.ApiRequest` carrying a :class:`Conversation`."""
 
     def __init__(
         self,
@@ -242,7 +242,7 @@ class MessagesParser:
             raise _bad(f"prompt is too long: {n} bytes cannot fit the context")
         return conv
 
-    def messages(self, raw: object) -> Turn:
+    def messages(self, raw: object) -> ApiRequest:
         conv = self.conversation(raw)
         assert isinstance(raw, dict)
         try:
@@ -253,4 +253,4 @@ class MessagesParser:
         if not isinstance(stream, bool):
             raise _bad("stream: must be a boolean")
         agent = self.make_agent(conv, id_prefix="toolu_", label="anthropic") if self.make_agent is not None else None
-        return Turn(params, stream, True, conv=conv, agent=agent, cache_salt=cache_salt_of(raw))
+        return ApiRequest(params, stream, True, conv=conv, agent=agent, cache_salt=cache_salt_of(raw))

@@ -29,7 +29,7 @@ from ..turn import GenResult
 from .conversation import Outcome, new_call_id
 from .reasoning import ReasoningSplitter
 from .tool_stream import StreamEvent
-from .wire import JSON, ApiError, Turn, Wire, ds4_info, exception_to_api, sse
+from .wire import JSON, ApiError, ApiRequest, Wire, ds4_info, exception_to_api, sse
 
 __all__ = ["AnthropicWire", "MessagesReply", "error_body"]
 
@@ -91,10 +91,10 @@ class MessagesReply:
 
     terminator = b""
 
-    def __init__(self, turn: Turn, model: str, debug: bool):
-        self.turn, self.model, self.debug = turn, model, debug
+    def __init__(self, req: ApiRequest, model: str, debug: bool):
+        self.req, self.model, self.debug = req, model, debug
         self.id = "msg_" + uuid.uuid4().hex[:24]
-        conv = turn.conv
+        conv = req.conv
         self.splitter = conv.splitter() if conv is not None else None
         self.text_open = False
         self.index = 0  # the index of the block open or next (thinking, text, then each call)
@@ -103,7 +103,7 @@ class MessagesReply:
         self.think_done = False  # the thinking block is closed
 
     def _outcome(self, res: GenResult) -> Outcome:
-        oc = self.turn.agent.outcome if self.turn.agent is not None else None
+        oc = self.req.agent.outcome if self.req.agent is not None else None
         return oc if oc is not None else Outcome(res.text, [], res.finish_reason)
 
     def _message(self, content: list[JSON], res: GenResult | None) -> JSON:
@@ -167,7 +167,7 @@ class MessagesReply:
                 out += self._text(e.text)
             elif e.kind == "start":
                 out += self._stop_text()
-                agent = self.turn.agent
+                agent = self.req.agent
                 cid = agent.call_id(e.index) if agent is not None else new_call_id("toolu_")
                 block = {"type": "tool_use", "id": cid, "name": e.text, "input": {}}
                 start = {"type": "content_block_start", "index": self.index, "content_block": block}
@@ -216,10 +216,10 @@ class MessagesReply:
     def _split(self, text: str) -> tuple[list[bytes], str]:
         """A text delta through the reasoning splitter: the thinking events
         and the content left."""
-        if self.turn.agent is None:
+        if self.req.agent is None:
             return [], text
         if self.rsplit is None:
-            self.rsplit = self.turn.agent.reasoning_splitter()
+            self.rsplit = self.req.agent.reasoning_splitter()
         reasoning, content = self.rsplit.push(text)
         out = self._think(reasoning)
         return (out + self._end_think() if content else out), content
@@ -258,8 +258,8 @@ class MessagesReply:
 
 
 class AnthropicWire(Wire):
-    def reply(self, turn: Turn) -> MessagesReply:
-        return MessagesReply(turn, self.model, self.debug)
+    def reply(self, req: ApiRequest) -> MessagesReply:
+        return MessagesReply(req, self.model, self.debug)
 
     def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
         api = e if isinstance(e, ApiError) else exception_to_api(e, param, self.debug)

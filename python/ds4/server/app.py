@@ -38,7 +38,7 @@ from .responses import ResponsesParser
 from .responses_reply import ResponsesWire
 from .tenants import ANONYMOUS, namespace_for
 from .volatile import SystemText
-from .wire import ApiError, Turn, Wire, http_error
+from .wire import ApiError, ApiRequest, Wire, http_error
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class _JobRun:
     """One submitted job seen from the event loop: its events, and a
     watcher that cancels it when the client disconnects."""
 
-    def __init__(self, service: Service, request: Request, turn: Turn):
+    def __init__(self, service: Service, request: Request, req: ApiRequest):
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -80,8 +80,8 @@ class _JobRun:
                 pass
 
         tenant = tenant_of_request(request)
-        namespace = namespace_for(tenant, turn.cache_salt)
-        self.job = Job(turn.work(), turn.params, post, namespace, tenant)
+        namespace = namespace_for(tenant, req.cache_salt)
+        self.job = Job(req.work(), req.params, post, namespace, tenant)
         service.submit(self.job)
         self.watcher = asyncio.ensure_future(self._watch(request))
 
@@ -163,8 +163,8 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         try:
             # parsed off the loop: compiling a response_format schema can take seconds
-            turn = await asyncio.to_thread(self.parser.chat, await self.read_json(request))
-            return await self.run(request, turn)
+            req = await asyncio.to_thread(self.parser.chat, await self.read_json(request))
+            return await self.run(request, req)
         except ApiError as e:
             return self.err(e)
 
@@ -177,19 +177,19 @@ class _Routes:
     async def messages(self, request: Request) -> Response:
         """Anthropic Messages (ds4.server.anthropic)."""
         try:
-            turn = self.messages_parser.messages(await self.read_json(request))
+            req = self.messages_parser.messages(await self.read_json(request))
         except ApiError as e:
             return self.wire_err(self.anthropic, e)
-        return await self.run(request, turn, self.anthropic)
+        return await self.run(request, req, self.anthropic)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI Responses (ds4.server.responses)."""
         try:  # parsed off the loop: a previous response is read from disk
             raw = await self.read_json(request)
-            turn = await asyncio.to_thread(self.responses_parser.parse, raw, tenant_of_request(request))
+            req = await asyncio.to_thread(self.responses_parser.parse, raw, tenant_of_request(request))
         except ApiError as e:
             return self.wire_err(self.responses_wire, e)
-        return await self.run(request, turn, self.responses_wire)
+        return await self.run(request, req, self.responses_wire)
 
     async def stored_response(self, request: Request) -> Response:
         """``GET``/``DELETE /v1/responses/{id}``: the tenant's own stored response."""
@@ -225,21 +225,21 @@ class _Routes:
 
         return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
 
-    async def run(self, request: Request, turn: Turn, wire: Wire | None = None) -> Response:
-        """Submit ``turn`` and answer it in ``wire``'s protocol (OpenAI's by default)."""
+    async def run(self, request: Request, req: ApiRequest, wire: Wire | None = None) -> Response:
+        """Submit ``req`` and answer it in ``wire``'s protocol (OpenAI's by default)."""
         wire = wire or self.openai
         try:
-            run = _JobRun(self.service, request, turn)
+            run = _JobRun(self.service, request, req)
         except Exception as e:  # refused: queue full or shutting down
             return self.wire_err(wire, e)
-        first = await self._first_event(run, turn.stream)
+        first = await self._first_event(run, req.stream)
         if first is not None and first[0] not in ("start", "error"):
             run.events.put_nowait(first)  # "done" before "start": a prefill cancelled (client gone)
         if first is not None and first[0] == "error":
             run.watcher.cancel()
-            return self.wire_err(wire, first[1], turn.param)
-        reply = wire.reply(turn)
-        if turn.stream:
+            return self.wire_err(wire, first[1], req.param)
+        reply = wire.reply(req)
+        if req.stream:
             from starlette.responses import StreamingResponse
 
             return StreamingResponse(
@@ -274,7 +274,7 @@ class _Routes:
                     res: GenResult = v
                     return JSONResponse(reply.complete(res))
                 if k == "error":
-                    return self.wire_err(wire, v, reply.turn.param)
+                    return self.wire_err(wire, v, reply.req.param)
         finally:
             run.watcher.cancel()
 

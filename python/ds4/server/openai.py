@@ -25,8 +25,8 @@ from .volatile import SystemText
 from .wire import (
     JSON,
     ApiError,
+    ApiRequest,
     MakeAgent,
-    Turn,
     Wire,
     bad,
     cache_salt_of,
@@ -270,7 +270,7 @@ class RequestParser:
             raise bad(f"tool_choice names the function {name!r}, which is not in 'tools'", "tool_choice")
         return name
 
-    def chat(self, raw: object) -> Turn:
+    def chat(self, raw: object) -> ApiRequest:
         body, params, stream, inc = self._common(raw)
         msgs = body.get("messages")
         if msgs is None:
@@ -299,7 +299,7 @@ class RequestParser:
         except ConstraintError as e:
             raise bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
         agent = self.make_agent(conv) if self.make_agent is not None else None
-        return Turn(params, stream, inc, conv=conv, agent=agent, cache_salt=salt)
+        return ApiRequest(params, stream, inc, conv=conv, agent=agent, cache_salt=salt)
 
     def _system_text(self, m: Message) -> bool:
         """``m`` (a system or developer message) without its billing line;
@@ -310,7 +310,7 @@ class RequestParser:
         m.content = text
         return True
 
-    def completion(self, raw: object) -> Turn:
+    def completion(self, raw: object) -> ApiRequest:
         body, params, stream, inc = self._common(raw)
         if "prompt" not in body or body["prompt"] is None:
             raise bad("'prompt' is required", "prompt", "missing_required_parameter")
@@ -328,13 +328,13 @@ class RequestParser:
             raise bad("echo is not supported", "echo", "unsupported_value")
         if body.get("suffix"):
             raise bad("suffix is not supported", "suffix", "unsupported_value")
-        return Turn(params, stream, inc, prompt=prompt, cache_salt=cache_salt_of(body))
+        return ApiRequest(params, stream, inc, prompt=prompt, cache_salt=cache_salt_of(body))
 
 
 class OpenAIWire(Wire):
-    def reply(self, turn: Turn) -> Reply:
-        prefix = "chatcmpl-" if turn.kind == "chat" else "cmpl-"
-        return Reply(turn, prefix + uuid.uuid4().hex[:24], int(time.time()), self.model, self.debug)
+    def reply(self, req: ApiRequest) -> Reply:
+        prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
+        return Reply(req, prefix + uuid.uuid4().hex[:24], int(time.time()), self.model, self.debug)
 
 
 class Reply:
@@ -352,18 +352,18 @@ class Reply:
 
     terminator = b"data: [DONE]\n\n"
 
-    def __init__(self, turn: Turn, rid: str, created: int, model: str, debug: bool = False):
-        self.turn, self.rid, self.created, self.model = turn, rid, created, model
+    def __init__(self, req: ApiRequest, rid: str, created: int, model: str, debug: bool = False):
+        self.req, self.rid, self.created, self.model = req, rid, created, model
         self.debug = debug
-        self.chat = turn.kind == "chat"
-        self.splitter: StreamSplitter | None = turn.conv.splitter() if turn.conv is not None else None
+        self.chat = req.kind == "chat"
+        self.splitter: StreamSplitter | None = req.conv.splitter() if req.conv is not None else None
         self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
 
     def _head(self, obj: str) -> JSON:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
     def _outcome(self, res: GenResult) -> Outcome:
-        oc = self.turn.agent.outcome if self.turn.agent is not None else None
+        oc = self.req.agent.outcome if self.req.agent is not None else None
         return oc if oc is not None else Outcome(res.text, [], res.finish_reason)
 
     def complete(self, res: GenResult) -> JSON:
@@ -400,7 +400,7 @@ class Reply:
         return sse({**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch]}, ensure_ascii=False)
 
     def _call_id(self, k: int) -> str:
-        agent = self.turn.agent
+        agent = self.req.agent
         return agent.call_id(k) if agent is not None else new_call_id("call_")
 
     def _events(self, events: list[StreamEvent]) -> bytes:
@@ -420,10 +420,10 @@ class Reply:
     def _reasoning(self, delta: str) -> tuple[bytes, str]:
         """A text delta through the reasoning splitter: the reasoning delta
         to send first (``reasoning_content``) and the content left."""
-        if self.turn.agent is None:
+        if self.req.agent is None:
             return b"", delta
         if self.rsplit is None:
-            self.rsplit = self.turn.agent.reasoning_splitter()
+            self.rsplit = self.req.agent.reasoning_splitter()
         reasoning, content = self.rsplit.push(delta)
         return (self._delta({"reasoning_content": reasoning}) if reasoning else b""), content
 
@@ -467,10 +467,10 @@ class Reply:
                 out.append(ev)
             finish = oc.finish_reason
         out.append(self.chunk(None if self.chat else "", finish))
-        if self.turn.include_usage:
+        if self.req.include_usage:
             o = {**self._head(self._chunk_obj), "choices": [], "usage": res.usage(), "ds4": ds4_info(res, self.debug)}
             out.append(sse(o))
         return out
 
     def failed(self, e: BaseException) -> list[bytes]:
-        return [sse(exception_to_api(e, self.turn.param, self.debug).body())]
+        return [sse(exception_to_api(e, self.req.param, self.debug).body())]

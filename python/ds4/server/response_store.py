@@ -205,8 +205,8 @@ def response_object(head: JSON, status: str, output: list[JSON], usage: JSON | N
     }
 
 
-class RecordedTurn(Protocol):
-    """What a turn offers to be stored (:class:`ds4.server.responses.ResponsesTurn`)."""
+class RecordedRequest(Protocol):
+    """What a request offers to be stored (:class:`ds4.server.responses.ResponsesRequest`)."""
 
     rid: str
     msg_id: str
@@ -220,22 +220,22 @@ class RecordedTurn(Protocol):
     ids: list[str]
 
 
-def response_head(turn: RecordedTurn, model: str) -> JSON:
+def response_head(req: RecordedRequest, model: str) -> JSON:
     """What a response object says of its request (a stored response keeps it)."""
-    b = turn.body
+    b = req.body
     return {
-        "id": turn.rid,
-        "created_at": turn.created,
+        "id": req.rid,
+        "created_at": req.created,
         "instructions": b.get("instructions"),
         "max_output_tokens": b.get("max_output_tokens"),
         "model": model,
-        "parallel_tool_calls": turn.conv.parallel_tool_calls if turn.conv else True,
+        "parallel_tool_calls": req.conv.parallel_tool_calls if req.conv else True,
         "previous_response_id": b.get("previous_response_id"),
         "temperature": b.get("temperature", 1.0),
         "top_p": b.get("top_p", 1.0),
         "tool_choice": b.get("tool_choice", "auto"),
         "tools": b.get("tools") or [],
-        "text": {"format": turn.text_format},
+        "text": {"format": req.text_format},
         "metadata": b.get("metadata") or {},
     }
 
@@ -331,25 +331,25 @@ class StoredResponses:
     def __init__(self, records: Records, model: str):
         self.records, self.model = records, model
 
-    def remember(self, turn: RecordedTurn, oc: Outcome, res: GenResult) -> None:
+    def remember(self, req: RecordedRequest, oc: Outcome, res: GenResult) -> None:
         """Store the response's record (the worker runs this, before the
         final event, so a client's next request finds it): its owner, its
         head, and the conversation through its output (without the
         instructions), each message with its item id."""
-        if not turn.store or oc.finish_reason == "cancelled":
+        if not req.store or oc.finish_reason == "cancelled":
             return
-        msgs = [*turn.history, Message("assistant", oc.content, list(oc.calls), reasoning=oc.reasoning)]
-        ids = [*turn.ids, turn.msg_id]
+        msgs = [*req.history, Message("assistant", oc.content, list(oc.calls), reasoning=oc.reasoning)]
+        ids = [*req.ids, req.msg_id]
         rec = {
             "v": RECORD_VERSION,
-            "owner": turn.tenant,
-            "response": {**response_head(turn, self.model), "status": status_of(oc), "usage": usage_of(res)},
+            "owner": req.tenant,
+            "response": {**response_head(req, self.model), "status": status_of(oc), "usage": usage_of(res)},
             "messages": [to_record(m, i) for m, i in zip(msgs, ids, strict=True)],
         }
         try:
-            self.records.put(KIND, turn.rid, rec)
+            self.records.put(KIND, req.rid, rec)
         except OSError as e:  # the answer still goes out; previous_response_id to it will be unknown
-            log.warning("response %s not stored: %s", turn.rid, e)
+            log.warning("response %s not stored: %s", req.rid, e)
 
     def lookup(self, rid: str, tenant: str) -> JSON | None:
         """The record of ``rid`` when ``tenant`` owns it; None when there is

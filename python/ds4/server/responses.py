@@ -53,9 +53,9 @@ from .response_store import (
 )
 from .tenants import ANONYMOUS
 from .volatile import SystemText
-from .wire import JSON, ApiError, MakeAgent, Turn, bad, cache_salt_of, str_field
+from .wire import JSON, ApiError, ApiRequest, MakeAgent, bad, cache_salt_of, str_field
 
-__all__ = ["ResponsesParser", "ResponsesTurn"]
+__all__ = ["ResponsesParser", "ResponsesRequest"]
 
 
 def _text(v: object, param: str) -> str:
@@ -101,8 +101,8 @@ def new_item_id(m: Message) -> str:
     return ("fco_" if m.role == "tool" else "msg_") + secrets.token_hex(12)
 
 
-class ResponsesTurn(Turn):
-    """A Responses request: the Turn, plus what its answer and record need
+class ResponsesRequest(ApiRequest):
+    """A Responses request: the ApiRequest, plus what its answer and record need
     (``tenant``: who asked, the owner of its stored response)."""
 
     def __init__(
@@ -256,8 +256,8 @@ class ResponsesParser:
         msgs = rec["messages"]
         return [from_record(m) for m in msgs], [m.get("id") or new_item_id(from_record(m)) for m in msgs]
 
-    def parse(self, raw: object, tenant: str = ANONYMOUS) -> ResponsesTurn:
-        """The turn of a request body from ``tenant`` (whose stored
+    def parse(self, raw: object, tenant: str = ANONYMOUS) -> ResponsesRequest:
+        """The parsed request of a body from ``tenant`` (whose stored
         responses alone ``previous_response_id`` may name)."""
         if not isinstance(raw, dict):
             raise bad("the request body must be a JSON object", None, "invalid_type")
@@ -299,10 +299,10 @@ class ResponsesParser:
         except ConstraintError as e:
             raise bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
         agent = self.make_agent(conv, label="responses") if self.make_agent is not None else None
-        turn = ResponsesTurn(params, stream, conv, raw, history, ids, agent=agent, text_format=echo, tenant=tenant)
+        req = ResponsesRequest(params, stream, conv, raw, history, ids, agent=agent, text_format=echo, tenant=tenant)
         if agent is not None:  # the worker stores the response, before the final event
-            agent.on_outcome = lambda oc, res: self.stored.remember(turn, oc, res)
-        return turn
+            agent.on_outcome = lambda oc, res: self.stored.remember(req, oc, res)
+        return req
 
     @staticmethod
     def _check_outputs(history: list[Message], start: int, prev: object) -> list[str]:

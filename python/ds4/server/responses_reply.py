@@ -34,8 +34,8 @@ from .response_store import (
     status_of,
     usage_of,
 )
-from .responses import ResponsesTurn
-from .wire import JSON, Turn, Wire, ds4_info, exception_to_api, sse
+from .responses import ResponsesRequest
+from .wire import JSON, ApiRequest, Wire, ds4_info, exception_to_api, sse
 
 __all__ = ["ResponsesReply", "ResponsesWire"]
 
@@ -46,11 +46,11 @@ class ResponsesReply:
 
     terminator = b""
 
-    def __init__(self, turn: ResponsesTurn, model: str, debug: bool):
-        self.turn, self.model, self.debug = turn, model, debug
+    def __init__(self, req: ResponsesRequest, model: str, debug: bool):
+        self.req, self.model, self.debug = req, model, debug
         self.seq = 0
-        self.msg_id = turn.msg_id
-        self.splitter = turn.conv.splitter() if turn.conv is not None else None
+        self.msg_id = req.msg_id
+        self.splitter = req.conv.splitter() if req.conv is not None else None
         self.msg_open = False
         self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
         self.reasoning: str | None = None  # the reasoning item's text so far (None: no item)
@@ -63,7 +63,7 @@ class ResponsesReply:
         return sse(d, ensure_ascii=False, event=kind)
 
     def _outcome(self, res: GenResult) -> Outcome:
-        oc = self.turn.agent.outcome if self.turn.agent is not None else None
+        oc = self.req.agent.outcome if self.req.agent is not None else None
         return oc if oc is not None else Outcome(res.text, [], res.finish_reason)
 
     def _msg_item(self, text: str, status: str) -> JSON:
@@ -71,7 +71,7 @@ class ResponsesReply:
 
     def _response(self, status: str, output: list[JSON], res: GenResult | None) -> JSON:
         usage = usage_of(res) if res is not None else None
-        return response_object(response_head(self.turn, self.model), status, output, usage, self.turn.store)
+        return response_object(response_head(self.req, self.model), status, output, usage, self.req.store)
 
     def _final(self, res: GenResult) -> tuple[str, list[JSON], Outcome]:
         oc = self._outcome(res)
@@ -143,10 +143,10 @@ class ResponsesReply:
     def _split(self, text: str) -> tuple[list[bytes], str]:
         """A text delta through the reasoning splitter: the reasoning events
         and the content left."""
-        if self.turn.agent is None:
+        if self.req.agent is None:
             return [], text
         if self.rsplit is None:
-            self.rsplit = self.turn.agent.reasoning_splitter()
+            self.rsplit = self.req.agent.reasoning_splitter()
         reasoning, content = self.rsplit.push(text)
         out = self._think(reasoning)
         return (out + self._end_think() if content else out), content
@@ -207,6 +207,6 @@ class ResponsesWire(Wire):
         super().__init__(model, debug)
         self.stored = stored
 
-    def reply(self, turn: Turn) -> ResponsesReply:
-        assert isinstance(turn, ResponsesTurn)
-        return ResponsesReply(turn, self.model, self.debug)
+    def reply(self, req: ApiRequest) -> ResponsesReply:
+        assert isinstance(req, ResponsesRequest)
+        return ResponsesReply(req, self.model, self.debug)

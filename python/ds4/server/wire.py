@@ -1,5 +1,5 @@
 """What every protocol shares (OpenAI chat and completions, Anthropic
-Messages, OpenAI Responses): the parsed request (:class:`Turn`), the
+Messages, OpenAI Responses): the parsed request (:class:`ApiRequest`), the
 :class:`Wire` a protocol answers through, :class:`ApiError` and the
 validation helpers that raise it, the mapping of failures to errors
 (:func:`exception_to_api`), the ``ds4`` block of every response
@@ -26,8 +26,8 @@ __all__ = [
     "JSON",
     "SSE_DONE",
     "ApiError",
+    "ApiRequest",
     "MakeAgent",
-    "Turn",
     "Wire",
     "bad",
     "cache_salt_of",
@@ -139,10 +139,12 @@ class MakeAgent(Protocol):
     def __call__(self, conv: Conversation, *, id_prefix: str = "call_", label: str = "chat") -> AgentTurn: ...
 
 
-class Turn:
+class ApiRequest:
     """One parsed request: what to run (a chat's conversation and its agent
     turn, or a completion's raw prompt), how to generate, and how to
-    answer. Whole once made: nothing is filled in after parsing."""
+    answer. Whole once made: nothing is filled in after parsing. (A
+    *turn* is one generation over the conversation, :mod:`ds4.turn`'s and
+    an agent turn's; a request is what the client sent.)"""
 
     def __init__(
         self,
@@ -282,7 +284,7 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
 
 class Wire:
     """How one protocol answers (the app's routes are protocol-blind):
-    ``reply(turn)`` builds the response bodies of a turn (an object with
+    ``reply(req)`` builds the response bodies of a request (an object with
     ``complete(res)``, and for streams ``opening()``, ``chunk(text)``,
     ``closing(res)``, ``failed(e)`` and ``terminator``), ``error(e,
     param)`` the status and body of a refusal or failure."""
@@ -290,7 +292,7 @@ class Wire:
     def __init__(self, model: str, debug: bool = False):
         self.model, self.debug = model, debug
 
-    def reply(self, turn: Turn) -> Any:
+    def reply(self, req: ApiRequest) -> Any:
         raise NotImplementedError
 
     def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
