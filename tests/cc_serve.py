@@ -11,7 +11,7 @@ import scripted_engine
 
 scripted_engine.script = cc_loop.script  # ScriptedContext looks it up at each reply
 
-import scripted_serve  # noqa: E402  (patches ds4.server.app's engine)
+import scripted_serve  # noqa: E402  (patches ds4.server.serve's engine)
 
 if __name__ == "__main__":
     sys.exit(scripted_serve.main(["serve", *sys.argv[1:]]))

@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scripted_engine import QWEN3_LIKE, ScriptedEngine
 
-import ds4.server.app as app
+import ds4.server.serve as app
 from ds4.cli import main
 
 TEMPLATE = {"qwen3": QWEN3_LIKE}.get(os.environ.get("DS4_SCRIPTED_TEMPLATE", ""))

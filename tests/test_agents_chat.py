@@ -13,6 +13,7 @@ import httpx
 import pytest
 from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_server, warm_server
 
+from ds4.server import tool_stream as TS
 from ds4.server import tools as T
 from ds4.server.conversation import Conversation, Message, Tool
 from ds4.turn import GenParams
@@ -58,12 +59,12 @@ def test_canonical_rendering_round_trips_and_escapes_its_own_tags():
 @pytest.mark.parametrize("cut", range(1, 12))
 def test_stream_splitter_holds_back_the_block_and_agrees_with_the_parser(cut):
     text = 'Looking.\n<tool_call>[{"name": "lookup", "arguments": {"n": 3}}]</tool_call>'
-    sp = T.StreamSplitter(frozenset({"lookup"}))
+    sp = TS.StreamSplitter(frozenset({"lookup"}))
     shown = "".join(sp.push(text[i : i + cut]) for i in range(0, len(text), cut))
     rep, rest = sp.finish()
     assert shown + rest == "Looking." and rep == T.parse_reply(text, frozenset({"lookup"}))
     bad = "Hm <tool_call>[oops]</tool_call>"
-    sp = T.StreamSplitter(frozenset({"lookup"}))
+    sp = TS.StreamSplitter(frozenset({"lookup"}))
     shown = "".join(sp.push(bad[i : i + cut]) for i in range(0, len(bad), cut))
     rep, rest = sp.finish()
     assert shown + rest == bad and not rep.calls  # not a call: every byte is content

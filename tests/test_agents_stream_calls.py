@@ -21,6 +21,7 @@ from agent_helpers import SYSTEM, TOOLS, warm_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ds4.server import tool_stream as TS
 from ds4.server import tools as T
 
 NAMES = frozenset({"lookup", "note", "read_file"})
@@ -73,7 +74,7 @@ STYLES = ["canonical", "compact-ascii", "indented", "args-first", "quoted", "sin
 
 
 def _run(text: str, cuts: list[int], max_calls=None, names=NAMES):
-    sp = T.StreamSplitter(names, max_calls)
+    sp = TS.StreamSplitter(names, max_calls)
     live = []
     edges = sorted({0, *cuts, len(text)})
     for a, b in itertools.pairwise(edges):
@@ -142,15 +143,15 @@ def test_a_call_starts_once_its_name_is_complete_and_declared():
     sp, live = _run(text[:upto], [])
     assert live == []  # the name's closing quote is not there yet
     more = sp.feed('"')
-    assert more == [T.StreamEvent("start", "lookup", 0)]
-    assert sp.feed(', "arguments": {"n') == [T.StreamEvent("args", "{", 0)]  # the key waits for its end
-    assert sp.feed('"') == [T.StreamEvent("args", '"n": ', 0)]
+    assert more == [TS.StreamEvent("start", "lookup", 0)]
+    assert sp.feed(', "arguments": {"n') == [TS.StreamEvent("args", "{", 0)]  # the key waits for its end
+    assert sp.feed('"') == [TS.StreamEvent("args", '"n": ', 0)]
     assert sp.feed(": 3") == []  # a number waits for its end
-    assert sp.feed("}") == [T.StreamEvent("args", "3}", 0)]
+    assert sp.feed("}") == [TS.StreamEvent("args", "3}", 0)]
     # an undeclared name is never announced, and nothing after it
     sp, live = _run('<tool_call>[{"name": "rm_rf", "arguments": {"n": 3}}]</tool_call>', [5, 30])
     assert live == []
-    assert sp.close([]) == [T.StreamEvent("text", '<tool_call>[{"name": "rm_rf", "arguments": {"n": 3}}]</tool_call>')]
+    assert sp.close([]) == [TS.StreamEvent("text", '<tool_call>[{"name": "rm_rf", "arguments": {"n": 3}}]</tool_call>')]
 
 
 def test_without_parallel_calls_only_the_first_is_announced():
@@ -170,7 +171,7 @@ def test_duplicate_keys_are_not_a_call():
     frags = "".join(e.text for e in live if e.kind == "args")
     assert frags == '{"a": 1, "b": 2, '  # stopped at the duplicate key
     tail = sp.close([])
-    assert tail == [T.StreamEvent("end", "", 0), T.StreamEvent("text", text)]
+    assert tail == [TS.StreamEvent("end", "", 0), TS.StreamEvent("text", text)]
 
 
 def test_the_scanner_is_as_strict_as_json_loads():

@@ -6,8 +6,10 @@ import pytest
 
 from ds4.server.anthropic import MessagesParser
 from ds4.server.fields import int_from, is_int, is_num, num_in, utf8_len
-from ds4.server.openai import ApiError, RequestParser
-from ds4.server.responses import MemoryRecords, ResponsesParser, StoredResponses
+from ds4.server.openai import RequestParser
+from ds4.server.response_store import MemoryRecords, StoredResponses
+from ds4.server.responses import ResponsesParser
+from ds4.server.wire import ApiError
 
 
 def test_a_boolean_is_neither_an_integer_nor_a_number():

@@ -360,7 +360,7 @@ def test_paths_only_with_debug_and_ready_only_after_the_bind(tmp_path):
 
 def test_error_bodies_show_no_absolute_path_unless_debug():
     from ds4.errors import EngineError
-    from ds4.server.openai import exception_to_api
+    from ds4.server.wire import exception_to_api
 
     e = EngineError("llama_decode failed for /home/alice/models/secret-model.gguf")
     body = exception_to_api(e, "messages").body()["error"]

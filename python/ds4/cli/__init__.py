@@ -125,7 +125,7 @@ def _kv_parser(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..server.app import add_serve_args
+    from ..server.serve import add_serve_args
     from .chat import DEFAULT_SYSTEM
 
     p = argparse.ArgumentParser(prog="ds4", description="ds4: LLM inference with a verified disk KV cache")
@@ -183,7 +183,7 @@ def _command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int] | 
     """The function that runs ``args.cmd`` (imported on demand: ``ds4 kv``
     never loads an engine, ``ds4 run`` never loads the HTTP server)."""
     if args.cmd == "serve":
-        from ..server.app import serve_main
+        from ..server.serve import serve_main
 
         return serve_main
     if args.cmd == "run":

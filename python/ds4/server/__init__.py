@@ -1,14 +1,19 @@
 """``ds4 serve``: an OpenAI-compatible HTTP server over one live session.
 
-- :mod:`ds4.server.app`: the routes (Starlette) and ``serve_main``;
+- :mod:`ds4.server.app`: the routes (Starlette);
+- :mod:`ds4.server.serve`: ``ds4 serve``'s command line and ``serve_main``;
 - :mod:`ds4.server.worker`: the job queue and the one thread that owns the
   session (through :class:`ds4.turn.Generator`);
-- :mod:`ds4.server.openai`: the OpenAI protocol (request validation,
-  response bodies, errors). A later protocol is one more module beside it.
+- :mod:`ds4.server.wire`: what every protocol shares (the parsed request,
+  errors, the ``ds4`` block, server-sent events);
+- :mod:`ds4.server.openai`, :mod:`ds4.server.anthropic`,
+  :mod:`ds4.server.responses`: the protocols, siblings over ``wire``. A later
+  protocol is one more module beside them.
 """
 
-from .app import add_serve_args, create_app, serve_main
-from .openai import ApiError
+from .app import create_app
+from .serve import add_serve_args, serve_main
+from .wire import ApiError
 from .worker import Service
 
 __all__ = ["ApiError", "Service", "add_serve_args", "create_app", "serve_main"]

@@ -27,69 +27,28 @@ Tool results (ds4's 400/409 split)
     continuation): when that state no longer holds the turn, a 409 "retry
     by replaying the full messages history".
 
-Usage
-    ``cache_read_input_tokens`` are the tokens reused (live state or disk);
-    ``cache_creation_input_tokens`` the tokens prefilled, which the live
-    state holds afterwards; ``input_tokens`` is 0, so the three add up to
-    the prompt, as they do in Anthropic's accounting.
-
-Thinking
-    A reply's reasoning (``<think>…</think>``, :mod:`ds4.server.reasoning`)
-    is a ``thinking`` block before the text (streamed as a
-    ``content_block_start`` of type ``thinking``, ``thinking_delta`` events,
-    one ``signature_delta`` and the block's stop); its ``signature`` is a
-    SHA-256 of the thinking text, which ds4 does not check when the block
-    comes back. A reply cut inside its reasoning (``max_tokens``) is its
-    ``thinking`` block alone.
+Answers
+    Bodies, stream events, usage, thinking blocks and errors (the wire):
+    :mod:`ds4.server.anthropic_reply`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import uuid
 
 from ..errors import ConstraintError
-from ..turn import GenParams, GenResult
-from .conversation import (
-    Conversation,
-    Message,
-    Outcome,
-    Tool,
-    ToolCall,
-    issued_call_id,
-    new_call_id,
-    results_without_calls,
-)
+from ..turn import GenParams
+from .conversation import Conversation, Message, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import int_from, num_in, utf8_len
-from .openai import JSON, ApiError, Turn, Wire, cache_salt_of, ds4_info, exception_to_api
-from .reasoning import ReasoningSplitter
-from .tools import StreamEvent
 from .volatile import SystemText
+from .wire import JSON, ApiError, ApiRequest, MakeAgent, bad, cache_salt_of
 
-__all__ = ["AnthropicWire", "MessagesParser"]
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    409: "invalid_request_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    499: "invalid_request_error",
-    503: "overloaded_error",
-}
+__all__ = ["MessagesParser"]
 
 
 def _bad(msg: str) -> ApiError:
-    return ApiError(400, msg, "invalid_request_error")
-
-
-def error_body(status: int, message: str) -> JSON:
-    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": message}}
+    """A 400 in Anthropic's terms: a message, no ``param`` or ``code``."""
+    return bad(msg, code=None)
 
 
 def _num(body: JSON, key: str, lo: float, hi: float) -> float | None:
@@ -134,7 +93,7 @@ def _text_blocks(v: object, where: str) -> str:
 
 class MessagesParser:
     """Validates ``/v1/messages`` and ``count_tokens`` bodies into a
-    :class:`~ds4.server.openai.Turn` carrying a :class:`Conversation`."""
+    :class:`~ds4.server.wire.ApiRequest` carrying a :class:`Conversation`."""
 
     def __init__(
         self,
@@ -142,8 +101,10 @@ class MessagesParser:
         ctx: int,
         max_prompt_bytes: int | None = None,
         volatile: SystemText | None = None,
+        make_agent: MakeAgent | None = None,
     ):
         self.default_max_tokens = default_max_tokens if default_max_tokens > 0 else ctx
+        self.make_agent = make_agent  # a chat's agent turn (None: parse only)
         self.max_prompt_bytes = max_prompt_bytes
         self.volatile = volatile or SystemText()
 
@@ -281,7 +242,7 @@ class MessagesParser:
             raise _bad(f"prompt is too long: {n} bytes cannot fit the context")
         return conv
 
-    def messages(self, raw: object) -> Turn:
+    def messages(self, raw: object) -> ApiRequest:
         conv = self.conversation(raw)
         assert isinstance(raw, dict)
         try:
@@ -291,218 +252,5 @@ class MessagesParser:
         stream = raw.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad("stream: must be a boolean")
-        return Turn("chat", None, params, stream, True, conv, cache_salt=cache_salt_of(raw))
-
-
-def _sse(event: str, data: JSON) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-def usage(res: GenResult | None) -> JSON:
-    if res is None:
-        return {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
-    return {
-        "input_tokens": 0,
-        "output_tokens": res.completion_tokens,
-        "cache_read_input_tokens": res.cached_tokens,
-        "cache_creation_input_tokens": res.prompt_tokens - res.cached_tokens,
-    }
-
-
-def signature(thinking: str) -> str:
-    """A thinking block's signature: the SHA-256 of its text (ds4 does not
-    check it when the block comes back)."""
-    return hashlib.sha256(thinking.encode("utf-8", "replace")).hexdigest()
-
-
-def stop_reason(oc: Outcome, res: GenResult) -> tuple[str, str | None]:
-    if oc.calls:
-        return "tool_use", None
-    if res.stop_sequence is not None:
-        return "stop_sequence", res.stop_sequence
-    return ("max_tokens", None) if oc.finish_reason == "length" else ("end_turn", None)
-
-
-class MessagesReply:
-    """The bodies of one ``/v1/messages`` answer. A stream with tools goes
-    through the convention's splitter (:class:`ds4.server.tools.StreamSplitter`):
-    text in a text block, then each call as it is generated, a ``tool_use``
-    block (the id the turn's outcome will hold, the name, ``input: {}``)
-    once its name is complete, its canonical arguments as ``input_json_delta``
-    fragments, ``content_block_stop`` when its object closes."""
-
-    terminator = b""
-
-    def __init__(self, turn: Turn, model: str, debug: bool):
-        self.turn, self.model, self.debug = turn, model, debug
-        self.id = "msg_" + uuid.uuid4().hex[:24]
-        conv = turn.conv
-        self.splitter = conv.splitter() if conv is not None else None
-        self.text_open = False
-        self.index = 0  # the index of the block open or next (thinking, text, then each call)
-        self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
-        self.thinking: str | None = None  # the thinking block's text so far (None: no block)
-        self.think_done = False  # the thinking block is closed
-
-    def _outcome(self, res: GenResult) -> Outcome:
-        oc = self.turn.agent.outcome if self.turn.agent is not None else None
-        return oc if oc is not None else Outcome(res.text, [], res.finish_reason)
-
-    def _message(self, content: list[JSON], res: GenResult | None) -> JSON:
-        reason, seq = (None, None)
-        if res is not None:
-            reason, seq = stop_reason(self._outcome(res), res)
-        return {
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": content,
-            "stop_reason": reason,
-            "stop_sequence": seq,
-            "usage": usage(res),
-        }
-
-    def complete(self, res: GenResult) -> JSON:
-        oc = self._outcome(res)
-        content: list[JSON] = []
-        if oc.reasoning is not None:
-            content.append({"type": "thinking", "thinking": oc.reasoning, "signature": signature(oc.reasoning)})
-        if oc.content or (not oc.calls and oc.reasoning is None):
-            content.append({"type": "text", "text": oc.content})
-        content += [
-            {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in oc.calls
-        ]
-        return {**self._message(content, res), "ds4": ds4_info(res, self.debug)}
-
-    # -- the stream ------------------------------------------------------------
-    def opening(self) -> list[bytes]:
-        return [_sse("message_start", {"type": "message_start", "message": self._message([], None)})]
-
-    def _text(self, text: str) -> list[bytes]:
-        if not text:
-            return []
-        out = []
-        if not self.text_open:
-            self.text_open = True
-            block = {"type": "text", "text": ""}
-            start = {"type": "content_block_start", "index": self.index, "content_block": block}
-            out.append(_sse("content_block_start", start))
-        delta = {"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}
-        out.append(_sse("content_block_delta", delta))
-        return out
-
-    def _stop_text(self) -> list[bytes]:
-        if not self.text_open:
-            return []
-        self.text_open = False
-        self.index += 1
-        return [_sse("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]
-
-    def _events(self, events: list[StreamEvent]) -> list[bytes]:
-        """The events of the splitter's: text in a text block, each call a
-        ``tool_use`` block (started once its name is known, ``input_json_delta``
-        fragments, stopped when its object closes)."""
-        out = []
-        for e in events:
-            if e.kind == "text":
-                out += self._text(e.text)
-            elif e.kind == "start":
-                out += self._stop_text()
-                agent = self.turn.agent
-                cid = agent.call_id(e.index) if agent is not None else new_call_id("toolu_")
-                block = {"type": "tool_use", "id": cid, "name": e.text, "input": {}}
-                start = {"type": "content_block_start", "index": self.index, "content_block": block}
-                out.append(_sse("content_block_start", start))
-            elif e.kind == "args":
-                part = {"type": "input_json_delta", "partial_json": e.text}
-                out.append(
-                    _sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": part})
-                )
-            elif e.kind == "end":
-                out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
-                self.index += 1
-        return out
-
-    def _think(self, text: str) -> list[bytes]:
-        """A thinking delta (the block, the first of the message, opened on
-        the first)."""
-        if not text:
-            return []
-        out = []
-        if self.thinking is None:
-            self.thinking = ""
-            block = {"type": "thinking", "thinking": "", "signature": ""}
-            start = {"type": "content_block_start", "index": self.index, "content_block": block}
-            out.append(_sse("content_block_start", start))
-        self.thinking += text
-        delta = {
-            "type": "content_block_delta",
-            "index": self.index,
-            "delta": {"type": "thinking_delta", "thinking": text},
-        }
-        return [*out, _sse("content_block_delta", delta)]
-
-    def _end_think(self) -> list[bytes]:
-        """The thinking block's signature and stop (once, before the text)."""
-        if self.thinking is None or self.think_done:
-            return []
-        self.think_done = True
-        sig = {"type": "signature_delta", "signature": signature(self.thinking)}
-        self.index += 1
-        return [
-            _sse("content_block_delta", {"type": "content_block_delta", "index": self.index - 1, "delta": sig}),
-            _sse("content_block_stop", {"type": "content_block_stop", "index": self.index - 1}),
-        ]
-
-    def _split(self, text: str) -> tuple[list[bytes], str]:
-        """A text delta through the reasoning splitter: the thinking events
-        and the content left."""
-        if self.turn.agent is None:
-            return [], text
-        if self.rsplit is None:
-            self.rsplit = self.turn.agent.reasoning_splitter()
-        reasoning, content = self.rsplit.push(text)
-        out = self._think(reasoning)
-        return (out + self._end_think() if content else out), content
-
-    def chunk(self, text: str) -> bytes:
-        pre, text = self._split(text)
-        if self.splitter is not None:
-            return b"".join(pre + self._events(self.splitter.feed(text)))
-        return b"".join(pre + self._text(text))
-
-    def closing(self, res: GenResult) -> list[bytes]:
-        oc = self._outcome(res)
-        out: list[bytes] = []
-        if self.rsplit is not None:
-            reasoning, content = self.rsplit.finish()
-            out += self._think(reasoning) + self._end_think()
-            if content and self.splitter is not None:
-                out += self._events(self.splitter.feed(content))
-            else:
-                out += self._text(content)
-        if self.splitter is not None:
-            out += self._events(self.splitter.close([(c.name, c.arguments) for c in oc.calls]))
-        out += self._stop_text()
-        reason, seq = stop_reason(oc, res)
-        delta: JSON = {
-            "type": "message_delta",
-            "delta": {"stop_reason": reason, "stop_sequence": seq},
-            "usage": usage(res),
-        }
-        out += [_sse("message_delta", delta), _sse("message_stop", {"type": "message_stop"})]
-        return out
-
-    def failed(self, e: BaseException) -> list[bytes]:
-        api = exception_to_api(e, None, self.debug)
-        return [_sse("error", error_body(api.status, api.message))]
-
-
-class AnthropicWire(Wire):
-    def reply(self, turn: Turn) -> MessagesReply:
-        return MessagesReply(turn, self.model, self.debug)
-
-    def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
-        api = e if isinstance(e, ApiError) else exception_to_api(e, param, self.debug)
-        return api.status, error_body(api.status, api.message)
+        agent = self.make_agent(conv, id_prefix="toolu_", label="anthropic") if self.make_agent is not None else None
+        return ApiRequest(params, stream, True, conv=conv, agent=agent, cache_salt=cache_salt_of(raw))

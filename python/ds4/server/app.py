@@ -1,4 +1,5 @@
-"""The ASGI app (Starlette, served by uvicorn) and ``ds4 serve``.
+"""The ASGI app (Starlette, served by uvicorn; ``ds4 serve`` is
+:mod:`ds4.server.serve`).
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 (non-streaming, or streaming over SSE: ``data: {json}`` chunks then ``data:
@@ -7,7 +8,8 @@ Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 /v1/responses/{id}/input_items``, ``GET /v1/models``, ``GET
 /v1/models/{id}``, ``GET /health``.
 
-A handler parses the request (:mod:`ds4.server.openai`), submits a job to
+A handler parses the request (its protocol's module over
+:mod:`ds4.server.wire`), submits a job to
 the one worker (:mod:`ds4.server.worker`) and relays its events. The job's
 cancel flag is set as soon as the client disconnects. On SIGTERM/SIGINT
 uvicorn drains the in-flight requests, then the lifespan hook closes the
@@ -16,27 +18,27 @@ worker, which stores the live session.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import re
-import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
 from ..keytext import tokenize_prompt
-from ..turn import Generator, GenResult
-from .anthropic import AnthropicWire, MessagesParser
+from ..turn import GenResult
+from .anthropic import MessagesParser
+from .anthropic_reply import AnthropicWire
 from .body import BodyLimits, read_json
-from .conversation import AgentTurn, LiveTools
-from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
+from .conversation import AgentTurn, Conversation, LiveTools
+from .guard import Guard, GuardMiddleware
 from .health import operator_view, tenant_view
-from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
-from .responses import MemoryRecords, ResponsesParser, ResponsesWire, StoredResponses
+from .openai import OpenAIWire, RequestParser
+from .response_store import MemoryRecords, StoredResponses
+from .responses import ResponsesParser
+from .responses_reply import ResponsesWire
 from .tenants import ANONYMOUS, namespace_for
-from .volatile import MODES, SystemText
+from .volatile import SystemText
+from .wire import ApiError, ApiRequest, Wire, http_error
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds4.server")
 
-__all__ = ["add_serve_args", "create_app", "serve_main"]
+__all__ = ["create_app"]
 
 Event = tuple[str, Any]
 
@@ -67,7 +69,7 @@ class _JobRun:
     """One submitted job seen from the event loop: its events, and a
     watcher that cancels it when the client disconnects."""
 
-    def __init__(self, service: Service, request: Request, turn: Turn):
+    def __init__(self, service: Service, request: Request, req: ApiRequest):
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -78,11 +80,8 @@ class _JobRun:
                 pass
 
         tenant = tenant_of_request(request)
-        namespace = namespace_for(tenant, turn.cache_salt)
-        if turn.agent is not None:
-            self.job = Job("agent", turn.agent, turn.params, post, namespace, tenant)
-        else:
-            self.job = Job(turn.kind, turn.payload, turn.params, post, namespace, tenant)
+        namespace = namespace_for(tenant, req.cache_salt)
+        self.job = Job(req.work(), req.params, post, namespace, tenant)
         service.submit(self.job)
         self.watcher = asyncio.ensure_future(self._watch(request))
 
@@ -125,17 +124,24 @@ class _Routes:
         self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
         volatile = volatile or SystemText()  # one, so that the billing line is logged once per client
         self.parser = RequestParser(
-            self.model_ids, default_max_tokens, self.gen.ctx, self.gen.max_prompt_bytes(), volatile
+            self.model_ids, default_max_tokens, self.gen.ctx, self.gen.max_prompt_bytes(), volatile, self.agent
         )
         self.openai = OpenAIWire(service.model_id, debug)
         self.anthropic = AnthropicWire(service.model_id, debug)
-        self.messages_parser = MessagesParser(default_max_tokens, self.gen.ctx, self.parser.max_prompt_bytes, volatile)
+        self.messages_parser = MessagesParser(
+            default_max_tokens, self.gen.ctx, self.parser.max_prompt_bytes, volatile, self.agent
+        )
         records = self.gen.store.records if self.gen.store is not None else MemoryRecords()
         self.stored = StoredResponses(records, service.model_id)
         self.responses_wire = ResponsesWire(service.model_id, self.stored, debug)
         self.responses_parser = ResponsesParser(
-            default_max_tokens, self.gen.ctx, self.stored, self.parser.max_prompt_bytes, volatile
+            default_max_tokens, self.gen.ctx, self.stored, self.parser.max_prompt_bytes, volatile, self.agent
         )
+
+    def agent(self, conv: Conversation, *, id_prefix: str = "call_", label: str = "chat") -> AgentTurn:
+        """A chat's agent turn, over ds4's live tool state and the generator
+        (the parsers make one per chat: :class:`ds4.server.wire.MakeAgent`)."""
+        return AgentTurn(conv, self.live, self.gen, id_prefix=id_prefix, label=label)
 
     @staticmethod
     def err(e: ApiError) -> Response:
@@ -157,8 +163,8 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         try:
             # parsed off the loop: compiling a response_format schema can take seconds
-            turn = await asyncio.to_thread(self.parser.chat, await self.read_json(request))
-            return await self.run(request, turn)
+            req = await asyncio.to_thread(self.parser.chat, await self.read_json(request))
+            return await self.run(request, req)
         except ApiError as e:
             return self.err(e)
 
@@ -171,24 +177,19 @@ class _Routes:
     async def messages(self, request: Request) -> Response:
         """Anthropic Messages (ds4.server.anthropic)."""
         try:
-            turn = self.messages_parser.messages(await self.read_json(request))
+            req = self.messages_parser.messages(await self.read_json(request))
         except ApiError as e:
             return self.wire_err(self.anthropic, e)
-        assert turn.conv is not None
-        turn.agent = AgentTurn(turn.conv, self.live, self.gen, id_prefix="toolu_", label="anthropic")
-        return await self.run(request, turn, self.anthropic)
+        return await self.run(request, req, self.anthropic)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI Responses (ds4.server.responses)."""
         try:  # parsed off the loop: a previous response is read from disk
             raw = await self.read_json(request)
-            turn = await asyncio.to_thread(self.responses_parser.parse, raw, tenant_of_request(request))
+            req = await asyncio.to_thread(self.responses_parser.parse, raw, tenant_of_request(request))
         except ApiError as e:
             return self.wire_err(self.responses_wire, e)
-        assert turn.conv is not None
-        turn.agent = AgentTurn(turn.conv, self.live, self.gen, label="responses")
-        turn.agent.on_outcome = lambda oc, res: self.stored.remember(turn, oc, res)  # in the worker thread
-        return await self.run(request, turn, self.responses_wire)
+        return await self.run(request, req, self.responses_wire)
 
     async def stored_response(self, request: Request) -> Response:
         """``GET``/``DELETE /v1/responses/{id}``: the tenant's own stored response."""
@@ -224,23 +225,21 @@ class _Routes:
 
         return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
 
-    async def run(self, request: Request, turn: Turn, wire: Wire | None = None) -> Response:
-        """Submit ``turn`` and answer it in ``wire``'s protocol (OpenAI's by default)."""
+    async def run(self, request: Request, req: ApiRequest, wire: Wire | None = None) -> Response:
+        """Submit ``req`` and answer it in ``wire``'s protocol (OpenAI's by default)."""
         wire = wire or self.openai
-        if turn.conv is not None and turn.agent is None:
-            turn.agent = AgentTurn(turn.conv, self.live, self.gen)
         try:
-            run = _JobRun(self.service, request, turn)
+            run = _JobRun(self.service, request, req)
         except Exception as e:  # refused: queue full or shutting down
             return self.wire_err(wire, e)
-        first = await self._first_event(run, turn.stream)
+        first = await self._first_event(run, req.stream)
         if first is not None and first[0] not in ("start", "error"):
             run.events.put_nowait(first)  # "done" before "start": a prefill cancelled (client gone)
         if first is not None and first[0] == "error":
             run.watcher.cancel()
-            return self.wire_err(wire, first[1], turn.param)
-        reply = wire.reply(turn)
-        if turn.stream:
+            return self.wire_err(wire, first[1], req.param)
+        reply = wire.reply(req)
+        if req.stream:
             from starlette.responses import StreamingResponse
 
             return StreamingResponse(
@@ -275,7 +274,7 @@ class _Routes:
                     res: GenResult = v
                     return JSONResponse(reply.complete(res))
                 if k == "error":
-                    return self.wire_err(wire, v, reply.turn.param)
+                    return self.wire_err(wire, v, reply.req.param)
         finally:
             run.watcher.cancel()
 
@@ -397,156 +396,3 @@ def create_app(
     )
     app.state.service = service
     return app
-
-
-# ---------------------------------------------------------------------------
-# ds4 serve
-# ---------------------------------------------------------------------------
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    add_engine_args(p)
-    add_kv_args(p)
-    p.add_argument(
-        "--kv-tenant-share",
-        type=float,
-        default=1.0,
-        metavar="F",
-        help="a tenant (API key) holding more than F of the disk budget loses its own checkpoints first "
-        "(0 < F <= 1; default 1: one eviction order for all)",
-    )
-    p.add_argument("--no-kv-cache", action="store_true", help="no disk cache at all (the live session is still reused)")
-    p.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=0,
-        metavar="N",
-        help="max_tokens when a request gives none (default 0: until end of generation or the context)",
-    )
-    p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
-    p.add_argument(
-        "--model-alias",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="another model id /v1/models/{id} knows (repeatable; requests may name any model)",
-    )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    add_guard_args(p)
-    g = p.add_argument_group('volatile system text (docs/DESIGN.md, "Volatile system text")')
-    g.add_argument(
-        "--keep-billing-header",
-        action="store_true",
-        help="keep Claude Code's x-anthropic-billing-header first line of system text (its cch changes on every "
-        "request: each turn is then a prefill from there on)",
-    )
-    g.add_argument(
-        "--prompt-volatile",
-        action="append",
-        default=[],
-        type=_regex,
-        metavar="REGEX",
-        help="lines of system text this matches (re.search; repeatable) are dropped or moved to the prompt's tail "
-        "(--prompt-volatile-mode); never user or assistant text",
-    )
-    g.add_argument(
-        "--prompt-volatile-mode",
-        choices=MODES,
-        default="drop",
-        help="drop: the lines are removed; tail: they become a system turn after the last message, in their "
-        "order (default drop)",
-    )
-    p.add_argument(
-        "--sse-keepalive",
-        type=float,
-        default=SSE_KEEPALIVE_S,
-        metavar="S",
-        help=f"a keepalive comment on a stream silent this long, e.g. during a prefill (default {SSE_KEEPALIVE_S:g})",
-    )
-    p.add_argument(
-        "--debug", action="store_true", help="show absolute paths and error details in HTTP answers and /health"
-    )
-    g = p.add_argument_group("request limits")
-    g.add_argument("--max-body-mb", type=float, default=16, metavar="MB", help="largest request body (default 16 MiB)")
-    g.add_argument(
-        "--body-timeout", type=float, default=30, metavar="S", help="a request body must arrive within S s (default 30)"
-    )
-    g.add_argument(
-        "--header-timeout", type=float, default=10, metavar="S", help="request line and headers within S s (default 10)"
-    )
-    g.add_argument(
-        "--keep-alive-timeout", type=int, default=5, metavar="S", help="close idle keep-alive connections (default 5 s)"
-    )
-
-
-def _regex(s: str) -> str:
-    """A ``--prompt-volatile`` pattern, compiled once to check it."""
-    try:
-        re.compile(s)
-    except re.error as e:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a valid regular expression: {e}") from None
-    return s
-
-
-def serve_main(args: argparse.Namespace) -> int:
-    try:
-        import starlette  # noqa: F401
-        import uvicorn
-
-        from .http11 import ReadyServer, with_header_timeout
-    except ImportError as e:
-        print(f"ds4 serve needs starlette and uvicorn ({e}): pip install 'ds4[server]'", file=sys.stderr)
-        return 1
-
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    msg = check_kv_args(args)
-    if msg:
-        log.error("%s", msg)
-        return 2
-    if args.ctx < 16:
-        log.error("--ctx must be >= 16")
-        return 2
-    try:
-        guard = guard_from_args(args)
-    except ValueError as e:
-        log.error("%s", e)
-        return 2
-    engine = build_engine(args.engine, args.model, args.threads)
-    if args.ctx > engine.max_ctx:
-        log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
-    gen = Generator(engine, args.ctx, make_store(args))
-    service = Service(gen, engine_model_id(engine), max_queue=args.max_queue)
-    limits = BodyLimits(max_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.body_timeout)
-    app = create_app(
-        service,
-        default_max_tokens=args.default_max_tokens,
-        model_aliases=args.model_alias,
-        guard=guard,
-        limits=limits,
-        debug=args.debug,
-        sse_keepalive_s=args.sse_keepalive,
-        volatile=SystemText(args.keep_billing_header, args.prompt_volatile, args.prompt_volatile_mode),
-    )
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=30,
-        timeout_keep_alive=args.keep_alive_timeout,
-        http=with_header_timeout(args.header_timeout),
-        access_log=args.log_level == "debug",
-    )
-    server = ReadyServer(
-        config,
-        f"ds4 server ready on {args.host}:{args.port} model={service.model_id} engine={engine.name} ctx={gen.ctx} "
-        f"kv={gen.store.dir if gen.store else 'off'} keys={'on' if guard.needs_key else 'off'}",
-    )
-    try:
-        server.run()
-    finally:
-        service.close()  # no-op after the lifespan hook ran
-    return 0

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .openai import ApiError, invalid_json
+from .wire import ApiError, invalid_json
 
 if TYPE_CHECKING:
     from starlette.requests import Request

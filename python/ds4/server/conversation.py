@@ -42,6 +42,7 @@ from ..keytext import Prompt
 from . import tools as conv_tools
 from .reasoning import OPEN as THINK_OPEN
 from .reasoning import ReasoningSplitter, split_reasoning
+from .tool_stream import StreamSplitter
 from .volatile import SystemText
 
 if TYPE_CHECKING:
@@ -208,12 +209,12 @@ class Conversation:
             rep = conv_tools.ParsedReply(rep.content, rep.calls[:1])
         return rep
 
-    def splitter(self) -> conv_tools.StreamSplitter | None:
+    def splitter(self) -> StreamSplitter | None:
         """The stream's splitter (None without tools): declared names, one
         call at most without ``parallel_tool_calls`` (as :meth:`parse`)."""
         if not self.tools_active:
             return None
-        return conv_tools.StreamSplitter(self.names(), None if self.parallel_tool_calls else 1)
+        return StreamSplitter(self.names(), None if self.parallel_tool_calls else 1)
 
     def gen_params(self, params: GenParams) -> GenParams:
         """The turn's decoding parameters: with tools, decoding stops right

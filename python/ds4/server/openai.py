@@ -1,6 +1,7 @@
-"""The OpenAI protocol: request parsing and validation, response and stream
-chunk bodies, and the mapping of failures to OpenAI-style errors
-``{"error": {"message", "type", "param", "code"}}``.
+"""The OpenAI protocol (``/v1/chat/completions`` and ``/v1/completions``):
+request parsing and validation, and response and stream chunk bodies. Its
+errors are the shared shape ``{"error": {"message", "type", "param",
+"code"}}`` (:mod:`ds4.server.wire`).
 
 Nothing here touches the session: a request that fails validation is
 answered before a job exists.
@@ -9,132 +10,36 @@ answered before a job exists.
 from __future__ import annotations
 
 import json
-import os
-import re
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
-from ..constrain import Constraint
-from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError, EngineError, PromptError
+from ..errors import ConstraintError
 from ..turn import GenParams, GenResult
-from .conversation import AgentTurn, Conversation, LiveStateGone, Message, Outcome, Tool, ToolCall, new_call_id
-from .fields import format_name, is_int, is_num, utf8_len
+from .conversation import Conversation, Message, Outcome, Tool, ToolCall, new_call_id
+from .fields import is_int
+from .formats import response_format
 from .reasoning import ReasoningSplitter
-from .tools import StreamEvent, StreamSplitter
+from .tool_stream import StreamEvent, StreamSplitter
 from .volatile import SystemText
-from .worker import Cancelled, QueueFull, ShuttingDown
+from .wire import (
+    JSON,
+    ApiError,
+    ApiRequest,
+    MakeAgent,
+    Wire,
+    bad,
+    cache_salt_of,
+    ds4_info,
+    exception_to_api,
+    opt_bool,
+    opt_int,
+    opt_num,
+    sse,
+    utf8_bytes,
+)
 
-__all__ = ["ApiError", "OpenAIWire", "RequestParser", "Turn", "Wire", "exception_to_api"]
-
-JSON = dict[str, Any]
-
-
-class ApiError(Exception):
-    """An HTTP error with an OpenAI-style body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> JSON:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _bad(msg: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
-    return ApiError(400, msg, "invalid_request_error", param, code)
-
-
-def _opt_int(body: JSON, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not is_int(v):
-        raise _bad(f"'{key}' must be an integer, got {type(v).__name__}", key, "invalid_type")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise _bad(f"'{key}' must be {rng}, got {v}", key)
-    return int(v)
-
-
-def _opt_num(body: JSON, key: str, lo: float, hi: float) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not is_num(v):
-        raise _bad(f"'{key}' must be a number, got {type(v).__name__}", key, "invalid_type")
-    if not lo <= v <= hi:
-        raise _bad(f"'{key}' must be between {lo} and {hi}, got {v}", key)
-    return float(v)
-
-
-def _opt_bool(body: JSON, key: str) -> bool | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise _bad(f"'{key}' must be a boolean, got {type(v).__name__}", key, "invalid_type")
-    return v
-
-
-def cache_salt_of(body: JSON) -> str | None:
-    """``cache_salt`` (vLLM's name; taken on every protocol): a non-empty
-    string, or absent."""
-    v = body.get("cache_salt")
-    if v is None:
-        return None
-    if not isinstance(v, str) or not v:
-        raise _bad("'cache_salt' must be a non-empty string", "cache_salt", "invalid_type")
-    _utf8_len(v, "cache_salt")
-    return v
-
-
-def _utf8_len(s: str, param: str) -> int:
-    """Bytes of ``s`` in UTF-8 (:func:`.fields.utf8_len`); 400 when it
-    holds a lone surrogate."""
-    n = utf8_len(s)
-    if n is None:
-        raise _bad(f"'{param}' is not valid Unicode (a lone surrogate)", param, "invalid_string")
-    return n
-
-
-class Turn:
-    """One parsed request: what to render (chat messages or a raw prompt),
-    how to generate, and how to answer."""
-
-    def __init__(
-        self,
-        kind: str,
-        payload: Any,
-        params: GenParams,
-        stream: bool,
-        include_usage: bool,
-        conv: Conversation | None = None,
-        cache_salt: str | None = None,
-    ):
-        self.kind = kind  # "chat" (payload: messages) or "completion" (payload: prompt text)
-        self.payload = payload
-        self.params = params
-        self.stream = stream
-        self.include_usage = include_usage
-        # a chat (every chat: its reasoning is split and canonicalized, its
-        # tools parsed): the worker runs it as an agent turn (ds4.server.conversation)
-        self.conv = conv
-        self.agent: AgentTurn | None = None
-        self.cache_salt = cache_salt  # vLLM's field: its own cache namespace (ds4.server.tenants)
-
-    @property
-    def param(self) -> str:
-        """The request field an error about the prompt points at."""
-        return "messages" if self.kind == "chat" else "prompt"
+__all__ = ["OpenAIWire", "RequestParser"]
 
 
 class RequestParser:
@@ -149,8 +54,10 @@ class RequestParser:
         ctx: int,
         max_prompt_bytes: int | None = None,
         volatile: SystemText | None = None,
+        make_agent: MakeAgent | None = None,
     ):
         self.model_ids = tuple(model_ids)
+        self.make_agent = make_agent  # a chat's agent turn (None: parse only)
         # the billing line and the volatile lines of system text (ds4.server.volatile)
         self.volatile = volatile or SystemText()
         self.default_max_tokens = default_max_tokens
@@ -179,37 +86,37 @@ class RequestParser:
 
     def _model(self, body: object) -> JSON:
         if not isinstance(body, dict):
-            raise _bad("the request body must be a JSON object", None, "invalid_type")
+            raise bad("the request body must be a JSON object", None, "invalid_type")
         model = body.get("model")
         if model is None:
-            raise _bad("you must provide a model parameter", "model", "missing_required_parameter")
+            raise bad("you must provide a model parameter", "model", "missing_required_parameter")
         if not isinstance(model, str):
-            raise _bad("'model' must be a string", "model", "invalid_type")
+            raise bad("'model' must be a string", "model", "invalid_type")
         # Any name is accepted, as ds4-server and llama-server do: agents send
         # their own model names. The answer names the served model.
         return body
 
     def _sampling(self, body: JSON) -> GenParams:
-        n = _opt_int(body, "n", 1)
+        n = opt_int(body, "n", 1)
         if n is not None and n != 1:
-            raise _bad("only n=1 is supported (one live session)", "n", "unsupported_value")
-        best_of = _opt_int(body, "best_of", 1)
+            raise bad("only n=1 is supported (one live session)", "n", "unsupported_value")
+        best_of = opt_int(body, "best_of", 1)
         if best_of is not None and best_of != 1:
-            raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
-        mt = _opt_int(body, "max_tokens", 1)
-        mct = _opt_int(body, "max_completion_tokens", 1)
+            raise bad("only best_of=1 is supported", "best_of", "unsupported_value")
+        mt = opt_int(body, "max_tokens", 1)
+        mct = opt_int(body, "max_completion_tokens", 1)
         max_tokens = mct if mct is not None else mt
-        temperature = _opt_num(body, "temperature", 0.0, 2.0) or 0.0
-        top_p = _opt_num(body, "top_p", 0.0, 1.0)
+        temperature = opt_num(body, "temperature", 0.0, 2.0) or 0.0
+        top_p = opt_num(body, "top_p", 0.0, 1.0)
         if top_p is not None and top_p <= 0.0:
-            raise _bad("'top_p' must be > 0", "top_p")
+            raise bad("'top_p' must be > 0", "top_p")
         seed = body.get("seed")
         if seed is not None and not is_int(seed):
-            raise _bad("'seed' must be an integer", "seed", "invalid_type")
+            raise bad("'seed' must be an integer", "seed", "invalid_type")
         if seed is not None and seed < 0:
             seed = seed & ((1 << 64) - 1)
         for k in ("frequency_penalty", "presence_penalty"):
-            _opt_num(body, k, -2.0, 2.0)
+            opt_num(body, k, -2.0, 2.0)
         return GenParams(
             max_tokens=self._default_max_tokens() if max_tokens is None else max_tokens,
             stop=self._stop(body),
@@ -224,27 +131,27 @@ class RequestParser:
         if stop is None:
             return ()
         if isinstance(stop, str):
-            _utf8_len(stop, "stop")
+            utf8_bytes(stop, "stop")
             return (stop,) if stop else ()
         if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
             if len(stop) > 4:
-                raise _bad("'stop' takes at most 4 sequences", "stop")
+                raise bad("'stop' takes at most 4 sequences", "stop")
             for s in stop:
-                _utf8_len(s, "stop")
+                utf8_bytes(s, "stop")
             return tuple(s for s in stop if s)
-        raise _bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
+        raise bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
 
     @staticmethod
     def _stream(body: JSON) -> tuple[bool, bool]:
-        stream = _opt_bool(body, "stream") or False
+        stream = opt_bool(body, "stream") or False
         so = body.get("stream_options")
         if so is None:
             return stream, False
         if not isinstance(so, dict):
-            raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+            raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
         if not stream:
-            raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        return stream, bool(_opt_bool(so, "include_usage"))
+            raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        return stream, bool(opt_bool(so, "include_usage"))
 
     def _common(self, raw: object) -> tuple[JSON, GenParams, bool, bool]:
         body = self._model(raw)
@@ -255,35 +162,35 @@ class RequestParser:
     def _message(self, i: int, m: object) -> Message:
         p = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(f"{p} must be an object", p, "invalid_type")
+            raise bad(f"{p} must be an object", p, "invalid_type")
         role = m.get("role")
         if not isinstance(role, str):
-            raise _bad(f"{p}.role must be a string", f"{p}.role", "invalid_type")
+            raise bad(f"{p}.role must be a string", f"{p}.role", "invalid_type")
         if role not in self.ROLES:
-            raise _bad(f"{p}.role {role!r} is not supported (system, developer, user, assistant, tool)", f"{p}.role")
+            raise bad(f"{p}.role {role!r} is not supported (system, developer, user, assistant, tool)", f"{p}.role")
         content = m.get("content")
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"{p}.content[{j}] must be a text part", f"{p}.content", "invalid_type")
+                    raise bad(f"{p}.content[{j}] must be a text part", f"{p}.content", "invalid_type")
                 parts.append(part["text"])
             content = "".join(parts)
         elif content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise _bad(f"{p}.content must be a string or an array of text parts", f"{p}.content", "invalid_type")
+            raise bad(f"{p}.content must be a string or an array of text parts", f"{p}.content", "invalid_type")
         name = m.get("name")
         if name is not None and not isinstance(name, str):
-            raise _bad(f"{p}.name must be a string", f"{p}.name", "invalid_type")
-        _utf8_len(name or "", f"{p}.name")
+            raise bad(f"{p}.name must be a string", f"{p}.name", "invalid_type")
+        utf8_bytes(name or "", f"{p}.name")
         msg = Message("system" if role == "developer" else role, content)
         if role == "assistant":
             msg.reasoning, msg.tool_calls = self._reasoning(p, m), self._calls(p, m.get("tool_calls"))
         if role == "tool":
             tcid = m.get("tool_call_id")
             if not isinstance(tcid, str):
-                raise _bad(f"{p}.tool_call_id must be a string", f"{p}.tool_call_id", "invalid_type")
+                raise bad(f"{p}.tool_call_id must be a string", f"{p}.tool_call_id", "invalid_type")
             msg.tool_call_id = tcid
         return msg
 
@@ -297,8 +204,8 @@ class RequestParser:
             if v is None:
                 continue
             if not isinstance(v, str):
-                raise _bad(f"{p}.{key} must be a string", f"{p}.{key}", "invalid_type")
-            _utf8_len(v, f"{p}.{key}")
+                raise bad(f"{p}.{key} must be a string", f"{p}.{key}", "invalid_type")
+            utf8_bytes(v, f"{p}.{key}")
             return v or None
         return None
 
@@ -307,19 +214,17 @@ class RequestParser:
         if raw is None:
             return []
         if not isinstance(raw, list):
-            raise _bad(f"{p}.tool_calls must be an array", f"{p}.tool_calls", "invalid_type")
+            raise bad(f"{p}.tool_calls must be an array", f"{p}.tool_calls", "invalid_type")
         out = []
         for j, c in enumerate(raw):
             q = f"{p}.tool_calls[{j}]"
             fn = c.get("function") if isinstance(c, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise _bad(
-                    f"{q} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", q, "invalid_type"
-                )
+                raise bad(f"{q} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", q, "invalid_type")
             args = fn.get("arguments", "")
             if not isinstance(args, str):
-                raise _bad(f"{q}.function.arguments must be a JSON string", q, "invalid_type")
-            _utf8_len(args, q)
+                raise bad(f"{q}.function.arguments must be a JSON string", q, "invalid_type")
+            utf8_bytes(args, q)
             out.append(ToolCall(str(c.get("id") or ""), fn["name"], args))
         return out
 
@@ -329,18 +234,18 @@ class RequestParser:
         if raw is None:
             return []
         if not isinstance(raw, list):
-            raise _bad("'tools' must be an array", "tools", "invalid_type")
+            raise bad("'tools' must be an array", "tools", "invalid_type")
         out = []
         for i, t in enumerate(raw):
             fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}", "tools")
+                raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}", "tools")
             params = fn.get("parameters") or {}
             if not isinstance(params, dict):
-                raise _bad(f"tools[{i}].function.parameters must be an object", "tools", "invalid_type")
+                raise bad(f"tools[{i}].function.parameters must be an object", "tools", "invalid_type")
             desc = fn.get("description") or ""
             if not isinstance(desc, str):
-                raise _bad(f"tools[{i}].function.description must be a string", "tools", "invalid_type")
+                raise bad(f"tools[{i}].function.description must be a string", "tools", "invalid_type")
             out.append(Tool(fn["name"], desc, params))
         return out
 
@@ -351,36 +256,36 @@ class RequestParser:
             return "auto"
         if tc in ("auto", "none", "required"):
             if tc == "required" and not tools:
-                raise _bad("tool_choice 'required' needs 'tools'", "tool_choice")
+                raise bad("tool_choice 'required' needs 'tools'", "tool_choice")
             return str(tc)
         fn = tc.get("function") if isinstance(tc, dict) and tc.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
-            raise _bad(
+            raise bad(
                 "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name'}}",
                 "tool_choice",
                 "invalid_type",
             )
         if name not in {t.name for t in tools}:
-            raise _bad(f"tool_choice names the function {name!r}, which is not in 'tools'", "tool_choice")
+            raise bad(f"tool_choice names the function {name!r}, which is not in 'tools'", "tool_choice")
         return name
 
-    def chat(self, raw: object) -> Turn:
+    def chat(self, raw: object) -> ApiRequest:
         body, params, stream, inc = self._common(raw)
         msgs = body.get("messages")
         if msgs is None:
-            raise _bad("'messages' is required", "messages", "missing_required_parameter")
+            raise bad("'messages' is required", "messages", "missing_required_parameter")
         if not isinstance(msgs, list) or not msgs:
-            raise _bad("'messages' must be a non-empty array", "messages", "invalid_type")
+            raise bad("'messages' must be a non-empty array", "messages", "invalid_type")
         out = [self._message(i, m) for i, m in enumerate(msgs)]
         out = [m for m in out if m.role != "system" or self._system_text(m)]
-        if _opt_bool(body, "logprobs"):
-            raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
+        if opt_bool(body, "logprobs"):
+            raise bad("logprobs are not supported", "logprobs", "unsupported_value")
         tools = self._tools(body)
         choice = self._tool_choice(body, tools)
-        parallel = _opt_bool(body, "parallel_tool_calls")
+        parallel = opt_bool(body, "parallel_tool_calls")
         n_bytes = sum(
-            _utf8_len(m.content, "messages") + len(m.reasoning or "") + sum(len(c.arguments) for c in m.tool_calls)
+            utf8_bytes(m.content, "messages") + len(m.reasoning or "") + sum(len(c.arguments) for c in m.tool_calls)
             for m in out
         )
         self._fits(n_bytes + sum(len(json.dumps(t.schema())) for t in tools), "messages")
@@ -392,8 +297,9 @@ class RequestParser:
         try:
             params = conv.gen_params(params)
         except ConstraintError as e:
-            raise _bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
-        return Turn("chat", None, params, stream, inc, conv, cache_salt=salt)
+            raise bad(f"the tools' parameters cannot be enforced: {e}", "tools", "invalid_json_schema") from None
+        agent = self.make_agent(conv) if self.make_agent is not None else None
+        return ApiRequest(params, stream, inc, conv=conv, agent=agent, cache_salt=salt)
 
     def _system_text(self, m: Message) -> bool:
         """``m`` (a system or developer message) without its billing line;
@@ -404,207 +310,60 @@ class RequestParser:
         m.content = text
         return True
 
-    def completion(self, raw: object) -> Turn:
+    def completion(self, raw: object) -> ApiRequest:
         body, params, stream, inc = self._common(raw)
         if "prompt" not in body or body["prompt"] is None:
-            raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
+            raise bad("'prompt' is required", "prompt", "missing_required_parameter")
         prompt = body["prompt"]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise _bad("'prompt' must be a string (or an array of one string)", "prompt", "invalid_type")
+            raise bad("'prompt' must be a string (or an array of one string)", "prompt", "invalid_type")
         if not prompt:
-            raise _bad("'prompt' must not be empty", "prompt")
-        self._fits(_utf8_len(prompt, "prompt"), "prompt")
+            raise bad("'prompt' must not be empty", "prompt")
+        self._fits(utf8_bytes(prompt, "prompt"), "prompt")
         if body.get("logprobs") is not None:
-            raise _bad("logprobs are not supported", "logprobs", "unsupported_value")
-        if _opt_bool(body, "echo"):
-            raise _bad("echo is not supported", "echo", "unsupported_value")
+            raise bad("logprobs are not supported", "logprobs", "unsupported_value")
+        if opt_bool(body, "echo"):
+            raise bad("echo is not supported", "echo", "unsupported_value")
         if body.get("suffix"):
-            raise _bad("suffix is not supported", "suffix", "unsupported_value")
-        return Turn("completion", prompt, params, stream, inc, cache_salt=cache_salt_of(body))
-
-
-def response_format(rf: object) -> Constraint | None:
-    """``response_format`` as a constraint: ``text`` (none), ``json_object``
-    (any JSON object), ``json_schema`` (JSON valid under its ``schema``;
-    enforced whether ``strict`` is true or not). A bad one is a 400."""
-    p = "response_format"
-    if rf is None:
-        return None
-    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-        raise _bad(f"'{p}' must be an object with a string 'type'", p, "invalid_type")
-    kind = rf["type"]
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return Constraint.json_object()
-    if kind != "json_schema":
-        raise _bad(f"'{p}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{p}.type")
-    js = rf.get("json_schema")
-    if not isinstance(js, dict):
-        raise _bad(f"'{p}.json_schema' must be an object", f"{p}.json_schema", "invalid_type")
-    name = js.get("name")
-    if not format_name(name):
-        raise _bad(f"'{p}.json_schema.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{p}.json_schema.name")
-    if js.get("strict") is not None and not isinstance(js["strict"], bool):
-        raise _bad(f"'{p}.json_schema.strict' must be a boolean", f"{p}.json_schema.strict", "invalid_type")
-    schema = js.get("schema", {})
-    if not isinstance(schema, dict):
-        raise _bad(f"'{p}.json_schema.schema' must be an object", f"{p}.json_schema.schema", "invalid_type")
-    try:
-        return Constraint.json_schema(schema)
-    except ConstraintError as e:
-        raise _bad(f"Invalid schema for response_format '{name}': {e}", p, "invalid_json_schema") from None
-
-
-def invalid_json(e: Exception) -> ApiError:
-    return ApiError(
-        400, f"We could not parse the JSON body of your request: {e}", "invalid_request_error", None, "invalid_json"
-    )
-
-
-# an absolute path: its directories are dropped from what a client sees
-_ABS_DIRS = re.compile(r"(?<![\w.~-])/(?:[^\s/'\"]+/)+")
-
-
-def scrub(text: str, debug: bool = False) -> str:
-    """``text`` without the directories of any absolute path (unless ``debug``)."""
-    return text if debug else _ABS_DIRS.sub("", text)
-
-
-def shown_path(path: str | None, debug: bool = False) -> str | None:
-    """A checkpoint path as a client sees it: its file name (whole with ``debug``)."""
-    return path if debug or path is None else os.path.basename(path)
-
-
-def exception_to_api(e: BaseException, param: str | None, debug: bool = False) -> ApiError:
-    """The HTTP answer to a failed or refused job. A 5xx says what failed,
-    not where (the log has the details) unless ``debug``; no message shows
-    an absolute path unless ``debug``."""
-    err = _exception_to_api(e, param)
-    if err.status >= 500 and not debug and err.code in ("engine_error", "internal_error"):
-        err.message = f"{err.message.split(':', 1)[0]} ({type(e).__name__}; see the server log)"
-    err.message = scrub(err.message, debug)
-    return err
-
-
-def _exception_to_api(e: BaseException, param: str | None) -> ApiError:
-    if isinstance(e, ContextOverflowError):
-        return ApiError(
-            400,
-            f"This model's maximum context length is {e.ctx} tokens; the prompt has {e.n_tokens} tokens "
-            "(one more is needed to generate)",
-            "invalid_request_error",
-            param,
-            "context_length_exceeded",
-        )
-    if isinstance(e, EmptyPromptError):
-        return _bad("the prompt is empty", param)
-    if isinstance(e, LiveStateGone):
-        return ApiError(409, str(e), "invalid_request_error", param, "live_state_gone")
-    if isinstance(e, PromptError):  # the client's, typed where it was judged; any other ValueError is a bug: 500
-        return _bad(str(e), param)
-    if isinstance(e, Cancelled):
-        return ApiError(499, "client closed the request", "invalid_request_error", None, "cancelled")
-    if isinstance(e, QueueFull):
-        return ApiError(429, f"too many queued requests ({e.pending})", "rate_limit_error", code="queue_full")
-    if isinstance(e, ShuttingDown):
-        return ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
-    if isinstance(e, EngineError):
-        return ApiError(500, f"the engine failed: {e}", "server_error", None, "engine_error")
-    return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")
-
-
-def http_error(status: int, detail: str) -> JSON:
-    """The body for an error the router raised (404, 405, ...)."""
-    return {
-        "error": {
-            "message": detail,
-            "type": "invalid_request_error" if status < 500 else "server_error",
-            "param": None,
-            "code": {404: "not_found", 405: "method_not_allowed"}.get(status),
-        }
-    }
-
-
-def ds4_info(res: GenResult, debug: bool = False) -> JSON:
-    """ds4's own block in every response: how the cache served the turn
-    (checkpoints by file name; whole paths only with ``debug``) and where
-    the prompt left its best candidate (``divergence``)."""
-    r = res.report
-    return {
-        "rung": r.rung,
-        "source": r.source,
-        "reused_tokens": r.reused_tokens,
-        "loaded_path": shown_path(r.loaded_path, debug),
-        "rejected": [
-            {"path": shown_path(p, debug), "stage": s, "code": c, "reason": scrub(rr, debug)}
-            for (p, s, c, rr) in r.rejected
-        ],
-        "evict_saved": shown_path(r.evict_saved, debug),
-        "cold_saved": shown_path(r.cold_saved, debug),
-        "prompt_saved": shown_path(r.prompt_saved, debug),
-        # where the prompt left the best candidate (ds4.recovery): the live
-        # state or a checkpoint of the request's own namespace
-        "divergence": r.divergence,
-        "stop_action": res.stop_action,
-        "ttft_ms": round(res.ttft_s * 1000, 3),
-        "total_ms": round(res.total_s * 1000, 3),
-    }
-
-
-class Wire:
-    """How one protocol answers (the app's routes are protocol-blind):
-    ``reply(turn)`` builds the response bodies of a turn (an object with
-    ``complete(res)``, and for streams ``opening()``, ``chunk(text)``,
-    ``closing(res)``, ``failed(e)`` and ``terminator``), ``error(e,
-    param)`` the status and body of a refusal or failure."""
-
-    def __init__(self, model: str, debug: bool = False):
-        self.model, self.debug = model, debug
-
-    def reply(self, turn: Turn) -> Any:
-        raise NotImplementedError
-
-    def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
-        api = e if isinstance(e, ApiError) else exception_to_api(e, param, self.debug)
-        return api.status, api.body()
+            raise bad("suffix is not supported", "suffix", "unsupported_value")
+        return ApiRequest(params, stream, inc, prompt=prompt, cache_salt=cache_salt_of(body))
 
 
 class OpenAIWire(Wire):
-    def reply(self, turn: Turn) -> Reply:
-        prefix = "chatcmpl-" if turn.kind == "chat" else "cmpl-"
-        return Reply(turn, prefix + uuid.uuid4().hex[:24], int(time.time()), self.model, self.debug)
+    def reply(self, req: ApiRequest) -> Reply:
+        prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
+        return Reply(req, prefix + uuid.uuid4().hex[:24], int(time.time()), self.model, self.debug)
 
 
 class Reply:
     """The response bodies of one turn: a whole completion, or its SSE
     chunks. A chat with tools streams through the convention's splitter
-    (:class:`ds4.server.tools.StreamSplitter`): visible text as content
+    (:class:`ds4.server.tool_stream.StreamSplitter`): visible text as content
     deltas, each call as it is generated, a header delta (``index``, the
     ``id`` the turn's outcome will hold, ``type``, ``function.name`` and
     empty ``arguments``) once its name is complete, then ``arguments``
     fragments; what the splitter could not send live goes out at the end
-    (see :meth:`ds4.server.tools.StreamSplitter.close`). A reply's
+    (see :meth:`ds4.server.tool_stream.StreamSplitter.close`). A reply's
     reasoning (``<think>…</think>``, :mod:`ds4.server.reasoning`) is the
     message's ``reasoning_content``, streamed as ``reasoning_content``
     deltas before the content's."""
 
     terminator = b"data: [DONE]\n\n"
 
-    def __init__(self, turn: Turn, rid: str, created: int, model: str, debug: bool = False):
-        self.turn, self.rid, self.created, self.model = turn, rid, created, model
+    def __init__(self, req: ApiRequest, rid: str, created: int, model: str, debug: bool = False):
+        self.req, self.rid, self.created, self.model = req, rid, created, model
         self.debug = debug
-        self.chat = turn.kind == "chat"
-        self.splitter: StreamSplitter | None = turn.conv.splitter() if turn.conv is not None else None
+        self.chat = req.kind == "chat"
+        self.splitter: StreamSplitter | None = req.conv.splitter() if req.conv is not None else None
         self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
 
     def _head(self, obj: str) -> JSON:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
     def _outcome(self, res: GenResult) -> Outcome:
-        oc = self.turn.agent.outcome if self.turn.agent is not None else None
+        oc = self.req.agent.outcome if self.req.agent is not None else None
         return oc if oc is not None else Outcome(res.text, [], res.finish_reason)
 
     def complete(self, res: GenResult) -> JSON:
@@ -641,7 +400,7 @@ class Reply:
         return sse({**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch]}, ensure_ascii=False)
 
     def _call_id(self, k: int) -> str:
-        agent = self.turn.agent
+        agent = self.req.agent
         return agent.call_id(k) if agent is not None else new_call_id("call_")
 
     def _events(self, events: list[StreamEvent]) -> bytes:
@@ -661,10 +420,10 @@ class Reply:
     def _reasoning(self, delta: str) -> tuple[bytes, str]:
         """A text delta through the reasoning splitter: the reasoning delta
         to send first (``reasoning_content``) and the content left."""
-        if self.turn.agent is None:
+        if self.req.agent is None:
             return b"", delta
         if self.rsplit is None:
-            self.rsplit = self.turn.agent.reasoning_splitter()
+            self.rsplit = self.req.agent.reasoning_splitter()
         reasoning, content = self.rsplit.push(delta)
         return (self._delta({"reasoning_content": reasoning}) if reasoning else b""), content
 
@@ -708,18 +467,10 @@ class Reply:
                 out.append(ev)
             finish = oc.finish_reason
         out.append(self.chunk(None if self.chat else "", finish))
-        if self.turn.include_usage:
+        if self.req.include_usage:
             o = {**self._head(self._chunk_obj), "choices": [], "usage": res.usage(), "ds4": ds4_info(res, self.debug)}
             out.append(sse(o))
         return out
 
     def failed(self, e: BaseException) -> list[bytes]:
-        return [sse(exception_to_api(e, self.turn.param, self.debug).body())]
-
-
-def sse(obj: JSON, ensure_ascii: bool = True) -> bytes:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return b"data: " + json.dumps(obj, ensure_ascii=ensure_ascii).encode("utf-8") + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
+        return [sse(exception_to_api(e, self.req.param, self.debug).body())]

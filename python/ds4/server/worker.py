@@ -20,22 +20,36 @@ what a tenant's ``/health`` shows, which moves with its own requests only.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import PromptError
 from ..keytext import Prompt
 from ..turn import Generator, GenParams, GenResult
 from .tenants import ANONYMOUS
 
+if TYPE_CHECKING:
+    from ..engine import Engine
+
 log = logging.getLogger("ds4.server")
 
-__all__ = ["TENANT_COUNTERS", "Cancelled", "Job", "ProgressLog", "QueueFull", "Service", "ShuttingDown"]
+__all__ = [
+    "TENANT_COUNTERS",
+    "Cancelled",
+    "Job",
+    "ProgressLog",
+    "QueueFull",
+    "Service",
+    "ShuttingDown",
+    "TextPrompt",
+    "Work",
+]
 
 #: a tenant's own counters: ``requests`` (its jobs the worker took, refused
 #: and cancelled ones included), ``cancelled`` (its client left), ``rejected``
@@ -67,32 +81,46 @@ class ShuttingDown(Exception):
     """The service takes no more jobs."""
 
 
+class Work(Protocol):
+    """What a job runs, by its type: :meth:`render` its prompt (in the
+    worker thread, in the job's cache namespace), then, once decoded and
+    before the ``done`` event, :meth:`done`. An agent turn
+    (:class:`ds4.server.conversation.AgentTurn`: a chat, whatever its
+    protocol) is one; :class:`TextPrompt` (a completion) the other."""
+
+    def render(self, engine: Engine, namespace: str | None = None) -> str: ...
+
+    def done(self, res: GenResult) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TextPrompt:
+    """A completion's prompt: client text, in which no marker is special."""
+
+    text: str
+
+    def render(self, engine: Engine, namespace: str | None = None) -> str:
+        return Prompt.text(self.text)
+
+    def done(self, res: GenResult) -> None:
+        """Nothing follows a completion's decoding."""
+
+
+_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(eq=False)
 class Job:
-    """One turn to run. ``post(kind, value)`` delivers events to the handler."""
+    """One turn to run: its :class:`Work`, how to generate, and whose it is.
+    ``post(kind, value)`` delivers events to the handler."""
 
-    _ids = itertools.count(1)
-
-    def __init__(
-        self,
-        kind: str,
-        payload: Any,
-        params: GenParams,
-        post: Callable[[str, Any], None],
-        namespace: str | None = None,
-        tenant: str = ANONYMOUS,
-    ):
-        self.id = next(self._ids)
-        # "chat" (payload: messages), "completion" (payload: prompt) or
-        # "agent" (payload: an AgentTurn of ds4.server.conversation, which
-        # renders the prompt in this thread and runs its done() hook before
-        # the "done" event)
-        self.kind = kind
-        self.payload = payload
-        self.namespace = namespace  # the tenant's cache namespace (ds4.server.tenants)
-        self.tenant = tenant  # whose job: its counters (Service.tenant_counters)
-        self.params = params
-        self.post = post
-        self.cancel = threading.Event()
+    work: Work
+    params: GenParams
+    post: Callable[[str, Any], None]
+    namespace: str | None = None  # the tenant's cache namespace (ds4.server.tenants)
+    tenant: str = ANONYMOUS  # whose job: its counters (Service.tenant_counters)
+    id: int = dataclasses.field(default_factory=lambda: next(_ids), init=False)
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event, init=False)
 
 
 _SHUTDOWN = object()
@@ -224,13 +252,9 @@ class Service:
             job.post("error", Cancelled())
             return
         self.status = self._snapshot(busy=True)
-        eng = self.gen.engine
         try:
-            if job.kind == "agent":
-                prompt = job.payload.render(eng, job.namespace)  # its live tool state only in its namespace
-            else:
-                # a completion's prompt is client text: no marker in it is special
-                prompt = eng.render_chat(job.payload) if job.kind == "chat" else Prompt.text(job.payload)
+            # an agent turn's live tool state only in its namespace
+            prompt = job.work.render(self.gen.engine, job.namespace)
             res = self.gen.generate(
                 prompt,
                 job.params,
@@ -262,9 +286,9 @@ class Service:
                 "valid" if self.gen.sess.checkpoint_valid else "invalid",
                 self.gen.sess.n_past,
             )
-        elif job.kind == "agent":
+        else:
             try:
-                job.payload.done(res)  # parse, canonicalize: before the final event
+                job.work.done(res)  # an agent turn's parse, canonicalize: before the final event
             except Exception:  # the reply still goes out (as text)
                 log.exception("job %d: the agent turn's done hook failed", job.id)
         job.post("done", res)

@@ -1,0 +1,212 @@
+"""The answers of the OpenAI Responses protocol (:mod:`ds4.server.responses`
+parses the requests): the response object, whole or streamed as typed
+events (``response.created`` ... ``response.completed``), each with an
+``event:`` line and a ``sequence_number``.
+
+Reasoning
+    A reply's reasoning (``<think>…</think>``, :mod:`ds4.server.reasoning`)
+    is a ``reasoning`` output item before the message (id ``rs_`` and the
+    message's hex), its text as one ``summary_text`` (ds4 shows the whole
+    reasoning: it keeps no hidden part); streamed as that item's
+    ``response.reasoning_summary_part.added``,
+    ``response.reasoning_summary_text.delta`` events, their ``.done``
+    events, then the message at output index 1. A reply cut inside its
+    reasoning is an ``incomplete`` response with the reasoning item and an
+    empty message. ``reasoning_tokens`` stays 0 (not counted apart).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..turn import GenResult
+from .conversation import Outcome
+from .reasoning import ReasoningSplitter
+from .response_store import (
+    StoredResponses,
+    call_item,
+    message_item,
+    output_items,
+    reasoning_id,
+    reasoning_item,
+    response_head,
+    response_object,
+    status_of,
+    usage_of,
+)
+from .responses import ResponsesRequest
+from .wire import JSON, ApiRequest, Wire, ds4_info, exception_to_api, sse
+
+__all__ = ["ResponsesReply", "ResponsesWire"]
+
+
+class ResponsesReply:
+    """The bodies of one ``/v1/responses`` answer (events carry ``event:``
+    lines and a ``sequence_number``)."""
+
+    terminator = b""
+
+    def __init__(self, req: ResponsesRequest, model: str, debug: bool):
+        self.req, self.model, self.debug = req, model, debug
+        self.seq = 0
+        self.msg_id = req.msg_id
+        self.splitter = req.conv.splitter() if req.conv is not None else None
+        self.msg_open = False
+        self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
+        self.reasoning: str | None = None  # the reasoning item's text so far (None: no item)
+        self.reasoning_done = False
+        self.msg_index = 0  # the message's output index (1 after a reasoning item)
+
+    def _ev(self, kind: str, **data: Any) -> bytes:
+        d = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return sse(d, ensure_ascii=False, event=kind)
+
+    def _outcome(self, res: GenResult) -> Outcome:
+        oc = self.req.agent.outcome if self.req.agent is not None else None
+        return oc if oc is not None else Outcome(res.text, [], res.finish_reason)
+
+    def _msg_item(self, text: str, status: str) -> JSON:
+        return message_item(self.msg_id, text, status)
+
+    def _response(self, status: str, output: list[JSON], res: GenResult | None) -> JSON:
+        usage = usage_of(res) if res is not None else None
+        return response_object(response_head(self.req, self.model), status, output, usage, self.req.store)
+
+    def _final(self, res: GenResult) -> tuple[str, list[JSON], Outcome]:
+        oc = self._outcome(res)
+        return status_of(oc), output_items(self.msg_id, oc.content, oc.calls, oc.reasoning), oc
+
+    def complete(self, res: GenResult) -> JSON:
+        status, output, _ = self._final(res)
+        return {**self._response(status, output, res), "ds4": ds4_info(res, self.debug)}
+
+    # -- the stream ------------------------------------------------------------
+    def opening(self) -> list[bytes]:
+        r = self._response("in_progress", [], None)
+        return [self._ev("response.created", response=r), self._ev("response.in_progress", response=r)]
+
+    def _open_message(self) -> list[bytes]:
+        if self.msg_open:
+            return []
+        self.msg_open = True
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [
+            self._ev("response.output_item.added", output_index=self.msg_index, item=self._msg_item("", "in_progress")),
+            self._ev(
+                "response.content_part.added",
+                item_id=self.msg_id,
+                output_index=self.msg_index,
+                content_index=0,
+                part=part,
+            ),
+        ]
+
+    def _delta(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out = self._open_message()
+        ids = {"item_id": self.msg_id, "output_index": self.msg_index, "content_index": 0}
+        out.append(self._ev("response.output_text.delta", **ids, delta=text))
+        return out
+
+    def _think(self, text: str) -> list[bytes]:
+        """A reasoning summary delta (the item opened on the first)."""
+        if not text:
+            return []
+        out = []
+        rid = reasoning_id(self.msg_id)
+        ids = {"item_id": rid, "output_index": 0, "summary_index": 0}
+        if self.reasoning is None:
+            self.reasoning, self.msg_index = "", 1
+            out.append(
+                self._ev("response.output_item.added", output_index=0, item=reasoning_item(rid, "", "in_progress"))
+            )
+            part = {"type": "summary_text", "text": ""}
+            out.append(self._ev("response.reasoning_summary_part.added", **ids, part=part))
+        self.reasoning += text
+        return [*out, self._ev("response.reasoning_summary_text.delta", **ids, delta=text)]
+
+    def _end_think(self) -> list[bytes]:
+        """The reasoning item's done events (once, before the message)."""
+        if self.reasoning is None or self.reasoning_done:
+            return []
+        self.reasoning_done = True
+        rid, text = reasoning_id(self.msg_id), self.reasoning
+        ids = {"item_id": rid, "output_index": 0, "summary_index": 0}
+        return [
+            self._ev("response.reasoning_summary_text.done", **ids, text=text),
+            self._ev("response.reasoning_summary_part.done", **ids, part={"type": "summary_text", "text": text}),
+            self._ev("response.output_item.done", output_index=0, item=reasoning_item(rid, text)),
+        ]
+
+    def _split(self, text: str) -> tuple[list[bytes], str]:
+        """A text delta through the reasoning splitter: the reasoning events
+        and the content left."""
+        if self.req.agent is None:
+            return [], text
+        if self.rsplit is None:
+            self.rsplit = self.req.agent.reasoning_splitter()
+        reasoning, content = self.rsplit.push(text)
+        out = self._think(reasoning)
+        return (out + self._end_think() if content else out), content
+
+    def chunk(self, text: str) -> bytes:
+        pre, text = self._split(text)
+        if self.splitter is not None:
+            text = self.splitter.push(text)
+        return b"".join(pre + self._delta(text))
+
+    def closing(self, res: GenResult) -> list[bytes]:
+        status, output, oc = self._final(res)
+        out: list[bytes] = []
+        if self.rsplit is not None:
+            reasoning, content = self.rsplit.finish()
+            out += self._think(reasoning) + self._end_think()
+            if content and self.splitter is not None:
+                content = self.splitter.push(content)
+            out += self._delta(content)
+        if self.splitter is not None:
+            _, rest = self.splitter.finish()
+            out += self._delta(rest if oc.calls else self.splitter.buf[self.splitter.shown :])
+        if not oc.calls:
+            out += self._open_message()  # an empty answer is still a message
+        k = self.msg_index
+        if self.msg_open:
+            text = oc.content
+            ids = {"item_id": self.msg_id, "output_index": k, "content_index": 0}
+            part = {"type": "output_text", "text": text, "annotations": []}
+            out.append(self._ev("response.output_text.done", **ids, text=text))
+            out.append(self._ev("response.content_part.done", **ids, part=part))
+            out.append(self._ev("response.output_item.done", output_index=k, item=self._msg_item(text, "completed")))
+            k += 1
+        for c in oc.calls:
+            item_id = "fc_" + c.id
+            out.append(self._ev("response.output_item.added", output_index=k, item=call_item(c, "in_progress")))
+            out.append(
+                self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=k, delta=c.arguments)
+            )
+            out.append(
+                self._ev(
+                    "response.function_call_arguments.done", item_id=item_id, output_index=k, arguments=c.arguments
+                )
+            )
+            out.append(self._ev("response.output_item.done", output_index=k, item=call_item(c, "completed")))
+            k += 1
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        out.append(self._ev(kind, response=self._response(status, output, res)))
+        return out
+
+    def failed(self, e: BaseException) -> list[bytes]:
+        api = exception_to_api(e, "input", self.debug)
+        return [self._ev("error", code=api.code, message=api.message, param=api.param)]
+
+
+class ResponsesWire(Wire):
+    def __init__(self, model: str, stored: StoredResponses, debug: bool = False):
+        super().__init__(model, debug)
+        self.stored = stored
+
+    def reply(self, req: ApiRequest) -> ResponsesReply:
+        assert isinstance(req, ResponsesRequest)
+        return ResponsesReply(req, self.model, self.debug)
