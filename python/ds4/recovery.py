@@ -36,7 +36,7 @@ from typing import Any, Protocol, cast
 from . import _core
 from .errors import InvalidSessionError, PromptError
 from .keytext import KeyRenderer, parting, plain_len, snippet, tokenize_prompt
-from .kvstore import Candidates, Entry, KVStore, LoadResult
+from .kvstore import Candidates, Entry, KVStore, LoadResult, Rejection
 from .session import Rewrite, Session
 
 log = logging.getLogger("ds4.recovery")
@@ -54,7 +54,7 @@ class RecoveryReport:
     reused_tokens: int = 0
     prompt_tokens: int = 0
     loaded_path: str | None = None
-    rejected: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)
+    rejected: list[Rejection] = dataclasses.field(default_factory=list)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     evict_saved: str | None = None
     cold_saved: str | None = None

@@ -61,8 +61,6 @@ from .entries import (
     IndexRow,
     LoadResult,
     NamedLoad,
-    Rejection,
-    import_failure,
     plan_eviction,
     tenant_usage,
 )
@@ -84,13 +82,13 @@ from .files import (
 from .indexed import DirIndex
 from .named import load_named
 from .records import RecordStore
+from .rejection import Rejection, RejectionLog, import_failure, rejection_of
 from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
 from .remove import evict_entries, is_regular, remove_exact
 from .save import CHATML_MARKERS, chat_anchor, existing_file, write_live
 from .tiered import SharedTier
 
 if TYPE_CHECKING:
-    from ..recovery import RecoveryReport
     from ..session import Session
 
 log = logging.getLogger("ds4.kvstore")
@@ -100,10 +98,6 @@ def index_header(index: _core.StoreIndex, path: str) -> object:
     """Index one file from its header (``StoreIndex.index_file``): the one
     place the store reads a file it has not indexed yet."""
     return index.index_file(path)
-
-
-def _why(name: str, err: CheckpointError) -> tuple[str, str, str, str]:
-    return (name, err.stage, err.code, err.reason)
 
 
 __all__ = [
@@ -118,6 +112,8 @@ __all__ = [
     "KVStore",
     "LoadResult",
     "NamedLoad",
+    "Rejection",
+    "RejectionLog",
     "RemoteTier",
     "chat_anchor",
     "is_checkpoint_name",
@@ -444,7 +440,7 @@ class KVStore:
         )
 
     def try_load_text(
-        self, sess: Session, prompt_text: str | bytes, report: RecoveryReport | None = None
+        self, sess: Session, prompt_text: str | bytes, report: RejectionLog | None = None
     ) -> LoadResult | None:
         """One rung of the ladder on its own, as in ds4: load the longest
         stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
@@ -459,7 +455,7 @@ class KVStore:
             report.rejected.extend(found.rejected)
         return self.load_first(sess, found, report)
 
-    def load_first(self, sess: Session, found: Candidates, report: RecoveryReport | None = None) -> LoadResult | None:
+    def load_first(self, sess: Session, found: Candidates, report: RejectionLog | None = None) -> LoadResult | None:
         """Load the first of ``found`` (from :meth:`candidates`) that passes
         the whole verification pipeline into ``sess``; see
         :meth:`try_load_text`. The candidates rejected at load time are
@@ -479,7 +475,7 @@ class KVStore:
         return res
 
     def _load_entries(
-        self, sess: Session, entries: list[Entry], prompt: bytes, report: RecoveryReport | None
+        self, sess: Session, entries: list[Entry], prompt: bytes, report: RejectionLog | None
     ) -> LoadResult | None:
         for e in entries:
             t0 = time.perf_counter()
@@ -493,17 +489,17 @@ class KVStore:
             except OSError as err:  # unreadable (permissions, I/O): a typed rejection; skipped and kept
                 self.stats["rejected"] += 1
                 if report is not None:
-                    report.rejected.append((e.path, "open", "unreadable", err.strerror or type(err).__name__))
+                    report.rejected.append(Rejection(e.path, "open", "unreadable", err.strerror or type(err).__name__))
                 continue
             except CheckpointError as err:
                 self.stats["rejected"] += 1
                 if report is not None:
-                    report.rejected.append((e.path, err.stage, err.code, err.reason))
+                    report.rejected.append(rejection_of(e.path, err))
                 if isinstance(err, CorruptCheckpointError) and err.code != NOT_REGULAR:
                     sess.invalidate(f"corrupt checkpoint {e.name}")
                     self.discard(e.path, err, "load", judged)
                 else:
-                    log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", *_why(e.name, err))
+                    log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", *rejection_of(e.name, err))
                 continue
             except Exception as err:
                 sess.invalidate(f"checkpoint {e.name} failed to load")
@@ -518,7 +514,7 @@ class KVStore:
         return None
 
     # -- the shared tier (kvstore/tiered.py) ----------------------------------
-    def pull(self, r: RemoteEntry, report: RecoveryReport | None = None) -> Entry | None:
+    def pull(self, r: RemoteEntry, report: RejectionLog | None = None) -> Entry | None:
         """Download one remote checkpoint into this directory (``ds4 kv
         pull``): the whole pipeline (with this store's key) and the checks
         every load makes on the tensors, then the rename. A damaged entry is

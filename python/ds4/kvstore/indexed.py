@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 from .. import _core
 from ..errors import CheckpointError, CorruptCheckpointError, StoreError
-from .entries import Rejection
 from .files import (
     INDEX_NAME,
     INDEX_TMP_NAME,
@@ -39,6 +38,7 @@ from .files import (
     remove_orphaned_temp,
     stat_key,
 )
+from .rejection import Rejection, rejection_of
 
 log = logging.getLogger("ds4.kvstore")
 
@@ -222,11 +222,11 @@ class DirIndex:
                 log.warning("kv cache ignoring %s: %s", name, e.reason)
                 return
             self._discard(path, e, "refresh", key)
-            self.unreported.append((path, e.stage, e.code, e.reason))
+            self.unreported.append(rejection_of(path, e))
             return
         except CheckpointError as e:
             log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", name, e.stage, e.code, e.reason)
-            self.unreported.append((path, e.stage, e.code, e.reason))
+            self.unreported.append(rejection_of(path, e))
             self.idx.keep(name, key)
             return
         except FileNotFoundError:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _core
 from ..errors import RemoteChunkError, RemoteManifestError, RemoteTierError
+from .rejection import Rejection, rejection_of
 from .remote_layout import (
     CHUNK_BYTES,
     DEFAULT_NAMESPACE,
@@ -95,7 +96,7 @@ class RemoteLookup:
     the remote entries rejected on the way (deleted from Redis)."""
 
     entries: list[RemoteEntry]
-    rejected: list[tuple[str, str, str, str]]
+    rejected: list[Rejection]
 
 
 class Breaker:
@@ -298,7 +299,7 @@ class RemoteTier:
                 if e.text_bytes != n:
                     raise RemoteManifestError("manifest's text length differs from the index")
             except RemoteManifestError as err:
-                rejected.append((f"remote:{sha}.kv", err.stage, err.code, err.reason))
+                rejected.append(rejection_of(f"remote:{sha}.kv", err))
                 self.stats["rejected"] += 1
                 log.warning("kv remote rejected manifest of %s: %s (deleted)", sha[:12], err.reason)
                 self._delete(c, keys, sha, None, n)

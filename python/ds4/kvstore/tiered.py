@@ -34,10 +34,10 @@ from ..errors import (
 )
 from .entries import Candidates, Entry, LoadResult
 from .files import create_temp
+from .rejection import RejectionLog, rejection_of
 from .remote import RemoteEntry, RemoteTier
 
 if TYPE_CHECKING:
-    from ..recovery import RecoveryReport
     from ..session import Session
 
 log = logging.getLogger("ds4.kvstore")
@@ -48,7 +48,7 @@ __all__ = ["SharedTier"]
 #: the name check), load local entries into a session, adopt a verified temp
 #: file under its name
 OpenFor = Callable[["Session", str, bytes], Checkpoint]
-LoadLocal = Callable[["Session", list[Entry], bytes, "RecoveryReport | None"], "LoadResult | None"]
+LoadLocal = Callable[["Session", list[Entry], bytes, "RejectionLog | None"], "LoadResult | None"]
 Adopt = Callable[[str, str, Checkpoint], "Entry | None"]
 
 
@@ -85,7 +85,7 @@ class SharedTier:
         found.remote_state = self.tier.state
 
     def load(
-        self, sess: Session, prompt: bytes, entries: list[RemoteEntry], report: RecoveryReport | None
+        self, sess: Session, prompt: bytes, entries: list[RemoteEntry], report: RejectionLog | None
     ) -> LoadResult | None:
         """Download the first remote candidate that verifies, then load it
         as a local file. A remote entry that fails any check (chunks, the
@@ -116,9 +116,7 @@ class SharedTier:
                 tier.delete(r.sha, r.abi, r)
         return None
 
-    def pull(
-        self, r: RemoteEntry, report: RecoveryReport | None, *, auth_key: bytes | None, mmap: bool
-    ) -> Entry | None:
+    def pull(self, r: RemoteEntry, report: RejectionLog | None, *, auth_key: bytes | None, mmap: bool) -> Entry | None:
         """See :meth:`ds4.kvstore.KVStore.pull`."""
 
         def opener(tmp: str) -> Checkpoint:
@@ -137,7 +135,7 @@ class SharedTier:
         return out
 
     def download(
-        self, r: RemoteEntry, opener: Callable[[str], Checkpoint], report: RecoveryReport | None
+        self, r: RemoteEntry, opener: Callable[[str], Checkpoint], report: RejectionLog | None
     ) -> Entry | None:
         """Stream ``r`` into a temp file of the directory, run the whole
         verification pipeline on it (``opener``), and have the store adopt
@@ -172,11 +170,11 @@ class SharedTier:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
-    def _reject(self, r: RemoteEntry, err: CheckpointError, report: RecoveryReport | None, *, delete: bool) -> None:
+    def _reject(self, r: RemoteEntry, err: CheckpointError, report: RejectionLog | None, *, delete: bool) -> None:
         self.stats["rejected"] += 1
         self.tier.stats["rejected"] += 1
         if report is not None:
-            report.rejected.append((f"remote:{r.name}", err.stage, err.code, err.reason))
+            report.rejected.append(rejection_of(f"remote:{r.name}", err))
         if delete:
             self.tier.delete(r.sha, r.abi, r)
             log.warning("kv remote rejected %s: %s (deleted from the tier)", r.name[:12], err)
