@@ -19,6 +19,7 @@ from ds4 import _core
 from ds4.errors import InvalidSessionError, StoreError
 from ds4.kvstore import Candidates, KVStore
 from ds4.kvstore.files import pid_space
+from ds4.recovery import load_first, try_load_text
 
 
 def test_ds4_defaults():
@@ -401,11 +402,11 @@ def test_real_sha1_collision_is_caught_by_the_byte_prefix_check(eng, tmp_path, w
     assert store.lookup(prompt) == []
     [entry] = store.lookup(honest)
     assert entry.path == path
-    assert store.try_load_text(sess, prompt) is None and os.path.exists(path)
+    assert try_load_text(store, sess, prompt) is None and os.path.exists(path)
     # ...and when a candidate does collide (the index is only a proposal),
     # the load refuses the bytes
     rep = RecoveryReport()
-    assert store.load_first(sess, Candidates(prompt, [entry], []), report=rep) is None
+    assert load_first(store, sess, Candidates(prompt, [entry], []), report=rep) is None
     assert [(p, s, c) for (p, s, c, _r) in rep.rejected] == [(path, "text", "prefix_collision")], rep.rejected
     assert f"differ at {first_diff}" in rep.rejected[0][3], rep.rejected
     assert not sess.checkpoint_valid and store.stats["hits"] == 0 and store.stats["rejected"] == 1

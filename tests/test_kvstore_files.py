@@ -31,6 +31,7 @@ from ds4 import kvstore
 from ds4.cli.chat import CHAT_INDEX, ChatREPL, atomic_write_json
 from ds4.errors import CorruptCheckpointError, StoreError
 from ds4.kvstore import KVStore, remove, stat_key
+from ds4.recovery import try_load_text
 from ds4.turn import Generator
 
 TEXT = "the quick brown fox jumps over the lazy dog " * 3
@@ -138,12 +139,12 @@ def test_forced_interleaving_during_a_load_keeps_the_fresh_file(tmp_path, monkey
 
     monkeypatch.setattr(kvstore, "open_checkpoint", racing_open)
     fresh = ds4.Session(eng, ctx=512)
-    assert store.try_load_text(fresh, TEXT) is None  # this load saw the corrupt version
+    assert try_load_text(store, fresh, TEXT) is None  # this load saw the corrupt version
     assert not fresh.checkpoint_valid
     monkeypatch.setattr(kvstore, "open_checkpoint", real)
     assert os.path.exists(path)
     store.refresh(force=True)
-    res = store.try_load_text(fresh, TEXT)
+    res = try_load_text(store, fresh, TEXT)
     assert res is not None and res.path == path and fresh.checkpoint_valid
 
 

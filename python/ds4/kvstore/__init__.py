@@ -82,7 +82,7 @@ from .files import (
 from .indexed import DirIndex
 from .named import load_named
 from .records import RecordStore
-from .rejection import Rejection, RejectionLog, import_failure, rejection_of
+from .rejection import Refusal, Rejection, RejectionLog, import_failure, rejection_of
 from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
 from .remove import evict_entries, is_regular, remove_exact
 from .save import CHATML_MARKERS, chat_anchor, existing_file, write_live
@@ -112,6 +112,7 @@ __all__ = [
     "KVStore",
     "LoadResult",
     "NamedLoad",
+    "Refusal",
     "Rejection",
     "RejectionLog",
     "RemoteTier",
@@ -220,7 +221,6 @@ class KVStore:
                 self.dir,
                 self.stats,
                 open_for=self._open_remote,
-                load_local=self._load_entries,
                 adopt=self._adopt,
             )
         )
@@ -426,7 +426,10 @@ class KVStore:
         return gone
 
     # -- load ----------------------------------------------------------------
-    def _open_for(self, sess: Session, path: str, prompt: bytes, *, check_name: bool = True) -> Checkpoint:
+    def open_for(self, sess: Session, path: str, prompt: bytes, *, check_name: bool = True) -> Checkpoint:
+        """Open ``path`` through the whole verification pipeline for a load
+        into ``sess`` against ``prompt`` (this store's checks: quant, key,
+        checksum, mmap); raises what the pipeline raises."""
         return open_checkpoint(
             path,
             prompt=prompt,
@@ -439,79 +442,45 @@ class KVStore:
             auth_key=self.auth_key,
         )
 
-    def try_load_text(
-        self, sess: Session, prompt_text: str | bytes, report: RejectionLog | None = None
-    ) -> LoadResult | None:
-        """One rung of the ladder on its own, as in ds4: load the longest
-        stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
-        invalidate the session and are removed; incompatible ones are kept;
-        the next candidate is tried. Returns None when nothing loaded.
-        Bytes are a key text (:mod:`ds4.keytext`); a ``str`` is taken as
-        its UTF-8 bytes in the session's namespace (its key text when no
-        marker's lead byte is typed in it as text)."""
-        pb = sess.key_of(()) + prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
-        found = self.candidates(pb, ctx=sess.ctx, abi=sess.payload_abi, namespace=sess.namespace)
-        if report is not None:
-            report.rejected.extend(found.rejected)
-        return self.load_first(sess, found, report)
+    def version_of(self, e: Entry) -> StatKey:
+        """The stat key of ``e``'s file as it is now: the version a corrupt
+        verdict on it is about (:meth:`refuse`)."""
+        return stat_key(os.lstat(e.path))
 
-    def load_first(self, sess: Session, found: Candidates, report: RejectionLog | None = None) -> LoadResult | None:
-        """Load the first of ``found`` (from :meth:`candidates`) that passes
-        the whole verification pipeline into ``sess``; see
-        :meth:`try_load_text`. The candidates rejected at load time are
-        added to ``report`` (those rejected at indexing are the caller's,
-        in ``found.rejected``). A remote candidate longer than every local
-        one is tried first (:meth:`.tiered.SharedTier.load`)."""
-        res = None
-        if found.remote and self._tiered is not None:
-            local_best = found.entries[0].text_bytes if found.entries else -1
-            longer = [r for r in found.remote if r.text_bytes > local_best]
-            if longer:
-                res = self._tiered.load(sess, found.prompt, longer, report)
-        if res is None:
-            res = self._load_entries(sess, found.entries, found.prompt, report)
-        if res is None:
-            self.stats["misses"] += 1
-        return res
+    def refuse(self, e: Entry, err: Exception, judged: StatKey | None) -> Refusal | None:
+        """The store's side of a candidate that failed to open or load
+        (``judged``: its version before it was judged, :meth:`version_of`):
+        counted; a corrupt file is removed (or quarantined), an
+        incompatible or unreadable one kept. None when the file was gone
+        (removed by another process: forgotten)."""
+        if isinstance(err, FileNotFoundError):
+            self._forget(e.name)
+            return None
+        self.stats["rejected"] += 1
+        if isinstance(err, OSError):  # unreadable (permissions, I/O): a typed rejection; skipped and kept
+            return Refusal(Rejection(e.path, "open", "unreadable", err.strerror or type(err).__name__))
+        if isinstance(err, CheckpointError):
+            rej = rejection_of(e.path, err)
+            if isinstance(err, CorruptCheckpointError) and err.code != NOT_REGULAR:
+                self.discard(e.path, err, "load", judged)
+                return Refusal(rej, f"corrupt checkpoint {e.name}")
+            log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", *rejection_of(e.name, err))
+            return Refusal(rej)
+        rej = import_failure(e.path, err)
+        log.error("kv cache could not load %s: %s (kept)", e.name, rej.reason)
+        return Refusal(rej, f"checkpoint {e.name} failed to load")
 
-    def _load_entries(
-        self, sess: Session, entries: list[Entry], prompt: bytes, report: RejectionLog | None
-    ) -> LoadResult | None:
-        for e in entries:
-            t0 = time.perf_counter()
-            try:
-                judged = stat_key(os.lstat(e.path))  # the version a corrupt verdict is about
-                ck = self._open_for(sess, e.path, prompt)
-                sess.load_checkpoint(ck)
-            except FileNotFoundError:
-                self._forget(e.name)  # removed by another process
-                continue
-            except OSError as err:  # unreadable (permissions, I/O): a typed rejection; skipped and kept
-                self.stats["rejected"] += 1
-                if report is not None:
-                    report.rejected.append(Rejection(e.path, "open", "unreadable", err.strerror or type(err).__name__))
-                continue
-            except CheckpointError as err:
-                self.stats["rejected"] += 1
-                if report is not None:
-                    report.rejected.append(rejection_of(e.path, err))
-                if isinstance(err, CorruptCheckpointError) and err.code != NOT_REGULAR:
-                    sess.invalidate(f"corrupt checkpoint {e.name}")
-                    self.discard(e.path, err, "load", judged)
-                else:
-                    log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", *rejection_of(e.name, err))
-                continue
-            except Exception as err:
-                sess.invalidate(f"checkpoint {e.name} failed to load")
-                self.stats["rejected"] += 1
-                rej = import_failure(e.path, err)
-                log.error("kv cache could not load %s: %s (kept)", e.name, rej[3])
-                if report is not None:
-                    report.rejected.append(rej)
-                continue
-            self._hit(e, ck, (time.perf_counter() - t0) * 1000, judged)
-            return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
-        return None
+    def miss(self) -> None:
+        """Count a disk rung that loaded nothing."""
+        self.stats["misses"] += 1
+
+    def remote_longer(self, found: Candidates) -> list[RemoteEntry]:
+        """The remote candidates of ``found`` longer than every local one
+        (tried first; none without a shared tier)."""
+        if not found.remote or self._tiered is None:
+            return []
+        local_best = found.entries[0].text_bytes if found.entries else -1
+        return [r for r in found.remote if r.text_bytes > local_best]
 
     # -- the shared tier (kvstore/tiered.py) ----------------------------------
     def pull(self, r: RemoteEntry, report: RejectionLog | None = None) -> Entry | None:
@@ -526,13 +495,18 @@ class KVStore:
         kv push``); counts by outcome (``stored``, ``present``, ...)."""
         return self._shared_tier().push(self.entries())
 
+    @property
+    def shared(self) -> SharedTier | None:
+        """What this directory does with its shared tier (None: no tier)."""
+        return self._tiered
+
     def _shared_tier(self) -> SharedTier:
         if self._tiered is None:
             raise ValueError("this store has no remote tier")
         return self._tiered
 
     def _open_remote(self, sess: Session, tmp: str, prompt: bytes) -> Checkpoint:
-        return self._open_for(sess, tmp, prompt, check_name=False)
+        return self.open_for(sess, tmp, prompt, check_name=False)
 
     def _adopt(self, tmp: str, name: str, ck: Checkpoint) -> Entry | None:
         """Rename a verified download ``tmp`` to ``name`` under the lock,
@@ -551,7 +525,10 @@ class KVStore:
             self._persist()
         return e if self._idx.get(name) is not None else None
 
-    def _hit(self, e: Entry, ck: Checkpoint, ms: float, judged: StatKey) -> None:
+    def hit(self, e: Entry, ck: Checkpoint, ms: float, judged: StatKey | None) -> LoadResult:
+        """Count a load of ``e`` (``ck``, loaded in ``ms``): its hit stamped
+        in the file and the index, or, over ``cold_max_tokens`` with
+        ``consume_over_cold_max``, the file consumed. What the load reused."""
         now = int(time.time())
         if self.consume_over_cold_max and 0 < self.cold_max_tokens < ck.tokens:
             # ds4's consume: a load longer than cold_max_tokens deletes the
@@ -584,6 +561,7 @@ class KVStore:
             ms,
             e.path,
         )
+        return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
 
     def load_named(self, sess: Session, sha: str, text: bytes, *, exact: bool = False) -> NamedLoad:
         """Load the checkpoint ``<sha>.kv`` of this directory into ``sess``,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 if TYPE_CHECKING:
     from ..errors import CheckpointError
 
-__all__ = ["Rejection", "RejectionLog", "import_failure", "rejection_of"]
+__all__ = ["Refusal", "Rejection", "RejectionLog", "import_failure", "rejection_of"]
 
 
 class Rejection(NamedTuple):
@@ -24,6 +24,16 @@ class Rejection(NamedTuple):
     stage: str
     code: str
     reason: str
+
+
+class Refusal(NamedTuple):
+    """The store's verdict on a candidate that failed to load
+    (:meth:`ds4.kvstore.KVStore.refuse`): its rejection and, when the
+    session it was loading into can no longer be trusted, why it must be
+    invalidated (``""``: it need not be)."""
+
+    rejection: Rejection
+    invalidate: str = ""
 
 
 class RejectionLog(Protocol):
