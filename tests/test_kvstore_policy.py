@@ -7,6 +7,7 @@ Time is pinned by replacing the module's clock, never by sleeping."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import os
@@ -30,8 +31,11 @@ SHA = "ab" * 20
 
 
 def _clock(monkeypatch, t):
-    """Pin ``time.time()`` as the store sees it."""
-    monkeypatch.setattr(kvstore, "time", types.SimpleNamespace(time=lambda: t, perf_counter=time.perf_counter))
+    """Pin ``time.time()`` as the store sees it (its eviction, and the hits
+    its loads stamp)."""
+    fake = types.SimpleNamespace(time=lambda: t, perf_counter=time.perf_counter)
+    monkeypatch.setattr(kvstore, "time", fake)
+    monkeypatch.setattr(kvstore.loads, "time", fake)
 
 
 def _header(path):
@@ -479,19 +483,19 @@ def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
 
 def test_cold_store_len_boundaries(tmp_path):
     st = KVStore(tmp_path, min_tokens=512, boundary_trim_tokens=0)
-    assert st.cold_store_len(511) is None
-    assert st.cold_store_len(512) == 512  # exactly the minimum is enough
+    assert st.policy.cold_store_len(511) is None
+    assert st.policy.cold_store_len(512) == 512  # exactly the minimum is enough
     st = KVStore(tmp_path)  # trim 32, align 2048, min 512
-    assert st.cold_store_len(544) == 512  # trimmed to exactly the minimum
-    assert st.cold_store_len(543) is None
+    assert st.policy.cold_store_len(544) == 512  # trimmed to exactly the minimum
+    assert st.policy.cold_store_len(543) is None
     st = KVStore(tmp_path, min_tokens=2048)
-    assert st.cold_store_len(2048 + 32 + 100) == 2048  # aligned down to exactly the minimum
-    assert st.cold_store_len(2048 + 31) is None
+    assert st.policy.cold_store_len(2048 + 32 + 100) == 2048  # aligned down to exactly the minimum
+    assert st.policy.cold_store_len(2048 + 31) is None
     st = KVStore(tmp_path, boundary_align_tokens=0)  # no alignment: trim only
-    assert st.cold_store_len(1000) == 968
-    assert st.cold_store_len(5000) == 4968
+    assert st.policy.cold_store_len(1000) == 968
+    assert st.policy.cold_store_len(5000) == 4968
     st = KVStore(tmp_path, boundary_align_tokens=1)
-    assert st.cold_store_len(5000) == 4968
+    assert st.policy.cold_store_len(5000) == 4968
 
 
 def test_continued_step_boundaries(tmp_path):
@@ -759,12 +763,12 @@ def test_lookup_filters_and_order(tmp_path, write_ck):
     assert paths(P, ctx=10) == [p30, p10]
     assert paths(P, ctx=9) == [p10]
     assert paths(P, abi="t/1", ctx=12) == [p40, p10]
-    st.min_tokens = 10
+    st.policy = dataclasses.replace(st.policy, min_tokens=10)
     assert paths(P) == [p100, p50, p40]
-    st.min_tokens = 0
+    st.policy = dataclasses.replace(st.policy, min_tokens=0)
     assert paths(P[:25]) == [p20, p10]
     # nothing short enough, or nothing matching: an empty list
-    st.min_tokens = 8
+    st.policy = dataclasses.replace(st.policy, min_tokens=8)
     assert st.lookup(P[:9]) == [] and st.lookup(b"") == []
     assert st.lookup(b"x" * 100) == []
 

@@ -36,7 +36,7 @@ from typing import Any, Protocol, cast
 from . import _core
 from .errors import InvalidSessionError, PromptError
 from .keytext import KeyRenderer, parting, plain_len, snippet, tokenize_prompt
-from .kvstore import Candidates, Entry, KVStore, LoadResult, Rejection, RejectionLog
+from .kvstore import Candidates, Entry, KVStore, LoadResult, Rejection, RejectionLog, considered, loads
 from .kvstore.files import StatKey
 from .kvstore.remote import RemoteEntry
 from .session import Rewrite, Session
@@ -184,24 +184,24 @@ def _load_entries(
 ) -> LoadResult | None:
     """Load the first of ``entries`` that the store verifies and the session
     takes; a refused one is the store's to count, remove or keep
-    (:meth:`KVStore.refuse`), and invalidates the session when its verdict
+    (:func:`ds4.kvstore.loads.refuse`), and invalidates the session when its verdict
     says so (a corrupt file, a failed import)."""
     for e in entries:
         t0 = load_clock()
         judged: StatKey | None = None  # the version a corrupt verdict is about
         try:
-            judged = store.version_of(e)
-            ck = store.open_for(sess, e.path, prompt)
+            judged = loads.version_of(e)
+            ck = loads.open_for(store, sess, e.path, prompt)
             sess.load_checkpoint(ck)
         except Exception as err:
-            refusal = store.refuse(e, err, judged)
+            refusal = loads.refuse(store, e, err, judged)
             if refusal is not None:
                 if refusal.invalidate:
                     sess.invalidate(refusal.invalidate)
                 if report is not None:
                     report.rejected.append(refusal.rejection)
             continue
-        return store.hit(e, ck, (load_clock() - t0) * 1000, judged)
+        return loads.hit(store, e, ck, (load_clock() - t0) * 1000, judged)
     return None
 
 
@@ -309,7 +309,7 @@ class _Ladder:
             self.rep.remote = self._found.remote_state
             # what the lookup considered, before this run stores anything (a
             # pass over the index rows in Python: see DESIGN, "Why a turn missed")
-            self.considered = self.store.longest_considered(self._found, ctx=self.sess.ctx)
+            self.considered = considered.longest_considered(self.store, self._found, ctx=self.sess.ctx)
         return self._found
 
     def run(self, cold_save: bool) -> RecoveryReport:
@@ -407,7 +407,7 @@ class _Ladder:
         prompt's namespace: :func:`switch_namespace` drops any other), the
         checkpoint the disk rung loaded, and the longest checkpoint of the
         namespace the store's lookup considered
-        (:meth:`ds4.kvstore.KVStore.longest_considered`, noted at the lookup,
+        (:func:`ds4.kvstore.considered.longest_considered`, noted at the lookup,
         so nothing this run stores is one; its header and text are read only
         when it could be the best). A live state the prompt holds
         whole (the live rung) is the candidate; otherwise the one the prompt
@@ -431,7 +431,7 @@ class _Ladder:
                 best = (self.loaded.text_bytes, "checkpoint", None)
             e = self.considered
             if self.store is not None and e is not None and (best is None or e.text_bytes > best[0]):
-                text = self.store.stored_text(e, self.sess.namespace)
+                text = considered.stored_text(self.store, e, self.sess.namespace)
                 if text is not None:
                     agreed = _core.common_prefix_len(text, prompt)
                     if best is None or agreed > best[0]:
@@ -544,7 +544,7 @@ class _Ladder:
         sess.invalidate("full prefill")
         if store is not None and cold_save and len(tokens) <= store.cold_max_tokens:
             # the key rendering: a marker typed as text is no anchor
-            cold_len = store.cold_store_at(tokens, sess.key_renderer.piece)
+            cold_len = store.policy.cold_store_at(tokens, sess.key_renderer.piece)
             if cold_len is not None:
                 self.sync(tokens[:cold_len])
                 try:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from .. import _core
 from ..errors import CheckpointError, CorruptCheckpointError, StoreError
+from .counters import Counters
 from .files import (
     INDEX_NAME,
     INDEX_TMP_NAME,
@@ -53,20 +54,19 @@ TryLock = Callable[[], contextlib.AbstractContextManager[bool]]
 
 
 class DirIndex:
-    """One directory's index. ``stats`` is the store's counters (``scans``,
-    ``index_rebuilds``)."""
+    """One directory's index; its :attr:`counters` (``scans``,
+    ``index_rebuilds``) are merged into the store's stats."""
 
     def __init__(
         self,
         directory: str,
-        stats: dict[str, int],
         *,
         read_header: ReadHeader,
         discard: Discard,
         try_lock: TryLock,
     ):
         self.dir = directory
-        self.stats = stats
+        self.counters = Counters("scans", "index_rebuilds")
         self._read_header = read_header
         self._discard = discard
         self._try_lock = try_lock
@@ -98,7 +98,7 @@ class DirIndex:
             raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
         if not force and mt == self._dir_mtime:
             return
-        self.stats["scans"] += 1
+        self.counters["scans"] += 1
         seen = {}
         now = time.time()
         with os.scandir(self.dir) as it:
@@ -137,12 +137,12 @@ class DirIndex:
             raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
         idx = self._read_index(st)
         if idx is None:
-            self.stats["index_rebuilds"] += 1
+            self.counters["index_rebuilds"] += 1
             self._dirty = True
             self.refresh(force=True)
         else:
             self.idx = idx
-            self.stats["scans"] += 1
+            self.counters["scans"] += 1
             changed, others, gone = idx.sync_listing(self.dir)
             now = time.time()
             for name in others:

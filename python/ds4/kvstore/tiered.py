@@ -32,6 +32,7 @@ from ..errors import (
     NameMismatchError,
     RemoteChunkError,
 )
+from .counters import Counters
 from .entries import Candidates, Entry
 from .files import create_temp
 from .rejection import RejectionLog, rejection_of
@@ -51,21 +52,21 @@ Adopt = Callable[[str, str, Checkpoint], "Entry | None"]
 
 
 class SharedTier:
-    """One store's use of one :class:`RemoteTier`. ``stats`` is the store's
-    counters (a rejected remote entry counts there as well as on the tier)."""
+    """One store's use of one :class:`RemoteTier`. A rejected remote entry
+    counts in its :attr:`counters` (merged into the store's stats) and in
+    the tier's."""
 
     def __init__(
         self,
         tier: RemoteTier,
         directory: str,
-        stats: dict[str, int],
         *,
         open_for: OpenFor,
         adopt: Adopt,
     ):
         self.tier = tier
         self.dir = directory
-        self.stats = stats
+        self.counters = Counters("rejected")
         self._open_for = open_for
         self._adopt = adopt
 
@@ -93,7 +94,7 @@ class SharedTier:
     def loaded(self, r: RemoteEntry, t0: float) -> None:
         """The download of ``r`` (started at ``t0``) loaded: a hit of the tier."""
         self.tier.touch(r)
-        self.tier.stats["hits"] += 1
+        self.tier.counters["hits"] += 1
         log.info(
             "kv remote hit tokens=%d key=%s download+load=%.1f ms",
             r.tokens,
@@ -162,8 +163,8 @@ class SharedTier:
                 os.unlink(tmp)
 
     def _reject(self, r: RemoteEntry, err: CheckpointError, report: RejectionLog | None, *, delete: bool) -> None:
-        self.stats["rejected"] += 1
-        self.tier.stats["rejected"] += 1
+        self.counters["rejected"] += 1
+        self.tier.counters["rejected"] += 1
         if report is not None:
             report.rejected.append(rejection_of(f"remote:{r.name}", err))
         if delete:
