@@ -142,7 +142,7 @@ def _worker(d, wid, n_ops, q):
                     st = ds4.KVStore(d, budget_mb=2, min_tokens=8)
                     counts["reopen"] += 1
                 s = ds4.Session(eng, ctx=4096)
-                res = st.try_load_text(s, t + " and then?")
+                res = ds4.recovery.try_load_text(st, s, t + " and then?")
                 if res is None:
                     counts["miss"] += 1
                 else:

@@ -21,13 +21,14 @@ import pytest
 from kv_helpers import toks
 
 import ds4
-from ds4 import Rewrite
+from ds4 import Rewrite, recovery
 from ds4.errors import (
     CorruptCheckpointError,
     EngineError,
     EngineStateError,
     PayloadChecksumError,
 )
+from ds4.recovery import try_load_text
 from ds4.turn import Generator, GenParams
 
 CTX = 512
@@ -200,7 +201,7 @@ def test_corrupt_candidate_in_try_load_text_invalidates(eng, tmp_path, saved_che
     flip_payload_byte(path)
     s = live_session(eng)
     rep = ds4.RecoveryReport()
-    assert store.try_load_text(s, prompt, report=rep) is None
+    assert try_load_text(store, s, prompt, report=rep) is None
     assert_invalid_and_empty(s)
     assert not os.path.exists(path), "a corrupt candidate must be removed"
     assert [(p, code) for p, _stage, code, _r in rep.rejected] == [(path, PayloadChecksumError.code)]
@@ -218,7 +219,7 @@ def test_corrupt_candidate_then_good_shorter_one(eng, tmp_path, saved_checkpoint
     store = ds4.KVStore(tmp_path, min_tokens=1)
     flip_payload_byte(long_path)
     s = live_session(eng)
-    res = store.try_load_text(s, prompt)
+    res = try_load_text(store, s, prompt)
     assert res is not None and res.path == short_path
     assert not os.path.exists(long_path) and os.path.exists(short_path)
     cold = ds4.Session(eng, ctx=CTX)
@@ -239,7 +240,7 @@ def test_incompatible_candidate_is_kept_and_does_not_touch_the_session(eng, tmp_
     store = ds4.KVStore(tmp_path, min_tokens=1)
     s = live_session(eng)
     before = s.tokens
-    assert store.try_load_text(s, prompt) is None
+    assert try_load_text(store, s, prompt) is None
     assert os.path.exists(path)
     assert s.checkpoint_valid and s.tokens == before
 
@@ -412,22 +413,22 @@ def test_request_failure_in_the_server_invalidates(eng):
     assert again.report.rung == "prefill" and again.tokens == cold.tokens
 
 
-def test_a_failing_rung_invalidates_and_the_retry_is_clean(eng, tmp_path):
+def test_a_failing_rung_invalidates_and_the_retry_is_clean(eng, tmp_path, monkeypatch):
     prompt = _prompt(eng, "the disk rung raises an I/O error once")
     cold = Generator(eng, CTX).generate(prompt, GenParams(max_tokens=8))
     store = ds4.KVStore(tmp_path, min_tokens=1)
     g = Generator(eng, CTX, store=store)
     g.sess.sync(toks(eng, "an unrelated live conversation"))
-    real = store.load_first  # the disk rung
+    real = recovery.load_first  # the disk rung
     calls = []
 
-    def flaky(sess, found, report=None):
+    def flaky(store, sess, found, report=None):
         calls.append(sess.checkpoint_valid)
         if len(calls) == 1:
             raise OSError(5, "Input/output error")
-        return real(sess, found, report=report)
+        return real(store, sess, found, report=report)
 
-    store.load_first = flaky
+    monkeypatch.setattr(recovery, "load_first", flaky)
     res = g.generate(prompt, GenParams(max_tokens=8))
     assert g.counters["ladder_retries"] == 1
     assert calls == [True, False]  # the retry ran on an invalidated session

@@ -3,6 +3,7 @@ hostile and failing directories."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -17,33 +18,34 @@ from kv_helpers import prefilled
 import ds4
 from ds4 import _core
 from ds4.errors import InvalidSessionError, StoreError
-from ds4.kvstore import Candidates, KVStore
+from ds4.kvstore import Candidates, KVStore, StorePolicy
 from ds4.kvstore.files import pid_space
+from ds4.recovery import load_first, try_load_text
 
 
-def test_ds4_defaults():
-    import inspect
-
-    sig = inspect.signature(KVStore)
-    d = {k: v.default for k, v in sig.parameters.items()}
+def test_ds4_defaults(tmp_path):
+    p = StorePolicy()
     assert (
-        d["budget_mb"],
-        d["min_tokens"],
-        d["cold_max_tokens"],
-        d["continued_interval_tokens"],
-        d["boundary_trim_tokens"],
-        d["boundary_align_tokens"],
+        p.budget_mb,
+        p.min_tokens,
+        p.cold_max_tokens,
+        p.continued_interval_tokens,
+        p.boundary_trim_tokens,
+        p.boundary_align_tokens,
     ) == (4096, 512, 30000, 10000, 32, 2048)
+    assert KVStore(tmp_path).policy == p  # a store without knobs has ds4's
+    st = KVStore(tmp_path, 64, policy=dataclasses.replace(p, min_tokens=8), min_tokens=16)
+    assert (st.budget_bytes, st.min_tokens) == (64 * 2**20, 16)  # keywords on top of the policy
 
 
 def test_cold_store_len_policy(tmp_path):
     st = KVStore(tmp_path)
-    assert st.cold_store_len(100) is None  # below min
-    assert st.cold_store_len(5000) == 4096  # trim 32, align down 2048
-    assert st.cold_store_len(2080) == 2048
+    assert st.policy.cold_store_len(100) is None  # below min
+    assert st.policy.cold_store_len(5000) == 4096  # trim 32, align down 2048
+    assert st.policy.cold_store_len(2080) == 2048
     # ds4 would fall back to the full length here, losing the trim
-    assert st.cold_store_len(1000) == 968
-    assert st.cold_store_len(540) is None  # 540-32 < 512
+    assert st.policy.cold_store_len(1000) == 968
+    assert st.policy.cold_store_len(540) is None  # 540-32 < 512
     assert st.continued_step() == 10240
 
 
@@ -103,17 +105,17 @@ def test_eviction_policy(eng, tmp_path):
     for _ in range(3):
         _core.touch(paths[1], int(time.time()))
     st.refresh(force=True)
-    st.budget_bytes = int(size * 2.5)  # room for two files
+    st.policy = dataclasses.replace(st.policy, budget_mb=(int(size * 2.5)) / 2**20)  # room for two files
     removed = st.evict()
     assert removed == 2
     left = sorted(os.listdir(tmp_path))
     assert os.path.basename(paths[1]) in left  # most hits
     assert os.path.basename(paths[3]) in left  # lowest score among the rest is older
     # newest file protected even when over budget with it alone
-    st.budget_bytes = size // 2
+    st.policy = dataclasses.replace(st.policy, budget_mb=(size // 2) / 2**20)
     p = st.store_live_prefix(prefilled(eng, "the newest one " * 12))
     assert p is None  # estimated size exceeds the whole budget: declined up front
-    st.budget_bytes = int(size * 1.2)
+    st.policy = dataclasses.replace(st.policy, budget_mb=(int(size * 1.2)) / 2**20)
     p = st.store_live_prefix(prefilled(eng, "the newest one " * 12))
     assert os.path.exists(p)
     assert [f for f in os.listdir(tmp_path) if f.endswith(".kv")] == [os.path.basename(p)]
@@ -401,11 +403,11 @@ def test_real_sha1_collision_is_caught_by_the_byte_prefix_check(eng, tmp_path, w
     assert store.lookup(prompt) == []
     [entry] = store.lookup(honest)
     assert entry.path == path
-    assert store.try_load_text(sess, prompt) is None and os.path.exists(path)
+    assert try_load_text(store, sess, prompt) is None and os.path.exists(path)
     # ...and when a candidate does collide (the index is only a proposal),
     # the load refuses the bytes
     rep = RecoveryReport()
-    assert store.load_first(sess, Candidates(prompt, [entry], []), report=rep) is None
+    assert load_first(store, sess, Candidates(prompt, [entry], []), report=rep) is None
     assert [(p, s, c) for (p, s, c, _r) in rep.rejected] == [(path, "text", "prefix_collision")], rep.rejected
     assert f"differ at {first_diff}" in rep.rejected[0][3], rep.rejected
     assert not sess.checkpoint_valid and store.stats["hits"] == 0 and store.stats["rejected"] == 1

@@ -11,6 +11,7 @@ Interleavings are forced by wrapping the store's own calls, never by timing."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import io
@@ -31,6 +32,7 @@ from ds4 import kvstore
 from ds4.cli.chat import CHAT_INDEX, ChatREPL, atomic_write_json
 from ds4.errors import CorruptCheckpointError, StoreError
 from ds4.kvstore import KVStore, remove, stat_key
+from ds4.recovery import try_load_text
 from ds4.turn import Generator
 
 TEXT = "the quick brown fox jumps over the lazy dog " * 3
@@ -127,7 +129,7 @@ def test_forced_interleaving_during_a_load_keeps_the_fresh_file(tmp_path, monkey
     good = str(tmp_path / "good.kv")
     shutil.copy(path, good)
     _corrupt(path)
-    real = kvstore.open_checkpoint
+    real = kvstore.loads.open_checkpoint  # where a load opens a file
 
     def racing_open(p, **kw):
         try:
@@ -136,14 +138,14 @@ def test_forced_interleaving_during_a_load_keeps_the_fresh_file(tmp_path, monkey
             os.replace(good, p)  # lands after the verdict, before the discard
             raise
 
-    monkeypatch.setattr(kvstore, "open_checkpoint", racing_open)
+    monkeypatch.setattr(kvstore.loads, "open_checkpoint", racing_open)
     fresh = ds4.Session(eng, ctx=512)
-    assert store.try_load_text(fresh, TEXT) is None  # this load saw the corrupt version
+    assert try_load_text(store, fresh, TEXT) is None  # this load saw the corrupt version
     assert not fresh.checkpoint_valid
-    monkeypatch.setattr(kvstore, "open_checkpoint", real)
+    monkeypatch.setattr(kvstore.loads, "open_checkpoint", real)
     assert os.path.exists(path)
     store.refresh(force=True)
-    res = store.try_load_text(fresh, TEXT)
+    res = try_load_text(store, fresh, TEXT)
     assert res is not None and res.path == path and fresh.checkpoint_valid
 
 
@@ -297,7 +299,9 @@ def test_the_store_never_moves_or_deletes_a_non_regular_entry(tmp_path, write_ck
     q = tmp_path / "q"
     store = KVStore(d, min_tokens=1, quarantine_dir=q)  # indexing: ignored
     assert [e.name for e in store.entries()] == [_name(TEXT)]
-    store.budget_bytes = 1  # the eviction below would take everything it may
+    store.policy = dataclasses.replace(
+        store.policy, budget_mb=(1) / 2**20
+    )  # the eviction below would take everything it may
     err = CorruptCheckpointError("forced verdict")
     for n in entries:
         assert store.discard(str(d / n), err, "test", None) is None

@@ -20,6 +20,7 @@ import ds4
 from ds4 import _core, kvstore
 from ds4.kvstore import INDEX_NAME, KVStore
 from ds4.kvstore.files import INDEX_TMP_NAME, is_checkpoint_name, is_temp_name
+from ds4.recovery import try_load_text
 
 TEXTS = [BASE * 2, BASE * 3, "another conversation entirely " * 8]
 RECORD = 104  # bytes of one record of the index file (docs/FORMAT.md)
@@ -69,7 +70,7 @@ def _check_loads(eng, st, cold, expect):
     (a text -> path), or nothing when ``expect`` has no path for it."""
     for t in TEXTS:
         s = ds4.Session(eng, ctx=4096)
-        r = st.try_load_text(s, t + " and then?")
+        r = try_load_text(st, s, t + " and then?")
         want = expect.get(t)
         assert (r.path if r else None) == want, t[:20]
         if r is not None:  # the state of the text the file holds, exactly
@@ -210,7 +211,7 @@ def test_a_tampered_index_never_loads_a_wrong_state(eng, tmp_path, cold):
     assert st.stats["index_rebuilds"] == 0  # the checksum holds: believed
     for t in TEXTS:
         s = ds4.Session(eng, ctx=4096)
-        r = st.try_load_text(s, t + " and then?")
+        r = try_load_text(st, s, t + " and then?")
         if r is not None:  # only the true file of this text can load
             assert r.path == paths[TEXTS.index(t)]
             toks, logits = cold[t]
@@ -238,8 +239,8 @@ def test_indexing_reads_the_header_not_the_text(eng, tmp_path, monkeypatch, cold
     liar = tmp_path / ("0" * 40 + ".kv")
     shutil.copyfile(paths[2], liar)  # a header recording another name's SHA-1
     calls = []
-    real_open = kvstore.open_checkpoint
-    monkeypatch.setattr(kvstore, "open_checkpoint", lambda p, **kw: (calls.append(p), real_open(p, **kw))[1])
+    real_open = kvstore.loads.open_checkpoint  # where a load opens a file
+    monkeypatch.setattr(kvstore.loads, "open_checkpoint", lambda p, **kw: (calls.append(p), real_open(p, **kw))[1])
     st = _store(tmp_path)
     assert calls == []  # no file was opened through the pipeline (its text hashed) to index it
     assert os.path.basename(victim) in {e.name for e in st.entries()}
@@ -248,7 +249,7 @@ def test_indexing_reads_the_header_not_the_text(eng, tmp_path, monkeypatch, cold
     # ladder goes on to the next (shorter) stored prefix
     s = ds4.Session(eng, ctx=4096)
     rep = ds4.recovery.RecoveryReport()
-    r = st.try_load_text(s, TEXTS[1] + " and then?", report=rep)
+    r = try_load_text(st, s, TEXTS[1] + " and then?", report=rep)
     # (the refused file's rejection is reported to this first ladder run too)
     assert [(p, c) for (p, _s, c, _r) in rep.rejected] == [(str(liar), "name_mismatch"), (victim, "text_sha1_mismatch")]
     assert r is not None and r.path == paths[0]
@@ -299,7 +300,7 @@ def test_a_file_damaged_in_place_behind_the_index_is_caught_at_its_load(eng, tmp
     assert reads == [] and os.path.basename(victim) in {e.name for e in st.entries()}
     s = ds4.Session(eng, ctx=4096)
     rep = ds4.recovery.RecoveryReport()
-    r = st.try_load_text(s, TEXTS[1] + " and then?", report=rep)
+    r = try_load_text(st, s, TEXTS[1] + " and then?", report=rep)
     assert [(p, c) for (p, _s, c, _r) in rep.rejected] == [(victim, "text_sha1_mismatch")]
     assert r is not None and r.path == paths[0]
     toks, logits = cold[TEXTS[0]]

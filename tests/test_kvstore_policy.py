@@ -7,6 +7,7 @@ Time is pinned by replacing the module's clock, never by sleeping."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import os
@@ -24,14 +25,17 @@ from ds4 import kvstore
 from ds4.errors import CheckpointError
 from ds4.kvstore import Entry, KVStore, LoadResult, temp_is_orphaned, temp_writer_pid
 from ds4.kvstore.files import pid_space
-from ds4.recovery import RecoveryReport
+from ds4.recovery import RecoveryReport, try_load_text
 
 SHA = "ab" * 20
 
 
 def _clock(monkeypatch, t):
-    """Pin ``time.time()`` as the store sees it."""
-    monkeypatch.setattr(kvstore, "time", types.SimpleNamespace(time=lambda: t, perf_counter=time.perf_counter))
+    """Pin ``time.time()`` as the store sees it (its eviction, and the hits
+    its loads stamp)."""
+    fake = types.SimpleNamespace(time=lambda: t, perf_counter=time.perf_counter)
+    monkeypatch.setattr(kvstore, "time", fake)
+    monkeypatch.setattr(kvstore.loads, "time", fake)
 
 
 def _header(path):
@@ -240,7 +244,7 @@ def test_load_result_hit_recorded_and_counters(eng, tmp_path, monkeypatch):
     prompt = text + "and then a question"
 
     s2 = ds4.Session(eng, ctx=4096)
-    r = st.try_load_text(s2, prompt)  # str prompts are encoded as UTF-8
+    r = try_load_text(st, s2, prompt)  # str prompts are encoded as UTF-8
     assert r == LoadResult(path=p, tokens=n, text_bytes=nb)
     assert s2.checkpoint_valid and s2.n_past == n
     h = _header(p)
@@ -255,14 +259,14 @@ def test_load_result_hit_recorded_and_counters(eng, tmp_path, monkeypatch):
     monkeypatch.undo()
 
     _clock(monkeypatch, T + 60)
-    r = st.try_load_text(ds4.Session(eng, ctx=4096), prompt.encode("utf-8"))
+    r = try_load_text(st, ds4.Session(eng, ctx=4096), prompt.encode("utf-8"))
     assert r == LoadResult(path=p, tokens=n, text_bytes=nb)
     h = _header(p)
     assert (h.hits, h.last_used) == (2, T + 60)
 
     for _ in range(2):
         sx = prefilled(eng, "something else", ctx=4096)
-        assert st.try_load_text(sx, "nothing stored starts like this one") is None
+        assert try_load_text(st, sx, "nothing stored starts like this one") is None
         assert sx.checkpoint_valid  # a miss leaves the session alone
     assert (st.stats["hits"], st.stats["misses"], st.stats["rejected"], st.stats["removed_corrupt"]) == (2, 2, 0, 0)
 
@@ -287,7 +291,7 @@ def test_consume_over_cold_max(eng, tmp_path):
         p = KVStore(tmp_path, min_tokens=8).store_live_prefix(s)
         st = KVStore(tmp_path, min_tokens=8, cold_max_tokens=cold_max, consume_over_cold_max=consume)
         before = _header(p).hits
-        r = st.try_load_text(ds4.Session(eng, ctx=4096), text + "?")
+        r = try_load_text(st, ds4.Session(eng, ctx=4096), text + "?")
         assert r is not None and r.tokens == n
         assert st.stats["hits"] == 1
         assert os.path.exists(p) == kept, (consume, cold_max)
@@ -312,7 +316,7 @@ def test_consume_keeps_a_file_replaced_during_the_load(eng, tmp_path, monkeypatc
         KVStore(tmp_path, min_tokens=8).store_live_prefix(s)
 
     monkeypatch.setattr(ds4.Session, "load_checkpoint", load_then_replace)
-    assert st.try_load_text(ds4.Session(eng, ctx=4096), text + "?") is not None
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), text + "?") is not None
     assert os.path.exists(p)
 
 
@@ -328,7 +332,7 @@ def test_corrupt_candidates_are_quarantined(eng, tmp_path, monkeypatch):
     rep = RecoveryReport()
     old = os.umask(0o022)
     try:
-        assert st.try_load_text(sess, BASE[:60] + "?", report=rep) is None
+        assert try_load_text(st, sess, BASE[:60] + "?", report=rep) is None
     finally:
         os.umask(old)
     assert not sess.checkpoint_valid
@@ -348,7 +352,7 @@ def test_corrupt_candidate_removed_then_shorter_one_loads(eng, tmp_path):
     _flip_payload_byte(long_)
     rep = RecoveryReport()
     sess = ds4.Session(eng, ctx=4096)
-    r = st.try_load_text(sess, BASE[:60] + "?", report=rep)
+    r = try_load_text(st, sess, BASE[:60] + "?", report=rep)
     assert r is not None and r.path == short and sess.checkpoint_valid
     assert _codes(rep) == [(long_, "payload", "payload_checksum")]
     assert not os.path.exists(long_)
@@ -368,7 +372,7 @@ def test_foreign_abi_file_is_kept_even_with_a_damaged_payload(eng, tmp_path, sav
     st = KVStore(tmp_path, min_tokens=8)
     rep = RecoveryReport()
     sess = prefilled(eng, "live")
-    assert st.try_load_text(sess, BASE[:60] + "?", report=rep) is None
+    assert try_load_text(st, sess, BASE[:60] + "?", report=rep) is None
     assert _codes(rep) == [(p, "header", "abi_mismatch") for p in paths[::-1]]
     assert all(os.path.exists(p) for p in paths)
     assert (st.stats["rejected"], st.stats["removed_corrupt"], st.stats["misses"]) == (2, 0, 1)
@@ -383,10 +387,10 @@ def test_engine_quant_bits_reach_the_check(eng, tmp_path):
     p = st.store_live_prefix(prefilled(qeng, text))
     assert _header(p).quant_bits == 4
     rep = RecoveryReport()
-    r = st.try_load_text(ds4.Session(qeng, ctx=4096), text + "?", report=rep)
+    r = try_load_text(st, ds4.Session(qeng, ctx=4096), text + "?", report=rep)
     assert r is not None and r.path == p and rep.rejected == []
     # the plain engine (no quant_bits: 0) refuses it, and keeps it
-    assert st.try_load_text(ds4.Session(eng, ctx=4096), text + "?", report=rep) is None
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), text + "?", report=rep) is None
     assert _codes(rep) == [(p, "header", "quant_mismatch")] and os.path.exists(p)
 
 
@@ -400,12 +404,12 @@ def test_checksum_and_mmap_options_reach_the_load(eng, tmp_path):
     p = KVStore(tmp_path, min_tokens=8).store_live_prefix(prefilled(eng, text))
     for mm in (True, False):
         s = Recording(eng, ctx=4096)
-        assert KVStore(tmp_path, min_tokens=8, mmap=mm).try_load_text(s, text + "?") is not None
+        assert try_load_text(KVStore(tmp_path, min_tokens=8, mmap=mm), s, text + "?") is not None
         assert s.mapped is mm
     # with verify_checksum=False a flipped payload bit is not looked for
     _flip_payload_byte(p)
     st = KVStore(tmp_path, min_tokens=8, verify_checksum=False)
-    r = st.try_load_text(ds4.Session(eng, ctx=4096), text + "?")
+    r = try_load_text(st, ds4.Session(eng, ctx=4096), text + "?")
     assert r is not None and r.path == p and os.path.exists(p)
     assert st.stats["removed_corrupt"] == 0
 
@@ -417,11 +421,11 @@ def test_session_context_bounds_the_candidates(eng, tmp_path):
     n_short, n_long = s_short.n_past, s_long.n_past
     # n_long tokens need a context of n_long + 1: exactly that fits
     rep = RecoveryReport()
-    r = st.try_load_text(ds4.Session(eng, ctx=n_long + 1), BASE[:60] + "?", report=rep)
+    r = try_load_text(st, ds4.Session(eng, ctx=n_long + 1), BASE[:60] + "?", report=rep)
     assert r is not None and (r.path, r.tokens) == (long_, n_long) and rep.rejected == []
     # one less: the longer file is not even a candidate (not a rejection)
     rep = RecoveryReport()
-    r = st.try_load_text(ds4.Session(eng, ctx=n_long), BASE[:60] + "?", report=rep)
+    r = try_load_text(st, ds4.Session(eng, ctx=n_long), BASE[:60] + "?", report=rep)
     assert r is not None and (r.path, r.tokens) == (short, n_short)
     assert rep.rejected == [] and st.stats["rejected"] == 0
 
@@ -454,7 +458,7 @@ def test_stale_index_entry_is_rechecked_against_the_context(eng, tmp_path):
     _pin_dir_mtime(tmp_path, before)
     rep = RecoveryReport()
     sess = ds4.Session(eng, ctx=n)
-    assert st.try_load_text(sess, text + "?", report=rep) is None
+    assert try_load_text(st, sess, text + "?", report=rep) is None
     assert _codes(rep) == [(p, "header", "ctx_too_small")]
     assert os.path.exists(p) and st.stats["rejected"] == 1
 
@@ -468,7 +472,7 @@ def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
     _pin_dir_mtime(tmp_path, before)  # ...and the index cannot tell
     assert len(st.lookup(BASE[:60] + "?")) == 2
     rep = RecoveryReport()
-    r = st.try_load_text(ds4.Session(eng, ctx=4096), BASE[:60] + "?", report=rep)
+    r = try_load_text(st, ds4.Session(eng, ctx=4096), BASE[:60] + "?", report=rep)
     assert r is not None and r.path == short
     assert rep.rejected == [] and st.stats["rejected"] == 0 and st.stats["hits"] == 1
     assert [e.path for e in st.entries()] == [short]  # the vanished file left the index
@@ -479,19 +483,19 @@ def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
 
 def test_cold_store_len_boundaries(tmp_path):
     st = KVStore(tmp_path, min_tokens=512, boundary_trim_tokens=0)
-    assert st.cold_store_len(511) is None
-    assert st.cold_store_len(512) == 512  # exactly the minimum is enough
+    assert st.policy.cold_store_len(511) is None
+    assert st.policy.cold_store_len(512) == 512  # exactly the minimum is enough
     st = KVStore(tmp_path)  # trim 32, align 2048, min 512
-    assert st.cold_store_len(544) == 512  # trimmed to exactly the minimum
-    assert st.cold_store_len(543) is None
+    assert st.policy.cold_store_len(544) == 512  # trimmed to exactly the minimum
+    assert st.policy.cold_store_len(543) is None
     st = KVStore(tmp_path, min_tokens=2048)
-    assert st.cold_store_len(2048 + 32 + 100) == 2048  # aligned down to exactly the minimum
-    assert st.cold_store_len(2048 + 31) is None
+    assert st.policy.cold_store_len(2048 + 32 + 100) == 2048  # aligned down to exactly the minimum
+    assert st.policy.cold_store_len(2048 + 31) is None
     st = KVStore(tmp_path, boundary_align_tokens=0)  # no alignment: trim only
-    assert st.cold_store_len(1000) == 968
-    assert st.cold_store_len(5000) == 4968
+    assert st.policy.cold_store_len(1000) == 968
+    assert st.policy.cold_store_len(5000) == 4968
     st = KVStore(tmp_path, boundary_align_tokens=1)
-    assert st.cold_store_len(5000) == 4968
+    assert st.policy.cold_store_len(5000) == 4968
 
 
 def test_continued_step_boundaries(tmp_path):
@@ -662,11 +666,11 @@ def test_files_rejected_while_indexing_are_reported_once(eng, tmp_path, write_ck
     # reported to the next load (the directory and the link are not files of
     # ours: they are neither removed nor reported)
     rep = RecoveryReport()
-    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
     assert rep.rejected == [bad_magic]
     # and only once
     rep = RecoveryReport()
-    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
     assert rep.rejected == []
 
     # a later format version: incompatible, kept, reported
@@ -677,15 +681,15 @@ def test_files_rejected_while_indexing_are_reported_once(eng, tmp_path, write_ck
     assert unsupported[1:3] == ("header", "unsupported_version")
     _bump_dir(tmp_path)
     rep = RecoveryReport()
-    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
     assert rep.rejected == [unsupported]
     assert os.path.exists(future) and [e.path for e in st.entries()] == [good]
     assert (st.stats["removed_corrupt"], st.stats["rejected"]) == (1, 0)
     # a load without a report consumes what is pending too
     st.refresh(force=True)  # the incompatible file is read (and rejected) again
-    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix") is None
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), "no stored prefix") is None
     rep = RecoveryReport()
-    assert st.try_load_text(ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), "no stored prefix", report=rep) is None
     assert rep.rejected == []
     assert os.path.exists(future) and st.stats["removed_corrupt"] == 1
 
@@ -699,7 +703,7 @@ def test_rejections_while_indexing_come_before_the_loads_own(eng, tmp_path, writ
         f.write(b"KVC\x09" + bytes(200))
     _bump_dir(tmp_path)
     rep = RecoveryReport()
-    assert st.try_load_text(ds4.Session(eng, ctx=4096), BASE[:60] + "?", report=rep) is None
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), BASE[:60] + "?", report=rep) is None
     assert _codes(rep) == [(future, "header", "unsupported_version"), (p, "header", "abi_mismatch")]
 
 
@@ -759,12 +763,12 @@ def test_lookup_filters_and_order(tmp_path, write_ck):
     assert paths(P, ctx=10) == [p30, p10]
     assert paths(P, ctx=9) == [p10]
     assert paths(P, abi="t/1", ctx=12) == [p40, p10]
-    st.min_tokens = 10
+    st.policy = dataclasses.replace(st.policy, min_tokens=10)
     assert paths(P) == [p100, p50, p40]
-    st.min_tokens = 0
+    st.policy = dataclasses.replace(st.policy, min_tokens=0)
     assert paths(P[:25]) == [p20, p10]
     # nothing short enough, or nothing matching: an empty list
-    st.min_tokens = 8
+    st.policy = dataclasses.replace(st.policy, min_tokens=8)
     assert st.lookup(P[:9]) == [] and st.lookup(b"") == []
     assert st.lookup(b"x" * 100) == []
 
@@ -932,7 +936,7 @@ def test_a_kept_file_is_reported_once_however_often_the_directory_is_rescanned(t
     store.refresh()
     s = prefilled(eng, "some live conversation")
     rep = RecoveryReport()
-    store.try_load_text(s, "unrelated prompt", report=rep)
+    try_load_text(store, s, "unrelated prompt", report=rep)
     assert [(path, code) for path, _st, code, _r in rep.rejected] == [(p, "unsupported_version")]
     assert os.path.exists(p)
     # a change to the file is news: reported again
@@ -941,5 +945,5 @@ def test_a_kept_file_is_reported_once_however_often_the_directory_is_rescanned(t
     os.utime(p, ns=(1, 1))
     store.refresh(force=True)
     rep2 = RecoveryReport()
-    store.try_load_text(s, "unrelated prompt", report=rep2)
+    try_load_text(store, s, "unrelated prompt", report=rep2)
     assert [code for _p, _s, code, _r in rep2.rejected] == ["unsupported_version"]

@@ -499,7 +499,7 @@ def test_cold_save_stores_the_trimmed_aligned_prefix_on_the_way(eng, tmp_path):
     prompt = eng.render_chat([{"role": "user", "content": "a cold prompt long enough to be stored on the way"}])
     tokens = toks(eng, prompt)
     store = _cold_store(tmp_path)
-    cold_len = store.cold_store_len(len(tokens))
+    cold_len = store.policy.cold_store_len(len(tokens))
     assert cold_len is not None and 0 < cold_len < len(tokens) and cold_len % 8 == 0
     prog, fronts = [], []
     s = ds4.Session(eng, ctx=256)

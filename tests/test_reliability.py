@@ -14,6 +14,7 @@ import pytest
 
 import ds4
 from ds4.errors import StoreError, StoreFullError
+from ds4.recovery import try_load_text
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def _mixed_worker(d, wid, n_ops, seed, q):
                     st = _ds4.KVStore(d, budget_mb=0.5, min_tokens=8)
                     reopened += 1
                 s = _ds4.Session(eng, ctx=2048)
-                res = st.try_load_text(s, t + " and then?")
+                res = try_load_text(st, s, t + " and then?")
                 if res is not None:
                     loads += 1
                     key = res.path

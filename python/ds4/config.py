@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from .engine import Engine
-from .kvstore import KVStore, RemoteTier
+from .kvstore import KVStore, RemoteTier, StorePolicy
 
 __all__ = [
     "DEFAULT_BUDGET_MB",
@@ -263,8 +263,7 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
             "whoever can write to this Redis can plant a checkpoint that verifies (use --kv-auth-key-file)",
             redact_url(args.kv_remote),
         )
-    return KVStore(
-        os.path.expanduser(args.kv_disk_dir),
+    policy = StorePolicy(
         budget_mb=args.kv_disk_space_mb,
         min_tokens=args.kv_cache_min_tokens,
         cold_max_tokens=args.kv_cache_cold_max_tokens,
@@ -273,8 +272,12 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         boundary_align_tokens=args.kv_cache_boundary_align_tokens,
         reject_different_quant=args.kv_cache_reject_different_quant,
         quarantine_dir=args.kv_quarantine_dir,
-        trust_dir=getattr(args, "kv_trust_dir", False),
         tenant_share=getattr(args, "kv_tenant_share", 1.0),
+    )
+    return KVStore(
+        os.path.expanduser(args.kv_disk_dir),
+        policy=policy,
+        trust_dir=getattr(args, "kv_trust_dir", False),
         remote=_remote_tier(args),
         auth_key=auth_key,
     )

@@ -36,15 +36,21 @@ from typing import Any, Protocol, cast
 from . import _core
 from .errors import InvalidSessionError, PromptError
 from .keytext import KeyRenderer, parting, plain_len, snippet, tokenize_prompt
-from .kvstore import Candidates, Entry, KVStore, LoadResult
+from .kvstore import Candidates, Entry, KVStore, LoadResult, Rejection, RejectionLog, considered, loads
+from .kvstore.files import StatKey
+from .kvstore.remote import RemoteEntry
 from .session import Rewrite, Session
 
 log = logging.getLogger("ds4.recovery")
 
+#: the loads' own clock (what the store and the tier log of a load), apart
+#: from the report's timings (``time.perf_counter``)
+load_clock = time.perf_counter
+
 #: the most bytes of each text a divergence shows
 SNIPPET_BYTES = 32
 
-__all__ = ["RecoveryReport", "recover", "switch_namespace"]
+__all__ = ["RecoveryReport", "load_first", "recover", "switch_namespace", "try_load_text"]
 
 
 @dataclasses.dataclass
@@ -54,7 +60,7 @@ class RecoveryReport:
     reused_tokens: int = 0
     prompt_tokens: int = 0
     loaded_path: str | None = None
-    rejected: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)
+    rejected: list[Rejection] = dataclasses.field(default_factory=list)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     evict_saved: str | None = None
     cold_saved: str | None = None
@@ -110,6 +116,93 @@ def _rest_after(keys: KeyRenderer, tokens: Sequence[int], cum: Sequence[int], n_
 
 class _Tokenizer(Protocol):
     def tokenize(self, text: str, special: bool = ...) -> list[int]: ...
+
+
+def try_load_text(
+    store: KVStore, sess: Session, prompt_text: str | bytes, report: RejectionLog | None = None
+) -> LoadResult | None:
+    """One rung of the ladder on its own, as in ds4: load the longest
+    stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
+    invalidate the session and are removed; incompatible ones are kept;
+    the next candidate is tried. Returns None when nothing loaded.
+    Bytes are a key text (:mod:`ds4.keytext`); a ``str`` is taken as
+    its UTF-8 bytes in the session's namespace (its key text when no
+    marker's lead byte is typed in it as text)."""
+    pb = sess.key_of(()) + prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
+    found = store.candidates(pb, ctx=sess.ctx, abi=sess.payload_abi, namespace=sess.namespace)
+    if report is not None:
+        report.rejected.extend(found.rejected)
+    return load_first(store, sess, found, report)
+
+
+def load_first(
+    store: KVStore, sess: Session, found: Candidates, report: RejectionLog | None = None
+) -> LoadResult | None:
+    """Load the first of ``found`` (:meth:`KVStore.candidates`) that passes
+    the whole verification pipeline into ``sess``; see :func:`try_load_text`.
+    The candidates rejected at load time are added to ``report`` (those
+    rejected at indexing are the caller's, in ``found.rejected``). A remote
+    candidate longer than every local one is downloaded and tried first."""
+    res = None
+    longer = store.remote_longer(found)
+    if longer:
+        res = _load_remote(store, sess, found.prompt, longer, report)
+    if res is None:
+        res = _load_entries(store, sess, found.entries, found.prompt, report)
+    if res is None:
+        store.miss()
+    return res
+
+
+def _load_remote(
+    store: KVStore, sess: Session, prompt: bytes, entries: list[RemoteEntry], report: RejectionLog | None
+) -> LoadResult | None:
+    """Download the first remote candidate that verifies, then load it as a
+    local file. A remote entry that fails any check (chunks, the whole
+    pipeline, the engine's own) is deleted from the tier and the next one
+    is tried; the tier failing stops here (the local candidates are next)."""
+    tier = store.shared
+    assert tier is not None
+    for r in entries:
+        if not tier.available():
+            return None
+        t0 = load_clock()
+        e = tier.fetch(sess, prompt, r, report)
+        if e is None:
+            continue
+        res = _load_entries(store, sess, [e], prompt, report)
+        if res is not None:
+            tier.loaded(r, t0)
+            res.tier = "remote"
+            return res
+        tier.not_loaded(r, e)
+    return None
+
+
+def _load_entries(
+    store: KVStore, sess: Session, entries: list[Entry], prompt: bytes, report: RejectionLog | None
+) -> LoadResult | None:
+    """Load the first of ``entries`` that the store verifies and the session
+    takes; a refused one is the store's to count, remove or keep
+    (:func:`ds4.kvstore.loads.refuse`), and invalidates the session when its verdict
+    says so (a corrupt file, a failed import)."""
+    for e in entries:
+        t0 = load_clock()
+        judged: StatKey | None = None  # the version a corrupt verdict is about
+        try:
+            judged = loads.version_of(e)
+            ck = loads.open_for(store, sess, e.path, prompt)
+            sess.load_checkpoint(ck)
+        except Exception as err:
+            refusal = loads.refuse(store, e, err, judged)
+            if refusal is not None:
+                if refusal.invalidate:
+                    sess.invalidate(refusal.invalidate)
+                if report is not None:
+                    report.rejected.append(refusal.rejection)
+            continue
+        return loads.hit(store, e, ck, (load_clock() - t0) * 1000, judged)
+    return None
 
 
 def switch_namespace(sess: Session, store: KVStore | None, namespace: str | None) -> str | None:
@@ -216,7 +309,7 @@ class _Ladder:
             self.rep.remote = self._found.remote_state
             # what the lookup considered, before this run stores anything (a
             # pass over the index rows in Python: see DESIGN, "Why a turn missed")
-            self.considered = self.store.longest_considered(self._found, ctx=self.sess.ctx)
+            self.considered = considered.longest_considered(self.store, self._found, ctx=self.sess.ctx)
         return self._found
 
     def run(self, cold_save: bool) -> RecoveryReport:
@@ -314,7 +407,7 @@ class _Ladder:
         prompt's namespace: :func:`switch_namespace` drops any other), the
         checkpoint the disk rung loaded, and the longest checkpoint of the
         namespace the store's lookup considered
-        (:meth:`ds4.kvstore.KVStore.longest_considered`, noted at the lookup,
+        (:func:`ds4.kvstore.considered.longest_considered`, noted at the lookup,
         so nothing this run stores is one; its header and text are read only
         when it could be the best). A live state the prompt holds
         whole (the live rung) is the candidate; otherwise the one the prompt
@@ -338,7 +431,7 @@ class _Ladder:
                 best = (self.loaded.text_bytes, "checkpoint", None)
             e = self.considered
             if self.store is not None and e is not None and (best is None or e.text_bytes > best[0]):
-                text = self.store.stored_text(e, self.sess.namespace)
+                text = considered.stored_text(self.store, e, self.sess.namespace)
                 if text is not None:
                     agreed = _core.common_prefix_len(text, prompt)
                     if best is None or agreed > best[0]:
@@ -432,7 +525,7 @@ class _Ladder:
         assert self.store is not None
         sess, rep = self.sess, self.rep
         t = time.perf_counter()
-        res = self.store.load_first(sess, self.found(), report=rep)
+        res = load_first(self.store, sess, self.found(), report=rep)
         rep.timings["disk_ms"] = (time.perf_counter() - t) * 1000
         if res is None:
             return None
@@ -451,7 +544,7 @@ class _Ladder:
         sess.invalidate("full prefill")
         if store is not None and cold_save and len(tokens) <= store.cold_max_tokens:
             # the key rendering: a marker typed as text is no anchor
-            cold_len = store.cold_store_at(tokens, sess.key_renderer.piece)
+            cold_len = store.policy.cold_store_at(tokens, sess.key_renderer.piece)
             if cold_len is not None:
                 self.sync(tokens[:cold_len])
                 try:

@@ -16,9 +16,12 @@
 * Lookup is one call into the core, the GIL released: an 8-byte tail of each
   stored text filters the entries, then one SHA-1 pass over the prompt
   hashes it at the remaining lengths.
-* Candidates are tried longest first; a corrupt one is removed (or moved to
-  the quarantine directory) and the next is tried; an incompatible one is
-  skipped and kept (docs/DESIGN.md, "Store policy").
+* Candidates are tried longest first by the ladder
+  (:func:`ds4.recovery.load_first`, the one place a session is loaded from
+  here); the store's verdict on one that fails (:mod:`.loads`): a corrupt
+  one is removed (or moved to the quarantine directory), an incompatible
+  one skipped and kept (docs/DESIGN.md, "Store policy"). The knobs are one
+  :class:`StorePolicy` (:mod:`.policy`).
 * Budget in MiB with 1 % slack; eviction by ds4's score
   ``(hits * 2^(-age/6h) + 1) * tokens / file_size``, the newest file
   protected; one failed unlink does not stop eviction. With
@@ -32,37 +35,32 @@
   directory. No other module removes a checkpoint or knows the file names.
 * With ``remote=`` (a Redis URL, :mod:`.remote`), a shared second tier: a
   lookup also asks it, a remote checkpoint longer than every local one is
-  downloaded into a temp file here, verified, renamed and loaded as a local
-  file; every local store is queued for upload.
+  downloaded into a temp file here, verified, renamed and handed to the
+  ladder as a local file; every local store is queued for upload.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import _core
-from ..checkpoint import Checkpoint, open_checkpoint
+from ..checkpoint import Checkpoint
 from ..errors import (
     CheckpointError,
-    CorruptCheckpointError,
-    InvalidSessionError,
 )
 from ..errors import StoreError as StoreError  # what opening a store raises (re-exported)
-from ..keytext import namespace_of
+from .counters import Counted, Counters, merged
 from .entries import (
     HALF_LIFE_S,
     Candidates,
     Entry,
-    IndexRow,
     LoadResult,
     NamedLoad,
-    Rejection,
-    import_failure,
     plan_eviction,
     tenant_usage,
 )
@@ -82,15 +80,17 @@ from .files import (
     temp_writer_pid,
 )
 from .indexed import DirIndex
+from .loads import open_for
 from .named import load_named
+from .policy import StorePolicy
 from .records import RecordStore
+from .rejection import Refusal, Rejection, RejectionLog
 from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
 from .remove import evict_entries, is_regular, remove_exact
-from .save import CHATML_MARKERS, chat_anchor, existing_file, write_live
+from .save import CHATML_MARKERS, chat_anchor, store_live
 from .tiered import SharedTier
 
 if TYPE_CHECKING:
-    from ..recovery import RecoveryReport
     from ..session import Session
 
 log = logging.getLogger("ds4.kvstore")
@@ -100,10 +100,6 @@ def index_header(index: _core.StoreIndex, path: str) -> object:
     """Index one file from its header (``StoreIndex.index_file``): the one
     place the store reads a file it has not indexed yet."""
     return index.index_file(path)
-
-
-def _why(name: str, err: CheckpointError) -> tuple[str, str, str, str]:
-    return (name, err.stage, err.code, err.reason)
 
 
 __all__ = [
@@ -118,7 +114,11 @@ __all__ = [
     "KVStore",
     "LoadResult",
     "NamedLoad",
+    "Refusal",
+    "Rejection",
+    "RejectionLog",
     "RemoteTier",
+    "StorePolicy",
     "chat_anchor",
     "is_checkpoint_name",
     "is_regular",
@@ -142,29 +142,23 @@ class KVStore:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        budget_mb: float = 4096,
+        budget_mb: float | None = None,
         *,
-        min_tokens: int = 512,
-        cold_max_tokens: int = 30000,
-        continued_interval_tokens: int = 10000,
-        boundary_trim_tokens: int = 32,
-        boundary_align_tokens: int = 2048,
-        reject_different_quant: bool = True,
-        quarantine_dir: str | os.PathLike[str] | None = None,
-        verify_checksum: bool = True,
-        mmap: bool = True,
-        consume_over_cold_max: bool = False,
+        policy: StorePolicy | None = None,
         scan: bool = True,
         trust_dir: bool = False,
-        chat_markers: tuple[bytes, bytes] = CHATML_MARKERS,
         remote: str | RemoteTier | None = None,
         remote_ttl_s: int = 0,
         remote_namespace: str = DEFAULT_NAMESPACE,
         auth_key: bytes | None = None,
-        tenant_share: float = 1.0,
+        **knobs: Any,
     ):
-        if not 0.0 < tenant_share <= 1.0:
-            raise ValueError(f"tenant_share must be in (0, 1], not {tenant_share!r}")
+        """``policy`` (or ds4's defaults), with ``budget_mb`` and any other
+        :class:`StorePolicy` field given by keyword on top of it."""
+        if budget_mb is not None:
+            knobs["budget_mb"] = budget_mb
+        #: the store's knobs (:class:`StorePolicy`)
+        self.policy = dataclasses.replace(policy or StorePolicy(), **knobs)
         self.dir = open_cache_dir(directory, trust_dir)
         if auth_key is not None and len(auth_key) != 32:
             raise ValueError("auth_key must be 32 bytes (ds4._core.derive_auth_key of the key file's bytes)")
@@ -175,42 +169,19 @@ class KVStore:
         self.remote = (
             RemoteTier(remote, ttl_s=remote_ttl_s, namespace=remote_namespace) if isinstance(remote, str) else remote
         )
-        self.budget_bytes = int(budget_mb * 1024 * 1024)
-        #: the share of the budget (of what records leave of it) one tenant
-        #: may hold before its own files are evicted first (1: no shares,
-        #: ds4's one order)
-        self.tenant_share = tenant_share
-        self.min_tokens = min_tokens
-        self.cold_max_tokens = cold_max_tokens
-        self.continued_interval_tokens = continued_interval_tokens
-        self.boundary_trim_tokens = boundary_trim_tokens
-        self.boundary_align_tokens = boundary_align_tokens
-        self.reject_different_quant = reject_different_quant
-        self.quarantine_dir = os.fspath(quarantine_dir) if quarantine_dir else None
-        self.verify_checksum = verify_checksum
-        self.mmap = mmap
-        self.consume_over_cold_max = consume_over_cold_max
-        self.chat_markers = chat_markers
         self._lock = DirLock(self.dir)
         # small JSON records (stored Responses) in records/: at most 1 % of
         # the budget, and counted in it (eviction makes room for them)
         self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
-        self.stats = {
-            "hits": 0,
-            "misses": 0,
-            "stores": 0,
-            "evictions": 0,
-            "rejected": 0,
-            "removed_corrupt": 0,
-            "scans": 0,
-            "index_rebuilds": 0,
-        }
+        #: the store's own counters (its index and tier keep theirs: :attr:`stats`)
+        self.counters = Counters(
+            "hits", "misses", "stores", "evictions", "rejected", "removed_corrupt", "scans", "index_rebuilds"
+        )
         #: the index and its file, kept in step with the directory
         #: (:mod:`.indexed`); headers are read through :func:`index_header`,
         #: looked up when called
         self._index = DirIndex(
             self.dir,
-            self.stats,
             read_header=lambda idx, path: index_header(idx, path),
             discard=self.discard,
             try_lock=self._lock.try_held,
@@ -222,9 +193,7 @@ class KVStore:
             else SharedTier(
                 self.remote,
                 self.dir,
-                self.stats,
                 open_for=self._open_remote,
-                load_local=self._load_entries,
                 adopt=self._adopt,
             )
         )
@@ -286,6 +255,13 @@ class KVStore:
     def total_bytes(self) -> int:
         return self._idx.total_bytes()
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """The counters of the store, its index and its use of the shared
+        tier, merged (:mod:`.counters`)."""
+        parts: list[Counted] = [self, self._index] if self._tiered is None else [self, self._index, self._tiered]
+        return merged(*parts)
+
     def summary(self) -> dict[str, object]:
         """The directory, its indexed files and bytes, and the counters
         (what a status page shows), from the index as it stands."""
@@ -319,7 +295,7 @@ class KVStore:
         """One lookup for one request: the stored prefixes of ``prompt``, a
         key text (see :meth:`lookup`), and the files rejected while indexing
         since the last call. The ladder asks once and hands the result to
-        every rung that needs it (:meth:`load_first`).
+        every rung that needs it (:func:`ds4.recovery.load_first`).
 
         ``namespace`` is the one the key text is in (:mod:`ds4.keytext`: its
         preamble starts ``prompt``, so only that namespace's files can
@@ -336,52 +312,6 @@ class KVStore:
         if self._tiered is not None and abi is not None:
             self._tiered.lookup(found, abi, min_tokens=self.min_tokens, ctx=ctx)
         return found
-
-    def longest_considered(
-        self, found: Candidates, *, ctx: int | None = None, exclude: Collection[str] = ()
-    ) -> Entry | None:
-        """The longest checkpoint that the lookup of ``found`` considered,
-        from the index as it stands (call it right after the lookup: no
-        rescan, no file read, nothing hashed): a file of this directory in
-        ``found``'s namespace whose text is no longer than the prompt, of at
-        least ``min_tokens`` tokens and fewer than ``ctx`` (the lookup's own
-        filters, before it compares tails and hashes), the lookup's order
-        breaking ties. It need not be a prefix of the prompt: where the
-        prompt leaves it is what the ladder reports (its ``divergence``;
-        :meth:`stored_text` reads its text). Names in ``exclude`` are left
-        out. A pass over every index row, in Python."""
-        limit, ns = len(found.prompt), found.namespace
-        best: IndexRow | None = None
-        for row in self._idx.entries():
-            tokens, text_bytes = row[2], row[3]
-            if row[11] != ns or text_bytes > limit or tokens < self.min_tokens or (ctx is not None and tokens >= ctx):
-                continue
-            if row[0] in exclude:
-                continue
-            if best is None or (text_bytes, tokens, best[0]) > (best[3], best[2], row[0]):
-                best = row
-        return None if best is None else Entry.from_row(self.dir, best)
-
-    def stored_text(self, entry: Entry, namespace: str | None) -> bytes | None:
-        """The stored key text of ``entry`` when it is in ``namespace``:
-        its header and text read and verified
-        (:func:`ds4.checkpoint.open_checkpoint` without the payload; with
-        this store's key, a file without a MAC is refused). None when it
-        cannot be read or its text does not start with the namespace's own
-        preamble (never another namespace's text)."""
-        if not is_checkpoint_name(entry.name):
-            return None
-        try:
-            ck = open_checkpoint(os.path.join(self.dir, entry.name), load_payload=False, auth_key=self.auth_key)
-            text = bytes(ck.text)
-        except (OSError, CheckpointError) as e:
-            log.debug("kv cache could not read the text of %s: %s", entry.name, e)
-            return None
-        try:
-            same = namespace_of(text)[0] == namespace
-        except ValueError:
-            same = False
-        return text if same else None
 
     # -- removal -------------------------------------------------------------
     def discard(self, path: str, err: CheckpointError, where: str, expect: StatKey | None) -> str | None:
@@ -401,14 +331,18 @@ class KVStore:
         try:
             with self.locked():
                 dest = remove_exact(
-                    self.dir, name, expect, quarantine_dir=self.quarantine_dir, tag=f"{int(time.time())}.{err.code}"
+                    self.dir,
+                    name,
+                    expect,
+                    quarantine_dir=self.policy.quarantine_dir,
+                    tag=f"{int(time.time())}.{err.code}",
                 )
                 self._persist()
         except OSError as e:
             log.error("kv cache could not remove corrupt file %s: %s", name, e)
             return None
         if dest is not None:
-            self.stats["removed_corrupt"] += 1
+            self.counters["removed_corrupt"] += 1
             if dest == os.path.join(self.dir, name):
                 log.warning("kv cache removed corrupt file=%s %s", name, how)
             else:
@@ -430,105 +364,35 @@ class KVStore:
         return gone
 
     # -- load ----------------------------------------------------------------
-    def _open_for(self, sess: Session, path: str, prompt: bytes, *, check_name: bool = True) -> Checkpoint:
-        return open_checkpoint(
-            path,
-            prompt=prompt,
-            check_name=check_name,
-            expected_abi=sess.payload_abi,
-            quant_bits=getattr(sess.engine, "quant_bits", 0) if self.reject_different_quant else None,
-            ctx=sess.ctx - 1,
-            verify_checksum=self.verify_checksum,
-            mmap=self.mmap,
-            auth_key=self.auth_key,
-        )
+    def miss(self) -> None:
+        """Count a disk rung that loaded nothing."""
+        self.counters["misses"] += 1
 
-    def try_load_text(
-        self, sess: Session, prompt_text: str | bytes, report: RecoveryReport | None = None
-    ) -> LoadResult | None:
-        """One rung of the ladder on its own, as in ds4: load the longest
-        stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
-        invalidate the session and are removed; incompatible ones are kept;
-        the next candidate is tried. Returns None when nothing loaded.
-        Bytes are a key text (:mod:`ds4.keytext`); a ``str`` is taken as
-        its UTF-8 bytes in the session's namespace (its key text when no
-        marker's lead byte is typed in it as text)."""
-        pb = sess.key_of(()) + prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
-        found = self.candidates(pb, ctx=sess.ctx, abi=sess.payload_abi, namespace=sess.namespace)
-        if report is not None:
-            report.rejected.extend(found.rejected)
-        return self.load_first(sess, found, report)
-
-    def load_first(self, sess: Session, found: Candidates, report: RecoveryReport | None = None) -> LoadResult | None:
-        """Load the first of ``found`` (from :meth:`candidates`) that passes
-        the whole verification pipeline into ``sess``; see
-        :meth:`try_load_text`. The candidates rejected at load time are
-        added to ``report`` (those rejected at indexing are the caller's,
-        in ``found.rejected``). A remote candidate longer than every local
-        one is tried first (:meth:`.tiered.SharedTier.load`)."""
-        res = None
-        if found.remote and self._tiered is not None:
-            local_best = found.entries[0].text_bytes if found.entries else -1
-            longer = [r for r in found.remote if r.text_bytes > local_best]
-            if longer:
-                res = self._tiered.load(sess, found.prompt, longer, report)
-        if res is None:
-            res = self._load_entries(sess, found.entries, found.prompt, report)
-        if res is None:
-            self.stats["misses"] += 1
-        return res
-
-    def _load_entries(
-        self, sess: Session, entries: list[Entry], prompt: bytes, report: RecoveryReport | None
-    ) -> LoadResult | None:
-        for e in entries:
-            t0 = time.perf_counter()
-            try:
-                judged = stat_key(os.lstat(e.path))  # the version a corrupt verdict is about
-                ck = self._open_for(sess, e.path, prompt)
-                sess.load_checkpoint(ck)
-            except FileNotFoundError:
-                self._forget(e.name)  # removed by another process
-                continue
-            except OSError as err:  # unreadable (permissions, I/O): a typed rejection; skipped and kept
-                self.stats["rejected"] += 1
-                if report is not None:
-                    report.rejected.append((e.path, "open", "unreadable", err.strerror or type(err).__name__))
-                continue
-            except CheckpointError as err:
-                self.stats["rejected"] += 1
-                if report is not None:
-                    report.rejected.append((e.path, err.stage, err.code, err.reason))
-                if isinstance(err, CorruptCheckpointError) and err.code != NOT_REGULAR:
-                    sess.invalidate(f"corrupt checkpoint {e.name}")
-                    self.discard(e.path, err, "load", judged)
-                else:
-                    log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", *_why(e.name, err))
-                continue
-            except Exception as err:
-                sess.invalidate(f"checkpoint {e.name} failed to load")
-                self.stats["rejected"] += 1
-                rej = import_failure(e.path, err)
-                log.error("kv cache could not load %s: %s (kept)", e.name, rej[3])
-                if report is not None:
-                    report.rejected.append(rej)
-                continue
-            self._hit(e, ck, (time.perf_counter() - t0) * 1000, judged)
-            return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)
-        return None
+    def remote_longer(self, found: Candidates) -> list[RemoteEntry]:
+        """The remote candidates of ``found`` longer than every local one
+        (tried first; none without a shared tier)."""
+        if not found.remote or self._tiered is None:
+            return []
+        local_best = found.entries[0].text_bytes if found.entries else -1
+        return [r for r in found.remote if r.text_bytes > local_best]
 
     # -- the shared tier (kvstore/tiered.py) ----------------------------------
-    def pull(self, r: RemoteEntry, report: RecoveryReport | None = None) -> Entry | None:
+    def pull(self, r: RemoteEntry, report: RejectionLog | None = None) -> Entry | None:
         """Download one remote checkpoint into this directory (``ds4 kv
         pull``): the whole pipeline (with this store's key) and the checks
         every load makes on the tensors, then the rename. A damaged entry is
         deleted from the tier; None when nothing was added."""
-        return self._shared_tier().pull(r, report, auth_key=self.auth_key, mmap=self.mmap)
+        return self._shared_tier().pull(r, report, auth_key=self.auth_key, mmap=self.policy.mmap)
 
     def push(self) -> dict[str, int]:
         """Upload every checkpoint of this directory to the tier now (``ds4
         kv push``); counts by outcome (``stored``, ``present``, ...)."""
         return self._shared_tier().push(self.entries())
+
+    @property
+    def shared(self) -> SharedTier | None:
+        """What this directory does with its shared tier (None: no tier)."""
+        return self._tiered
 
     def _shared_tier(self) -> SharedTier:
         if self._tiered is None:
@@ -536,7 +400,7 @@ class KVStore:
         return self._tiered
 
     def _open_remote(self, sess: Session, tmp: str, prompt: bytes) -> Checkpoint:
-        return self._open_for(sess, tmp, prompt, check_name=False)
+        return open_for(self, sess, tmp, prompt, check_name=False)
 
     def _adopt(self, tmp: str, name: str, ck: Checkpoint) -> Entry | None:
         """Rename a verified download ``tmp`` to ``name`` under the lock,
@@ -555,40 +419,6 @@ class KVStore:
             self._persist()
         return e if self._idx.get(name) is not None else None
 
-    def _hit(self, e: Entry, ck: Checkpoint, ms: float, judged: StatKey) -> None:
-        now = int(time.time())
-        if self.consume_over_cold_max and 0 < self.cold_max_tokens < ck.tokens:
-            # ds4's consume: a load longer than cold_max_tokens deletes the
-            # file (the version that was loaded; through the one removal).
-            self._forget(e.name)
-            try:
-                with self.locked():
-                    gone = remove_exact(self.dir, e.name, judged) is not None
-                    self._persist()
-            except OSError as ex:
-                log.error("kv cache could not consume %s: %s", e.name, ex)
-                gone = False
-            if gone:
-                log.info("kv cache hit text tokens=%d consumed file=%s", ck.tokens, e.path)
-        else:
-            try:
-                e.hits = _core.touch(e.path, now)
-                e.last_used = now
-                st = os.stat(e.path)
-                e.stat_key = stat_key(st)
-                self._idx.set_hit(e.name, e.hits, now, e.stat_key)
-            except OSError as ex:
-                log.debug("kv cache touch failed for %s: %s", e.name, ex)
-        self.stats["hits"] += 1
-        log.info(
-            "kv cache hit text tokens=%d text=%d key=%s load=%.1f ms file=%s",
-            ck.tokens,
-            ck.text_bytes,
-            e.name[:12],
-            ms,
-            e.path,
-        )
-
     def load_named(self, sess: Session, sha: str, text: bytes, *, exact: bool = False) -> NamedLoad:
         """Load the checkpoint ``<sha>.kv`` of this directory into ``sess``,
         verified against ``text`` (its stored text must be a prefix of it;
@@ -598,34 +428,26 @@ class KVStore:
         reaches outside the directory."""
         return load_named(self, sess, sha, text, exact=exact)
 
-    # -- store policy ----------------------------------------------------------
-    def cold_store_len(self, n_tokens: int) -> int | None:
-        """ds4's cold store length: trim the tail (BPE boundary safety) and
-        align down. Unlike ds4, a prompt too short to align keeps the trim
-        (ds4's own cold save drops it); None when even that is below min_tokens."""
-        if n_tokens < self.min_tokens:
-            return None
-        trimmed = n_tokens - self.boundary_trim_tokens
-        if self.boundary_align_tokens > 0:
-            aligned = trimmed // self.boundary_align_tokens * self.boundary_align_tokens
-            if aligned >= self.min_tokens:
-                return aligned
-        return trimmed if trimmed >= self.min_tokens else None
+    # -- store policy (:class:`StorePolicy`) ------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        return self.policy.budget_bytes
 
-    def cold_store_at(self, tokens: Sequence[int], token_bytes: Callable[[int], bytes]) -> int | None:
-        """Where ds4 stores a prompt's cold checkpoint: at the chat anchor
-        (:func:`chat_anchor`: the last user marker before the first
-        assistant marker, so the key leaves out the task's own user turn)
-        when it is at least ``min_tokens``, not aligned, as ds4; otherwise
-        :meth:`cold_store_len`."""
-        anchor = chat_anchor(tokens, token_bytes, self.chat_markers)
-        if anchor is not None and anchor >= max(1, self.min_tokens):
-            return anchor
-        return self.cold_store_len(len(tokens))
+    @property
+    def min_tokens(self) -> int:
+        return self.policy.min_tokens
+
+    @property
+    def cold_max_tokens(self) -> int:
+        return self.policy.cold_max_tokens
+
+    @property
+    def tenant_share(self) -> float:
+        return self.policy.tenant_share
 
     def continued_step(self) -> int:
-        a = max(1, self.boundary_align_tokens)
-        return (self.continued_interval_tokens + a - 1) // a * a
+        """:meth:`StorePolicy.continued_step`."""
+        return self.policy.continued_step()
 
     def store_live_prefix(self, sess: Session, reason: str = "cold", *, min_tokens: int | None = None) -> str | None:
         """Save the live session (which must be valid) under the SHA-1 of its
@@ -634,49 +456,7 @@ class KVStore:
         (too short, over budget, key held by another engine's file).
         ``min_tokens`` overrides the store's minimum (named and system-prompt
         checkpoints may be short)."""
-        if not sess.checkpoint_valid:
-            raise InvalidSessionError("cannot store a session without a valid checkpoint")
-        n = sess.n_past
-        floor = self.min_tokens if min_tokens is None else min_tokens
-        if n < max(1, floor):
-            log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, floor)
-            return None
-        text = sess.key_bytes()
-        name = _core.sha1_hex(text) + ".kv"
-        path = os.path.join(self.dir, name)
-        t0 = time.perf_counter()
-        with self.locked():
-            # Cheap checks first: an existing file for this key needs no
-            # export of the (possibly large) engine state.
-            existing = existing_file(path, sess, text, self.discard, self.auth_key)
-            if existing == "same":
-                log.info("kv cache store reason=%s: %s already stored", reason, name[:12])
-                return path
-            if existing == "foreign":
-                log.info(
-                    "kv cache store skipped reason=%s: key %s is held by another engine's file (kept)",
-                    reason,
-                    name[:12],
-                )
-                return None
-            size = write_live(path, sess, text, reason, self.budget_bytes, self.auth_key)
-            if size is None:
-                return None
-            self.stats["stores"] += 1
-            self._index.index_file(name, path, stat_key(os.lstat(path)))
-            if self.remote is not None:  # shared in the background: never adds to this request's latency
-                self.remote.enqueue(path, sess.payload_abi, n, len(text))
-            log.info(
-                "kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
-                n,
-                reason,
-                name[:12],
-                size / 2**20,
-                (time.perf_counter() - t0) * 1000,
-            )
-            self._evict_locked(protect=name)
-            self._persist()
-        return path
+        return store_live(self, sess, reason, min_tokens)
 
     # -- eviction --------------------------------------------------------------
     def evict(self) -> int:
@@ -708,7 +488,7 @@ class KVStore:
         for victim in victims:
             self._forget(victim.name)
         removed = evict_entries(self.dir, victims)
-        self.stats["evictions"] += len(removed)
+        self.counters["evictions"] += len(removed)
         if removed:
             _core.sync_dir(self.dir)
             self._index.stale()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..keytext import ANONYMOUS, namespace_of, tenant_of_namespace
 from .files import StatKey
+from .rejection import Rejection, import_failure
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
@@ -37,16 +38,6 @@ HALF_LIFE_S = 6 * 3600
 # created, last_used, abi, reason, ctx, stat key, namespace); the size is the
 # stat key's
 IndexRow = tuple[str, int, int, int, int, int, int, str, str, int, tuple[int, int, int], str | None]
-
-# (path, stage, code, reason) of a file the store rejected
-Rejection = tuple[str, str, str, str]
-
-
-def import_failure(path: str, err: BaseException) -> Rejection:
-    """The rejection of a candidate whose import failed with an error that
-    is not a checkpoint error (a bug, or a limit of numpy or an engine):
-    skipped and kept, never raised out of the ladder."""
-    return (path, "engine", "import_failed", f"{type(err).__name__}: {err}")
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from .. import _core
 from ..errors import CheckpointError, CorruptCheckpointError, StoreError
-from .entries import Rejection
+from .counters import Counters
 from .files import (
     INDEX_NAME,
     INDEX_TMP_NAME,
@@ -39,6 +39,7 @@ from .files import (
     remove_orphaned_temp,
     stat_key,
 )
+from .rejection import Rejection, rejection_of
 
 log = logging.getLogger("ds4.kvstore")
 
@@ -53,20 +54,19 @@ TryLock = Callable[[], contextlib.AbstractContextManager[bool]]
 
 
 class DirIndex:
-    """One directory's index. ``stats`` is the store's counters (``scans``,
-    ``index_rebuilds``)."""
+    """One directory's index; its :attr:`counters` (``scans``,
+    ``index_rebuilds``) are merged into the store's stats."""
 
     def __init__(
         self,
         directory: str,
-        stats: dict[str, int],
         *,
         read_header: ReadHeader,
         discard: Discard,
         try_lock: TryLock,
     ):
         self.dir = directory
-        self.stats = stats
+        self.counters = Counters("scans", "index_rebuilds")
         self._read_header = read_header
         self._discard = discard
         self._try_lock = try_lock
@@ -98,7 +98,7 @@ class DirIndex:
             raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
         if not force and mt == self._dir_mtime:
             return
-        self.stats["scans"] += 1
+        self.counters["scans"] += 1
         seen = {}
         now = time.time()
         with os.scandir(self.dir) as it:
@@ -137,12 +137,12 @@ class DirIndex:
             raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
         idx = self._read_index(st)
         if idx is None:
-            self.stats["index_rebuilds"] += 1
+            self.counters["index_rebuilds"] += 1
             self._dirty = True
             self.refresh(force=True)
         else:
             self.idx = idx
-            self.stats["scans"] += 1
+            self.counters["scans"] += 1
             changed, others, gone = idx.sync_listing(self.dir)
             now = time.time()
             for name in others:
@@ -222,11 +222,11 @@ class DirIndex:
                 log.warning("kv cache ignoring %s: %s", name, e.reason)
                 return
             self._discard(path, e, "refresh", key)
-            self.unreported.append((path, e.stage, e.code, e.reason))
+            self.unreported.append(rejection_of(path, e))
             return
         except CheckpointError as e:
             log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", name, e.stage, e.code, e.reason)
-            self.unreported.append((path, e.stage, e.code, e.reason))
+            self.unreported.append(rejection_of(path, e))
             self.idx.keep(name, key)
             return
         except FileNotFoundError:

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError, CorruptCheckpointError, ImportFailedError
-from .entries import NamedLoad, import_failure
+from .entries import NamedLoad
 from .files import NOT_REGULAR, is_checkpoint_name, stat_key
+from .rejection import import_failure
 
 if TYPE_CHECKING:
     from ..session import Session

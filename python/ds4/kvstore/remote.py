@@ -21,18 +21,17 @@ connect and socket timeouts, errors are counted, and after
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
-import queue
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _core
 from ..errors import RemoteChunkError, RemoteManifestError, RemoteTierError
+from .counters import Counters, merged
+from .rejection import rejection_of
+from .remote_io import Breaker, FileWriter, RemoteLookup, RemoteScan, read_chunks, scan_namespace
 from .remote_layout import (
     CHUNK_BYTES,
     DEFAULT_NAMESPACE,
@@ -78,70 +77,6 @@ Client = Any  # redis.Redis or redis.cluster.RedisCluster
 T = TypeVar("T")
 
 
-@dataclasses.dataclass
-class RemoteScan:
-    """Everything one namespace of the tier holds (:meth:`RemoteTier.scan`):
-    readable entries; (index, member) pairs whose manifest is gone; and
-    (index, member, why) of manifests that do not parse."""
-
-    entries: list[RemoteEntry]
-    gone: list[tuple[str, str]]
-    damaged: list[tuple[str, str, str]]
-
-
-@dataclasses.dataclass
-class RemoteLookup:
-    """What one remote lookup found: matching entries (longest first) and
-    the remote entries rejected on the way (deleted from Redis)."""
-
-    entries: list[RemoteEntry]
-    rejected: list[tuple[str, str, str, str]]
-
-
-class Breaker:
-    """Consecutive failures of the tier; after ``threshold`` of them the
-    tier is skipped for ``cooldown_s`` seconds, then tried again."""
-
-    def __init__(self, threshold: int = 3, cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        self.threshold = max(1, threshold)
-        self.cooldown_s = cooldown_s
-        self.clock = clock
-        self.failures = 0
-        self.open_until = 0.0
-        self.last_error = ""
-        self.cooldowns = 0
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        return self.clock() >= self.open_until
-
-    def success(self) -> None:
-        with self._lock:
-            self.failures = 0
-
-    def failure(self, err: BaseException) -> None:
-        with self._lock:
-            self.failures += 1
-            self.last_error = type(err).__name__
-            if self.failures >= self.threshold:
-                self.open_until = self.clock() + self.cooldown_s
-                self.failures = 0
-                self.cooldowns += 1
-                log.warning(
-                    "kv remote tier unavailable after %d failures (%s): served locally for %.0f s",
-                    self.threshold,
-                    self.last_error,
-                    self.cooldown_s,
-                )
-
-    @property
-    def state(self) -> str:
-        """``up``, ``degraded`` (failing, not yet cooling down) or ``cooldown``."""
-        if self.clock() < self.open_until:
-            return "cooldown"
-        return "degraded" if self.failures else "up"
-
-
 class RemoteTier:
     """A Redis (or Redis Cluster) tier for one store. Thread-safe: lookups
     and downloads run on the caller's thread, uploads on one background
@@ -175,24 +110,16 @@ class RemoteTier:
         self.chunk_bytes = chunk_bytes
         self.queue_max = max(1, queue_max)
         self.breaker = Breaker(fail_threshold, cooldown_s)
-        self.stats = {
-            "lookups": 0,
-            "hits": 0,
-            "rejected": 0,
-            "deleted": 0,
-            "pruned": 0,
-            "uploads": 0,
-            "upload_present": 0,
-            "upload_dropped": 0,
-            "upload_failed": 0,
-            "errors": 0,
-        }
+        #: the tier's own counters (its upload queue keeps its own: :attr:`stats`)
+        self.counters = Counters(
+            *"lookups hits rejected deleted pruned uploads upload_present upload_dropped upload_failed errors".split()
+        )
         self._client: Client | None = None
         self._client_lock = threading.Lock()
         self._closed = False
         #: the background uploads (:mod:`.uploads`): each runs this tier's
         #: :meth:`upload` as it is when the upload runs
-        self._uploads = UploadQueue(lambda *item: self.upload(*item), self.stats, self.queue_max)
+        self._uploads = UploadQueue(lambda *item: self.upload(*item), self.queue_max)
 
     # -- connection ---------------------------------------------------------
     def client(self) -> Redis | RedisCluster:
@@ -244,7 +171,7 @@ class RemoteTier:
                 self._failed(what, e)
                 return None
             # the server answered (out of memory, a refused command): not an outage
-            self.stats["errors"] += 1
+            self.counters["errors"] += 1
             log.warning("kv remote %s refused: %s", what, e)
             return None
         except (RedisError, RedisClusterException, OSError) as e:
@@ -255,7 +182,7 @@ class RemoteTier:
 
     def _failed(self, what: str, e: BaseException) -> None:
         """Count a failure of the tier (the breaker) and log it."""
-        self.stats["errors"] += 1
+        self.counters["errors"] += 1
         self.breaker.failure(e)
         log.warning("kv remote %s failed: %s: %s", what, type(e).__name__, e)
         if self.cluster:
@@ -267,7 +194,7 @@ class RemoteTier:
         ``prompt``, longest first. Index members whose manifest is gone are
         pruned; a manifest that does not parse is deleted (and reported)."""
         keys = KeyLayout(self.namespace, abi)
-        self.stats["lookups"] += 1
+        self.counters["lookups"] += 1
         found = self._call("lookup", lambda c: self._lookup(c, keys, prompt, min_tokens, ctx))
         return found if found is not None else RemoteLookup([], [])
 
@@ -298,15 +225,15 @@ class RemoteTier:
                 if e.text_bytes != n:
                     raise RemoteManifestError("manifest's text length differs from the index")
             except RemoteManifestError as err:
-                rejected.append((f"remote:{sha}.kv", err.stage, err.code, err.reason))
-                self.stats["rejected"] += 1
+                rejected.append(rejection_of(f"remote:{sha}.kv", err))
+                self.counters["rejected"] += 1
                 log.warning("kv remote rejected manifest of %s: %s (deleted)", sha[:12], err.reason)
                 self._delete(c, keys, sha, None, n)
                 continue
             if e.tokens >= min_tokens and (ctx is None or e.tokens < ctx):
                 out.append(e)
         if gone:
-            self.stats["pruned"] += c.zrem(keys.index, *gone)
+            self.counters["pruned"] += c.zrem(keys.index, *gone)
         return RemoteLookup(out, rejected)
 
     # -- download ----------------------------------------------------------
@@ -322,7 +249,7 @@ class RemoteTier:
         thread: the file is written while the next batch is on the wire."""
         n = len(entry.digests)
         batch = max(1, FETCH_BATCH_BYTES // entry.chunk_bytes)
-        writer = _FileWriter(fd)
+        writer = FileWriter(fd)
         try:
             for start in range(0, n, batch):
                 pipe = c.pipeline(transaction=False)
@@ -388,7 +315,7 @@ class RemoteTier:
             stale = [m for m in c.zrange(keys.index, 0, -1) if m.decode("ascii", "replace").endswith(":" + sha)]
             if stale:
                 c.zrem(keys.index, *stale)
-        self.stats["deleted"] += 1
+        self.counters["deleted"] += 1
         return gone
 
     def prune(self, abi: str, sample: int | None = None) -> int:
@@ -409,7 +336,7 @@ class RemoteTier:
                 pipe.exists(keys.manifest(sha))
             gone = [m for (m, _), there in zip(parsed, pipe.execute() if parsed else [], strict=True) if not there]
             n = int(c.zrem(keys.index, *gone)) if gone else 0
-            self.stats["pruned"] += n
+            self.counters["pruned"] += n
             return n
 
         return self._call("prune", run) or 0
@@ -440,35 +367,10 @@ class RemoteTier:
         """Every remote checkpoint of this namespace, of every ABI (``ds4 kv
         ls|stats|gc --remote``): the readable ones, the index members whose
         manifest is gone, and those whose manifest does not parse."""
-        out = self._call("scan", self._scan)
+        out = self._call("scan", lambda c: scan_namespace(c, self.namespace))
         if out is None:
             raise RemoteTierError(0, f"the remote tier {self.url} cannot be read ({self.breaker.last_error})")
         return out
-
-    def _scan(self, c: Client) -> RemoteScan:
-        found = RemoteScan([], [], [])
-        pat = KeyLayout.index_pattern(self.namespace)
-        for raw_key in sorted(set(c.scan_iter(match=pat, count=1000))):
-            index = raw_key.decode("ascii", "replace")
-            keys = KeyLayout.of_index(self.namespace, index)
-            members = [m.decode("ascii", "replace") for m in c.zrange(index, 0, -1)]
-            shas = [(m, m.partition(":")[2]) for m in members]
-            shas = [(m, s) for m, s in shas if is_sha(s)]
-            pipe = c.pipeline(transaction=False)
-            for _, s in shas:
-                pipe.get(keys.manifest(s))
-            for (m, s), raw in zip(shas, pipe.execute() if shas else [], strict=True):
-                if raw is None:
-                    found.gone.append((index, m))
-                    continue
-                try:
-                    abi = json.loads(raw).get("abi")
-                    if not isinstance(abi, str) or KeyLayout(self.namespace, abi).abi_id != keys.abi_id:
-                        raise RemoteManifestError("manifest's ABI is not its index's")
-                    found.entries.append(RemoteEntry.from_bytes(raw, s, abi))
-                except (RemoteManifestError, ValueError, AttributeError) as e:
-                    found.damaged.append((index, m, str(e)))
-        return found
 
     def delete_member(self, index: str, member: str) -> bool:
         """Delete the checkpoint an index member names (its manifest need
@@ -509,13 +411,13 @@ class RemoteTier:
             size = os.fstat(f.fileno()).st_size
             out = self._call("upload", lambda c: self._upload(c, keys, sha, f, size, tokens, text_bytes))
         if out is None:
-            self.stats["upload_failed"] += 1
+            self.counters["upload_failed"] += 1
             return "failed"
         if out == "stored":
-            self.stats["uploads"] += 1
+            self.counters["uploads"] += 1
             self.prune(abi, PRUNE_SAMPLE)
         elif out == "present":
-            self.stats["upload_present"] += 1
+            self.counters["upload_present"] += 1
         return out
 
     def _upload(self, c: Client, keys: KeyLayout, sha: str, f: Any, size: int, tokens: int, text_bytes: int) -> str:
@@ -528,7 +430,7 @@ class RemoteTier:
             return "claimed"
         digests: list[str] = []
         total = 0
-        for chunk in _read_chunks(f, self.chunk_bytes):
+        for chunk in read_chunks(f, self.chunk_bytes):
             digests.append(chunk_digest(chunk))
             c.set(keys.chunk(sha, len(digests) - 1), chunk, ex=UPLOAD_TTL_S)
             total += len(chunk)
@@ -554,6 +456,11 @@ class RemoteTier:
         return "stored"
 
     # -- state -------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, int]:
+        """The tier's counters and its upload queue's, merged."""
+        return merged(self, self._uploads)
+
     def status(self) -> dict[str, object]:
         """What ``/health`` and the ladder report show of the tier."""
         return {
@@ -583,53 +490,3 @@ class RemoteTier:
         if dropped:
             log.warning("kv remote closed with %d uploads not done", dropped)
         self._drop_client()
-
-
-def _read_chunks(f: Any, size: int) -> Iterator[bytes]:
-    while True:
-        buf = f.read(size)
-        if not buf:
-            return
-        yield buf
-
-
-class _FileWriter:
-    """Writes chunks to ``fd`` on a thread of its own (a bounded queue), so
-    that a download's disk writes overlap its network reads. ``finish``
-    waits for the last write and raises the writer's error, if any."""
-
-    def __init__(self, fd: int, depth: int = 4):
-        self.fd = fd
-        self.q: queue.Queue[bytes | None] = queue.Queue(depth)
-        self.error: OSError | None = None
-        self.thread = threading.Thread(target=self._run, name="ds4-kv-download", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            data = self.q.get()
-            if data is None:
-                return
-            if self.error is None:
-                try:
-                    _write_all(self.fd, data)
-                except OSError as e:
-                    self.error = e
-
-    def put(self, data: bytes) -> None:
-        if self.error is not None:
-            raise self.error
-        self.q.put(data)
-
-    def finish(self) -> None:
-        self.q.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]

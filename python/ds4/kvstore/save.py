@@ -1,5 +1,6 @@
-"""Writing a live session into the store's directory: the export, the
-budget estimate, and the durable write with its typed errors."""
+"""Writing a live session into the store's directory: the policy's checks
+(:func:`store_live`), the export, the budget estimate, and the durable
+write with its typed errors."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import bisect
 import errno
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from .. import _core
 from ..checkpoint import open_checkpoint, reason_code, write_checkpoint
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    InvalidSessionError,
     MacMissingError,
     StoreError,
     StoreFullError,
@@ -23,10 +27,11 @@ from .files import NOT_REGULAR, StatKey, stat_key
 
 if TYPE_CHECKING:
     from ..session import Session
+    from . import KVStore
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["CHATML_MARKERS", "chat_anchor", "existing_file", "write_live"]
+__all__ = ["CHATML_MARKERS", "chat_anchor", "existing_file", "store_live", "write_live"]
 
 #: the user and assistant turn markers of the ChatML template both engines
 #: render (ds4's own template has its own User and Assistant marker tokens)
@@ -122,3 +127,51 @@ def existing_file(
     except CheckpointError:
         return "foreign"
     return "same" if ck.text == text else None
+
+
+def store_live(store: KVStore, sess: Session, reason: str, min_tokens: int | None) -> str | None:
+    """See :meth:`ds4.kvstore.KVStore.store_live_prefix` (the store's lock,
+    index and eviction; this module's checks and write)."""
+    if not sess.checkpoint_valid:
+        raise InvalidSessionError("cannot store a session without a valid checkpoint")
+    n = sess.n_past
+    floor = store.min_tokens if min_tokens is None else min_tokens
+    if n < max(1, floor):
+        log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, floor)
+        return None
+    text = sess.key_bytes()
+    name = _core.sha1_hex(text) + ".kv"
+    path = os.path.join(store.dir, name)
+    t0 = time.perf_counter()
+    with store.locked():
+        # Cheap checks first: an existing file for this key needs no
+        # export of the (possibly large) engine state.
+        existing = existing_file(path, sess, text, store.discard, store.auth_key)
+        if existing == "same":
+            log.info("kv cache store reason=%s: %s already stored", reason, name[:12])
+            return path
+        if existing == "foreign":
+            log.info(
+                "kv cache store skipped reason=%s: key %s is held by another engine's file (kept)",
+                reason,
+                name[:12],
+            )
+            return None
+        size = write_live(path, sess, text, reason, store.budget_bytes, store.auth_key)
+        if size is None:
+            return None
+        store.counters["stores"] += 1
+        store._index.index_file(name, path, stat_key(os.lstat(path)))
+        if store.remote is not None:  # shared in the background: never adds to this request's latency
+            store.remote.enqueue(path, sess.payload_abi, n, len(text))
+        log.info(
+            "kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
+            n,
+            reason,
+            name[:12],
+            size / 2**20,
+            (time.perf_counter() - t0) * 1000,
+        )
+        store._evict_locked(protect=name)
+        store._persist()
+    return path

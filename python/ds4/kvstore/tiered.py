@@ -5,8 +5,8 @@
 * A remote candidate is streamed into a temp file of the directory, the
   whole verification pipeline runs on it (``check_name`` off: the temp
   name; then the text's SHA-1 must be the key's), and the store renames it
-  to ``<sha1>.kv`` under its lock and indexes it (the ``adopt`` hook); it is
-  then loaded like any local file.
+  to ``<sha1>.kv`` under its lock and indexes it (the ``adopt`` hook); the
+  ladder then loads it like any local file (:func:`ds4.recovery.load_first`).
 * A remote entry that fails any check (chunks, the pipeline, the engine's
   own) is deleted from the tier; another engine's is kept there.
 * ``ds4 kv pull`` and ``ds4 kv push`` move files between the two tiers.
@@ -32,12 +32,13 @@ from ..errors import (
     NameMismatchError,
     RemoteChunkError,
 )
-from .entries import Candidates, Entry, LoadResult
+from .counters import Counters
+from .entries import Candidates, Entry
 from .files import create_temp
+from .rejection import RejectionLog, rejection_of
 from .remote import RemoteEntry, RemoteTier
 
 if TYPE_CHECKING:
-    from ..recovery import RecoveryReport
     from ..session import Session
 
 log = logging.getLogger("ds4.kvstore")
@@ -45,32 +46,28 @@ log = logging.getLogger("ds4.kvstore")
 __all__ = ["SharedTier"]
 
 #: the store's hooks: open a file for a session against a prompt (without
-#: the name check), load local entries into a session, adopt a verified temp
-#: file under its name
+#: the name check), adopt a verified temp file under its name
 OpenFor = Callable[["Session", str, bytes], Checkpoint]
-LoadLocal = Callable[["Session", list[Entry], bytes, "RecoveryReport | None"], "LoadResult | None"]
 Adopt = Callable[[str, str, Checkpoint], "Entry | None"]
 
 
 class SharedTier:
-    """One store's use of one :class:`RemoteTier`. ``stats`` is the store's
-    counters (a rejected remote entry counts there as well as on the tier)."""
+    """One store's use of one :class:`RemoteTier`. A rejected remote entry
+    counts in its :attr:`counters` (merged into the store's stats) and in
+    the tier's."""
 
     def __init__(
         self,
         tier: RemoteTier,
         directory: str,
-        stats: dict[str, int],
         *,
         open_for: OpenFor,
-        load_local: LoadLocal,
         adopt: Adopt,
     ):
         self.tier = tier
         self.dir = directory
-        self.stats = stats
+        self.counters = Counters("rejected")
         self._open_for = open_for
-        self._load_local = load_local
         self._adopt = adopt
 
     def lookup(self, found: Candidates, abi: str, *, min_tokens: int, ctx: int | None) -> None:
@@ -84,41 +81,34 @@ class SharedTier:
                 found.rejected.extend(got.rejected)
         found.remote_state = self.tier.state
 
-    def load(
-        self, sess: Session, prompt: bytes, entries: list[RemoteEntry], report: RecoveryReport | None
-    ) -> LoadResult | None:
-        """Download the first remote candidate that verifies, then load it
-        as a local file. A remote entry that fails any check (chunks, the
-        whole pipeline, the engine's own) is deleted from the tier and the
-        next one is tried; the tier failing stops here (the local
-        candidates are tried next)."""
-        tier = self.tier
-        for r in entries:
-            if not tier.available():
-                return None
-            t0 = time.perf_counter()
-            e = self.download(r, lambda tmp: self._open_for(sess, tmp, prompt), report)
-            if e is None:
-                continue
-            res = self._load_local(sess, [e], prompt, report)
-            if res is not None:
-                tier.touch(r)
-                tier.stats["hits"] += 1
-                log.info(
-                    "kv remote hit tokens=%d key=%s download+load=%.1f ms",
-                    r.tokens,
-                    r.name[:12],
-                    (time.perf_counter() - t0) * 1000,
-                )
-                res.tier = "remote"
-                return res
-            if not os.path.lexists(e.path):  # judged corrupt by the load (and discarded there)
-                tier.delete(r.sha, r.abi, r)
-        return None
+    def available(self) -> bool:
+        """Whether the tier may be asked now (not cooling down, not closed)."""
+        return self.tier.available()
 
-    def pull(
-        self, r: RemoteEntry, report: RecoveryReport | None, *, auth_key: bytes | None, mmap: bool
-    ) -> Entry | None:
+    def fetch(self, sess: Session, prompt: bytes, r: RemoteEntry, report: RejectionLog | None) -> Entry | None:
+        """Download ``r`` for a load into ``sess`` against ``prompt``
+        (:meth:`download`, verified as a load verifies): the local entry it
+        became, or None. The ladder loads it (:func:`ds4.recovery.load_first`)."""
+        return self.download(r, lambda tmp: self._open_for(sess, tmp, prompt), report)
+
+    def loaded(self, r: RemoteEntry, t0: float) -> None:
+        """The download of ``r`` (started at ``t0``) loaded: a hit of the tier."""
+        self.tier.touch(r)
+        self.tier.counters["hits"] += 1
+        log.info(
+            "kv remote hit tokens=%d key=%s download+load=%.1f ms",
+            r.tokens,
+            r.name[:12],
+            (time.perf_counter() - t0) * 1000,
+        )
+
+    def not_loaded(self, r: RemoteEntry, e: Entry) -> None:
+        """The download of ``r`` (``e``) did not load: when the load judged
+        it corrupt (and the store discarded it), it is deleted from the tier."""
+        if not os.path.lexists(e.path):
+            self.tier.delete(r.sha, r.abi, r)
+
+    def pull(self, r: RemoteEntry, report: RejectionLog | None, *, auth_key: bytes | None, mmap: bool) -> Entry | None:
         """See :meth:`ds4.kvstore.KVStore.pull`."""
 
         def opener(tmp: str) -> Checkpoint:
@@ -137,7 +127,7 @@ class SharedTier:
         return out
 
     def download(
-        self, r: RemoteEntry, opener: Callable[[str], Checkpoint], report: RecoveryReport | None
+        self, r: RemoteEntry, opener: Callable[[str], Checkpoint], report: RejectionLog | None
     ) -> Entry | None:
         """Stream ``r`` into a temp file of the directory, run the whole
         verification pipeline on it (``opener``), and have the store adopt
@@ -172,11 +162,11 @@ class SharedTier:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
-    def _reject(self, r: RemoteEntry, err: CheckpointError, report: RecoveryReport | None, *, delete: bool) -> None:
-        self.stats["rejected"] += 1
-        self.tier.stats["rejected"] += 1
+    def _reject(self, r: RemoteEntry, err: CheckpointError, report: RejectionLog | None, *, delete: bool) -> None:
+        self.counters["rejected"] += 1
+        self.tier.counters["rejected"] += 1
         if report is not None:
-            report.rejected.append((f"remote:{r.name}", err.stage, err.code, err.reason))
+            report.rejected.append(rejection_of(f"remote:{r.name}", err))
         if delete:
             self.tier.delete(r.sha, r.abi, r)
             log.warning("kv remote rejected %s: %s (deleted from the tier)", r.name[:12], err)

@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from .counters import Counters
+
 log = logging.getLogger("ds4.kvstore")
 
 __all__ = ["UploadQueue"]
@@ -24,11 +26,12 @@ class UploadQueue:
     """A bounded FIFO (a full queue drops its oldest entry: logged and
     counted ``upload_dropped``) and one daemon thread, started on the first
     entry, that calls ``upload`` on each (an exception is counted
-    ``upload_failed`` and logged). ``stats`` is the tier's counters."""
+    ``upload_failed`` and logged), in its own :attr:`counters` (merged into
+    the tier's stats)."""
 
-    def __init__(self, upload: Callable[[str, str, int, int], object], stats: dict[str, int], max_len: int):
+    def __init__(self, upload: Callable[[str, str, int, int], object], max_len: int):
         self._upload = upload
-        self.stats = stats
+        self.counters = Counters("upload_dropped", "upload_failed")
         self.max_len = max(1, max_len)
         self._queue: collections.deque[Upload] = collections.deque()
         self._cv = threading.Condition()
@@ -46,7 +49,7 @@ class UploadQueue:
                 return
             if len(self._queue) >= self.max_len:
                 old = self._queue.popleft()
-                self.stats["upload_dropped"] += 1
+                self.counters["upload_dropped"] += 1
                 log.warning("kv remote upload queue full (%d): dropped %s", self.max_len, os.path.basename(old[0]))
             self._queue.append((path, abi, tokens, text_bytes))
             if self._thread is None:
@@ -66,7 +69,7 @@ class UploadQueue:
             try:
                 self._upload(*item)
             except Exception:
-                self.stats["upload_failed"] += 1
+                self.counters["upload_failed"] += 1
                 log.exception("kv remote upload of %s failed", os.path.basename(item[0]))
             finally:
                 with self._cv:

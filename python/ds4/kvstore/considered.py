@@ -1,0 +1,71 @@
+"""What the ladder reports of a miss (:meth:`ds4.recovery._Ladder.divergence`):
+the longest checkpoint a lookup considered, from the index as it stands, and
+its stored text, read and verified (never another namespace's)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from ..checkpoint import open_checkpoint
+from ..errors import CheckpointError
+from ..keytext import namespace_of
+from .entries import Candidates, Entry, IndexRow
+from .files import is_checkpoint_name
+
+if TYPE_CHECKING:
+    from . import KVStore
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = ["longest_considered", "stored_text"]
+
+
+def longest_considered(
+    store: KVStore, found: Candidates, *, ctx: int | None = None, exclude: Collection[str] = ()
+) -> Entry | None:
+    """The longest checkpoint that the lookup of ``found`` considered,
+    from the index as it stands (call it right after the lookup: no
+    rescan, no file read, nothing hashed): a file of this directory in
+    ``found``'s namespace whose text is no longer than the prompt, of at
+    least ``min_tokens`` tokens and fewer than ``ctx`` (the lookup's own
+    filters, before it compares tails and hashes), the lookup's order
+    breaking ties. It need not be a prefix of the prompt: where the
+    prompt leaves it is what the ladder reports (its ``divergence``;
+    :meth:`stored_text` reads its text). Names in ``exclude`` are left
+    out. A pass over every index row, in Python."""
+    limit, ns = len(found.prompt), found.namespace
+    best: IndexRow | None = None
+    for row in store._idx.entries():
+        tokens, text_bytes = row[2], row[3]
+        if row[11] != ns or text_bytes > limit or tokens < store.min_tokens or (ctx is not None and tokens >= ctx):
+            continue
+        if row[0] in exclude:
+            continue
+        if best is None or (text_bytes, tokens, best[0]) > (best[3], best[2], row[0]):
+            best = row
+    return None if best is None else Entry.from_row(store.dir, best)
+
+
+def stored_text(store: KVStore, entry: Entry, namespace: str | None) -> bytes | None:
+    """The stored key text of ``entry`` when it is in ``namespace``:
+    its header and text read and verified
+    (:func:`ds4.checkpoint.open_checkpoint` without the payload; with
+    this store's key, a file without a MAC is refused). None when it
+    cannot be read or its text does not start with the namespace's own
+    preamble (never another namespace's text)."""
+    if not is_checkpoint_name(entry.name):
+        return None
+    try:
+        ck = open_checkpoint(os.path.join(store.dir, entry.name), load_payload=False, auth_key=store.auth_key)
+        text = bytes(ck.text)
+    except (OSError, CheckpointError) as e:
+        log.debug("kv cache could not read the text of %s: %s", entry.name, e)
+        return None
+    try:
+        same = namespace_of(text)[0] == namespace
+    except ValueError:
+        same = False
+    return text if same else None

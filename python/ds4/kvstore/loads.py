@@ -1,0 +1,114 @@
+"""The store's side of a load (the ladder, :func:`ds4.recovery.load_first`,
+does the loading): open a candidate through the whole verification pipeline
+with the store's checks, judge one that failed (count it; remove a corrupt
+file, keep an incompatible or unreadable one; say whether the session must
+be invalidated), and count a hit (stamp it, or consume the file)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from .. import _core
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..errors import CheckpointError, CorruptCheckpointError
+from .entries import Entry, LoadResult
+from .files import NOT_REGULAR, StatKey, stat_key
+from .rejection import Refusal, Rejection, import_failure, rejection_of
+from .remove import remove_exact
+
+if TYPE_CHECKING:
+    from ..session import Session
+    from . import KVStore
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = ["hit", "open_for", "refuse", "version_of"]
+
+
+def open_for(store: KVStore, sess: Session, path: str, prompt: bytes, *, check_name: bool = True) -> Checkpoint:
+    """Open ``path`` through the whole verification pipeline for a load
+    into ``sess`` against ``prompt`` (this store's checks: quant, key,
+    checksum, mmap); raises what the pipeline raises."""
+    return open_checkpoint(
+        path,
+        prompt=prompt,
+        check_name=check_name,
+        expected_abi=sess.payload_abi,
+        quant_bits=getattr(sess.engine, "quant_bits", 0) if store.policy.reject_different_quant else None,
+        ctx=sess.ctx - 1,
+        verify_checksum=store.policy.verify_checksum,
+        mmap=store.policy.mmap,
+        auth_key=store.auth_key,
+    )
+
+
+def version_of(e: Entry) -> StatKey:
+    """The stat key of ``e``'s file as it is now: the version a corrupt
+    verdict on it is about (:meth:`refuse`)."""
+    return stat_key(os.lstat(e.path))
+
+
+def refuse(store: KVStore, e: Entry, err: Exception, judged: StatKey | None) -> Refusal | None:
+    """The store's side of a candidate that failed to open or load
+    (``judged``: its version before it was judged, :func:`version_of`):
+    counted; a corrupt file is removed (or quarantined), an
+    incompatible or unreadable one kept. None when the file was gone
+    (removed by another process: forgotten)."""
+    if isinstance(err, FileNotFoundError):
+        store._forget(e.name)
+        return None
+    store.counters["rejected"] += 1
+    if isinstance(err, OSError):  # unreadable (permissions, I/O): a typed rejection; skipped and kept
+        return Refusal(Rejection(e.path, "open", "unreadable", err.strerror or type(err).__name__))
+    if isinstance(err, CheckpointError):
+        rej = rejection_of(e.path, err)
+        if isinstance(err, CorruptCheckpointError) and err.code != NOT_REGULAR:
+            store.discard(e.path, err, "load", judged)
+            return Refusal(rej, f"corrupt checkpoint {e.name}")
+        log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", *rejection_of(e.name, err))
+        return Refusal(rej)
+    rej = import_failure(e.path, err)
+    log.error("kv cache could not load %s: %s (kept)", e.name, rej.reason)
+    return Refusal(rej, f"checkpoint {e.name} failed to load")
+
+
+def hit(store: KVStore, e: Entry, ck: Checkpoint, ms: float, judged: StatKey | None) -> LoadResult:
+    """Count a load of ``e`` (``ck``, loaded in ``ms``): its hit stamped
+    in the file and the index, or, over ``cold_max_tokens`` with
+    ``consume_over_cold_max``, the file consumed. What the load reused."""
+    now = int(time.time())
+    if store.policy.consume_over_cold_max and 0 < store.cold_max_tokens < ck.tokens:
+        # ds4's consume: a load longer than cold_max_tokens deletes the
+        # file (the version that was loaded; through the one removal).
+        store._forget(e.name)
+        try:
+            with store.locked():
+                gone = remove_exact(store.dir, e.name, judged) is not None
+                store._persist()
+        except OSError as ex:
+            log.error("kv cache could not consume %s: %s", e.name, ex)
+            gone = False
+        if gone:
+            log.info("kv cache hit text tokens=%d consumed file=%s", ck.tokens, e.path)
+    else:
+        try:
+            e.hits = _core.touch(e.path, now)
+            e.last_used = now
+            st = os.stat(e.path)
+            e.stat_key = stat_key(st)
+            store._idx.set_hit(e.name, e.hits, now, e.stat_key)
+        except OSError as ex:
+            log.debug("kv cache touch failed for %s: %s", e.name, ex)
+    store.counters["hits"] += 1
+    log.info(
+        "kv cache hit text tokens=%d text=%d key=%s load=%.1f ms file=%s",
+        ck.tokens,
+        ck.text_bytes,
+        e.name[:12],
+        ms,
+        e.path,
+    )
+    return LoadResult(path=e.path, tokens=ck.tokens, text_bytes=ck.text_bytes)

@@ -1,0 +1,79 @@
+"""The store's knobs: :class:`StorePolicy`, one frozen value
+(:func:`ds4.config.make_store` builds it from the ``--kv-*`` flags; the
+defaults are ds4's), and the store lengths it decides (ds4's cold store
+length, the chat anchor, the continued interval)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+from .save import CHATML_MARKERS, chat_anchor
+
+__all__ = ["StorePolicy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StorePolicy:
+    """What a :class:`ds4.kvstore.KVStore` stores, keeps, loads and evicts."""
+
+    #: the directory's budget in MiB (records count in it)
+    budget_mb: float = 4096
+    #: the shortest checkpoint stored or loaded
+    min_tokens: int = 512
+    #: the longest prompt whose cold prefix a full prefill stores
+    cold_max_tokens: int = 30000
+    #: a continued checkpoint every this many tokens (aligned up)
+    continued_interval_tokens: int = 10000
+    boundary_trim_tokens: int = 32
+    boundary_align_tokens: int = 2048
+    #: refuse a checkpoint of another quantization
+    reject_different_quant: bool = True
+    #: where corrupt files go (None: removed; a path-like is taken as its str)
+    quarantine_dir: str | None = None
+    verify_checksum: bool = True
+    mmap: bool = True
+    #: ds4's consume: a load longer than ``cold_max_tokens`` deletes the file
+    consume_over_cold_max: bool = False
+    chat_markers: tuple[bytes, bytes] = CHATML_MARKERS
+    #: the share of the budget one tenant may hold before its own files are
+    #: evicted first (1: no shares, ds4's one order)
+    tenant_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.tenant_share <= 1.0:
+            raise ValueError(f"tenant_share must be in (0, 1], not {self.tenant_share!r}")
+        object.__setattr__(self, "quarantine_dir", os.fspath(self.quarantine_dir) if self.quarantine_dir else None)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.budget_mb * 1024 * 1024)
+
+    def cold_store_len(self, n_tokens: int) -> int | None:
+        """ds4's cold store length: trim the tail (BPE boundary safety) and
+        align down. Unlike ds4, a prompt too short to align keeps the trim
+        (ds4's own cold save drops it); None when even that is below min_tokens."""
+        if n_tokens < self.min_tokens:
+            return None
+        trimmed = n_tokens - self.boundary_trim_tokens
+        if self.boundary_align_tokens > 0:
+            aligned = trimmed // self.boundary_align_tokens * self.boundary_align_tokens
+            if aligned >= self.min_tokens:
+                return aligned
+        return trimmed if trimmed >= self.min_tokens else None
+
+    def cold_store_at(self, tokens: Sequence[int], token_bytes: Callable[[int], bytes]) -> int | None:
+        """Where ds4 stores a prompt's cold checkpoint: at the chat anchor
+        (:func:`.save.chat_anchor`: the last user marker before the first
+        assistant marker, so the key leaves out the task's own user turn)
+        when it is at least ``min_tokens``, not aligned, as ds4; otherwise
+        :meth:`cold_store_len`."""
+        anchor = chat_anchor(tokens, token_bytes, self.chat_markers)
+        if anchor is not None and anchor >= max(1, self.min_tokens):
+            return anchor
+        return self.cold_store_len(len(tokens))
+
+    def continued_step(self) -> int:
+        a = max(1, self.boundary_align_tokens)
+        return (self.continued_interval_tokens + a - 1) // a * a
