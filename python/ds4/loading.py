@@ -1,0 +1,110 @@
+"""The ladder's disk and remote rungs on their own: load the longest stored
+prefix of a prompt into a session (docs/DESIGN.md, "Recovery ladder").
+
+The store only proposes and judges (:meth:`ds4.kvstore.KVStore.candidates`,
+:mod:`ds4.kvstore.loads`), the shared tier only downloads
+(:meth:`ds4.kvstore.tiered.SharedTier.fetch`); the session is loaded, and
+invalidated after a corrupt candidate, here and in :mod:`ds4.recovery` only.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .kvstore import Candidates, Entry, KVStore, LoadResult, RejectionLog, loads
+from .kvstore.files import StatKey
+from .kvstore.remote import RemoteEntry
+from .session import Session
+
+__all__ = ["load_first", "try_load_text"]
+
+#: the loads' own clock (what the store and the tier log of a load), apart
+#: from the report's timings (``time.perf_counter``)
+load_clock = time.perf_counter
+
+
+def try_load_text(
+    store: KVStore, sess: Session, prompt_text: str | bytes, report: RejectionLog | None = None
+) -> LoadResult | None:
+    """One rung of the ladder on its own, as in ds4: load the longest
+    stored prefix of ``prompt_text`` into ``sess``. Corrupt candidates
+    invalidate the session and are removed; incompatible ones are kept;
+    the next candidate is tried. Returns None when nothing loaded.
+    Bytes are a key text (:mod:`ds4.keytext`); a ``str`` is taken as
+    its UTF-8 bytes in the session's namespace (its key text when no
+    marker's lead byte is typed in it as text)."""
+    pb = sess.key_of(()) + prompt_text.encode("utf-8") if isinstance(prompt_text, str) else bytes(prompt_text)
+    found = store.candidates(pb, ctx=sess.ctx, abi=sess.payload_abi, namespace=sess.namespace)
+    if report is not None:
+        report.rejected.extend(found.rejected)
+    return load_first(store, sess, found, report)
+
+
+def load_first(
+    store: KVStore, sess: Session, found: Candidates, report: RejectionLog | None = None
+) -> LoadResult | None:
+    """Load the first of ``found`` (:meth:`KVStore.candidates`) that passes
+    the whole verification pipeline into ``sess``; see :func:`try_load_text`.
+    The candidates rejected at load time are added to ``report`` (those
+    rejected at indexing are the caller's, in ``found.rejected``). A remote
+    candidate longer than every local one is downloaded and tried first."""
+    res = None
+    longer = store.remote_longer(found)
+    if longer:
+        res = _load_remote(store, sess, found.prompt, longer, report)
+    if res is None:
+        res = _load_entries(store, sess, found.entries, found.prompt, report)
+    if res is None:
+        store.miss()
+    return res
+
+
+def _load_remote(
+    store: KVStore, sess: Session, prompt: bytes, entries: list[RemoteEntry], report: RejectionLog | None
+) -> LoadResult | None:
+    """Download the first remote candidate that verifies, then load it as a
+    local file. A remote entry that fails any check (chunks, the whole
+    pipeline, the engine's own) is deleted from the tier and the next one
+    is tried; the tier failing stops here (the local candidates are next)."""
+    tier = store.shared
+    assert tier is not None
+    for r in entries:
+        if not tier.available():
+            return None
+        t0 = load_clock()
+        e = tier.fetch(sess, prompt, r, report)
+        if e is None:
+            continue
+        res = _load_entries(store, sess, [e], prompt, report)
+        if res is not None:
+            tier.loaded(r, t0)
+            res.tier = "remote"
+            return res
+        tier.not_loaded(r, e)
+    return None
+
+
+def _load_entries(
+    store: KVStore, sess: Session, entries: list[Entry], prompt: bytes, report: RejectionLog | None
+) -> LoadResult | None:
+    """Load the first of ``entries`` that the store verifies and the session
+    takes; a refused one is the store's to count, remove or keep
+    (:func:`ds4.kvstore.loads.refuse`), and invalidates the session when its verdict
+    says so (a corrupt file, a failed import)."""
+    for e in entries:
+        t0 = load_clock()
+        judged: StatKey | None = None  # the version a corrupt verdict is about
+        try:
+            judged = loads.version_of(e)
+            ck = loads.open_for(store, sess, e.path, prompt)
+            sess.load_checkpoint(ck)
+        except Exception as err:
+            refusal = loads.refuse(store, e, err, judged)
+            if refusal is not None:
+                if refusal.invalidate:
+                    sess.invalidate(refusal.invalidate)
+                if report is not None:
+                    report.rejected.append(refusal.rejection)
+            continue
+        return loads.hit(store, e, ck, (load_clock() - t0) * 1000, judged)
+    return None
