@@ -20,23 +20,23 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import re
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
+from ..config import build_engine, check_kv_args, engine_model_id, make_store
 from ..keytext import tokenize_prompt
+from ..serve_args import SSE_KEEPALIVE_S, add_serve_args
 from ..turn import Generator, GenResult
 from .anthropic import AnthropicWire, MessagesParser
 from .body import BodyLimits, read_json
 from .conversation import AgentTurn, LiveTools
-from .guard import Guard, GuardMiddleware, add_guard_args, guard_from_args
+from .guard import Guard, GuardMiddleware, guard_from_args
 from .health import operator_view, tenant_view
 from .openai import ApiError, OpenAIWire, RequestParser, Turn, Wire, http_error
 from .responses import MemoryRecords, ResponsesParser, ResponsesWire, StoredResponses
 from .tenants import ANONYMOUS, namespace_for
-from .volatile import MODES, SystemText
+from .volatile import SystemText
 from .worker import Job, Service
 
 if TYPE_CHECKING:
@@ -53,8 +53,6 @@ Event = tuple[str, Any]
 #: how long a streamed request waits for its job to start before sending
 #: its headers (a quick refusal still gets its 4xx)
 STREAM_HOLD_S = 0.5
-#: a keepalive comment at least this often while a stream has nothing to say
-SSE_KEEPALIVE_S = 2.0
 SSE_KEEPALIVE = b": keepalive\n\n"
 
 
@@ -402,92 +400,6 @@ def create_app(
 # ---------------------------------------------------------------------------
 # ds4 serve
 # ---------------------------------------------------------------------------
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    add_engine_args(p)
-    add_kv_args(p)
-    p.add_argument(
-        "--kv-tenant-share",
-        type=float,
-        default=1.0,
-        metavar="F",
-        help="a tenant (API key) holding more than F of the disk budget loses its own checkpoints first "
-        "(0 < F <= 1; default 1: one eviction order for all)",
-    )
-    p.add_argument("--no-kv-cache", action="store_true", help="no disk cache at all (the live session is still reused)")
-    p.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=0,
-        metavar="N",
-        help="max_tokens when a request gives none (default 0: until end of generation or the context)",
-    )
-    p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
-    p.add_argument(
-        "--model-alias",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="another model id /v1/models/{id} knows (repeatable; requests may name any model)",
-    )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    add_guard_args(p)
-    g = p.add_argument_group('volatile system text (docs/DESIGN.md, "Volatile system text")')
-    g.add_argument(
-        "--keep-billing-header",
-        action="store_true",
-        help="keep Claude Code's x-anthropic-billing-header first line of system text (its cch changes on every "
-        "request: each turn is then a prefill from there on)",
-    )
-    g.add_argument(
-        "--prompt-volatile",
-        action="append",
-        default=[],
-        type=_regex,
-        metavar="REGEX",
-        help="lines of system text this matches (re.search; repeatable) are dropped or moved to the prompt's tail "
-        "(--prompt-volatile-mode); never user or assistant text",
-    )
-    g.add_argument(
-        "--prompt-volatile-mode",
-        choices=MODES,
-        default="drop",
-        help="drop: the lines are removed; tail: they become a system turn after the last message, in their "
-        "order (default drop)",
-    )
-    p.add_argument(
-        "--sse-keepalive",
-        type=float,
-        default=SSE_KEEPALIVE_S,
-        metavar="S",
-        help=f"a keepalive comment on a stream silent this long, e.g. during a prefill (default {SSE_KEEPALIVE_S:g})",
-    )
-    p.add_argument(
-        "--debug", action="store_true", help="show absolute paths and error details in HTTP answers and /health"
-    )
-    g = p.add_argument_group("request limits")
-    g.add_argument("--max-body-mb", type=float, default=16, metavar="MB", help="largest request body (default 16 MiB)")
-    g.add_argument(
-        "--body-timeout", type=float, default=30, metavar="S", help="a request body must arrive within S s (default 30)"
-    )
-    g.add_argument(
-        "--header-timeout", type=float, default=10, metavar="S", help="request line and headers within S s (default 10)"
-    )
-    g.add_argument(
-        "--keep-alive-timeout", type=int, default=5, metavar="S", help="close idle keep-alive connections (default 5 s)"
-    )
-
-
-def _regex(s: str) -> str:
-    """A ``--prompt-volatile`` pattern, compiled once to check it."""
-    try:
-        re.compile(s)
-    except re.error as e:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a valid regular expression: {e}") from None
-    return s
-
-
 def serve_main(args: argparse.Namespace) -> int:
     try:
         import starlette  # noqa: F401
