@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lint gates, one entry point for people and CI (.ci/run runs it before
 # the tests; .pre-commit-config.yaml before each commit): ruff (check with
-# the complexity rule, and format), mypy on the package (strict on the core
+# the complexity rule, McCabe 13, and format), the 500-line rule for the
+# package's modules (scripts/check_sizes.py), mypy on the package (strict on the core
 # modules), stubtest of the extension's stub, and the Rust gates (fmt, clippy
 # with the [lints] policy of Cargo.toml). Configuration: pyproject.toml and
 # Cargo.toml. stubtest needs the built package (scripts/setup.sh).
@@ -15,6 +16,8 @@ echo "== lint: ruff check"
 "$PY" -m ruff check .
 echo "== lint: ruff format --check"
 "$PY" -m ruff format --check .
+echo "== lint: every Python module of the package at most 500 lines (scripts/check_sizes.py)"
+"$PY" scripts/check_sizes.py
 echo "== lint: mypy (python/ds4; strict on errors, checkpoint, session, kvstore, recovery, constrain)"
 "$PY" -m mypy
 echo "== lint: stubtest ds4._core (the allowlist says what stubtest cannot see)"

@@ -562,7 +562,7 @@ def test_chat_repl_save_list_switch_clear(tmp_path):
 
 
 def test_chat_ctrl_c_stops_generation_cleanly(tmp_path):
-    from ds4.cli.chat import DEFAULT_SYSTEM
+    from ds4.cli import DEFAULT_SYSTEM
     from ds4.cli.term import printable as _printable
     from ds4.turn import Generator, GenParams
 
@@ -675,3 +675,38 @@ def test_demo_main_job_end_to_end(tmp_path):
     reused3 = int(re.search(r"^   rung=disk, reused (\d+) tokens; corrupt file removed: True$", out, re.M).group(1))
     assert 0 < reused3 < reused2 and reused3 % 512 == 0  # --align 512
     assert os.listdir(tmp_path / "demo").count(bad) == 0
+
+
+# -- a light start: ds4 kv never loads the server, an engine, the turn or llguidance ---
+
+HEAVY = ("ds4.server", "ds4.turn", "ds4.engines", "ds4.constrain", "llguidance")
+
+
+def _modules_after(argv: list[str]) -> list[str]:
+    """The modules a fresh interpreter holds after ``ds4.cli.main(argv)``."""
+    code = (
+        "import sys\n"
+        "from ds4.cli import main\n"
+        f"rc = main({argv!r})\n"
+        "print('\\n'.join(sorted(sys.modules)), file=sys.stderr)\n"
+        "sys.exit(rc)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode in (0, 1), p.stderr  # 1: a verification's verdict on the test file
+    return p.stderr.split()
+
+
+@pytest.mark.parametrize("action", [["ls"], ["ls", "--verify"], ["stats"], ["verify"], ["show", "--json"]])
+def test_kv_imports_no_server_engine_turn_or_llguidance(tmp_path, write_ck, action):
+    path = write_ck(tmp_path, "a checkpoint that ds4 kv lists, shows and verifies")
+    argv = ["kv", action[0], path if action[0] == "show" else str(tmp_path), *action[1:]]
+    mods = _modules_after(argv)
+    assert "ds4.cli.kv" in mods  # the command ran
+    heavy = [m for m in mods if any(m == h or m.startswith(h + ".") for h in HEAVY)]
+    assert heavy == [], f"ds4 {' '.join(argv)} imported {heavy}"
+
+
+def test_the_parser_is_built_without_the_server():
+    mods = _modules_after(["--version"])
+    assert "ds4.serve_args" in mods
+    assert [m for m in mods if any(m == h or m.startswith(h + ".") for h in HEAVY)] == []

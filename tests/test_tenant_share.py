@@ -139,7 +139,7 @@ def _cli_error(*flags):
     import argparse
 
     from ds4.config import check_kv_args
-    from ds4.server.serve import add_serve_args
+    from ds4.serve_args import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)

@@ -10,10 +10,13 @@
     ds4 bench  [--tokens N] [--model PATH] [--json]                         headline figures on this machine
     ds4 demo   [--engine ...] [--model PATH]                                the end-to-end demo
 
-Each command is a module of this package (run, chat, kv, bench); they stand
-on :mod:`ds4.turn`, :mod:`ds4.config`, :mod:`ds4.recovery` and
-:mod:`ds4.kvstore`, never on the HTTP server (``ds4 serve`` imports it on
-demand).
+Each command is a module of this package (run, chat, kv, bench), imported
+when the command runs; they stand on :mod:`ds4.turn`, :mod:`ds4.config`,
+:mod:`ds4.recovery` and :mod:`ds4.kvstore`, never on the HTTP server. The
+parser itself needs only :mod:`ds4.config` and :mod:`ds4.serve_args`
+(``ds4 serve``'s flags), so ``ds4 kv`` loads no server module, no turn
+driver, no engine and no llguidance; ``ds4 serve`` imports the server when
+it runs.
 """
 
 from __future__ import annotations
@@ -26,10 +29,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import DEFAULT_BUDGET_MB, ENGINE_KINDS, add_engine_args, add_kv_args
+from ..serve_args import add_serve_args
 from .kvremote import add_remote_args
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
-__all__ = ["build_parser", "main"]
+__all__ = ["DEFAULT_SYSTEM", "build_parser", "main"]
+
+#: ``ds4 chat``'s system prompt without ``--system``
+DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
 def _gen_args(q: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -125,9 +132,6 @@ def _kv_parser(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..server.serve import add_serve_args
-    from .chat import DEFAULT_SYSTEM
-
     p = argparse.ArgumentParser(prog="ds4", description="ds4: LLM inference with a verified disk KV cache")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")

@@ -26,10 +26,9 @@ from ..session import Session
 from ..turn import Generator, GenParams
 from .term import EXIT_OK, EXIT_USAGE, ProgressBar, age, printable, table
 
-__all__ = ["CHAT_INDEX", "DEFAULT_SYSTEM", "ChatREPL", "cmd_chat", "write_session"]
+__all__ = ["CHAT_INDEX", "ChatREPL", "cmd_chat", "write_session"]
 
 CHAT_INDEX = "ds4-chat.json"
-DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
 def atomic_write_json(path: str, obj: object) -> None:

@@ -63,20 +63,16 @@ Logging
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-from ..engine import as_token_array
-from ..errors import ContextOverflowError, EngineError, EngineStateError
+from ..errors import EngineError
 from ..keytext import Prompt
 from .chat_template import chat_renderer
+from .llamacpp_context import Idle, LlamaCppContext, padded
 from .llamacpp_lib import (
     GGUF_NAME,
-    Batch,
     default_model_path,
     default_threads,
     install_log_callback,
@@ -84,7 +80,7 @@ from .llamacpp_lib import (
     model_fingerprint,
 )
 from .llamacpp_probe import CANDIDATES, Probe, probe_engine
-from .llamacpp_state import StateLayout, check_payload, full_layout, walk_state
+from .llamacpp_state import StateLayout
 
 __all__ = ["GGUF_NAME", "LlamaCppContext", "LlamaCppEngine", "default_model_path"]
 
@@ -97,12 +93,6 @@ _GGML_TYPE_F16 = 1
 #: batch and cells have room for their pads)
 _MAX_FLOOR = max(f for f, _ in CANDIDATES)
 _MAX_MULT = max(m for _, m in CANDIDATES)
-_LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
-
-
-def _padded(n: int, m: int) -> int:
-    """``n`` rounded up to a multiple of ``m``."""
-    return -(-n // m) * m
 
 
 # -- engine ------------------------------------------------------------------
@@ -138,13 +128,15 @@ class LlamaCppEngine:
         self.seed = int(seed)  # decoding is greedy; kept for the record
         self.verbose = bool(verbose)
         self.n_batch = int(n_batch)
+        #: a context's batch and cells have room for the pads of any policy the probe may choose
+        self.batch_room = padded(max(self.n_batch, _MAX_FLOOR), _MAX_MULT)
         self.exact = bool(exact)
         self.n_threads = int(n_threads) if n_threads else default_threads()
         self._closed = False
         self._contexts_alive = 0
         # the last context closed, kept (cleared) for the next new_context of
         # its size: a new Session over this engine then pays no context creation
-        self._idle: _Idle | None = None
+        self._idle: Idle | None = None
         # llama.cpp handles (ctypes pointers from an untyped module)
         self._model_to_free: Any = None
         self._model: Any = None
@@ -298,7 +290,31 @@ class LlamaCppEngine:
     #: how many new_context calls were served by a kept context
     contexts_reused = 0
 
-    def _keep(self, idle: _Idle) -> bool:
+    @property
+    def lc(self) -> Any:
+        """The ``llama_cpp`` module (its low-level API) the contexts call."""
+        return self._lc
+
+    @property
+    def model(self) -> Any:
+        """The ``llama_model`` handle the contexts are made from."""
+        return self._model
+
+    def context_opened(self) -> None:
+        """A context made its own llama handles (counted: the model is freed after the last)."""
+        self._contexts_alive += 1
+
+    def context_freed(self) -> None:
+        """A context freed its handles; the model goes with the last one once the engine is closed."""
+        self._contexts_alive -= 1
+        if self._contexts_alive == 0 and self._model_to_free:
+            model, self._model_to_free = self._model_to_free, None
+            try:
+                self._lc.llama_model_free(model)
+            except Exception:  # pragma: no cover
+                pass
+
+    def keep(self, idle: Idle) -> bool:
         """Keep a closing context's llama handles for the next context of
         its size (cleared now, so nothing of its conversation stays); the
         context kept before, if any, is freed. False when the engine is
@@ -314,7 +330,7 @@ class LlamaCppEngine:
             self._free_idle(old)
         return True
 
-    def _free_idle(self, idle: _Idle) -> None:
+    def _free_idle(self, idle: Idle) -> None:
         try:
             self._lc.llama_batch_free(idle.batch.raw)
             self._lc.llama_free(idle.ctx)
@@ -369,277 +385,3 @@ class LlamaCppEngine:
         stores each prompt
         (:func:`ds4.recover`'s ``prompt_save``)."""
         return not self.can_rewind or (self.state_layout is not None and self.state_layout.windowed)
-
-
-# -- context -----------------------------------------------------------------
-@dataclasses.dataclass
-class _Idle:
-    """The llama handles of a closed context, kept by its engine."""
-
-    n_ctx: int
-    ctx: Any
-    mem: Any
-    batch: Batch
-
-
-class LlamaCppContext:
-    """One llama_context holding one token sequence (seq_id 0). Closing it
-    (or dropping it) hands its llama context, cleared, to the engine, which
-    gives it to the next context of the same size."""
-
-    def __init__(self, engine: LlamaCppEngine, n_ctx: int, *, reuse: _Idle | None = None):
-        lc = engine._lc
-        self._lc = lc
-        self._engine = engine
-        self.n_ctx = int(n_ctx)
-        self._ctx = None
-        self._batch: Batch | None = None
-        nb = engine.n_batch
-        self._nb = nb
-        self._exact = engine.exact
-        # exact mode: every decode is padded to a batch size the engine's
-        # kernels treat alike (see "Determinism")
-        self._floor = engine.batch_floor
-        self._mult = engine.batch_multiple
-        self._tokens: list[int] = []
-        # tokens [0, _known_from) came from import_state: their ids are unknown
-        self._known_from = 0
-        # the shortest state a rewind may leave: 0, but after an import of a
-        # windowed state the window layers' cells before its window are zeros
-        # (a rewind to n re-decodes token n-1, which sees the window before
-        # it), so then the import's length, unless it fit in the window
-        self._rewind_min = 0
-        self._logits: np.ndarray | None = None
-        if reuse is not None:
-            self._ctx, self._mem, self._batch = reuse.ctx, reuse.mem, reuse.batch
-            return
-        cap = _padded(max(nb, _MAX_FLOOR), _MAX_MULT)
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = self.n_ctx + cap  # room for the pad tokens of an exact short batch
-        cparams.n_batch = cap
-        cparams.n_ubatch = cap
-        cparams.n_seq_max = 1
-        cparams.n_threads = engine.n_threads
-        cparams.n_threads_batch = engine.n_threads
-        cparams.flash_attn_type = _LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.type_k = engine.type_k
-        cparams.type_v = engine.type_v
-        cparams.swa_full = True  # SWA layers keep every position: rewind stays exact
-        cparams.embeddings = False
-        cparams.offload_kqv = False
-        cparams.no_perf = True
-        ctx = lc.llama_init_from_model(engine._model, cparams)
-        if not ctx:
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens")
-        self._ctx = ctx
-        engine._contexts_alive += 1
-        if lc.llama_n_ctx(ctx) < self.n_ctx + cap:  # pragma: no cover - llama only rounds up
-            self.close()
-            raise EngineError("llama.cpp gave a smaller context than requested")
-        self._mem = lc.llama_get_memory(ctx)
-        self._batch = Batch(lc, cap)
-
-    # -- bookkeeping -------------------------------------------------------
-    @property
-    def n_past(self) -> int:
-        return len(self._tokens)
-
-    def _check_open(self) -> None:
-        if self._ctx is None:
-            raise EngineError("the context is closed")
-
-    def reset(self) -> None:
-        self._check_open()
-        self._lc.llama_memory_clear(self._mem, True)
-        self._tokens = []
-        self._known_from = 0
-        self._rewind_min = 0
-        self._logits = None
-
-    def close(self) -> None:
-        ctx, self._ctx = self._ctx, None
-        if ctx is None:
-            return
-        eng = self._engine
-        if self._batch is not None and eng._keep(_Idle(self.n_ctx, ctx, self._mem, self._batch)):
-            self._batch = None
-            return
-        try:
-            if self._batch is not None:
-                self._lc.llama_batch_free(self._batch.raw)
-                self._batch = None
-            self._lc.llama_free(ctx)
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
-        eng._contexts_alive -= 1
-        if eng._contexts_alive == 0 and eng._model_to_free:
-            model, eng._model_to_free = eng._model_to_free, None
-            try:
-                self._lc.llama_model_free(model)
-            except Exception:  # pragma: no cover
-                pass
-
-    def __del__(self) -> None:  # pragma: no cover - GC timing
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    # -- evaluation --------------------------------------------------------
-    def _as_tokens(self, tokens: Sequence[int]) -> np.ndarray:
-        return as_token_array(tokens, self._engine.vocab_size, np.int32)
-
-    def _decode(self, toks: np.ndarray, pos0: int) -> None:
-        """One llama_decode of 1..n_batch tokens, logits for the last one.
-
-        In exact mode a batch shorter than the engine's floor, or not a
-        multiple of its multiple, is padded with copies of its last token at
-        the next positions (causal attention: they cannot influence the real
-        tokens), whose cells are removed right after."""
-        n = int(toks.size)
-        m = max(self._floor, _padded(n, self._mult))
-        batch = self._batch
-        if batch is None:
-            raise EngineError("the context is closed")
-        rc = self._lc.llama_decode(self._ctx, batch.load(toks, pos0, m))
-        batch.logits[n - 1] = 0
-        if rc != 0:
-            raise EngineError(f"llama_decode failed with code {rc} at position {pos0}")
-        if m > n and not self._lc.llama_memory_seq_rm(self._mem, 0, pos0 + n, -1):
-            raise EngineError("llama.cpp could not drop the pad tokens")  # pragma: no cover
-
-    def _read_logits(self) -> np.ndarray:
-        p = self._lc.llama_get_logits_ith(self._ctx, -1)
-        if not p:
-            raise EngineError("llama.cpp returned no logits")
-        return np.ctypeslib.as_array(p, shape=(self._engine.vocab_size,)).copy()
-
-    def eval(self, tokens: Sequence[int], progress: Callable[[int, int], object] | None = None) -> np.ndarray:
-        self._check_open()
-        toks = self._as_tokens(tokens)
-        n_past = self.n_past
-        total = int(toks.size)
-        if n_past + total > self.n_ctx:
-            raise ContextOverflowError(n_past + total, self.n_ctx)
-        nb = self._nb
-        done = 0
-        try:
-            while done < total:
-                pos = n_past + done
-                # chunk boundaries at absolute multiples of n_batch
-                step = min(total - done, nb - pos % nb)
-                self._decode(toks[done : done + step], pos)
-                self._tokens.extend(toks[done : done + step].tolist())
-                done += step
-                if done == total:
-                    self._logits = self._read_logits()
-                if progress is not None:
-                    progress(done, total)
-        except EngineError:
-            self.reset()
-            raise
-        return self.last_logits()
-
-    def last_logits(self) -> np.ndarray:
-        """Logits after the last evaluated token (a copy); used after truncate()."""
-        if self._logits is None:
-            raise EngineError("the context is empty")
-        return self._logits.copy()
-
-    def truncate(self, n_tokens: int) -> bool:
-        """Drop positions >= ``n_tokens``.
-
-        llama.cpp keeps no logits for earlier positions, so the last kept
-        token is removed too and evaluated again to get its logits (exact:
-        bit-identical to a cold prefill in ``exact`` mode). That needs its
-        id, which the context knows for tokens it evaluated itself, and for
-        imported ones once told (:meth:`know_tokens`). It returns False and
-        leaves the state unchanged when the ids are unknown, when the model
-        cannot rewind (recurrent memory), and when the cut reaches into a
-        windowed import longer than its window (``_rewind_min``)."""
-        self._check_open()
-        n = int(n_tokens)
-        if n < 0 or n > self.n_past:
-            raise ValueError(f"cannot truncate {self.n_past} tokens to {n}")
-        if n == self.n_past:
-            return True
-        if n == 0:
-            self.reset()
-            return True
-        if n - 1 < self._known_from or not self._engine.can_rewind or n < self._rewind_min:
-            return False
-        if not self._lc.llama_memory_seq_rm(self._mem, 0, n - 1, -1):
-            return False
-        last = self._tokens[n - 1]
-        del self._tokens[n - 1 :]
-        try:
-            self._decode(np.array([last], dtype=np.int32), n - 1)
-            self._tokens.append(last)
-            self._logits = self._read_logits()
-        except EngineError:
-            self.reset()
-            raise
-        return True
-
-    # -- state -------------------------------------------------------------
-    def export_state(self) -> dict[str, np.ndarray]:
-        self._check_open()
-        if self.n_past == 0 or self._logits is None:
-            raise EngineError("nothing to export: the context is empty")
-        lc = self._lc
-        size = int(lc.llama_state_seq_get_size(self._ctx, 0))
-        if size <= 0:
-            raise EngineError("llama_state_seq_get_size failed")
-        buf = np.empty(size, dtype=np.uint8)
-        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = int(lc.llama_state_seq_get_data(self._ctx, ptr, size, 0))
-        if n <= 0 or n > size:
-            raise EngineError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
-        if n < size:  # pragma: no cover - get_size is exact
-            buf = buf[:n].copy()
-        return {"llama_state": buf, "logits": self._logits.copy()}
-
-    def import_state(self, arrays: Mapping[str, np.ndarray], n_tokens: int) -> None:
-        self._check_open()
-        eng = self._engine
-        # -- validate everything before touching the context ---------------
-        blob, new_logits, n_tokens = check_payload(arrays, n_tokens, self.n_ctx, eng.vocab_size)
-        layout = eng.state_layout
-        if layout is not None:
-            blob = full_layout(blob, n_tokens, layout, walk_state(blob, n_tokens, layout))
-        # -- hand it to llama.cpp: a sequence restore, into an empty cache,
-        # puts position i in cell i and the head after the last cell, as a
-        # cold prefill leaves them (llamacpp_state, "Exactness on import")
-        lc = self._lc
-        lc.llama_memory_clear(self._mem, True)
-        ptr = ctypes.cast(ctypes.c_void_p(blob.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
-        n_read = int(lc.llama_state_seq_set_data(self._ctx, ptr, blob.size, 0))
-        pos_min = int(lc.llama_memory_seq_pos_min(self._mem, 0))
-        pos_max = int(lc.llama_memory_seq_pos_max(self._mem, 0))
-        if n_read != blob.size or pos_min != 0 or pos_max != n_tokens - 1:
-            self.reset()
-            raise EngineStateError(
-                f"llama.cpp rejected the state (read {n_read} of {blob.size} bytes, "
-                f"positions {pos_min}..{pos_max}, expected 0..{n_tokens - 1})"
-            )
-        self._tokens = [-1] * n_tokens
-        self._known_from = n_tokens
-        short = layout is None or (layout.windowed and n_tokens > eng.n_swa)
-        self._rewind_min = n_tokens if short else 0
-        self._logits = new_logits
-
-    def know_tokens(self, tokens: Sequence[int]) -> None:
-        """The ids of the tokens the last import restored (a session checked
-        them against the checkpoint's verified text), so that a rewind into
-        the imported prefix can re-decode its last kept token. What the
-        window layers lost stays lost: :meth:`truncate` still refuses a cut
-        into a windowed import longer than its window (``_rewind_min``)."""
-        if self._known_from == 0 or len(tokens) != len(self._tokens):
-            raise EngineError("know_tokens: not the tokens of the last import")
-        self._tokens = [int(t) for t in tokens]
-        self._known_from = 0
-
-    @property
-    def tokens(self) -> list[int] | None:
-        """The evaluated token ids, or None when a restored prefix hides them."""
-        return None if self._known_from else list(self._tokens)

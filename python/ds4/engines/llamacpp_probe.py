@@ -31,15 +31,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import EngineError, EngineStateError
+from .llamacpp_context import LlamaCppContext, Owner
 from .llamacpp_state import StateLayout, learn_layout, walk_state
-
-if TYPE_CHECKING:
-    from .llamacpp import LlamaCppContext, LlamaCppEngine
 
 __all__ = ["CANDIDATES", "Probe", "probe_engine"]
 
@@ -64,7 +62,16 @@ class Probe:
 _cache: dict[tuple[object, ...], Probe] = {}
 
 
-def probe_engine(eng: LlamaCppEngine) -> Probe:
+class Probed(Owner, Protocol):
+    """The engine being probed (:class:`~ds4.engines.llamacpp.LlamaCppEngine`,
+    as it starts): a context's owner, with its model file and tokenizer."""
+
+    model_path: str
+
+    def tokenize(self, text: str, special: bool = False) -> list[int]: ...
+
+
+def probe_engine(eng: Probed) -> Probe:
     """The probe of ``eng``'s model (cached; see the module docstring)."""
     st = os.stat(eng.model_path)
     key = (os.path.realpath(eng.model_path), st.st_size, st.st_mtime_ns, eng.n_batch, eng.n_threads)
@@ -74,9 +81,7 @@ def probe_engine(eng: LlamaCppEngine) -> Probe:
     return hit
 
 
-def _probe(eng: LlamaCppEngine) -> Probe:
-    from .llamacpp import LlamaCppContext
-
+def _probe(eng: Probed) -> Probe:
     try:
         ctx = LlamaCppContext(eng, 256)
     except EngineError:  # pragma: no cover
@@ -97,7 +102,7 @@ def _probe(eng: LlamaCppEngine) -> Probe:
         ctx.close()
 
 
-def _layout(ctx: LlamaCppContext, eng: LlamaCppEngine) -> tuple[StateLayout | None, int]:
+def _layout(ctx: LlamaCppContext, eng: Probed) -> tuple[StateLayout | None, int]:
     """The layout of the engine's own 1- and 3-token states, and the bytes a
     token adds to the blob (below the window)."""
     try:
@@ -114,7 +119,7 @@ def _layout(ctx: LlamaCppContext, eng: LlamaCppEngine) -> tuple[StateLayout | No
         return None, 0
 
 
-def _tokens(eng: LlamaCppEngine) -> list[int]:
+def _tokens(eng: Probed) -> list[int]:
     text = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods. "
     toks = eng.tokenize(text * 4)[:_N]
     if len(toks) < _N:  # pragma: no cover - every tokenizer splits this text finer
@@ -125,7 +130,7 @@ def _tokens(eng: LlamaCppEngine) -> list[int]:
 def _alike(ctx: LlamaCppContext, toks: list[int], floor: int, mult: int) -> bool:
     """Whether, padded to ``floor`` x ``mult``, every split of ``toks``
     gives the logits of the whole, bit for bit."""
-    ctx._floor, ctx._mult = floor, mult
+    ctx.batch_floor, ctx.batch_multiple = floor, mult
 
     def run(pieces: tuple[int, ...]) -> np.ndarray:
         ctx.reset()

@@ -11,8 +11,9 @@
   protocol is one more module beside them.
 """
 
+from ..serve_args import add_serve_args
 from .app import create_app
-from .serve import add_serve_args, serve_main
+from .serve import serve_main
 from .wire import ApiError
 from .worker import Service
 

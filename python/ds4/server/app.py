@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..keytext import tokenize_prompt
+from ..serve_args import SSE_KEEPALIVE_S
 from ..turn import GenResult
 from .anthropic import MessagesParser
 from .anthropic_reply import AnthropicWire
@@ -55,8 +56,8 @@ Event = tuple[str, Any]
 #: how long a streamed request waits for its job to start before sending
 #: its headers (a quick refusal still gets its 4xx)
 STREAM_HOLD_S = 0.5
-#: a keepalive comment at least this often while a stream has nothing to say
-SSE_KEEPALIVE_S = 2.0
+#: the keepalive comment (sent every ``--sse-keepalive`` seconds, default
+#: :data:`ds4.serve_args.SSE_KEEPALIVE_S`, while a stream has nothing to say)
 SSE_KEEPALIVE = b": keepalive\n\n"
 
 

@@ -34,12 +34,14 @@ import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
 from typing import Any
 
+from ..serve_args import add_guard_args
 from .tenants import ANONYMOUS, load_tenant_keys, tenant_of
 
 __all__ = [
     "ANONYMOUS",
     "Guard",
     "GuardMiddleware",
+    "add_guard_args",
     "is_loopback",
     "load_keys",
     "tenant_of",
@@ -225,42 +227,6 @@ async def _reply(send: Send, status: int, body: bytes, headers: Sequence[tuple[b
         hs += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": hs})
     await send({"type": "http.response.body", "body": body})
-
-
-def add_guard_args(p: Any) -> None:
-    """``ds4 serve``'s access flags."""
-    g = p.add_argument_group("access (docs/DESIGN.md, 'The server's security model')")
-    g.add_argument("--api-key", action="append", default=[], metavar="KEY", help="a key clients must send (repeatable)")
-    g.add_argument(
-        "--api-key-file",
-        metavar="FILE",
-        help="a file of keys, one a line: 'name:key' names the key's tenant, a bare 'key' gets a digest ('#' comments)",
-    )
-    g.add_argument(
-        "--admin-tenant",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a tenant whose keys see the operator's /health (server-wide counters, live session, store); "
-        "other keys see their own (repeatable; without keys every request sees it)",
-    )
-    g.add_argument(
-        "--insecure-no-auth", action="store_true", help="allow a non-loopback --host without any key (not recommended)"
-    )
-    g.add_argument(
-        "--allowed-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a Host header to accept besides the loopback names and --host ('*': any; repeatable)",
-    )
-    g.add_argument(
-        "--cors-origin",
-        action="append",
-        default=[],
-        metavar="ORIGIN",
-        help="an origin browsers may call from ('*': any)",
-    )
 
 
 def guard_from_args(args: Any, env: MutableMapping[str, str] | None = None) -> Guard:

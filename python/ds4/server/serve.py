@@ -1,5 +1,6 @@
-"""``ds4 serve``: its command line (:func:`add_serve_args`) and
-:func:`serve_main`, which builds the engine, the generator and the worker,
+"""``ds4 serve``: :func:`serve_main` (its flags are :mod:`ds4.serve_args`'s,
+defined apart so that the ``ds4`` command's parser never imports the
+server), which builds the engine, the generator and the worker,
 then serves :func:`ds4.server.app.create_app` with uvicorn until SIGTERM or
 SIGINT (the lifespan hook then stores the live session).
 """
@@ -8,106 +9,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 
-from ..config import add_engine_args, add_kv_args, build_engine, check_kv_args, engine_model_id, make_store
+from ..config import build_engine, check_kv_args, engine_model_id, make_store
 from ..turn import Generator
-from .app import SSE_KEEPALIVE_S, create_app
+from .app import create_app
 from .body import BodyLimits
-from .guard import add_guard_args, guard_from_args
-from .volatile import MODES, SystemText
+from .guard import guard_from_args
+from .volatile import SystemText
 from .worker import Service
 
 log = logging.getLogger("ds4.server")
 
-__all__ = ["add_serve_args", "serve_main"]
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    add_engine_args(p)
-    add_kv_args(p)
-    p.add_argument(
-        "--kv-tenant-share",
-        type=float,
-        default=1.0,
-        metavar="F",
-        help="a tenant (API key) holding more than F of the disk budget loses its own checkpoints first "
-        "(0 < F <= 1; default 1: one eviction order for all)",
-    )
-    p.add_argument("--no-kv-cache", action="store_true", help="no disk cache at all (the live session is still reused)")
-    p.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=0,
-        metavar="N",
-        help="max_tokens when a request gives none (default 0: until end of generation or the context)",
-    )
-    p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
-    p.add_argument(
-        "--model-alias",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="another model id /v1/models/{id} knows (repeatable; requests may name any model)",
-    )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    add_guard_args(p)
-    g = p.add_argument_group('volatile system text (docs/DESIGN.md, "Volatile system text")')
-    g.add_argument(
-        "--keep-billing-header",
-        action="store_true",
-        help="keep Claude Code's x-anthropic-billing-header first line of system text (its cch changes on every "
-        "request: each turn is then a prefill from there on)",
-    )
-    g.add_argument(
-        "--prompt-volatile",
-        action="append",
-        default=[],
-        type=_regex,
-        metavar="REGEX",
-        help="lines of system text this matches (re.search; repeatable) are dropped or moved to the prompt's tail "
-        "(--prompt-volatile-mode); never user or assistant text",
-    )
-    g.add_argument(
-        "--prompt-volatile-mode",
-        choices=MODES,
-        default="drop",
-        help="drop: the lines are removed; tail: they become a system turn after the last message, in their "
-        "order (default drop)",
-    )
-    p.add_argument(
-        "--sse-keepalive",
-        type=float,
-        default=SSE_KEEPALIVE_S,
-        metavar="S",
-        help=f"a keepalive comment on a stream silent this long, e.g. during a prefill (default {SSE_KEEPALIVE_S:g})",
-    )
-    p.add_argument(
-        "--debug", action="store_true", help="show absolute paths and error details in HTTP answers and /health"
-    )
-    g = p.add_argument_group("request limits")
-    g.add_argument("--max-body-mb", type=float, default=16, metavar="MB", help="largest request body (default 16 MiB)")
-    g.add_argument(
-        "--body-timeout", type=float, default=30, metavar="S", help="a request body must arrive within S s (default 30)"
-    )
-    g.add_argument(
-        "--header-timeout", type=float, default=10, metavar="S", help="request line and headers within S s (default 10)"
-    )
-    g.add_argument(
-        "--keep-alive-timeout", type=int, default=5, metavar="S", help="close idle keep-alive connections (default 5 s)"
-    )
-
-
-def _regex(s: str) -> str:
-    """A ``--prompt-volatile`` pattern, compiled once to check it."""
-    try:
-        re.compile(s)
-    except re.error as e:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a valid regular expression: {e}") from None
-    return s
+__all__ = ["serve_main"]
 
 
 def serve_main(args: argparse.Namespace) -> int:

@@ -42,13 +42,14 @@ import re
 import threading
 from collections.abc import Sequence
 
+from ..serve_args import VOLATILE_MODES as MODES
+
 __all__ = ["BILLING", "MODES", "SystemText"]
 
 log = logging.getLogger("ds4.server")
 
 BILLING = "x-anthropic-billing-header:"
 ANTHROPIC = "x-anthropic-"
-MODES = ("drop", "tail")
 #: distinct clients whose billing line's removal is logged (then no more lines)
 MAX_LOGGED = 256
 

@@ -1,0 +1,144 @@
+"""``ds4 serve``'s flags, defined apart from the server: the ``ds4``
+command builds its whole parser from this module and :mod:`ds4.config`
+without importing :mod:`ds4.server` (which loads Starlette's side of the
+house, :mod:`ds4.turn` and llguidance). The server takes its defaults from
+here (the SSE keepalive, the volatile modes) and reads the flags in
+``serve_main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from .config import add_engine_args, add_kv_args
+
+__all__ = ["SSE_KEEPALIVE_S", "VOLATILE_MODES", "add_guard_args", "add_serve_args", "regex"]
+
+#: a keepalive comment at least this often while a stream has nothing to say
+SSE_KEEPALIVE_S = 2.0
+#: what ``--prompt-volatile-mode`` takes (:class:`ds4.server.volatile.SystemText`)
+VOLATILE_MODES = ("drop", "tail")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``ds4 serve`` (``ds4.server.app.serve_main`` reads them)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    add_engine_args(p)
+    add_kv_args(p)
+    p.add_argument(
+        "--kv-tenant-share",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="a tenant (API key) holding more than F of the disk budget loses its own checkpoints first "
+        "(0 < F <= 1; default 1: one eviction order for all)",
+    )
+    p.add_argument("--no-kv-cache", action="store_true", help="no disk cache at all (the live session is still reused)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="max_tokens when a request gives none (default 0: until end of generation or the context)",
+    )
+    p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another model id /v1/models/{id} knows (repeatable; requests may name any model)",
+    )
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_guard_args(p)
+    g = p.add_argument_group('volatile system text (docs/DESIGN.md, "Volatile system text")')
+    g.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="keep Claude Code's x-anthropic-billing-header first line of system text (its cch changes on every "
+        "request: each turn is then a prefill from there on)",
+    )
+    g.add_argument(
+        "--prompt-volatile",
+        action="append",
+        default=[],
+        type=regex,
+        metavar="REGEX",
+        help="lines of system text this matches (re.search; repeatable) are dropped or moved to the prompt's tail "
+        "(--prompt-volatile-mode); never user or assistant text",
+    )
+    g.add_argument(
+        "--prompt-volatile-mode",
+        choices=VOLATILE_MODES,
+        default="drop",
+        help="drop: the lines are removed; tail: they become a system turn after the last message, in their "
+        "order (default drop)",
+    )
+    p.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=SSE_KEEPALIVE_S,
+        metavar="S",
+        help=f"a keepalive comment on a stream silent this long, e.g. during a prefill (default {SSE_KEEPALIVE_S:g})",
+    )
+    p.add_argument(
+        "--debug", action="store_true", help="show absolute paths and error details in HTTP answers and /health"
+    )
+    g = p.add_argument_group("request limits")
+    g.add_argument("--max-body-mb", type=float, default=16, metavar="MB", help="largest request body (default 16 MiB)")
+    g.add_argument(
+        "--body-timeout", type=float, default=30, metavar="S", help="a request body must arrive within S s (default 30)"
+    )
+    g.add_argument(
+        "--header-timeout", type=float, default=10, metavar="S", help="request line and headers within S s (default 10)"
+    )
+    g.add_argument(
+        "--keep-alive-timeout", type=int, default=5, metavar="S", help="close idle keep-alive connections (default 5 s)"
+    )
+
+
+def regex(s: str) -> str:
+    """A ``--prompt-volatile`` pattern, compiled once to check it."""
+    try:
+        re.compile(s)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a valid regular expression: {e}") from None
+    return s
+
+
+def add_guard_args(p: argparse.ArgumentParser) -> None:
+    """``ds4 serve``'s access flags."""
+    g = p.add_argument_group("access (docs/DESIGN.md, 'The server's security model')")
+    g.add_argument("--api-key", action="append", default=[], metavar="KEY", help="a key clients must send (repeatable)")
+    g.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="a file of keys, one a line: 'name:key' names the key's tenant, a bare 'key' gets a digest ('#' comments)",
+    )
+    g.add_argument(
+        "--admin-tenant",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a tenant whose keys see the operator's /health (server-wide counters, live session, store); "
+        "other keys see their own (repeatable; without keys every request sees it)",
+    )
+    g.add_argument(
+        "--insecure-no-auth", action="store_true", help="allow a non-loopback --host without any key (not recommended)"
+    )
+    g.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host header to accept besides the loopback names and --host ('*': any; repeatable)",
+    )
+    g.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="an origin browsers may call from ('*': any)",
+    )

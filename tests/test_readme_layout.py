@@ -1,0 +1,63 @@
+"""README.md's layout block names every module of python/ds4/ (issue 24,
+item 6): read at run time, so a module added without its line fails here.
+
+A top-level module is named at the head of a line of the block (before the
+description); a module of a subpackage anywhere in its folder's entry (the
+line that opens with ``kvstore/`` and the deeper-indented lines after it).
+A package's ``__init__.py`` is its folder's entry; the extension module is
+named by its stub, ``_core.pyi``."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "python" / "ds4"
+
+
+def layout_entries() -> dict[str, str]:
+    """The python/ds4/ part of the layout block: each entry's head (the names
+    before the description) -> the entry's whole text."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    lines = block.splitlines()
+    start = lines.index("python/ds4/")
+    entries: dict[str, str] = {}
+    head = None
+    for line in lines[start + 1 :]:
+        if not line.startswith(" "):
+            break  # the next top-level folder
+        if not line.startswith("   "):  # two spaces: an entry opens
+            head = re.split(r"\s{2,}", line.strip())[0]
+            entries[head] = line
+        elif head is not None:
+            entries[head] += "\n" + line
+    return entries
+
+
+def modules() -> list[pathlib.Path]:
+    found = [p for p in PKG.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts]
+    return sorted([*found, PKG / "_core.pyi"])
+
+
+def test_the_layout_block_is_found():
+    entries = layout_entries()
+    assert any("config.py" in h.split() for h in entries), entries
+    assert "server/" in entries and "cli/" in entries
+
+
+def test_every_module_is_in_the_readme_layout():
+    entries = layout_entries()
+    heads = {name for h in entries for name in h.split()}
+    missing = []
+    for p in modules():
+        rel = p.relative_to(PKG)
+        if len(rel.parts) == 1:
+            ok = rel.name in heads
+        else:
+            entry = entries.get("/".join(rel.parts[:-1]) + "/", "")
+            ok = re.search(rf"(?<![\w.]){re.escape(rel.name)}(?![\w])", entry) is not None
+        if not ok:
+            missing.append(str(rel))
+    assert missing == [], f"README.md's layout block does not name: {', '.join(missing)}"
