@@ -29,6 +29,7 @@ from ds4.errors import (
     TokenCountMismatchError,
 )
 from ds4.kvstore import KVStore
+from ds4.loading import load_named
 
 MARK = 12345  # a dimension no other u64 of the small file holds
 
@@ -110,7 +111,7 @@ def test_a_plain_error_while_importing_is_a_typed_rejection_and_the_file_is_kept
     assert "ValueError: Maximum allowed dimension exceeded" in rep.rejected[0][3]
     assert os.path.exists(long)  # not proven corrupt: kept
     # a named load of it: unusable, typed, kept
-    got = store.load_named(sess, os.path.basename(long)[:40], prompt.encode())
+    got = load_named(store, sess, os.path.basename(long)[:40], prompt.encode())
     assert got.status == "unusable" and got.error is not None and got.error.code == "import_failed"
     assert isinstance(got.error, CheckpointError) and not sess.checkpoint_valid and os.path.exists(long)
 

@@ -32,6 +32,7 @@ from ds4 import kvstore
 from ds4.cli.chat import CHAT_INDEX, ChatREPL, atomic_write_json
 from ds4.errors import CorruptCheckpointError, StoreError
 from ds4.kvstore import KVStore, remove, stat_key
+from ds4.loading import load_named
 from ds4.recovery import try_load_text
 from ds4.turn import Generator
 
@@ -312,7 +313,7 @@ def test_the_store_never_moves_or_deletes_a_non_regular_entry(tmp_path, write_ck
     sess = ds4.Session(eng, ctx=512)
     for n in entries:  # a chat's named load of each: kept, the session not trusted
         if n.endswith(".kv"):
-            assert store.load_named(sess, n[:40], b"").status == "unusable", n
+            assert load_named(store, sess, n[:40], b"").status == "unusable", n
     _unchanged(d, entries, snap)
     assert not q.exists()
 
@@ -420,7 +421,7 @@ def test_a_crafted_chat_index_cannot_reach_outside_the_directory(tmp_path, write
     assert "checkpoint unusable (not_regular_file)" in err.getvalue()
     assert _read(victim) == victim_bytes and os.path.islink(d / f"{sha}.kv")
     with pytest.raises(ValueError):
-        repl.store.load_named(repl.sess, f"../{sha}", b"")
+        load_named(repl.store, repl.sess, f"../{sha}", b"")
 
 
 def test_kv_verify_counts_ignored_entries_apart_from_failures(tmp_path, write_ck):

@@ -9,14 +9,19 @@ invalidated after a corrupt candidate, here and in :mod:`ds4.recovery` only.
 
 from __future__ import annotations
 
+import os
 import time
 
+from .checkpoint import open_checkpoint
+from .errors import CheckpointError, CorruptCheckpointError, ImportFailedError
 from .kvstore import Candidates, Entry, KVStore, LoadResult, RejectionLog, loads
-from .kvstore.files import StatKey
+from .kvstore.entries import NamedLoad
+from .kvstore.files import NOT_REGULAR, StatKey, is_checkpoint_name, stat_key
+from .kvstore.rejection import import_failure
 from .kvstore.remote import RemoteEntry
 from .session import Session
 
-__all__ = ["load_first", "try_load_text"]
+__all__ = ["load_first", "load_named", "try_load_text"]
 
 #: the loads' own clock (what the store and the tier log of a load), apart
 #: from the report's timings (``time.perf_counter``)
@@ -108,3 +113,42 @@ def _load_entries(
             continue
         return loads.hit(store, e, ck, (load_clock() - t0) * 1000, judged)
     return None
+
+
+def load_named(store: KVStore, sess: Session, sha: str, text: bytes, *, exact: bool = False) -> NamedLoad:
+    """Load the checkpoint ``<sha>.kv`` of the store's directory into
+    ``sess`` (``ds4 chat``'s named sessions and system prompt), verified
+    against ``text`` (its stored text must be a prefix of it; with
+    ``exact``, equal to it). A corrupt file invalidates the session and is
+    discarded by the store; an unusable one invalidates it and is kept.
+    ``sha`` must be 40 lowercase hex digits: a name from an index file never
+    reaches outside the directory."""
+    name = f"{sha}.kv"
+    if not is_checkpoint_name(name):
+        raise ValueError(f"not a checkpoint key: {sha!r}")
+    path = os.path.join(store.dir, name)
+    t0 = time.perf_counter()
+    try:
+        judged = stat_key(os.lstat(path))
+        ck = open_checkpoint(
+            path, prompt=text, expected_abi=sess.payload_abi, ctx=sess.ctx - 1, auth_key=store.auth_key
+        )
+        if exact and ck.text != text:
+            return NamedLoad("missing")  # a longer checkpoint is not this text's
+        sess.load_checkpoint(ck)
+    except FileNotFoundError:
+        return NamedLoad("missing")
+    except CorruptCheckpointError as e:
+        if e.code == NOT_REGULAR:  # not ours to judge: kept, like any unusable file
+            sess.invalidate(f"unusable checkpoint {name}")
+            return NamedLoad("unusable", error=e)
+        sess.invalidate(f"corrupt checkpoint {name}")
+        store.discard(path, e, "named load", judged)
+        return NamedLoad("corrupt", error=e)
+    except CheckpointError as e:
+        sess.invalidate(f"unusable checkpoint {name}")
+        return NamedLoad("unusable", error=e)
+    except Exception as e:
+        sess.invalidate(f"checkpoint {name} failed to load")
+        return NamedLoad("unusable", error=ImportFailedError(import_failure(path, e)[3], path=path))
+    return NamedLoad("loaded", tokens=ck.tokens, ms=(time.perf_counter() - t0) * 1000)

@@ -21,6 +21,7 @@ from ..config import build_engine, check_kv_args, make_store
 from ..errors import ContextOverflowError, EngineError, StoreError
 from ..keytext import tokenize_prompt
 from ..kvstore import KVStore, is_checkpoint_name
+from ..loading import load_named
 from ..recovery import RecoveryReport, recover
 from ..session import Session
 from ..turn import Generator, GenParams
@@ -142,7 +143,7 @@ class ChatREPL:
         toks = tokenize_prompt(self.engine, text)
         if self.store is not None:
             tb = self.sess.key_of(toks)  # the key text (ds4.keytext): what the checkpoint is named after
-            r = self.store.load_named(self.sess, _core.sha1_hex(tb), tb, exact=True)
+            r = load_named(self.store, self.sess, _core.sha1_hex(tb), tb, exact=True)
             if r.status == "loaded":
                 self.say(f"[system prompt: {r.tokens} tokens loaded from checkpoint in {r.ms:.1f} ms]")
                 return
@@ -258,7 +259,7 @@ class ChatREPL:
             self.sess.invalidate("switch: no valid checkpoint key")
             self.say(f"[switched to {name}: its index entry names no valid checkpoint; the next turn prefills]")
         else:
-            r = self._store().load_named(self.sess, sha, rendered)
+            r = load_named(self._store(), self.sess, sha, rendered)
             if r.status == "loaded":
                 self.say(f"[switched to {name}: {r.tokens} tokens loaded from disk in {r.ms:.1f} ms, no prefill]")
             elif r.status == "missing":

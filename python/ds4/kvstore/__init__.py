@@ -81,7 +81,6 @@ from .files import (
 )
 from .indexed import DirIndex
 from .loads import open_for
-from .named import load_named
 from .policy import StorePolicy
 from .records import RecordStore
 from .rejection import Refusal, Rejection, RejectionLog
@@ -418,15 +417,6 @@ class KVStore:
             self._evict_locked(protect=name)
             self._persist()
         return e if self._idx.get(name) is not None else None
-
-    def load_named(self, sess: Session, sha: str, text: bytes, *, exact: bool = False) -> NamedLoad:
-        """Load the checkpoint ``<sha>.kv`` of this directory into ``sess``,
-        verified against ``text`` (its stored text must be a prefix of it;
-        with ``exact``, equal to it). A corrupt file invalidates the session
-        and is discarded; an unusable one invalidates it and is kept. ``sha``
-        must be 40 lowercase hex digits: a name from an index file never
-        reaches outside the directory."""
-        return load_named(self, sess, sha, text, exact=exact)
 
     # -- store policy (:class:`StorePolicy`) ------------------------------------
     @property

@@ -156,7 +156,7 @@ class Candidates:
 
 @dataclasses.dataclass
 class NamedLoad:
-    """The outcome of :meth:`KVStore.load_named`: ``loaded``, ``missing``,
+    """The outcome of :func:`ds4.loading.load_named`: ``loaded``, ``missing``,
     ``corrupt`` (the file was removed or quarantined) or ``unusable`` (kept)."""
 
     status: str
