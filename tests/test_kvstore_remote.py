@@ -317,9 +317,14 @@ def test_damaged_only_entry_falls_back_to_prefill(eng, flushed, replicas):
 # -- failures of the tier ------------------------------------------------------
 def test_redis_down_then_back(eng, tmp_path):
     srv = RedisNode(str(tmp_path / "r")).start()
-    tier_kw = {"cooldown_s": 0.5, "fail_threshold": 2, "connect_timeout_s": 0.3, "op_timeout_s": 0.5}
+    tier_kw = {"cooldown_s": 30.0, "fail_threshold": 2, "connect_timeout_s": 0.3, "op_timeout_s": 0.5}
     a = KVStore(tmp_path / "a", remote=RemoteTier(srv.url, chunk_bytes=CHUNK, **tier_kw), min_tokens=MIN_TOKENS)
     b = KVStore(tmp_path / "b", remote=RemoteTier(srv.url, chunk_bytes=CHUNK, **tier_kw), min_tokens=MIN_TOKENS)
+    # the breakers' clock, moved on by the test: the cool-down neither ends
+    # while a slow machine runs the failing requests nor needs a sleep
+    later = [0.0]
+    for store in (a, b):
+        store.remote.breaker.clock = lambda: time.monotonic() + later[0]
     try:
         p1 = _prompt("down-1")
         _stored(a, eng, p1)
@@ -340,7 +345,7 @@ def test_redis_down_then_back(eng, tmp_path):
         assert recover(s, a, p2 + " local").rung == "disk"
         # restarted (empty): used again after the cool-down
         srv = RedisNode(str(tmp_path / "r"), port=srv.port).start()
-        time.sleep(0.6)
+        later[0] += 31.0  # the cool-down is over
         p3 = _prompt("down-3")
         _stored(a, eng, p3)
         assert a.remote.stats["uploads"] >= 1
