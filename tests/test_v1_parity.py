@@ -211,4 +211,4 @@ def test_the_cold_checkpoint_is_stored_at_the_chat_anchor(eng, tmp_path):
     # an anchor shorter than min_tokens: ds4's trimmed, aligned length instead
     small = KVStore(tmp_path / "small", min_tokens=len(eng.tokenize(head.decode(), special=True)) + 1)
     toks = eng.tokenize(prompt, special=True)
-    assert small.cold_store_at(toks, eng.token_bytes) == small.cold_store_len(len(toks))
+    assert small.policy.cold_store_at(toks, eng.token_bytes) == small.policy.cold_store_len(len(toks))
