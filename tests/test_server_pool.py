@@ -212,3 +212,16 @@ def test_results_without_their_calls_are_served_by_the_resident_that_made_them(t
         assert resp.status_code == 409, resp.text
     finally:
         srv.stop()
+
+
+def test_sessions_below_one_is_refused_at_start():
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "ds4", "serve", "--engine", "reference", "--sessions", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2 and "--sessions must be >= 1" in p.stderr, (p.returncode, p.stderr)

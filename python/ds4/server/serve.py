@@ -45,6 +45,9 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.ctx < 16:
         log.error("--ctx must be >= 16")
         return 2
+    if args.sessions < 1:
+        log.error("--sessions must be >= 1")
+        return 2
     try:
         guard = guard_from_args(args)
     except ValueError as e:
@@ -53,9 +56,6 @@ def serve_main(args: argparse.Namespace) -> int:
     engine = build_engine(args.engine, args.model, args.threads)
     if args.ctx > engine.max_ctx:
         log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
-    if args.sessions < 1:
-        log.error("--sessions must be >= 1")
-        return 2
     gen = Generator(engine, args.ctx, make_store(args))
     pool = Pool(gen, args.sessions)
     service = Service(gen, engine_model_id(engine), max_queue=args.max_queue, pool=pool)
