@@ -43,6 +43,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="max_tokens when a request gives none (default 0: until end of generation or the context)",
     )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="resident live sessions, each its own engine context of --ctx tokens: a request goes to the one "
+        "holding its prefix (docs/DESIGN.md, 'Session pool'); default 1",
+    )
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
     p.add_argument(
         "--model-alias",

@@ -30,10 +30,11 @@ from ..turn import GenResult
 from .anthropic import MessagesParser
 from .anthropic_reply import AnthropicWire
 from .body import BodyLimits, read_json
-from .conversation import AgentTurn, Conversation, LiveTools
+from .conversation import AgentTurn, Conversation
 from .guard import Guard, GuardMiddleware
 from .health import operator_view, tenant_view
 from .openai import OpenAIWire, RequestParser
+from .pool import HINT_HEADER, body_hint
 from .response_store import MemoryRecords, StoredResponses
 from .responses import ResponsesParser
 from .responses_reply import ResponsesWire
@@ -82,7 +83,9 @@ class _JobRun:
 
         tenant = tenant_of_request(request)
         namespace = namespace_for(tenant, req.cache_salt)
-        self.job = Job(req.work(), req.params, post, namespace, tenant)
+        # a routing hint (ds4.server.pool): the header, else the body's (read_json put it in the scope)
+        hint = request.headers.get(HINT_HEADER) or request.scope.get("state", {}).get("ds4_hint")
+        self.job = Job(req.work(), req.params, post, namespace, tenant, hint)
         service.submit(self.job)
         self.watcher = asyncio.ensure_future(self._watch(request))
 
@@ -120,7 +123,7 @@ class _Routes:
         self.debug = debug
         self.keepalive_s = SSE_KEEPALIVE_S
         self.gen = service.gen
-        self.live = LiveTools()  # ds4's live tool state (the worker thread's)
+        self.live = service.pool.residents[0].live  # ds4's live tool state (the worker thread's), the first resident's
         self.limits = limits
         self.model_ids = (service.model_id, *[a for a in model_aliases if a != service.model_id])
         volatile = volatile or SystemText()  # one, so that the billing line is logged once per client
@@ -159,7 +162,9 @@ class _Routes:
         return JSONResponse(body, status_code=status)
 
     async def read_json(self, request: Request) -> object:
-        return await read_json(request, self.limits)
+        body = await read_json(request, self.limits)
+        request.scope.setdefault("state", {})["ds4_hint"] = body_hint(body)  # the pool's hint (_JobRun)
+        return body
 
     async def chat_completions(self, request: Request) -> Response:
         try:

@@ -2,7 +2,7 @@
 defined apart so that the ``ds4`` command's parser never imports the
 server), which builds the engine, the generator and the worker,
 then serves :func:`ds4.server.app.create_app` with uvicorn until SIGTERM or
-SIGINT (the lifespan hook then stores the live session).
+SIGINT (the lifespan hook then stores every valid resident session).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from ..turn import Generator
 from .app import create_app
 from .body import BodyLimits
 from .guard import guard_from_args
+from .pool import Pool
 from .volatile import SystemText
 from .worker import Service
 
@@ -44,6 +45,9 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.ctx < 16:
         log.error("--ctx must be >= 16")
         return 2
+    if args.sessions < 1:
+        log.error("--sessions must be >= 1")
+        return 2
     try:
         guard = guard_from_args(args)
     except ValueError as e:
@@ -53,7 +57,8 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.ctx > engine.max_ctx:
         log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
     gen = Generator(engine, args.ctx, make_store(args))
-    service = Service(gen, engine_model_id(engine), max_queue=args.max_queue)
+    pool = Pool(gen, args.sessions)
+    service = Service(gen, engine_model_id(engine), max_queue=args.max_queue, pool=pool)
     limits = BodyLimits(max_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.body_timeout)
     app = create_app(
         service,
@@ -79,7 +84,7 @@ def serve_main(args: argparse.Namespace) -> int:
     server = ReadyServer(
         config,
         f"ds4 server ready on {args.host}:{args.port} model={service.model_id} engine={engine.name} ctx={gen.ctx} "
-        f"kv={gen.store.dir if gen.store else 'off'} keys={'on' if guard.needs_key else 'off'}",
+        f"{f'sessions={pool.size} ' if pool.size > 1 else ''}kv={gen.store.dir if gen.store else 'off'} keys={'on' if guard.needs_key else 'off'}",
     )
     try:
         server.run()

@@ -1,5 +1,6 @@
 """The worker: a FIFO queue of jobs and the one thread that owns the live
-session (through :class:`ds4.turn.Generator`). HTTP handlers submit jobs and
+sessions (the :class:`ds4.server.pool.Pool` of :class:`ds4.turn.Generator`
+residents, one by default; the pool picks which serves a job). HTTP handlers submit jobs and
 relay the events the worker posts back (``start``, ``text`` pieces, then
 ``done`` or ``error``); requests are therefore served one at a time, in
 arrival order. The worker knows nothing of HTTP: refusals are typed
@@ -9,8 +10,8 @@ them into responses.
 A job whose client left while it was queued is skipped; a job whose client
 leaves while it runs stops at the next token (its cancel flag is checked
 before every token), and the session stays valid at exactly the tokens
-evaluated. On shutdown the queue is drained and the live session stored
-(reason ``shutdown``) when it is valid, unlike ds4.
+evaluated. On shutdown the queue is drained and every valid resident
+stored (reason ``shutdown``), unlike ds4.
 
 Besides the server-wide counters (the generator's) and the snapshot of the
 session and the store (:attr:`Service.status`, the operator's ``/health``),
@@ -31,7 +32,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import PromptError
 from ..keytext import Prompt
+from ..recovery import RecoveryReport
 from ..turn import Generator, GenParams, GenResult
+from .pool import Pool
 from .tenants import ANONYMOUS
 
 if TYPE_CHECKING:
@@ -119,6 +122,7 @@ class Job:
     post: Callable[[str, Any], None]
     namespace: str | None = None  # the tenant's cache namespace (ds4.server.tenants)
     tenant: str = ANONYMOUS  # whose job: its counters (Service.tenant_counters)
+    hint: str | None = None  # the client's session hint (ds4.server.pool): which resident, never the rung
     id: int = dataclasses.field(default_factory=lambda: next(_ids), init=False)
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event, init=False)
 
@@ -153,8 +157,9 @@ class ProgressLog:
 class Service:
     """A FIFO queue of jobs and the one worker thread that runs them."""
 
-    def __init__(self, generator: Generator, model_id: str, *, max_queue: int = 64):
-        self.gen = generator
+    def __init__(self, generator: Generator, model_id: str, *, max_queue: int = 64, pool: Pool | None = None):
+        self.gen = generator  # the first resident: the engine, the store, the context (the front end's)
+        self.pool = pool if pool is not None else Pool(generator)
         self.model_id = model_id
         self.max_queue = max_queue
         self._q: queue.Queue[object] = queue.Queue()
@@ -178,6 +183,8 @@ class Service:
         }
         if g.store is not None:
             st["kv"] = g.store.summary()
+        if self.pool.size > 1:
+            st["sessions"] = self.pool.views()
         return st
 
     def tenant_counters(self, tenant: str) -> dict[str, int]:
@@ -229,10 +236,7 @@ class Service:
         while True:
             job = self._q.get()
             if not isinstance(job, Job):  # the shutdown marker
-                try:
-                    self.gen.shutdown_save()
-                except Exception:  # pragma: no cover - defensive
-                    log.exception("shutdown save failed")
+                self.pool.shutdown_save()  # every valid resident (the one live session by default)
                 if self.gen.store is not None:
                     self.gen.store.close()  # the shared tier's queued uploads, then its connections
                 self.status = self._snapshot(busy=False)
@@ -245,6 +249,12 @@ class Service:
                 log.exception("worker failed on job %d", job.id)
             self.status = self._snapshot(busy=False)
 
+    def _named(self, rep: RecoveryReport, index: int) -> RecoveryReport:
+        """A live hit of a pool names its resident (``source``: ``session K``)."""
+        if self.pool.size > 1 and rep.rung == "live":
+            rep.source = f"session {index}"
+        return rep
+
     def _serve(self, job: Job) -> None:
         if job.cancel.is_set():
             log.info("job %d skipped: client disconnected while queued", job.id)
@@ -252,14 +262,17 @@ class Service:
             job.post("error", Cancelled())
             return
         self.status = self._snapshot(busy=True)
+        gen = self.gen
         try:
-            # an agent turn's live tool state only in its namespace
-            prompt = job.work.render(self.gen.engine, job.namespace)
-            res = self.gen.generate(
+            # which resident (one by default); an agent turn's live tool state
+            # only in its namespace, the resident's own
+            resident, prompt = self.pool.route(job.work, job.namespace, job.hint)
+            gen = resident.gen
+            res = gen.generate(
                 prompt,
                 job.params,
                 namespace=job.namespace,
-                on_start=lambda rep: job.post("start", rep),
+                on_start=lambda rep: job.post("start", self._named(rep, resident.index)),
                 on_text=lambda s: job.post("text", s),
                 cancel=job.cancel.is_set,
                 progress=ProgressLog(f"job {job.id}"),
@@ -283,8 +296,8 @@ class Service:
                 "job %d: client disconnected; stopped after %d tokens (session %s at %d tokens)",
                 job.id,
                 res.completion_tokens,
-                "valid" if self.gen.sess.checkpoint_valid else "invalid",
-                self.gen.sess.n_past,
+                "valid" if gen.sess.checkpoint_valid else "invalid",
+                gen.sess.n_past,
             )
         else:
             try:

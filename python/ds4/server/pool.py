@@ -1,0 +1,212 @@
+"""The pool of resident sessions (``ds4 serve --sessions N``): N live
+sessions, each its own :class:`ds4.turn.Generator` (its own
+:class:`ds4.Session` and engine context) over the one engine and the one
+store, each with its own live tool state (:class:`LiveTools`). The worker
+still serves one request at a time; the pool only decides *which* resident
+serves it (:meth:`Pool.route`), in this order:
+
+1. a tool-result continuation goes to the resident that generated the calls
+   (its live tool state names them and it still holds that turn, in the
+   request's namespace);
+2. a resident of the request's namespace whose whole live state the prompt
+   starts with (a live hit), the longest;
+3. the resident the request's hint (``X-Session-Id``, ``prompt_cache_key``,
+   ``user``, Anthropic's ``metadata.user_id``) last served, when it is still
+   in the request's namespace: a hint only picks, the ladder still decides
+   the rung, so a wrong hint costs time, never correctness;
+4. a free (empty) resident;
+5. the least recently used one: the ladder saves its state first (reason
+   ``evict``, as one session's switch does), then reuses it.
+
+Tenants and cache salts never share a resident's state: only a resident
+whose ``sess.namespace`` is the request's can be a live hit or a hint's
+pick, and a resident taken over by another namespace is saved and switched
+(:func:`ds4.recovery.switch_namespace`). With one resident (the default)
+:meth:`Pool.route` renders the job's prompt and returns it: today's server.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .. import _core
+from ..keytext import tokenize_prompt
+from ..turn import Generator
+from .conversation import AgentTurn, LiveTools
+from .tenants import ANONYMOUS
+
+if TYPE_CHECKING:
+    from .worker import Work
+
+log = logging.getLogger("ds4.server")
+
+__all__ = ["HINT_HEADER", "Pool", "Resident", "body_hint"]
+
+#: the request header that names a client's session (a routing hint)
+HINT_HEADER = "x-session-id"
+#: hints remembered (the oldest forgotten first)
+MAX_HINTS = 4096
+
+
+def body_hint(body: object) -> str | None:
+    """A request body's routing hint: OpenAI's ``prompt_cache_key``, then
+    ``user``, then Anthropic's ``metadata.user_id`` (strings only)."""
+    if not isinstance(body, Mapping):
+        return None
+    for v in (body.get("prompt_cache_key"), body.get("user")):
+        if isinstance(v, str) and v:
+            return v
+    meta = body.get("metadata")
+    v = meta.get("user_id") if isinstance(meta, Mapping) else None
+    return v if isinstance(v, str) and v else None
+
+
+@dataclasses.dataclass(eq=False)
+class Resident:
+    """One resident session: its generator, its live tool state, and when
+    it last served."""
+
+    index: int
+    gen: Generator
+    live: LiveTools
+    last_used: float = 0.0
+    served: int = 0
+
+    def view(self) -> dict[str, Any]:
+        """The operator's line for it (``/health``)."""
+        sess = self.gen.sess
+        return {
+            "index": self.index,
+            # the namespace's tenant (a cache salt's digest left out): the operator's view only
+            "tenant": ANONYMOUS if sess.namespace is None else sess.namespace.split("/salt-")[0],
+            "valid": sess.checkpoint_valid,
+            "tokens": sess.n_past,
+            "served": self.served,
+            "last_used": round(self.last_used, 3) if self.last_used else None,
+        }
+
+
+class Pool:
+    """The residents and the routing rule (module docstring). Used by the
+    worker thread only; :meth:`views` is read from the event loop (a copy
+    of plain values)."""
+
+    def __init__(self, primary: Generator, size: int = 1, live: LiveTools | None = None):
+        if size < 1:
+            raise ValueError(f"a pool needs at least one session, got {size}")
+        self.residents = [Resident(0, primary, live or LiveTools())]
+        for k in range(1, size):
+            g = Generator(primary.engine, primary.ctx, primary.store)
+            g.counters = primary.counters  # one set of server-wide counters
+            self.residents.append(Resident(k, g, LiveTools()))
+        self._hints: collections.OrderedDict[tuple[str | None, str], int] = collections.OrderedDict()
+
+    @property
+    def size(self) -> int:
+        return len(self.residents)
+
+    def views(self) -> list[dict[str, Any]]:
+        return [r.view() for r in self.residents]
+
+    # -- routing -------------------------------------------------------------
+    def route(self, work: Work, namespace: str | None, hint: str | None = None) -> tuple[Resident, str]:
+        """The resident that serves ``work`` and the prompt rendered for it
+        (an agent turn bound to that resident's generator and live tool
+        state). A refusal raised by the rendering (a continuation whose
+        state no resident holds) leaves every resident untouched."""
+        if self.size == 1:
+            r = self.residents[0]
+            return self._used(r, namespace, hint), work.render(r.gen.engine, namespace)
+        cont = self._continuing(work, namespace)
+        if cont is not None:
+            _bind(work, cont)
+            return self._used(cont, namespace, hint), work.render(cont.gen.engine, namespace)
+        engine = self.residents[0].gen.engine
+        if isinstance(work, AgentTurn):  # no resident's live tool state: the plain rendering
+            work.gen, work.live = self.residents[0].gen, LiveTools()
+        prompt = work.render(engine, namespace)
+        chosen = self._choose(prompt, namespace, hint)
+        _bind(work, chosen)
+        return self._used(chosen, namespace, hint), prompt
+
+    def _continuing(self, work: Work, namespace: str | None) -> Resident | None:
+        """The resident whose live tool state the request's trailing tool
+        results answer, still holding that turn in ``namespace``."""
+        if not isinstance(work, AgentTurn):
+            return None
+        ids = frozenset(m.tool_call_id or "" for m in work.conv.trailing_results())
+        if not ids:
+            return None
+        for r in self.residents:
+            sess = r.gen.sess
+            if r.live.ids == ids and sess.namespace == namespace and sess.checkpoint_valid:
+                if sess.key_bytes() == r.live.key:
+                    log.info("pool: continuation of session %d's tool calls", r.index)
+                    return r
+        return None
+
+    def _choose(self, prompt: str, namespace: str | None, hint: str | None) -> Resident:
+        mine = [r for r in self.residents if r.gen.sess.namespace == namespace and r.gen.sess.checkpoint_valid]
+        best = _longest_live(mine, prompt) if mine else None
+        if best is not None:
+            return best
+        k = self._hints.get((namespace, hint)) if hint else None
+        if k is not None and self.residents[k].gen.sess.namespace == namespace:
+            log.info("pool: hint picks session %d", k)
+            return self.residents[k]
+        free = [r for r in self.residents if not r.gen.sess.checkpoint_valid]
+        if free:
+            return min(free, key=lambda r: r.index)
+        lru = min(self.residents, key=lambda r: r.last_used)
+        log.info("pool: session %d (least recently used, %d tokens) reused", lru.index, lru.gen.sess.n_past)
+        return lru
+
+    def _used(self, r: Resident, namespace: str | None, hint: str | None) -> Resident:
+        r.last_used = time.time()
+        r.served += 1
+        if hint and self.size > 1:
+            self._hints[(namespace, hint)] = r.index
+            self._hints.move_to_end((namespace, hint))
+            while len(self._hints) > MAX_HINTS:
+                self._hints.popitem(last=False)
+        return r
+
+    # -- shutdown --------------------------------------------------------------
+    def shutdown_save(self) -> None:
+        """Store every valid resident (reason ``shutdown``); never raises."""
+        for r in self.residents:
+            try:
+                r.gen.shutdown_save()
+            except Exception:  # pragma: no cover - defensive
+                log.exception("shutdown save of session %d failed", r.index)
+
+
+def _bind(work: Work, r: Resident) -> None:
+    if isinstance(work, AgentTurn):
+        work.gen, work.live = r.gen, r.live
+
+
+def _longest_live(mine: list[Resident], prompt: str) -> Resident | None:
+    """The resident whose whole live state ``prompt`` starts with (by
+    tokens, or by key text as the live rung compares), the longest."""
+    sess0 = mine[0].gen.sess
+    tokens = tokenize_prompt(sess0.engine, prompt)
+    key = sess0.key_of(tokens)  # one namespace: one preamble
+    best, best_n = None, 0
+    for r in mine:
+        sess = r.gen.sess
+        live = sess.tokens
+        whole = len(live) <= len(tokens) and tokens[: len(live)] == live
+        if not whole:
+            live_key = sess.key_bytes()
+            whole = _core.common_prefix_len(live_key, key) == len(live_key)
+        if whole and len(live) > best_n:
+            best, best_n = r, len(live)
+    if best is not None:
+        log.info("pool: live prefix of session %d (%d tokens)", best.index, best_n)
+    return best
