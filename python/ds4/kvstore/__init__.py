@@ -174,7 +174,7 @@ class KVStore:
         self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
         #: the store's own counters (its index and tier keep theirs: :attr:`stats`)
         self.counters = Counters(
-            "hits", "misses", "stores", "evictions", "rejected", "removed_corrupt", "scans", "index_rebuilds"
+            "hits", "misses", "stores", "evictions", "superseded", "rejected", "removed_corrupt", "scans"
         )
         #: the index and its file, kept in step with the directory
         #: (:mod:`.indexed`); headers are read through :func:`index_header`,
@@ -470,7 +470,16 @@ class KVStore:
         """What an eviction of ``entries`` removes, in order, with this
         store's limit and tenant share (:func:`.entries.plan_eviction`):
         :meth:`evict` and ``ds4 kv gc --dry-run`` plan with it."""
-        return plan_eviction(entries, self.eviction_limit(), time.time(), protect, self.tenant_share)
+        pol = self.policy
+        return plan_eviction(
+            entries,
+            self.eviction_limit(),
+            time.time(),
+            protect,
+            pol.tenant_share,
+            explicit_weight=pol.explicit_weight,
+            fresh_guard_s=pol.fresh_guard_s,
+        )
 
     def _evict_locked(self, protect: str | None) -> list[str]:
         self.refresh(force=True)
