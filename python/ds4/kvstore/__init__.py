@@ -23,8 +23,10 @@
   one skipped and kept (docs/DESIGN.md, "Store policy"). The knobs are one
   :class:`StorePolicy` (:mod:`.policy`).
 * Budget in MiB with 1 % slack; eviction by ds4's score
-  ``(hits * 2^(-age/6h) + 1) * tokens / file_size``, the newest file
-  protected; one failed unlink does not stop eviction. With
+  ``(hits * 2^(-age/6h) + 1) * tokens / file_size`` (explicit checkpoints
+  weighted, fresh files last: :class:`StorePolicy`), the newest file
+  protected; one failed unlink does not stop eviction; a continued save
+  supersedes the continued snapshots of its prefixes (:func:`.save.supersede`). With
   ``tenant_share`` F < 1, a tenant over F of the budget loses its own
   files first (:func:`.entries.plan_eviction`).
 * Temp files left by crashed writers (dead pid, or older than an hour) and
