@@ -146,7 +146,8 @@ def test_run_progress_bar_only_on_a_tty():
 # ds4 kv on a v2 directory
 # ---------------------------------------------------------------------------
 def _v2_dir(tmp_path):
-    """Three checkpoints of one conversation (cold, continued, evict-like)."""
+    """Three checkpoints of one conversation (cold, continued, evict: an
+    explicit one, so the continued snapshot it extends is not superseded)."""
     d = tmp_path / "v2"
     eng = ds4.ReferenceEngine()
     store = ds4.KVStore(d, min_tokens=16)
@@ -156,7 +157,7 @@ def _v2_dir(tmp_path):
     for n in (64, 128, len(toks)):
         s = ds4.Session(eng, ctx=1024)
         s.sync(toks[:n])
-        paths.append(store.store_live_prefix(s, "cold" if n == 64 else "continued"))
+        paths.append(store.store_live_prefix(s, {64: "cold", 128: "continued"}.get(n, "evict")))
     return str(d), paths
 
 
@@ -186,7 +187,9 @@ def test_kv_commands_on_a_v2_directory(tmp_path):
     assert rc == 0 and v["ok"] == 3 and v["failed"] == 0
     # stats
     st, _ = ds4_json("kv", "stats", d)
-    assert st["files"] == 3 and st["by_version"] == {"2": 3} and st["by_reason"] == {"cold": 1, "continued": 2}
+    assert (
+        st["files"] == 3 and st["by_version"] == {"2": 3} and st["by_reason"] == {"cold": 1, "continued": 1, "evict": 1}
+    )
     assert "reasons" in ds4_cmd("kv", "stats", d).stdout
 
     # damage one file's payload, add orphaned temp files and a stranger

@@ -152,6 +152,22 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
     g.add_argument(
         "--kv-cache-reject-different-quant", action="store_true", help="skip checkpoints of another quantization"
     )
+    g.add_argument(
+        "--kv-explicit-weight",
+        type=float,
+        default=4.0,
+        metavar="W",
+        help="eviction scores explicit checkpoints (cold, evict, shutdown) W times a continued one "
+        "(>= 1; default 4, ds4 PR #177; 1: one score for all)",
+    )
+    g.add_argument(
+        "--kv-fresh-guard-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a checkpoint never hit and younger than S seconds is evicted only when nothing else can go "
+        "(default 60; 0: no guard)",
+    )
     g.add_argument("--kv-quarantine-dir", metavar="DIR", help="move corrupt checkpoints here instead of deleting them")
     g.add_argument(
         "--kv-trust-dir",
@@ -199,6 +215,10 @@ def check_kv_args(args: argparse.Namespace) -> str | None:
         return "boundary trim and align must be >= 0"
     if args.kv_disk_space_mb <= 0:
         return "--kv-disk-space-mb must be > 0"
+    if not getattr(args, "kv_explicit_weight", 4.0) >= 1.0:
+        return "--kv-explicit-weight must be >= 1"
+    if not getattr(args, "kv_fresh_guard_s", 60.0) >= 0.0:
+        return "--kv-fresh-guard-s must be >= 0"
     if not 0.0 < getattr(args, "kv_tenant_share", 1.0) <= 1.0:
         return "--kv-tenant-share must be in (0, 1]"
     try:
@@ -273,6 +293,8 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         reject_different_quant=args.kv_cache_reject_different_quant,
         quarantine_dir=args.kv_quarantine_dir,
         tenant_share=getattr(args, "kv_tenant_share", 1.0),
+        explicit_weight=getattr(args, "kv_explicit_weight", 4.0),
+        fresh_guard_s=getattr(args, "kv_fresh_guard_s", 60.0),
     )
     return KVStore(
         os.path.expanduser(args.kv_disk_dir),

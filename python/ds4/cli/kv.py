@@ -163,6 +163,18 @@ def _verify_paths(args: argparse.Namespace) -> list[str] | None:
     return cks + other
 
 
+#: the codes of a file every path of the store rightly ignores: a ds4 v1
+#: file ds4's own reader skips (its quantization, no tokens), kept as ds4 keeps it
+IGNORED_CODES = ("v1_ignored",)
+
+
+def _ignored(r: dict[str, object]) -> bool:
+    """A result ``kv verify`` reports as ignored, not failed: an entry that
+    is not a regular file (never loaded, moved or deleted) or a file of
+    :data:`IGNORED_CODES`; neither is a failure of the directory."""
+    return r.get("status") == "ignored" or (not r["ok"] and r.get("code") in IGNORED_CODES)
+
+
 def kv_verify(args: argparse.Namespace) -> int:
     d = args.dir
     if not os.path.isfile(d) and _not_a_dir(d):
@@ -184,10 +196,8 @@ def kv_verify(args: argparse.Namespace) -> int:
                 **({"status": i["status"], **i["error"]} if i["status"] != "ok" else {}),
             }
         )
-    # an entry that is not a regular file is ignored by every path of the
-    # store (never loaded, moved or deleted): not a failure of the directory
-    ignored = [r for r in results if r.get("status") == "ignored"]
-    bad = [r for r in results if not r["ok"] and r.get("status") != "ignored"]
+    ignored = [r for r in results if _ignored(r)]
+    bad = [r for r in results if not r["ok"] and not _ignored(r)]
     secs = time.perf_counter() - t0
     if args.json:
         out = {
@@ -203,7 +213,7 @@ def kv_verify(args: argparse.Namespace) -> int:
     for r in results:
         if r["ok"]:
             print(f"OK    {r['name']}  v{r['version']} tokens={r['tokens']} {human_bytes(r['size'] or 0)}")
-        elif r.get("status") == "ignored":
+        elif _ignored(r):
             print(f"SKIP  {r['name']}  {r['reason']}")
         else:
             print(f"FAIL  {r['name']}  {r['status']} {r['stage']}/{r['code']}: {r['reason']}")

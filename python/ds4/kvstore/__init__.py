@@ -23,8 +23,10 @@
   one skipped and kept (docs/DESIGN.md, "Store policy"). The knobs are one
   :class:`StorePolicy` (:mod:`.policy`).
 * Budget in MiB with 1 % slack; eviction by ds4's score
-  ``(hits * 2^(-age/6h) + 1) * tokens / file_size``, the newest file
-  protected; one failed unlink does not stop eviction. With
+  ``(hits * 2^(-age/6h) + 1) * tokens / file_size`` (explicit checkpoints
+  weighted, fresh files last: :class:`StorePolicy`), the newest file
+  protected; one failed unlink does not stop eviction; a continued save
+  supersedes the continued snapshots of its prefixes (:func:`.save.supersede`). With
   ``tenant_share`` F < 1, a tenant over F of the budget loses its own
   files first (:func:`.entries.plan_eviction`).
 * Temp files left by crashed writers (dead pid, or older than an hour) and
@@ -174,7 +176,7 @@ class KVStore:
         self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
         #: the store's own counters (its index and tier keep theirs: :attr:`stats`)
         self.counters = Counters(
-            "hits", "misses", "stores", "evictions", "rejected", "removed_corrupt", "scans", "index_rebuilds"
+            "hits", "misses", "stores", "evictions", "superseded", "rejected", "removed_corrupt", "scans"
         )
         #: the index and its file, kept in step with the directory
         #: (:mod:`.indexed`); headers are read through :func:`index_header`,
@@ -470,7 +472,16 @@ class KVStore:
         """What an eviction of ``entries`` removes, in order, with this
         store's limit and tenant share (:func:`.entries.plan_eviction`):
         :meth:`evict` and ``ds4 kv gc --dry-run`` plan with it."""
-        return plan_eviction(entries, self.eviction_limit(), time.time(), protect, self.tenant_share)
+        pol = self.policy
+        return plan_eviction(
+            entries,
+            self.eviction_limit(),
+            time.time(),
+            protect,
+            pol.tenant_share,
+            explicit_weight=pol.explicit_weight,
+            fresh_guard_s=pol.fresh_guard_s,
+        )
 
     def _evict_locked(self, protect: str | None) -> list[str]:
         self.refresh(force=True)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .remote import RemoteEntry
 
 __all__ = [
+    "EXPLICIT_REASONS",
     "HALF_LIFE_S",
     "Candidates",
     "Entry",
@@ -33,6 +34,10 @@ __all__ = [
 ]
 
 HALF_LIFE_S = 6 * 3600
+#: the reasons of an explicit checkpoint (a cold prefix, a session saved as
+#: it is evicted or at shutdown), which :attr:`StorePolicy.explicit_weight`
+#: favours over the ``continued`` snapshots taken during a long prefill
+EXPLICIT_REASONS = frozenset({"cold", "evict", "shutdown"})
 
 # One entry of the core's index: (name, version, tokens, text_bytes, hits,
 # created, last_used, abi, reason, ctx, stat key, namespace); the size is the
@@ -97,13 +102,23 @@ class Entry:
         path = os.path.join(directory, name)
         return cls(name, path, version, tokens, text_bytes, hits, created, last_used, key[1], abi, reason, ctx, key, ns)
 
-    def score(self, now: float, half_life: float = HALF_LIFE_S) -> float:
+    def score(self, now: float, half_life: float = HALF_LIFE_S, explicit_weight: float = 1.0) -> float:
+        """ds4's score ``(hits * 2^(-age/half_life) + 1) * tokens / size``,
+        times ``explicit_weight`` for an explicit checkpoint
+        (:data:`EXPLICIT_REASONS`)."""
         used = self.last_used or self.created
         age = max(0.0, now - used) if used else 0.0
         eff = self.hits * 2.0 ** (-age / half_life) if used else 0.0
         if eff < 0.01:
             eff = 0.0
-        return (eff + 1.0) * self.tokens / max(1, self.size)
+        weight = explicit_weight if self.reason in EXPLICIT_REASONS else 1.0
+        return (eff + 1.0) * self.tokens / max(1, self.size) * weight
+
+    def fresh(self, now: float, guard_s: float) -> bool:
+        """Never hit and written less than ``guard_s`` seconds ago (a file
+        without a creation time is not fresh): eviction spares it while
+        anything else can go."""
+        return guard_s > 0 and self.hits == 0 and self.created > 0 and now - self.created < guard_s
 
 
 def text_namespace(text: bytes) -> str | None:
@@ -166,20 +181,39 @@ class NamedLoad:
 
 
 def plan_eviction(
-    entries: list[Entry], limit: int, now: float, protect: str | None = None, tenant_share: float = 1.0
+    entries: list[Entry],
+    limit: int,
+    now: float,
+    protect: str | None = None,
+    tenant_share: float = 1.0,
+    *,
+    explicit_weight: float = 1.0,
+    fresh_guard_s: float = 0.0,
 ) -> list[Entry]:
     """ds4's eviction order: while the total is over ``limit``, the entry
     with the lowest score goes (ties: least recently used, then the file
     written first); ``protect`` (the newest file) never does.
 
+    An explicit checkpoint's score is ``explicit_weight`` times ds4's
+    (:meth:`Entry.score`); a fresh entry (:meth:`Entry.fresh`: never hit,
+    younger than ``fresh_guard_s``) goes only when no other entry is left
+    to go. The defaults (1, 0) are ds4's own order; the store passes its
+    policy's (:class:`StorePolicy`: 4 and 60 s).
+
     With ``tenant_share`` F < 1, a tenant (:attr:`Entry.tenant`) holding
     more than F x ``limit`` bytes loses its own entries first, in that
     order among them (of several such tenants, the lowest entry of theirs
     goes); a tenant within its share loses an entry only when no tenant
-    over it has one left to lose."""
+    over it has one left to lose (a fresh one of the tenant over its share
+    only after every entry that is not fresh)."""
 
-    def order(e: Entry) -> tuple[float, int, int]:
-        return (e.score(now), e.last_used or e.created, e.stat_key[2] if e.stat_key else 0)
+    def order(e: Entry) -> tuple[bool, float, int, int]:
+        return (
+            e.fresh(now, fresh_guard_s),
+            e.score(now, explicit_weight=explicit_weight),
+            e.last_used or e.created,
+            e.stat_key[2] if e.stat_key else 0,
+        )
 
     total = sum(e.size for e in entries)
     pool = sorted((e for e in entries if e.name != protect), key=order)
@@ -198,9 +232,13 @@ def plan_eviction(
     queues: dict[str | None, deque[Entry]] = {}
     for e in pool:  # each tenant's entries, in eviction order
         queues.setdefault(e.tenant, deque()).append(e)
+
+    def pick(t: str | None) -> tuple[bool, bool, tuple[bool, float, int, int]]:
+        head = order(queues[t][0])
+        return (head[0], held[t] <= share, head)
+
     while total > limit and queues:
-        over = [t for t in queues if held[t] > share]
-        tenant = min(over or queues, key=lambda t: order(queues[t][0]))
+        tenant = min(queues, key=pick)
         victim = queues[tenant].popleft()
         if not queues[tenant]:
             del queues[tenant]

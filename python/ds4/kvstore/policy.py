@@ -40,10 +40,21 @@ class StorePolicy:
     #: the share of the budget one tenant may hold before its own files are
     #: evicted first (1: no shares, ds4's one order)
     tenant_share: float = 1.0
+    #: eviction scores an explicit checkpoint (``cold``, ``evict``,
+    #: ``shutdown``) this many times a ``continued`` one (ds4 PR #177's 4;
+    #: 1: ds4's one score for all)
+    explicit_weight: float = 4.0
+    #: an entry never hit and younger than this (seconds since it was
+    #: written) is evicted only when nothing else can go (0: no guard)
+    fresh_guard_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.tenant_share <= 1.0:
             raise ValueError(f"tenant_share must be in (0, 1], not {self.tenant_share!r}")
+        if not self.explicit_weight >= 1.0:
+            raise ValueError(f"explicit_weight must be >= 1, not {self.explicit_weight!r}")
+        if not self.fresh_guard_s >= 0.0:
+            raise ValueError(f"fresh_guard_s must be >= 0, not {self.fresh_guard_s!r}")
         object.__setattr__(self, "quarantine_dir", os.fspath(self.quarantine_dir) if self.quarantine_dir else None)
 
     @property

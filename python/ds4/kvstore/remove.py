@@ -161,11 +161,13 @@ def _dispose(directory: str, aside: str, path: str, quarantine_dir: str | None, 
     return dest
 
 
-def evict_entries(directory: str, victims: Iterable[Entry]) -> list[str]:
+def evict_entries(directory: str, victims: Iterable[Entry], why: str = "disk-cache-full") -> list[str]:
     """Remove eviction's ``victims`` (each only as it was indexed: a file
     replaced since stays); one failure does not stop the others. The caller
     holds the directory's lock, and fsyncs the directory once after the
-    pass (each removal does not). Returns the names removed, in order."""
+    pass (each removal does not). Returns the names removed, in order.
+    ``why`` is logged: ``disk-cache-full`` (the budget), ``superseded`` (a
+    continued snapshot a longer one of its text replaced)."""
     removed: list[str] = []
     for victim in victims:
         try:
@@ -175,7 +177,8 @@ def evict_entries(directory: str, victims: Iterable[Entry]) -> list[str]:
             log.error("kv cache eviction could not remove %s: %s (continuing)", victim.name, e)
             continue
         log.info(
-            "kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB file=%s",
+            "kv cache evicted reason=%s tokens=%d hits=%d size=%.2f MiB file=%s",
+            why,
             victim.tokens,
             victim.hits,
             victim.size / 2**20,

@@ -23,7 +23,9 @@ from ..errors import (
     StoreError,
     StoreFullError,
 )
+from .entries import Entry, text_namespace
 from .files import NOT_REGULAR, StatKey, stat_key
+from .remove import evict_entries
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["CHATML_MARKERS", "chat_anchor", "existing_file", "store_live", "write_live"]
+__all__ = ["CHATML_MARKERS", "chat_anchor", "existing_file", "store_live", "supersede", "write_live"]
 
 #: the user and assistant turn markers of the ChatML template both engines
 #: render (ds4's own template has its own User and Assistant marker tokens)
@@ -162,6 +164,8 @@ def store_live(store: KVStore, sess: Session, reason: str, min_tokens: int | Non
             return None
         store.counters["stores"] += 1
         store._index.index_file(name, path, stat_key(os.lstat(path)))
+        if reason == "continued":
+            supersede(store, text, name, sess.payload_abi)
         if store.remote is not None:  # shared in the background: never adds to this request's latency
             store.remote.enqueue(path, sess.payload_abi, n, len(text))
         log.info(
@@ -175,3 +179,32 @@ def store_live(store: KVStore, sess: Session, reason: str, min_tokens: int | Non
         store._evict_locked(protect=name)
         store._persist()
     return path
+
+
+def supersede(store: KVStore, text: bytes, name: str, abi: str) -> list[str]:
+    """Remove the ``continued`` snapshots a new continued one (``name``, of
+    key text ``text``) supersedes: those of this engine (``abi``) and this
+    namespace whose text is a strict prefix of ``text`` (a long prefill's
+    nested snapshots, ds4 PR #175). Explicit checkpoints (cold, evict,
+    shutdown, named, agent) stay. The caller holds the store's lock; the
+    files go through :func:`.remove.evict_entries` (each only as indexed)
+    and are counted as ``superseded``. Returns the names removed."""
+    ns = text_namespace(text)
+    olds = [
+        e
+        for e in (Entry.from_row(store.dir, row) for row in store._idx.lookup(text, min_tokens=0, abi=abi, ctx=None))
+        if e.name != name
+        and e.reason == "continued"
+        and e.version >= 2
+        and e.abi == abi
+        and e.text_bytes < len(text)
+        and e.namespace == ns
+    ]
+    for e in olds:
+        store._forget(e.name)
+    removed = evict_entries(store.dir, olds, why="superseded")
+    store.counters["superseded"] += len(removed)
+    if removed:
+        _core.sync_dir(store.dir)
+        store._index.stale()
+    return removed
