@@ -152,11 +152,13 @@ def eng():
 PROMPT = "word " * 200
 
 
-def _save(eng, store, n, reason, ns=None):
+def _save(eng, store, n, reason, ns=None, among=()):
+    """Save the first ``n`` tokens; ``among``: the paths the same prefill
+    saved before (what a continued save may supersede)."""
     s = ds4.Session(eng, ctx=2048)
     s.set_namespace(ns)
     s.sync(toks(eng, PROMPT)[:n])
-    return store.store_live_prefix(s, reason)
+    return store.store_live_prefix(s, reason, supersedes=[os.path.basename(p) for p in among])
 
 
 def _kv(d):
@@ -168,7 +170,7 @@ def test_a_continued_save_supersedes_the_nested_continued_ones(eng, tmp_path, mo
     cold = _save(eng, st, 32, "cold")
     c1 = _save(eng, st, 64, "continued")
     assert os.path.exists(cold) and os.path.exists(c1) and st.stats["superseded"] == 0  # cold: not continued
-    c2 = _save(eng, st, 96, "continued")
+    c2 = _save(eng, st, 96, "continued", among=[c1])
     assert not os.path.exists(c1) and st.stats["superseded"] == 1
     # removals go through the store's one removal path, under its lock
     seen = []
@@ -179,7 +181,7 @@ def test_a_continued_save_supersedes_the_nested_continued_ones(eng, tmp_path, mo
         return real(directory, name, expect, **kw)
 
     monkeypatch.setattr(kv_remove, "remove_exact", spy)
-    c3 = _save(eng, st, 128, "continued")
+    c3 = _save(eng, st, 128, "continued", among=[c1, c2])
     assert seen == [(os.path.basename(c2), seen[0][1], 1)] and seen[0][1]  # judged at its indexed stat key
     assert _kv(tmp_path) == sorted(os.path.basename(p) for p in (cold, c3))
     assert st.stats["superseded"] == 2 and st.stats["evictions"] == 0
@@ -197,7 +199,7 @@ def test_two_nested_continued_go_the_cold_one_stays(eng, tmp_path):
         os.rename(p, os.path.join(tmp_path, os.path.basename(p)))
     st = KVStore(tmp_path, min_tokens=8)
     assert len(_kv(tmp_path)) == 3 and st.stats["superseded"] == 0
-    new = _save(eng, st, 128, "continued")
+    new = _save(eng, st, 128, "continued", among=[st_cold, *older])
     assert _kv(tmp_path) == sorted(os.path.basename(p) for p in (st_cold, new))
     assert st.stats["superseded"] == 2
     # the stats' shape: the one new counter, the others as before
@@ -225,12 +227,24 @@ def test_explicit_saves_and_other_namespaces_are_not_superseded(eng, tmp_path):
         _save(eng, st, 64, "continued", ns="bob"),
     ]
     kept.append(_save(eng, st, 80, "cold"))  # a cold save prunes nothing, and is not pruned
-    new = _save(eng, st, 128, "continued", ns=None)
+    new = _save(eng, st, 128, "continued", ns=None, among=kept)
     assert _kv(tmp_path) == sorted(os.path.basename(p) for p in [*kept, new])
     assert st.stats["superseded"] == 0
     # in bob's namespace, his continued snapshot is superseded by his own
-    bob = _save(eng, st, 128, "continued", ns="bob")
+    bob = _save(eng, st, 128, "continued", ns="bob", among=kept)
     assert not os.path.exists(kept[3]) and os.path.exists(bob) and st.stats["superseded"] == 1
+
+
+def test_an_earlier_turns_snapshot_is_not_superseded(eng, tmp_path):
+    """Only the snapshots of the same prefill go: an earlier turn's
+    continued snapshot (not among them) is the branch point an edited or
+    regenerated turn resumes from (tests/test_models_rungs.py's edit case)."""
+    st = KVStore(tmp_path, min_tokens=8)
+    turn1 = _save(eng, st, 64, "continued")
+    within = _save(eng, st, 96, "continued")
+    new = _save(eng, st, 128, "continued", among=[within])
+    assert os.path.exists(turn1) and not os.path.exists(within) and os.path.exists(new)
+    assert st.stats["superseded"] == 1
 
 
 def test_another_engines_continued_prefix_is_kept(eng, tmp_path, write_ck):
@@ -238,7 +252,7 @@ def test_another_engines_continued_prefix_is_kept(eng, tmp_path, write_ck):
     s = ds4.Session(eng, ctx=2048)
     s.sync(toks(eng, PROMPT)[:64])
     foreign = write_ck(tmp_path, s.key_bytes(), reason="continued", tokens=64, abi="other/1")
-    new = _save(eng, st, 128, "continued")
+    new = _save(eng, st, 128, "continued", among=[foreign])
     assert os.path.exists(foreign) and os.path.exists(new) and st.stats["superseded"] == 0
 
 

@@ -51,8 +51,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .constrain import Constraint, Guide
@@ -118,6 +119,7 @@ class Generator:
         self.sess = Session(engine, ctx=ctx)
         self.store = store
         self._last_continued = 0
+        self._turn_saves: list[str] = []  # the continued snapshots of the turn in progress
         self._max_token_bytes: int | None = None
         eog = getattr(engine, "eog_token_ids", None)
         self.stop_ids = frozenset(int(t) for t in eog) if eog else frozenset({int(engine.eos_token_id)})
@@ -149,12 +151,13 @@ class Generator:
         return self.ctx * max(1, self._max_token_bytes)
 
     # -- saves -------------------------------------------------------------
-    def save(self, reason: str) -> str | None:
-        """Store the live session (when valid and long enough); never raises."""
+    def save(self, reason: str, supersedes: Collection[str] = ()) -> str | None:
+        """Store the live session (when valid and long enough); never raises.
+        ``supersedes``: see :meth:`ds4.kvstore.KVStore.store_live_prefix`."""
         if self.store is None or not self.sess.checkpoint_valid or self.sess.n_past < self.store.min_tokens:
             return None
         try:
-            return self.store.store_live_prefix(self.sess, reason)
+            return self.store.store_live_prefix(self.sess, reason, supersedes=supersedes)
         except (StoreError, OSError, InvalidSessionError) as e:
             log.warning("kv cache %s save failed: %s", reason, e)
             return None
@@ -171,9 +174,18 @@ class Generator:
         log.info("persisting current KV cache before shutdown tokens=%d", self.sess.n_past)
         return self.save("shutdown")
 
+    def _frontier(self, sess: Session) -> None:
+        self._continued(sess.n_past)
+
     def _continued(self, n: int) -> None:
-        if self.save("continued"):
+        """A continued save at ``n`` tokens; it supersedes the snapshots this
+        turn saved before it (``_turn_saves``: its prefill's and its
+        generation's frontiers), never an earlier turn's, which an edited
+        or regenerated turn resumes from."""
+        path = self.save("continued", self._turn_saves)
+        if path:
             self.counters["continued_saves"] += 1
+            self._turn_saves.append(os.path.basename(path))
         self._last_continued = n
 
     # -- the ladder ----------------------------------------------------------
@@ -183,6 +195,7 @@ class Generator:
         """Bring the live session to ``prompt_text`` (ds4's steps 1-5)."""
         store = self.store
         saved: list[int] = []
+        self._turn_saves = []  # a new turn: its own frontiers from here
 
         def on_frontier(sess: Session) -> None:
             assert store is not None
@@ -276,7 +289,7 @@ class Generator:
                 evict_save=False,
                 cold_save=False,
                 frontier_every=store.continued_step() if store is not None else None,
-                on_frontier=(lambda s: self._continued(s.n_past)) if store is not None else None,
+                on_frontier=self._frontier if store is not None else None,
                 cancel=cancel,
             )
         except Exception as e:
@@ -336,6 +349,7 @@ class Generator:
             return
         saved = switch_namespace(self.sess, self.store, namespace)
         self._last_continued = 0
+        self._turn_saves = []
         log.info("namespace switch%s", " (the other namespace's session saved)" if saved else "")
 
     def _cancelled_in_prefill(self, t0: float, e: PrefillCancelledError) -> GenResult:

@@ -48,6 +48,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .. import _core
@@ -441,14 +442,17 @@ class KVStore:
         """:meth:`StorePolicy.continued_step`."""
         return self.policy.continued_step()
 
-    def store_live_prefix(self, sess: Session, reason: str = "cold", *, min_tokens: int | None = None) -> str | None:
+    def store_live_prefix(
+        self, sess: Session, reason: str = "cold", *, min_tokens: int | None = None, supersedes: Collection[str] = ()
+    ) -> str | None:
         """Save the live session (which must be valid) under the SHA-1 of its
         key text (:meth:`Session.key_bytes`: its namespace's preamble, then
         its tokens' rendering). Returns the path, or None when the policy declines
         (too short, over budget, key held by another engine's file).
         ``min_tokens`` overrides the store's minimum (named and system-prompt
-        checkpoints may be short)."""
-        return store_live(self, sess, reason, min_tokens)
+        checkpoints may be short); a continued save prunes what it supersedes
+        of ``supersedes``, its prefill's earlier snapshots (:func:`.save.supersede`)."""
+        return store_live(self, sess, reason, min_tokens, supersedes)
 
     # -- eviction --------------------------------------------------------------
     def evict(self) -> int:

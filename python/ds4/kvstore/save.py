@@ -9,7 +9,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from .. import _core
@@ -131,7 +131,9 @@ def existing_file(
     return "same" if ck.text == text else None
 
 
-def store_live(store: KVStore, sess: Session, reason: str, min_tokens: int | None) -> str | None:
+def store_live(
+    store: KVStore, sess: Session, reason: str, min_tokens: int | None, supersedes: Collection[str] = ()
+) -> str | None:
     """See :meth:`ds4.kvstore.KVStore.store_live_prefix` (the store's lock,
     index and eviction; this module's checks and write)."""
     if not sess.checkpoint_valid:
@@ -164,8 +166,8 @@ def store_live(store: KVStore, sess: Session, reason: str, min_tokens: int | Non
             return None
         store.counters["stores"] += 1
         store._index.index_file(name, path, stat_key(os.lstat(path)))
-        if reason == "continued":
-            supersede(store, text, name, sess.payload_abi)
+        if reason == "continued" and supersedes:
+            supersede(store, text, name, sess.payload_abi, supersedes)
         if store.remote is not None:  # shared in the background: never adds to this request's latency
             store.remote.enqueue(path, sess.payload_abi, n, len(text))
         log.info(
@@ -181,11 +183,13 @@ def store_live(store: KVStore, sess: Session, reason: str, min_tokens: int | Non
     return path
 
 
-def supersede(store: KVStore, text: bytes, name: str, abi: str) -> list[str]:
+def supersede(store: KVStore, text: bytes, name: str, abi: str, among: Collection[str]) -> list[str]:
     """Remove the ``continued`` snapshots a new continued one (``name``, of
-    key text ``text``) supersedes: those of this engine (``abi``) and this
-    namespace whose text is a strict prefix of ``text`` (a long prefill's
-    nested snapshots, ds4 PR #175). Explicit checkpoints (cold, evict,
+    key text ``text``) supersedes: those ``among`` the names the same prefill
+    wrote before it (a long prefill's nested snapshots, ds4 PR #175), of this
+    engine (``abi``) and this namespace, whose text is a strict prefix of
+    ``text``. An earlier turn's snapshots are never among them: they are the
+    branch points an edited or regenerated turn resumes from. Explicit checkpoints (cold, evict,
     shutdown, named, agent) stay. The caller holds the store's lock; the
     files go through :func:`.remove.evict_entries` (each only as indexed)
     and are counted as ``superseded``. Returns the names removed."""
@@ -194,6 +198,7 @@ def supersede(store: KVStore, text: bytes, name: str, abi: str) -> list[str]:
         e
         for e in (Entry.from_row(store.dir, row) for row in store._idx.lookup(text, min_tokens=0, abi=abi, ctx=None))
         if e.name != name
+        and e.name in among
         and e.reason == "continued"
         and e.version >= 2
         and e.abi == abi
