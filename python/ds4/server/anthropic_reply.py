@@ -27,7 +27,6 @@ import uuid
 
 from ..turn import GenResult
 from .conversation import Outcome, new_call_id
-from .reasoning import ReasoningSplitter
 from .tool_stream import StreamEvent
 from .wire import JSON, ApiError, ApiRequest, Wire, ds4_info, exception_to_api, sse
 
@@ -98,7 +97,6 @@ class MessagesReply:
         self.splitter = conv.splitter() if conv is not None else None
         self.text_open = False
         self.index = 0  # the index of the block open or next (thinking, text, then each call)
-        self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
         self.thinking: str | None = None  # the thinking block's text so far (None: no block)
         self.think_done = False  # the thinking block is closed
 
@@ -218,9 +216,7 @@ class MessagesReply:
         and the content left."""
         if self.req.agent is None:
             return [], text
-        if self.rsplit is None:
-            self.rsplit = self.req.agent.reasoning_splitter()
-        reasoning, content = self.rsplit.push(text)
+        reasoning, content = self.req.agent.stream_reasoning(text)
         out = self._think(reasoning)
         return (out + self._end_think() if content else out), content
 
@@ -233,8 +229,9 @@ class MessagesReply:
     def closing(self, res: GenResult) -> list[bytes]:
         oc = self._outcome(res)
         out: list[bytes] = []
-        if self.rsplit is not None:
-            reasoning, content = self.rsplit.finish()
+        held = self.req.agent.end_stream_reasoning() if self.req.agent is not None else None
+        if held is not None:
+            reasoning, content = held
             out += self._think(reasoning) + self._end_think()
             if content and self.splitter is not None:
                 out += self._events(self.splitter.feed(content))

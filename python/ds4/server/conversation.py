@@ -316,6 +316,7 @@ class AgentTurn:
         self.messages: list[dict[str, str]] = []
         #: the prompt opens the reasoning (its generation prompt ends in <think>)
         self.opened = False
+        self._rsplit: ReasoningSplitter | None = None  # a stream's (:meth:`stream_reasoning`)
         #: the prompt ends in the tail mode's system turn of volatile lines
         self.tailed = False
         self.outcome: Outcome | None = None
@@ -352,10 +353,18 @@ class AgentTurn:
         self.opened = prompt.rstrip().endswith(THINK_OPEN)
         return prompt
 
-    def reasoning_splitter(self) -> ReasoningSplitter:
-        """A stream's reasoning splitter (call it once the prompt is rendered:
-        before the first text event)."""
-        return ReasoningSplitter(self.opened)
+    def stream_reasoning(self, text: str) -> tuple[str, str]:
+        """A streamed piece of the reply through the turn's reasoning
+        splitter (made on the first piece, once the prompt is rendered):
+        the reasoning and the content that may be sent now."""
+        if self._rsplit is None:
+            self._rsplit = ReasoningSplitter(self.opened)
+        return self._rsplit.push(text)
+
+    def end_stream_reasoning(self) -> tuple[str, str] | None:
+        """The reasoning and content the splitter still held at the end of
+        the stream; None when no piece went through it."""
+        return None if self._rsplit is None else self._rsplit.finish()
 
     def _live_continuation(self, namespace: str | None) -> list[dict[str, str]] | None:
         """ds4's tool-output match: the request ends in results for exactly

@@ -19,7 +19,6 @@ from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall, new_call_id
 from .fields import is_int
 from .formats import response_format
-from .reasoning import ReasoningSplitter
 from .tool_stream import StreamEvent, StreamSplitter
 from .volatile import SystemText
 from .wire import (
@@ -357,7 +356,6 @@ class Reply:
         self.debug = debug
         self.chat = req.kind == "chat"
         self.splitter: StreamSplitter | None = req.conv.splitter() if req.conv is not None else None
-        self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
 
     def _head(self, obj: str) -> JSON:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -422,9 +420,7 @@ class Reply:
         to send first (``reasoning_content``) and the content left."""
         if self.req.agent is None:
             return b"", delta
-        if self.rsplit is None:
-            self.rsplit = self.req.agent.reasoning_splitter()
-        reasoning, content = self.rsplit.push(delta)
+        reasoning, content = self.req.agent.stream_reasoning(delta)
         return (self._delta({"reasoning_content": reasoning}) if reasoning else b""), content
 
     def chunk(self, delta: str | None, finish: str | None = None, first: bool = False) -> bytes:
@@ -452,8 +448,9 @@ class Reply:
     def closing(self, res: GenResult) -> list[bytes]:
         out = []
         finish = res.finish_reason
-        if self.chat and self.rsplit is not None:
-            reasoning, content = self.rsplit.finish()
+        held = self.req.agent.end_stream_reasoning() if self.chat and self.req.agent is not None else None
+        if held is not None:
+            reasoning, content = held
             if reasoning:
                 out.append(self._delta({"reasoning_content": reasoning}))
             if content and self.splitter is not None:

@@ -21,7 +21,6 @@ from typing import Any
 
 from ..turn import GenResult
 from .conversation import Outcome
-from .reasoning import ReasoningSplitter
 from .response_store import (
     StoredResponses,
     call_item,
@@ -52,7 +51,6 @@ class ResponsesReply:
         self.msg_id = req.msg_id
         self.splitter = req.conv.splitter() if req.conv is not None else None
         self.msg_open = False
-        self.rsplit: ReasoningSplitter | None = None  # made on the first text (the prompt is rendered then)
         self.reasoning: str | None = None  # the reasoning item's text so far (None: no item)
         self.reasoning_done = False
         self.msg_index = 0  # the message's output index (1 after a reasoning item)
@@ -145,9 +143,7 @@ class ResponsesReply:
         and the content left."""
         if self.req.agent is None:
             return [], text
-        if self.rsplit is None:
-            self.rsplit = self.req.agent.reasoning_splitter()
-        reasoning, content = self.rsplit.push(text)
+        reasoning, content = self.req.agent.stream_reasoning(text)
         out = self._think(reasoning)
         return (out + self._end_think() if content else out), content
 
@@ -160,8 +156,9 @@ class ResponsesReply:
     def closing(self, res: GenResult) -> list[bytes]:
         status, output, oc = self._final(res)
         out: list[bytes] = []
-        if self.rsplit is not None:
-            reasoning, content = self.rsplit.finish()
+        held = self.req.agent.end_stream_reasoning() if self.req.agent is not None else None
+        if held is not None:
+            reasoning, content = held
             out += self._think(reasoning) + self._end_think()
             if content and self.splitter is not None:
                 content = self.splitter.push(content)
