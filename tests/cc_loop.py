@@ -189,6 +189,18 @@ def serve_command() -> list[str]:
 
 
 # -- the client's side ----------------------------------------------------------
+def echoed(blocks) -> list[dict]:
+    """An Anthropic reply's content blocks (``text`` and ``tool_use``) as a
+    client sends them back in the next request's history."""
+    out: list[dict] = []
+    for b in blocks:
+        if b.type == "text":
+            out.append({"type": "text", "text": b.text})
+        else:
+            out.append({"type": "tool_use", "id": b.id, "name": b.name, "input": b.input})
+    return out
+
+
 def client(base: str, timeout: float = 600):
     import anthropic
 
@@ -202,12 +214,7 @@ def send(c, body: dict, turn: int) -> dict:
     r = c.messages.create(**body)
     wall = time.perf_counter() - t0
     u = r.usage
-    content = []
-    for b in r.content:
-        if b.type == "text":
-            content.append({"type": "text", "text": b.text})
-        else:
-            content.append({"type": "tool_use", "id": b.id, "name": b.name, "input": b.input})
+    content = echoed(r.content)
     return {
         "turn": turn,
         "stop_reason": r.stop_reason,

@@ -12,6 +12,7 @@ import anthropic
 import httpx
 import pytest
 from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_server, warm_server
+from cc_loop import echoed
 
 ATOOLS = [
     {
@@ -47,14 +48,8 @@ def _ask(c, args, stream):
     else:
         r = c.messages.create(**args)
     assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
-    content = []
-    for b in r.content:
-        if b.type == "text":
-            content.append({"type": "text", "text": b.text})
-        else:
-            assert b.type == "tool_use" and b.id.startswith("toolu_")
-            content.append({"type": "tool_use", "id": b.id, "name": b.name, "input": b.input})
-    return {"role": "assistant", "content": content}, r.stop_reason, r.usage
+    assert all(b.type == "text" or (b.type == "tool_use" and b.id.startswith("toolu_")) for b in r.content)
+    return {"role": "assistant", "content": echoed(r.content)}, r.stop_reason, r.usage
 
 
 def cold_answer(cold, messages, **kw):

@@ -14,6 +14,7 @@ import secrets
 import anthropic
 import pytest
 from agent_helpers import KV_FLAGS, RTOOLS, SYSTEM, ScriptedServer
+from cc_loop import echoed
 from scripted_engine import ScriptedEngine
 from test_agents_anthropic import ATOOLS, results
 from test_server import _stored_texts
@@ -95,12 +96,7 @@ def ask(srv, messages, system):
         r = c.messages.create(
             model="claude-x", max_tokens=300, system=system, messages=messages, tools=ATOOLS, timeout=300
         )
-    content = []
-    for b in r.content:
-        if b.type == "text":
-            content.append({"type": "text", "text": b.text})
-        else:
-            content.append({"type": "tool_use", "id": b.id, "name": b.name, "input": b.input})
+    content = echoed(r.content)
     u = r.usage
     return (
         {"role": "assistant", "content": content},
