@@ -74,14 +74,17 @@ SYSTEM = "You are a coding agent working in a repository. " + " ".join(
 
 
 class Server:
-    def __init__(self, engine: str, extra: list[str], log_path: str, ctx: int):
+    """A ``ds4 serve`` on a free port, ready when ``/health`` answers;
+    ``cmd`` (without ``--port``/``--ctx``) overrides the engine's command."""
+
+    def __init__(self, engine: str, extra: list[str], log_path: str, ctx: int, cmd: list[str] | None = None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
-        if engine == "scripted":  # the reference model following the tests' script (it calls tools)
+        if cmd is None and engine == "scripted":  # the reference model following the tests' script (it calls tools)
             here = os.path.dirname(os.path.abspath(__file__))
             cmd = [sys.executable, os.path.join(here, "..", "tests", "scripted_serve.py"), "--engine", "reference"]
-        else:
+        elif cmd is None:
             cmd = [sys.executable, "-m", "ds4", "serve", "--engine", engine]
         args = [*cmd, "--port", str(self.port), "--ctx", str(ctx)]
         self.proc = subprocess.Popen([*args, *extra], stdout=self.log, stderr=subprocess.STDOUT)
@@ -92,7 +95,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)
-        raise RuntimeError("server did not start")
+        raise RuntimeError(f"server did not start (log: {log_path})")
 
     def post(self, path: str, body: dict) -> dict:
         r = httpx.post(self.base + path, json=body, timeout=600)

@@ -45,51 +45,27 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-
-import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import bench_agents
 import cc_loop
-from ports import free_port
 
 VOLATILE = ["--prompt-volatile", cc_loop.DATE_RE]
 
 
-class Server:
+class Server(bench_agents.Server):
+    """bench_agents' server: the reference engine runs tests/cc_serve.py's
+    script (a call on every request), llama.cpp gets ``--threads``."""
+
     def __init__(self, engine: str, extra: list[str], log_path: str, ctx: int, threads: int):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "wb")
         if engine == "reference":
             cmd = cc_loop.serve_command()
         else:
             cmd = [sys.executable, "-m", "ds4", "serve", "--engine", engine, "--threads", str(threads)]
-        self.proc = subprocess.Popen(
-            [*cmd, "--port", str(self.port), "--ctx", str(ctx), *extra], stdout=self.log, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError(f"server did not start (log: {log_path})")
-
-    def reset(self) -> None:
-        r = httpx.post(self.base + "/v1/completions", json={"model": "m", "prompt": "reset", "max_tokens": 1})
-        r.raise_for_status()
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
-        self.log.close()
+        super().__init__(engine, extra, log_path, ctx, cmd)
 
 
 def reply(row: dict) -> str:
