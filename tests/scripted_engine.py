@@ -18,7 +18,9 @@ is the last one that is not a system turn):
       ``ESCAPED`` (a compact call of ``note`` whose string is ``\\u``-escaped),
       ``TWO`` (two parallel calls), ``TALK`` (plain text, no call),
       ``PREFACE`` (visible text before the call).
-Without tools: ``Hello from the script.``; when the last turn's text has
+Without tools: ``Hello from the script.``; ``LONG <n>`` in the last turn:
+``n`` bytes of ``la la la ...`` (a long generation whose text is known);
+when the last turn's text has
 ``THINK``, a reasoning model's reply: ``<think>\nThinking about N.\n</think>\n\n``
 then ``The answer is N.`` (N from the prompt).
 
@@ -74,6 +76,10 @@ def script(prompt: str) -> str:
     turns = prompt.split("<|im_start|>")
     last = next((t for t in reversed(turns) if not t.startswith("system\n")), turns[-1])
     if "<tools>" not in prompt:
+        long = re.search(r"LONG (\d+)", last)
+        if long:
+            n = int(long.group(1))
+            return ("la " * (n // 3 + 1))[:n]
         if "THINK" in last:
             n = len(prompt) % 97
             return f"<think>\nThinking about {n}.\n</think>\n\nThe answer is {n}."

@@ -49,7 +49,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="resident live sessions, each its own engine context of --ctx tokens: a request goes to the one "
-        "holding its prefix (docs/DESIGN.md, 'Session pool'); default 1",
+        "holding its prefix, and up to N requests run at once, taking turns token by token "
+        "(docs/DESIGN.md, 'Session pool'); default 1",
     )
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
     p.add_argument(

@@ -2,8 +2,9 @@
 sessions, each its own :class:`ds4.turn.Generator` (its own
 :class:`ds4.Session` and engine context) over the one engine and the one
 store, each with its own live tool state (:class:`LiveTools`). The worker
-still serves one request at a time; the pool only decides *which* resident
-serves it (:meth:`Pool.route`), in this order:
+runs one lane per resident (:mod:`ds4.server.worker`); the pool decides
+*which* resident serves a job (:meth:`Pool.route`), never one that another
+lane is serving (``busy``), in this order:
 
 1. a tool-result continuation goes to the resident that generated the calls
    (its live tool state names them and it still holds that turn, in the
@@ -76,6 +77,8 @@ class Resident:
     live: LiveTools
     last_used: float = 0.0
     served: int = 0
+    busy: bool = False  # a lane is serving a job on it
+    last_rung: str | None = None  # the cache level that served its last turn
 
     def view(self) -> dict[str, Any]:
         """The operator's line for it (``/health``)."""
@@ -87,6 +90,8 @@ class Resident:
             "valid": sess.checkpoint_valid,
             "tokens": sess.n_past,
             "served": self.served,
+            "busy": self.busy,
+            "last_rung": self.last_rung,
             "last_used": round(self.last_used, 3) if self.last_used else None,
         }
 
@@ -121,11 +126,13 @@ class Pool:
         state no resident holds) leaves every resident untouched."""
         if self.size == 1:
             r = self.residents[0]
-            return self._used(r, namespace, hint), work.render(r.gen.engine, namespace)
+            prompt = work.render(r.gen.engine, namespace)  # a refusal leaves the resident free
+            return self._used(r, namespace, hint), prompt
         cont = self._continuing(work, namespace)
         if cont is not None:
             _bind(work, cont)
-            return self._used(cont, namespace, hint), work.render(cont.gen.engine, namespace)
+            prompt = work.render(cont.gen.engine, namespace)
+            return self._used(cont, namespace, hint), prompt
         engine = self.residents[0].gen.engine
         if isinstance(work, AgentTurn):  # no resident's live tool state: the plain rendering
             work.gen, work.live = self.residents[0].gen, LiveTools()
@@ -142,7 +149,7 @@ class Pool:
         ids = frozenset(m.tool_call_id or "" for m in work.conv.trailing_results())
         if not ids:
             return None
-        for r in self.residents:
+        for r in self._idle():
             sess = r.gen.sess
             if r.live.ids == ids and sess.namespace == namespace and sess.checkpoint_valid:
                 if sess.key_bytes() == r.live.key:
@@ -150,23 +157,30 @@ class Pool:
                     return r
         return None
 
+    def _idle(self) -> list[Resident]:
+        """The residents no lane is serving (never empty when a lane asks:
+        there are as many residents as lanes)."""
+        return [r for r in self.residents if not r.busy]
+
     def _choose(self, prompt: str, namespace: str | None, hint: str | None) -> Resident:
-        mine = [r for r in self.residents if r.gen.sess.namespace == namespace and r.gen.sess.checkpoint_valid]
+        idle = self._idle()
+        mine = [r for r in idle if r.gen.sess.namespace == namespace and r.gen.sess.checkpoint_valid]
         best = _longest_live(mine, prompt) if mine else None
         if best is not None:
             return best
         k = self._hints.get((namespace, hint)) if hint else None
-        if k is not None and self.residents[k].gen.sess.namespace == namespace:
+        if k is not None and not self.residents[k].busy and self.residents[k].gen.sess.namespace == namespace:
             log.info("pool: hint picks session %d", k)
             return self.residents[k]
-        free = [r for r in self.residents if not r.gen.sess.checkpoint_valid]
+        free = [r for r in idle if not r.gen.sess.checkpoint_valid]
         if free:
             return min(free, key=lambda r: r.index)
-        lru = min(self.residents, key=lambda r: r.last_used)
+        lru = min(idle, key=lambda r: r.last_used)
         log.info("pool: session %d (least recently used, %d tokens) reused", lru.index, lru.gen.sess.n_past)
         return lru
 
     def _used(self, r: Resident, namespace: str | None, hint: str | None) -> Resident:
+        r.busy = True
         r.last_used = time.time()
         r.served += 1
         if hint and self.size > 1:
@@ -175,6 +189,10 @@ class Pool:
             while len(self._hints) > MAX_HINTS:
                 self._hints.popitem(last=False)
         return r
+
+    def release(self, r: Resident) -> None:
+        """The job on ``r`` is over: another lane may route to it."""
+        r.busy = False
 
     # -- shutdown --------------------------------------------------------------
     def shutdown_save(self) -> None:

@@ -1,11 +1,15 @@
-"""The worker: a FIFO queue of jobs and the one thread that owns the live
+"""The worker: a FIFO queue of jobs and the lanes that own the live
 sessions (the :class:`ds4.server.pool.Pool` of :class:`ds4.turn.Generator`
 residents, one by default; the pool picks which serves a job). HTTP handlers submit jobs and
 relay the events the worker posts back (``start``, ``text`` pieces, then
-``done`` or ``error``); requests are therefore served one at a time, in
-arrival order. The worker knows nothing of HTTP: refusals are typed
-(:class:`QueueFull`, :class:`ShuttingDown`) and the protocol modules turn
-them into responses.
+``done`` or ``error``). Jobs start in arrival order. With one resident
+(the default) one lane serves them one at a time; with N, N lanes serve up
+to N jobs at once, each on its own resident, taking turns token by token
+and prefill chunk by chunk (:class:`ds4.server.baton.Baton`: one lane at a
+time touches the engine, the sessions and the store), so a long generation
+does not hold a short turn behind it. The worker knows nothing of HTTP:
+refusals are typed (:class:`QueueFull`, :class:`ShuttingDown`) and the
+protocol modules turn them into responses.
 
 A job whose client left while it was queued is skipped; a job whose client
 leaves while it runs stops at the next token (its cancel flag is checked
@@ -34,7 +38,8 @@ from ..errors import PromptError
 from ..keytext import Prompt
 from ..recovery import RecoveryReport
 from ..turn import Generator, GenParams, GenResult
-from .pool import Pool
+from .baton import Baton
+from .pool import Pool, Resident
 from .tenants import ANONYMOUS
 
 if TYPE_CHECKING:
@@ -155,7 +160,8 @@ class ProgressLog:
 
 
 class Service:
-    """A FIFO queue of jobs and the one worker thread that runs them."""
+    """A FIFO queue of jobs and the worker lanes that run them (one per
+    resident session)."""
 
     def __init__(self, generator: Generator, model_id: str, *, max_queue: int = 64, pool: Pool | None = None):
         self.gen = generator  # the first resident: the engine, the store, the context (the front end's)
@@ -170,14 +176,25 @@ class Service:
         # tenant -> its counters; a tenant's dict is replaced whole, never
         # changed in place, so a reader on another thread sees one job's end
         self._by_tenant: dict[str, dict[str, int]] = {}
-        self.status = self._snapshot(busy=False)
-        self._thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
-        self._thread.start()
+        #: which level of the cache served each turn (the rung: live, rewrite, disk, remote, prefill)
+        self.levels: dict[str, int] = {}
+        self.baton = Baton()
+        self._running = 0  # jobs being served (under the baton)
+        self.status = self._snapshot()
+        n = self.pool.size
+        self._lanes = [
+            threading.Thread(target=self._run, name="ds4-worker" if n == 1 else f"ds4-worker-{k}", daemon=True)
+            for k in range(n)
+        ]
+        for t in self._lanes:
+            t.start()
 
-    def _snapshot(self, busy: bool) -> dict[str, Any]:
+    def _snapshot(self) -> dict[str, Any]:
         g = self.gen
         st: dict[str, Any] = {
-            "busy": busy,
+            "busy": self._running > 0,
+            "running": self._running,
+            "levels": dict(self.levels),
             "session": {"valid": g.sess.checkpoint_valid, "n_past": g.sess.n_past, "ctx": g.sess.ctx},
             "counters": dict(g.counters),
         }
@@ -224,30 +241,47 @@ class Service:
         self._q.put(job)
 
     def close(self) -> None:
-        """Drain the queue, store the live session (``shutdown``), stop."""
+        """Drain the queue, store every valid resident (``shutdown``), stop."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._q.put(_SHUTDOWN)
-        self._thread.join()
+        for _ in self._lanes:  # behind every queued job: each lane serves its share, then stops
+            self._q.put(_SHUTDOWN)
+        for t in self._lanes:
+            t.join()
+        with self.baton:
+            self.pool.shutdown_save()  # every valid resident (the one live session by default)
+            if self.gen.store is not None:
+                self.gen.store.close()  # the shared tier's queued uploads, then its connections
+            self.status = self._snapshot()
 
     def _run(self) -> None:
         while True:
             job = self._q.get()
             if not isinstance(job, Job):  # the shutdown marker
-                self.pool.shutdown_save()  # every valid resident (the one live session by default)
-                if self.gen.store is not None:
-                    self.gen.store.close()  # the shared tier's queued uploads, then its connections
-                self.status = self._snapshot(busy=False)
                 return
             with self._lock:
                 self._pending -= 1
-            try:
-                self._serve(job)
-            except BaseException:  # pragma: no cover - never let the worker die
-                log.exception("worker failed on job %d", job.id)
-            self.status = self._snapshot(busy=False)
+            with self.baton:
+                self._running += 1
+                try:
+                    self._serve(job)
+                except BaseException:  # pragma: no cover - never let the worker die
+                    log.exception("worker failed on job %d", job.id)
+                finally:
+                    self._running -= 1
+                    self.status = self._snapshot()
+
+    def _turns(self, job: Job) -> Callable[[], bool]:
+        """The job's cancel check, asked before every token and prefill
+        chunk: where its lane hands the baton to a waiting one."""
+
+        def check() -> bool:
+            self.baton.pass_()
+            return job.cancel.is_set()
+
+        return check
 
     def _named(self, rep: RecoveryReport, index: int) -> RecoveryReport:
         """A live hit of a pool names its resident (``source``: ``session K``)."""
@@ -261,35 +295,39 @@ class Service:
             self._count(job, "cancelled")
             job.post("error", Cancelled())
             return
-        self.status = self._snapshot(busy=True)
-        gen = self.gen
+        self.status = self._snapshot()
         try:
-            # which resident (one by default); an agent turn's live tool state
-            # only in its namespace, the resident's own
+            # which resident (one by default; never one another lane is
+            # serving); an agent turn's live tool state only in its
+            # namespace, the resident's own
             resident, prompt = self.pool.route(job.work, job.namespace, job.hint)
-            gen = resident.gen
-            res = gen.generate(
-                prompt,
-                job.params,
-                namespace=job.namespace,
-                on_start=lambda rep: job.post("start", self._named(rep, resident.index)),
-                on_text=lambda s: job.post("text", s),
-                cancel=job.cancel.is_set,
-                progress=ProgressLog(f"job {job.id}"),
-            )
-        except PromptError as e:
+        except Exception as e:
+            self._failed(job, e)
+            return
+        try:
+            self._serve_on(job, resident, prompt)
+        finally:
+            self.pool.release(resident)  # after the done hook: it may still extend the resident's state
+
+    def _failed(self, job: Job, e: Exception) -> None:
+        if isinstance(e, PromptError):
             # the client's fault, typed where the input was judged (the turn's
             # refusals, the agent turn's LiveStateGone): nothing was touched
             self.gen.counters["rejected"] += 1
             self._count(job, "rejected")
-            job.post("error", e)
-            return
-        except Exception as e:  # anything else is ours (a ValueError of a bug included): a 5xx
+        else:  # anything else is ours (a ValueError of a bug included): a 5xx
             self.gen.counters["errors"] += 1
             self._count(job, "errors")
-            log.exception("job %d failed", job.id)
-            job.post("error", e)
+            log.exception("job %d failed", job.id, exc_info=e)
+        job.post("error", e)
+
+    def _serve_on(self, job: Job, resident: Resident, prompt: str) -> None:
+        try:
+            res = self._generate(job, resident, prompt)
+        except Exception as e:
+            self._failed(job, e)
             return
+        gen = resident.gen
         self._count(job, "cancelled" if res.finish_reason == "cancelled" else None, res)
         if res.finish_reason == "cancelled":
             log.info(
@@ -305,3 +343,18 @@ class Service:
             except Exception:  # the reply still goes out (as text)
                 log.exception("job %d: the agent turn's done hook failed", job.id)
         job.post("done", res)
+
+    def _generate(self, job: Job, resident: Resident, prompt: str) -> GenResult:
+        res = resident.gen.generate(
+            prompt,
+            job.params,
+            namespace=job.namespace,
+            on_start=lambda rep: job.post("start", self._named(rep, resident.index)),
+            on_text=lambda s: job.post("text", s),
+            cancel=self._turns(job),
+            progress=ProgressLog(f"job {job.id}"),
+        )
+        rung = res.report.rung
+        self.levels = {**self.levels, rung: self.levels.get(rung, 0) + 1}
+        resident.last_rung = rung
+        return res
