@@ -112,6 +112,31 @@ def test_two_sessions_four_conversations_evict_and_come_back_from_disk(tmp_path,
         srv.stop()
 
 
+def test_a_conversation_that_is_no_live_hit_keeps_its_own_resident(tmp_path, cold):
+    """A reply the client cannot echo byte-exact (the reference model's
+    bytes are seldom valid UTF-8 over 24 tokens) makes the next turn no
+    live hit; with no free resident it goes back to the resident sharing
+    its history (rule 5), not to the least recently used one, which holds
+    the other conversation: that one's next turn is still live."""
+    srv = _pool_server(tmp_path, "pool-shared", 2)
+    try:
+        a, b = _long_conv(TOPICS[0]), _long_conv(TOPICS[1])
+        _, a = _turn(srv, cold, a, 0)
+        _, b = _turn(srv, cold, b, 0)
+        r = srv.client().chat.completions.create(model=srv.model(), messages=a, max_tokens=24)
+        text = r.choices[0].message.content
+        assert "\ufffd" in text, "the precondition: a reply the client echoes in other bytes"
+        a = [*a, {"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+        r, _ = _turn(srv, cold, a, 2)  # b's resident is the least recently used one
+        x = _extra(r)
+        assert x["rung"] in ("rewrite", "disk") and _cached(r) > 0, x
+        assert "shares this conversation's" in srv.text_log()
+        rb, _ = _turn(srv, cold, b, 1)
+        assert _extra(rb)["rung"] == "live", _extra(rb)
+    finally:
+        srv.stop()
+
+
 def test_tenants_never_share_a_resident(tmp_path, cold):
     ka, kb = "sk-pool-alice", "sk-pool-bob"
     keys = tmp_path / "keys"

@@ -264,3 +264,31 @@ def test_the_health_levels_count_the_rung_of_every_turn(tmp_path):
         assert [s["last_rung"] for s in h["sessions"]] == ["live", None], h["sessions"]
     finally:
         srv.stop()
+
+
+def test_agents_starting_together_prefill_their_shared_system_prompt_once(tmp_path):
+    """Four conversations with one long system prompt sent at once: one lane
+    prefills it (storing its cold checkpoint), the other three wait for that
+    prefill instead of prefilling the same tokens beside it, then resume from
+    the checkpoint; every reply equals a cold server's."""
+    from test_server import SYSTEM, Server
+
+    system = SYSTEM + " " + " ".join(f"Rule {i}: keep every answer short and exact." for i in range(30))
+    convs = {
+        t: [{"role": "system", "content": system}, {"role": "user", "content": f"Tell me of {t}."}] for t in TOPICS
+    }
+    (tmp_path / "c").mkdir()
+    cold = Server(str(tmp_path / "c"), "cold", "--no-kv-cache").start()
+    srv = _pool_server(tmp_path, "pool4-shared", 4)
+    try:
+        got = _at_once(srv, convs, 4)
+        for t in TOPICS:
+            ref = cold_chat(cold, convs[t], max_tokens=4)
+            assert got[t].choices[0].message.content == ref.choices[0].message.content, t
+        levels = srv.health()["levels"]
+        assert levels == {"prefill": 1, "disk": 3}, levels
+        cached = sorted(_cached(r) / r.usage.prompt_tokens for r in got.values())
+        assert cached[0] == 0 and all(c >= 0.9 for c in cached[1:]), cached  # one full prefill, three resumes
+    finally:
+        srv.stop()
+        cold.stop()

@@ -171,7 +171,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bp.add_argument("--model", metavar="PATH", help="GGUF model file: the session figures run on it through llama.cpp")
     bp.add_argument("--threads", type=int, default=None, metavar="N", help="engine threads (llamacpp)")
-    bp.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
+    bp.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="prompt length (default 4096; with --concurrency the system prompt, 2000)",
+    )
+    bp.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="K",
+        help="K conversations interleaved against a pool of K sessions, and against one session, in one run",
+    )
+    bp.add_argument("--turns", type=int, default=6, help="with --concurrency: turns per conversation (default 6)")
+    bp.add_argument("--max-tokens", type=int, default=32, help="with --concurrency: tokens per reply (default 32)")
     bp.add_argument("--sha-mb", type=int, default=64, help="MiB hashed for the SHA-1 figures (default 64)")
     bp.add_argument("--kv-disk-dir", default=None, help="directory for the checkpoint (default: a temp dir)")
     bp.add_argument("--json", action="store_true")

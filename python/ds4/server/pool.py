@@ -16,7 +16,13 @@ lane is serving (``busy``), in this order:
    in the request's namespace: a hint only picks, the ladder still decides
    the rung, so a wrong hint costs time, never correctness;
 4. a free (empty) resident;
-5. the least recently used one: the ladder saves its state first (reason
+5. the resident of the request's namespace that shares the longest prefix
+   with the prompt when that prefix is this conversation's own: longer than
+   any other resident shares, and at least half of the resident's state (an
+   edited last turn, a reply the client echoed in other tokens): the
+   ladder's rewrite rung keeps that prefix (the tokens past it saved
+   first, reason ``evict``) or a longer one from disk;
+6. the least recently used one: the ladder saves its state first (reason
    ``evict``, as one session's switch does), then reuses it.
 
 Tenants and cache salts never share a resident's state: only a resident
@@ -78,6 +84,9 @@ class Resident:
     last_used: float = 0.0
     served: int = 0
     busy: bool = False  # a lane is serving a job on it
+    #: why the last job was routed here: "only" (a pool of one), "continuation",
+    #: "live", "hint", "free", "shared" (rule 5) or "lru"
+    pick: str = "only"
     last_rung: str | None = None  # the cache level that served its last turn
 
     def view(self) -> dict[str, Any]:
@@ -127,17 +136,20 @@ class Pool:
         if self.size == 1:
             r = self.residents[0]
             prompt = work.render(r.gen.engine, namespace)  # a refusal leaves the resident free
+            r.pick = "only"
             return self._used(r, namespace, hint), prompt
         cont = self._continuing(work, namespace)
         if cont is not None:
             _bind(work, cont)
             prompt = work.render(cont.gen.engine, namespace)
+            cont.pick = "continuation"
             return self._used(cont, namespace, hint), prompt
         engine = self.residents[0].gen.engine
         if isinstance(work, AgentTurn):  # no resident's live tool state: the plain rendering
             work.gen, work.live = self.residents[0].gen, LiveTools()
         prompt = work.render(engine, namespace)
-        chosen = self._choose(prompt, namespace, hint)
+        chosen, pick = self._choose(prompt, namespace, hint)
+        chosen.pick = pick
         _bind(work, chosen)
         return self._used(chosen, namespace, hint), prompt
 
@@ -162,22 +174,24 @@ class Pool:
         there are as many residents as lanes)."""
         return [r for r in self.residents if not r.busy]
 
-    def _choose(self, prompt: str, namespace: str | None, hint: str | None) -> Resident:
+    def _choose(self, prompt: str, namespace: str | None, hint: str | None) -> tuple[Resident, str]:
         idle = self._idle()
         mine = [r for r in idle if r.gen.sess.namespace == namespace and r.gen.sess.checkpoint_valid]
-        best = _longest_live(mine, prompt) if mine else None
+        best, partial = _longest_live(mine, prompt) if mine else (None, None)
         if best is not None:
-            return best
+            return best, "live"
         k = self._hints.get((namespace, hint)) if hint else None
         if k is not None and not self.residents[k].busy and self.residents[k].gen.sess.namespace == namespace:
             log.info("pool: hint picks session %d", k)
-            return self.residents[k]
+            return self.residents[k], "hint"
         free = [r for r in idle if not r.gen.sess.checkpoint_valid]
         if free:
-            return min(free, key=lambda r: r.index)
+            return min(free, key=lambda r: r.index), "free"
+        if partial is not None:
+            return partial, "shared"
         lru = min(idle, key=lambda r: r.last_used)
         log.info("pool: session %d (least recently used, %d tokens) reused", lru.index, lru.gen.sess.n_past)
-        return lru
+        return lru, "lru"
 
     def _used(self, r: Resident, namespace: str | None, hint: str | None) -> Resident:
         r.busy = True
@@ -209,13 +223,30 @@ def _bind(work: Work, r: Resident) -> None:
         work.gen, work.live = r.gen, r.live
 
 
-def _longest_live(mine: list[Resident], prompt: str) -> Resident | None:
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _longest_live(mine: list[Resident], prompt: str) -> tuple[Resident | None, Resident | None]:
     """The resident whose whole live state ``prompt`` starts with (by
-    tokens, or by key text as the live rung compares), the longest."""
+    tokens, or by key text as the live rung compares), the longest; and,
+    when there is none, the one whose shared prefix is this conversation's
+    own (rule 5 of the module docstring), or None."""
     sess0 = mine[0].gen.sess
     tokens = tokenize_prompt(sess0.engine, prompt)
     key = sess0.key_of(tokens)  # one namespace: one preamble
     best, best_n = None, 0
+    shared: list[tuple[int, Resident]] = []
     for r in mine:
         sess = r.gen.sess
         live = sess.tokens
@@ -225,6 +256,15 @@ def _longest_live(mine: list[Resident], prompt: str) -> Resident | None:
             whole = _core.common_prefix_len(live_key, key) == len(live_key)
         if whole and len(live) > best_n:
             best, best_n = r, len(live)
+        elif not whole:
+            shared.append((_common(live, tokens), r))
     if best is not None:
         log.info("pool: live prefix of session %d (%d tokens)", best.index, best_n)
-    return best
+        return best, None
+    shared.sort(key=lambda x: x[0], reverse=True)
+    if shared and shared[0][0] > 0 and (len(shared) == 1 or shared[0][0] > shared[1][0]):
+        n, r = shared[0]
+        if 2 * n >= len(r.gen.sess.tokens):
+            log.info("pool: session %d shares this conversation's %d tokens", r.index, n)
+            return None, r
+    return None, None

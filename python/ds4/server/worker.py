@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .. import _core
 from ..errors import PromptError
 from ..keytext import Prompt
 from ..recovery import RecoveryReport
@@ -180,6 +181,8 @@ class Service:
         self.levels: dict[str, int] = {}
         self.baton = Baton()
         self._running = 0  # jobs being served (under the baton)
+        #: the prompts being prefilled, by job id: (namespace, prompt bytes, set once prefilled)
+        self._prefills: dict[int, tuple[str | None, bytes, threading.Event]] = {}
         self.status = self._snapshot()
         n = self.pool.size
         self._lanes = [
@@ -344,16 +347,53 @@ class Service:
                 log.exception("job %d: the agent turn's done hook failed", job.id)
         job.post("done", res)
 
+    def _behind_sibling(self, job: Job, resident: Resident, prompt: str) -> None:
+        """A job about to prefill a prompt that another lane is prefilling
+        the start of (a shared system prompt: agents starting together)
+        waits, without the baton, until that prefill is done: it stored
+        its cold checkpoint there, which this job's ladder then loads,
+        instead of both prefilling the same tokens side by side."""
+        if resident.pick not in ("free", "lru", "hint") or resident.gen.store is None:
+            return
+        pb = prompt.encode("utf-8", "surrogatepass")
+        best, ev = 0, None
+        for ns, other, done in self._prefills.values():
+            n = _core.common_prefix_len(other, pb) if ns == job.namespace else 0
+            if n > best:
+                best, ev = n, done
+        if ev is None or 2 * best < len(pb):
+            return
+        log.info("job %d waits for another lane's prefill of its first %d bytes", job.id, best)
+        self.baton.release()
+        try:
+            while not ev.wait(0.05) and not job.cancel.is_set():
+                pass
+        finally:
+            self.baton.acquire()
+
     def _generate(self, job: Job, resident: Resident, prompt: str) -> GenResult:
-        res = resident.gen.generate(
-            prompt,
-            job.params,
-            namespace=job.namespace,
-            on_start=lambda rep: job.post("start", self._named(rep, resident.index)),
-            on_text=lambda s: job.post("text", s),
-            cancel=self._turns(job),
-            progress=ProgressLog(f"job {job.id}"),
-        )
+        if self.pool.size > 1:
+            self._behind_sibling(job, resident, prompt)
+        prefilled = threading.Event()
+        self._prefills[job.id] = (job.namespace, prompt.encode("utf-8", "surrogatepass"), prefilled)
+
+        def on_start(rep: RecoveryReport) -> None:
+            prefilled.set()
+            job.post("start", self._named(rep, resident.index))
+
+        try:
+            res = resident.gen.generate(
+                prompt,
+                job.params,
+                namespace=job.namespace,
+                on_start=on_start,
+                on_text=lambda s: job.post("text", s),
+                cancel=self._turns(job),
+                progress=ProgressLog(f"job {job.id}"),
+            )
+        finally:
+            prefilled.set()
+            del self._prefills[job.id]
         rung = res.report.rung
         self.levels = {**self.levels, rung: self.levels.get(rung, 0) + 1}
         resident.last_rung = rung

@@ -1,0 +1,182 @@
+"""``ds4 bench --concurrency K``: K conversations interleaved against a pool
+of K resident sessions, and the same conversations against one session
+(today's default server), in one run.
+
+Each conversation opens with one shared system prompt (``--tokens`` long)
+and a question of its own, then ``--turns`` turns: the model's reply (up to
+``--max-tokens``, greedy) and a next user message. The K clients are
+closed loops, each sending its next turn when its reply is in, all at once
+(so the one-session server switches between them on every turn: its state
+saved, another loaded from disk). Both runs drive the server's own worker
+(:class:`ds4.server.worker.Service`: its queue, lanes, pool and ladder) in
+this process over the same engine, each with a fresh store in a temp dir.
+
+Reported for each: aggregate generated tokens/s (all conversations' tokens
+over the run's wall time), the time to first token as a client sees it
+(submit to first text, queue wait included) at p50 and p95, the prefilled
+tokens (prompt tokens the ladder did not reuse) and the turns each cache
+level served; then the pool's figures as ratios of one session's. The
+replies of the two runs are compared (greedy decoding on the same engine:
+they must be identical; exit 1 when they are not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from ..engine import Engine
+from ..kvstore import KVStore
+from ..server.pool import Pool
+from ..server.worker import Job, Service
+from ..turn import Generator, GenParams, GenResult
+from .bench import bench_engine
+from .term import EXIT_OK
+
+__all__ = ["cmd_bench_concurrency"]
+
+SYSTEM_RULE = "Rule {i}: read the file before you change it, run the tests after each change, keep each diff small."
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatWork:
+    """A bench turn: the engine's own chat rendering of ``messages``."""
+
+    messages: tuple[tuple[str, str], ...]
+
+    def render(self, engine: Engine, namespace: str | None = None) -> str:
+        return engine.render_chat([{"role": r, "content": c} for r, c in self.messages])
+
+    def done(self, res: GenResult) -> None:
+        """Nothing follows a bench turn's decoding."""
+
+
+def system_prompt(eng: Engine, n_tokens: int) -> str:
+    """A system text of about ``n_tokens`` tokens of ``eng``."""
+    rules: list[str] = []
+    while len(eng.tokenize(" ".join(rules))) < n_tokens:
+        rules.append(SYSTEM_RULE.format(i=len(rules)))
+    return " ".join(rules)
+
+
+@dataclasses.dataclass
+class Turn:
+    ttft_s: float
+    prefilled: int
+    completion: int
+    rung: str
+    text: str
+
+
+def _conversation(svc: Service, system: str, k: int, turns: int, max_tokens: int, out: list[Turn]) -> None:
+    msgs: list[tuple[str, str]] = [("system", system), ("user", f"Task {k}: list the files of module {k}.")]
+    for t in range(turns):
+        first: list[float] = []
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def post(kind: str, value: Any, first: list[float] = first, done: threading.Event = done, box=box) -> None:
+            if kind == "text" and not first:
+                first.append(time.perf_counter())
+            elif kind in ("done", "error"):
+                box[kind] = value
+                done.set()
+
+        t0 = time.perf_counter()
+        svc.submit(Job(ChatWork(tuple(msgs)), GenParams(max_tokens=max_tokens), post))
+        done.wait()
+        if "error" in box:
+            raise RuntimeError(f"conversation {k}, turn {t}: {box['error']!r}")
+        res: GenResult = box["done"]
+        t1 = first[0] if first else time.perf_counter()
+        out.append(
+            Turn(t1 - t0, res.prompt_tokens - res.cached_tokens, res.completion_tokens, res.report.rung, res.text)
+        )
+        msgs += [("assistant", res.text), ("user", f"Tool result {t} for task {k}: 3 files, 120 lines, tests pass.")]
+
+
+def run_pool(eng: Engine, size: int, convs: int, system: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The conversations on a pool of ``size`` residents: its figures."""
+    ctx = min(eng.max_ctx, args.tokens + args.turns * (args.max_tokens + 64) + 512)
+    with tempfile.TemporaryDirectory(prefix="ds4-bench-pool-") as tmp:
+        store = KVStore(tmp, budget_mb=8192, min_tokens=16)
+        gen = Generator(eng, ctx, store)
+        svc = Service(gen, "bench", max_queue=convs + 1, pool=Pool(gen, size))
+        results: list[list[Turn]] = [[] for _ in range(convs)]
+        errors: list[BaseException] = []
+
+        def client(k: int) -> None:
+            try:
+                _conversation(svc, system, k, args.turns, args.max_tokens, results[k])
+            except BaseException as e:
+                errors.append(e)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(convs)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        svc.close()
+    if errors:
+        raise errors[0]
+    turns = [t for r in results for t in r]
+    ttfts = sorted(t.ttft_s for t in turns)
+    levels: dict[str, int] = {}
+    for t in turns:
+        levels[t.rung] = levels.get(t.rung, 0) + 1
+    return {
+        "sessions": size,
+        "wall_s": wall,
+        "tokens_per_s": sum(t.completion for t in turns) / wall,
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+        "prefilled_tokens": sum(t.prefilled for t in turns),
+        "levels": levels,
+        "replies": [[t.text for t in r] for r in results],
+    }
+
+
+def cmd_bench_concurrency(args: argparse.Namespace) -> int:
+    eng = bench_engine(args)
+    k = args.concurrency
+    system = system_prompt(eng, args.tokens)
+    eng.tokenize("warm-up")
+    one = run_pool(eng, 1, k, system, args)
+    pool = run_pool(eng, k, k, system, args)
+    same = one["replies"] == pool["replies"]
+    ratios = {
+        "tokens_per_s": pool["tokens_per_s"] / one["tokens_per_s"],
+        "ttft_p50": pool["ttft_p50_ms"] / one["ttft_p50_ms"],
+        "ttft_p95": pool["ttft_p95_ms"] / one["ttft_p95_ms"],
+        "prefilled_tokens": pool["prefilled_tokens"] / max(1, one["prefilled_tokens"]),
+    }
+    if args.json:
+        runs = [{key: v for key, v in r.items() if key != "replies"} for r in (one, pool)]
+        print(json.dumps({"concurrency": k, "runs": runs, "ratios": ratios, "replies_identical": same}, indent=1))
+    else:
+        print(f"{k} conversations x {args.turns} turns, a {args.tokens}-token shared system prompt, engine {eng.name}")
+        print(f"{'':28}{'1 session':>12}{f'{k} sessions':>12}{'ratio':>8}")
+        for name, key, rk in (
+            ("generated tokens/s", "tokens_per_s", "tokens_per_s"),
+            ("TTFT p50 (ms)", "ttft_p50_ms", "ttft_p50"),
+            ("TTFT p95 (ms)", "ttft_p95_ms", "ttft_p95"),
+            ("prefilled tokens", "prefilled_tokens", "prefilled_tokens"),
+        ):
+            print(f"{name:28}{one[key]:12.1f}{pool[key]:12.1f}{ratios[rk]:8.2f}")
+        for r in (one, pool):
+            lv = ", ".join(f"{n} {c}" for n, c in sorted(r["levels"].items()))
+            print(f"levels, {r['sessions']} session(s): {lv}")
+        print(f"replies identical: {'yes' if same else 'NO'}")
+    if not same:
+        print("ds4 bench: the pool's replies differ from one session's", file=sys.stderr)
+        return 1
+    return EXIT_OK
