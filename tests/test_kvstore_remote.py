@@ -602,18 +602,26 @@ FORGERIES = {  # forgery: the code it is rejected with
 }
 
 
+def _held(c, keys, sha):
+    """Every key and index member of ``sha`` the tier holds."""
+    tagged = [k.decode() for k in c.keys(keys.tag(sha).replace("{", "\\{").replace("}", "\\}") + "*")]
+    return tagged + [m.decode() for m in c.zrange(keys.index, 0, -1) if m.decode().endswith(sha)]
+
+
+@pytest.mark.parametrize("where", ["node", "cluster"])
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
-def test_a_forged_entry_is_deleted_and_an_honest_upload_replaces_it(eng, flushed, replicas, tmp_path, forgery):
+def test_a_forged_entry_is_deleted_and_an_honest_upload_replaces_it(eng, request, replicas, tmp_path, forgery, where):
     from ds4 import _core
 
+    srv = request.getfixturevalue("flushed" if where == "node" else "cluster")
     key = _core.derive_auth_key(b"the replicas' secret")
-    r = replicas(flushed.url)
+    r = replicas(srv.url)
     a, b = r.store("a", auth_key=key), r.store("b", auth_key=key)
-    prompt = _prompt(f"heal-{forgery}", 40)
+    prompt = _prompt(f"heal-{forgery}-{where}", 40)
     path = _stored(a, eng, prompt)
     abi = ds4.Session(eng, ctx=2048).payload_abi
     keys = KeyLayout("shared", abi)
-    (honest,) = a.remote.entries(abi)
+    (honest,) = [e for e in a.remote.entries(abi) if e.sha == os.path.basename(path)[:40]]
     data, tokens = Path(path).read_bytes(), None
     if forgery == "no_mac":
         data = _file_of(eng, tmp_path / "plain", prompt)
@@ -625,14 +633,14 @@ def test_a_forged_entry_is_deleted_and_an_honest_upload_replaces_it(eng, flushed
         data = bytes(raw)
     else:
         tokens = {"over_ctx": 4096, "under_min": 1, "fewer": honest.tokens - 3}[forgery.split("tokens_")[1]]
-    with flushed.client() as c:
-        _plant(c, keys, honest, data, tokens)
+    c = a.remote.client()
+    _plant(c, keys, honest, data, tokens)
     follow = prompt + " question?"
     s = ds4.Session(eng, ctx=2048)
     rep = recover(s, b, follow)
     assert rep.rung == "prefill"
     assert [(x[0], x[2]) for x in rep.rejected] == [(f"remote:{honest.name}", FORGERIES[forgery])]
-    assert _keys(flushed) == []  # manifest, chunks and index member: gone
+    assert _held(c, keys, honest.sha) == []  # manifest, chunks and index member: gone
     assert a.push() == {"stored": 1}  # the honest upload is not told "present"
     s = ds4.Session(eng, ctx=2048)
     rep = recover(s, b, follow)
@@ -657,23 +665,24 @@ def test_an_upload_replaces_a_manifest_that_is_not_its_file(eng, flushed, replic
     assert recover(s, b, prompt + "?").rung == "remote"
 
 
-def test_a_rejection_never_deletes_the_entry_that_replaced_it(eng, flushed, replicas):
-    r = replicas(flushed.url)
+@pytest.mark.parametrize("where", ["node", "cluster"])
+def test_a_rejection_never_deletes_the_entry_that_replaced_it(eng, request, replicas, where):
+    srv = request.getfixturevalue("flushed" if where == "node" else "cluster")
+    r = replicas(srv.url)
     a, b = r.store("a"), r.store("b")
-    prompt = _prompt("raced", 40)
+    prompt = _prompt(f"raced-{where}", 40)
     path = _stored(a, eng, prompt)
     abi = ds4.Session(eng, ctx=2048).payload_abi
     keys = KeyLayout("shared", abi)
-    (honest,) = a.remote.entries(abi)
-    with flushed.client() as c:
-        _plant(c, keys, honest, Path(path).read_bytes(), tokens=10**6)
-    (judged,) = b.remote.entries(abi)  # what a replica read and is judging
+    (honest,) = [e for e in a.remote.entries(abi) if e.sha == os.path.basename(path)[:40]]
+    c = a.remote.client()
+    _plant(c, keys, honest, Path(path).read_bytes(), tokens=10**6)
+    (judged,) = [e for e in b.remote.entries(abi) if e.sha == honest.sha]  # what a replica read and judges
     assert judged.tokens == 10**6
     assert a.push() == {"stored": 1}  # meanwhile, the honest upload replaced it
     assert b.remote.delete(judged.sha, abi, judged) is False
-    assert a.remote.entries(abi) == [honest]
-    with flushed.client() as c:
-        assert all(c.exists(keys.chunk(honest.sha, i)) for i in range(len(honest.digests)))
+    assert [e for e in a.remote.entries(abi) if e.sha == honest.sha] == [honest]
+    assert all(c.exists(keys.chunk(honest.sha, i)) for i in range(len(honest.digests)))
     s = ds4.Session(eng, ctx=2048)
     assert recover(s, b, prompt + "?").rung == "remote"
 
