@@ -709,3 +709,20 @@ def test_a_failure_of_the_tier_deletes_nothing(eng, flushed, replicas, monkeypat
     monkeypatch.undo()
     s = ds4.Session(eng, ctx=2048)
     assert recover(s, b, prompt + "?").rung == "remote"
+
+
+def test_an_honest_entry_a_replica_cannot_use_is_kept(eng, flushed, replicas):
+    # skipped for its size (fewer tokens than this replica's minimum; more
+    # than its context is the same path): its header agrees with its
+    # manifest, so it is another replica's, never deleted
+    r = replicas(flushed.url)
+    a = r.store("a")
+    picky = KVStore(r.tmp / "picky", remote=RemoteTier(flushed.url, chunk_bytes=CHUNK), min_tokens=10**4)
+    r.stores.append(picky)
+    prompt = _prompt("kept", 40)
+    _stored(a, eng, prompt)
+    before = _keys(flushed)
+    s = ds4.Session(eng, ctx=2048)
+    rep = recover(s, picky, prompt + "?")
+    assert rep.rung == "prefill" and rep.rejected == []
+    assert _keys(flushed) == before and picky.remote.stats["deleted"] == 0
