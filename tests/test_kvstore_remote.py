@@ -726,3 +726,26 @@ def test_an_honest_entry_a_replica_cannot_use_is_kept(eng, flushed, replicas):
     rep = recover(s, picky, prompt + "?")
     assert rep.rung == "prefill" and rep.rejected == []
     assert _keys(flushed) == before and picky.remote.stats["deleted"] == 0
+
+
+def test_an_upload_never_replaces_what_another_upload_committed_meanwhile(eng, flushed, replicas, monkeypatch):
+    r = replicas(flushed.url)
+    a = r.store("a")
+    prompt = _prompt("interleaved", 40)
+    path = _stored(a, eng, prompt)
+    abi = ds4.Session(eng, ctx=2048).payload_abi
+    keys = KeyLayout("shared", abi)
+    (honest,) = a.remote.entries(abi)
+    c = a.remote.client()
+    _plant(c, keys, honest, Path(path).read_bytes(), tokens=10**6)
+    theirs = honest.to_bytes()
+    judge = RemoteEntry.describes
+
+    def describes_then_replaced(raw, *args):  # another upload commits between the read and the delete
+        c.set(keys.manifest(honest.sha), theirs)
+        return judge(raw, *args)
+
+    monkeypatch.setattr(RemoteEntry, "describes", staticmethod(describes_then_replaced))
+    assert a.remote.upload(path, abi, honest.tokens, honest.text_bytes) == "claimed"
+    assert c.get(keys.manifest(honest.sha)) == theirs
+    assert all(c.exists(keys.chunk(honest.sha, i)) for i in range(len(honest.digests)))

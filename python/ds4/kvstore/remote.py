@@ -393,7 +393,8 @@ class RemoteTier:
     def upload(self, path: str, abi: str, tokens: int, text_bytes: int) -> str:
         """Upload one checkpoint file now: ``stored``, ``present`` (its
         manifest there describes this file: its TTL refreshed; one that
-        describes another file is deleted and this one stored), ``claimed`` (another uploader is at it),
+        describes another file is deleted and this one stored),
+        ``claimed`` (another uploader is at it, or committed meanwhile),
         ``gone`` (the file went first), ``skipped`` (the tier is down) or
         ``failed``."""
         sha = os.path.basename(path)[:40]
@@ -426,8 +427,12 @@ class RemoteTier:
                     c.expire(keys.manifest(sha), ttl)
                 return "present"
             log.warning("kv remote replaces %s: its manifest is not this checkpoint's", sha[:12])
-            self._delete(c, keys, sha, None, None, there)
+            if not self._delete(c, keys, sha, None, None, there):
+                return "claimed"  # another upload replaced it meanwhile
         if not c.set(keys.claim(sha), str(os.getpid()), nx=True, ex=UPLOAD_TTL_S):
+            return "claimed"
+        if c.exists(keys.manifest(sha)):  # committed by another upload since the read
+            c.delete(keys.claim(sha))
             return "claimed"
         digests: list[str] = []
         total = 0
