@@ -58,13 +58,14 @@ def codecs() -> dict[str, Codec]:
         c, d = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
         return c.compress, d.decompress
 
-    z3 = zstd(3)
+    z1, z3 = zstd(1), zstd(3)
     return {
         "lz4": (lz4.frame.compress, lz4.frame.decompress),
         "lz4-hc9": (lambda b: lz4.frame.compress(b, compression_level=9), lz4.frame.decompress),
-        "zstd-1": zstd(1),
+        "zstd-1": z1,
         "zstd-3": z3,
         "zstd-9": zstd(9),
+        "shuffle2+zstd-1": (lambda b: z1[0](_shuffle2(b)), lambda b: _unshuffle2(z1[1](b))),
         "shuffle2+zstd-3": (lambda b: z3[0](_shuffle2(b)), lambda b: _unshuffle2(z3[1](b))),
     }
 
