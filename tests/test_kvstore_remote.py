@@ -508,13 +508,15 @@ def test_forged_remote_checkpoint_without_a_valid_mac_is_rejected(eng, flushed, 
     with flushed.client() as c:
         assert not c.exists(keys.manifest(top.sha))
     assert np.array_equal(s.logits, prefilled(eng, follow, ctx=2048).logits)
-    # an unauthenticated replica's upload is never loaded by a keyed one (kept on the tier)
+    # an unauthenticated replica's upload is never loaded by a keyed one: it
+    # is deleted from the tier (the keyed replicas' upload takes its place)
     p = _prompt("plain-upload", 50)
     _stored(plain, eng, p)
+    (unkeyed,) = [e for e in plain.remote.entries(top.abi) if e.text_bytes > len(long)]
     s = ds4.Session(eng, ctx=2048)
     rep = recover(s, b, p + "?")
     assert rep.rung == "prefill" and [x[2] for x in rep.rejected] == ["mac_missing"]
-    assert len([e for e in plain.remote.entries(top.abi) if e.text_bytes < len(p) + 1]) >= 1
+    assert unkeyed not in plain.remote.entries(top.abi)
 
 
 def test_unreachable_cluster_costs_misses_then_a_cooldown(eng, tmp_path):
@@ -558,3 +560,192 @@ def test_tenant_namespaces_of_sessions_never_share_through_the_tier(eng, flushed
     assert rep.rung == "remote" and rep.reused_tokens > MIN_TOKENS
     cold = prefilled(eng, prompt + "?", ctx=2048)
     assert same.tokens == cold.tokens and np.array_equal(same.logits, cold.logits)
+
+
+# -- the tier heals itself ---------------------------------------------------------
+def _payload_offset(raw: bytes) -> int:
+    meta_len = int.from_bytes(raw[20:24], "little")
+    text_len = int.from_bytes(raw[48:52], "little")
+    return -(-(96 + meta_len + text_len) // 64) * 64
+
+
+def _plant(c, keys, e, data: bytes, tokens=None):
+    """Replace what the tier holds under ``e``'s key by ``data``, chunked,
+    with a manifest whose digests match (what anyone with write access to
+    Redis can do); the manifest claims ``tokens`` (default: ``e``'s)."""
+    for k in c.keys(keys.tag(e.sha).replace("{", "\\{").replace("}", "\\}") + "*"):
+        c.delete(k)
+    chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
+    for i, ch in enumerate(chunks):
+        c.set(keys.chunk(e.sha, i), ch)
+    digests = tuple(xxhash.xxh3_128_hexdigest(ch) for ch in chunks)
+    n = e.tokens if tokens is None else tokens
+    c.set(keys.manifest(e.sha), RemoteEntry(e.sha, e.abi, n, e.text_bytes, len(data), CHUNK, digests).to_bytes())
+
+
+def _file_of(eng, directory, prompt, auth_key=None) -> bytes:
+    """The bytes of a checkpoint of ``prompt`` stored by a store without a tier."""
+    st = KVStore(directory, min_tokens=MIN_TOKENS, auth_key=auth_key)
+    try:
+        return Path(st.store_live_prefix(prefilled(eng, prompt, 2048), "cold")).read_bytes()
+    finally:
+        st.close()
+
+
+FORGERIES = {  # forgery: the code it is rejected with
+    "no_mac": "mac_missing",
+    "wrong_mac": "mac_mismatch",
+    "corrupted_payload": "payload_checksum",
+    "manifest_tokens_over_ctx": "remote_manifest",
+    "manifest_tokens_under_min": "remote_manifest",
+    "manifest_tokens_fewer": "remote_manifest",
+}
+
+
+def _held(c, keys, sha):
+    """Every key and index member of ``sha`` the tier holds."""
+    tagged = [k.decode() for k in c.keys(keys.tag(sha).replace("{", "\\{").replace("}", "\\}") + "*")]
+    return tagged + [m.decode() for m in c.zrange(keys.index, 0, -1) if m.decode().endswith(sha)]
+
+
+@pytest.mark.parametrize("where", ["node", "cluster"])
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_a_forged_entry_is_deleted_and_an_honest_upload_replaces_it(eng, request, replicas, tmp_path, forgery, where):
+    from ds4 import _core
+
+    srv = request.getfixturevalue("flushed" if where == "node" else "cluster")
+    key = _core.derive_auth_key(b"the replicas' secret")
+    r = replicas(srv.url)
+    a, b = r.store("a", auth_key=key), r.store("b", auth_key=key)
+    prompt = _prompt(f"heal-{forgery}-{where}", 40)
+    path = _stored(a, eng, prompt)
+    abi = ds4.Session(eng, ctx=2048).payload_abi
+    keys = KeyLayout("shared", abi)
+    (honest,) = [e for e in a.remote.entries(abi) if e.sha == os.path.basename(path)[:40]]
+    data, tokens = Path(path).read_bytes(), None
+    if forgery == "no_mac":
+        data = _file_of(eng, tmp_path / "plain", prompt)
+    elif forgery == "wrong_mac":
+        data = _file_of(eng, tmp_path / "other", prompt, auth_key=_core.derive_auth_key(b"another secret"))
+    elif forgery == "corrupted_payload":
+        raw = bytearray(data)
+        raw[_payload_offset(data) + 200] ^= 0x40
+        data = bytes(raw)
+    else:
+        tokens = {"over_ctx": 4096, "under_min": 1, "fewer": honest.tokens - 3}[forgery.split("tokens_")[1]]
+    c = a.remote.client()
+    _plant(c, keys, honest, data, tokens)
+    follow = prompt + " question?"
+    s = ds4.Session(eng, ctx=2048)
+    rep = recover(s, b, follow)
+    assert rep.rung == "prefill"
+    assert [(x[0], x[2]) for x in rep.rejected] == [(f"remote:{honest.name}", FORGERIES[forgery])]
+    assert _held(c, keys, honest.sha) == []  # manifest, chunks and index member: gone
+    assert a.push() == {"stored": 1}  # the honest upload is not told "present"
+    s = ds4.Session(eng, ctx=2048)
+    rep = recover(s, b, follow)
+    assert rep.rung == "remote" and rep.reused_tokens == honest.tokens and rep.rejected == []
+    cold = prefilled(eng, follow, ctx=2048)
+    assert s.tokens == cold.tokens and np.array_equal(s.logits, cold.logits)
+
+
+def test_an_upload_replaces_a_manifest_that_is_not_its_file(eng, flushed, replicas):
+    r = replicas(flushed.url)
+    a, b = r.store("a"), r.store("b")
+    prompt = _prompt("replace", 40)
+    path = _stored(a, eng, prompt)
+    abi = ds4.Session(eng, ctx=2048).payload_abi
+    (honest,) = a.remote.entries(abi)
+    with flushed.client() as c:  # a manifest lying to stay unused, before any lookup saw it
+        _plant(c, KeyLayout("shared", abi), honest, Path(path).read_bytes(), tokens=10**6)
+    assert a.push() == {"stored": 1}
+    assert a.remote.entries(abi) == [honest]
+    assert a.push() == {"present": 1}  # its own manifest: present
+    s = ds4.Session(eng, ctx=2048)
+    assert recover(s, b, prompt + "?").rung == "remote"
+
+
+@pytest.mark.parametrize("where", ["node", "cluster"])
+def test_a_rejection_never_deletes_the_entry_that_replaced_it(eng, request, replicas, where):
+    srv = request.getfixturevalue("flushed" if where == "node" else "cluster")
+    r = replicas(srv.url)
+    a, b = r.store("a"), r.store("b")
+    prompt = _prompt(f"raced-{where}", 40)
+    path = _stored(a, eng, prompt)
+    abi = ds4.Session(eng, ctx=2048).payload_abi
+    keys = KeyLayout("shared", abi)
+    (honest,) = [e for e in a.remote.entries(abi) if e.sha == os.path.basename(path)[:40]]
+    c = a.remote.client()
+    _plant(c, keys, honest, Path(path).read_bytes(), tokens=10**6)
+    (judged,) = [e for e in b.remote.entries(abi) if e.sha == honest.sha]  # what a replica read and judges
+    assert judged.tokens == 10**6
+    assert a.push() == {"stored": 1}  # meanwhile, the honest upload replaced it
+    assert b.remote.delete(judged.sha, abi, judged) is False
+    assert [e for e in a.remote.entries(abi) if e.sha == honest.sha] == [honest]
+    assert all(c.exists(keys.chunk(honest.sha, i)) for i in range(len(honest.digests)))
+    s = ds4.Session(eng, ctx=2048)
+    assert recover(s, b, prompt + "?").rung == "remote"
+
+
+def test_a_failure_of_the_tier_deletes_nothing(eng, flushed, replicas, monkeypatch):
+    import redis
+
+    import ds4.kvstore.remote as remote
+
+    r = replicas(flushed.url)
+    a, b = r.store("a"), r.store("b")
+    prompt = _prompt("transient", 40)
+    _stored(a, eng, prompt)
+    before = _keys(flushed)
+
+    def timeout(*_a, **_kw):
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+    monkeypatch.setattr(remote, "fetch_chunks", timeout)
+    s = ds4.Session(eng, ctx=2048)
+    rep = recover(s, b, prompt + "?")
+    assert rep.rung == "prefill" and rep.rejected == []
+    assert _keys(flushed) == before and b.remote.stats["deleted"] == 0
+    monkeypatch.undo()
+    s = ds4.Session(eng, ctx=2048)
+    assert recover(s, b, prompt + "?").rung == "remote"
+
+
+def test_an_honest_entry_a_replica_cannot_use_is_kept(eng, flushed, replicas):
+    # skipped for its size (fewer tokens than this replica's minimum; more
+    # than its context is the same path): its header agrees with its
+    # manifest, so it is another replica's, never deleted
+    r = replicas(flushed.url)
+    a = r.store("a")
+    picky = KVStore(r.tmp / "picky", remote=RemoteTier(flushed.url, chunk_bytes=CHUNK), min_tokens=10**4)
+    r.stores.append(picky)
+    prompt = _prompt("kept", 40)
+    _stored(a, eng, prompt)
+    before = _keys(flushed)
+    s = ds4.Session(eng, ctx=2048)
+    rep = recover(s, picky, prompt + "?")
+    assert rep.rung == "prefill" and rep.rejected == []
+    assert _keys(flushed) == before and picky.remote.stats["deleted"] == 0
+
+
+def test_an_upload_never_replaces_what_another_upload_committed_meanwhile(eng, flushed, replicas, monkeypatch):
+    r = replicas(flushed.url)
+    a = r.store("a")
+    prompt = _prompt("interleaved", 40)
+    path = _stored(a, eng, prompt)
+    abi = ds4.Session(eng, ctx=2048).payload_abi
+    keys = KeyLayout("shared", abi)
+    (honest,) = a.remote.entries(abi)
+    c = a.remote.client()
+    _plant(c, keys, honest, Path(path).read_bytes(), tokens=10**6)
+    theirs = honest.to_bytes()
+    judge = RemoteEntry.describes
+
+    def describes_then_replaced(raw, *args):  # another upload commits between the read and the delete
+        c.set(keys.manifest(honest.sha), theirs)
+        return judge(raw, *args)
+
+    monkeypatch.setattr(RemoteEntry, "describes", staticmethod(describes_then_replaced))
+    assert a.remote.upload(path, abi, honest.tokens, honest.text_bytes) == "claimed"
+    assert c.get(keys.manifest(honest.sha)) == theirs
+    assert all(c.exists(keys.chunk(honest.sha, i)) for i in range(len(honest.digests)))

@@ -54,6 +54,7 @@ def write_checkpoint(
     flags: int = 0,
     created: int = 0,
     auth_key: bytes | None = None,
+    drop_cache: bool = True,
 ) -> tuple[int, int]: ...
 def open_checkpoint(
     path: _Path,

@@ -77,6 +77,7 @@ def write_checkpoint(
     flags: int = 0,
     created: int | None = None,
     auth_key: bytes | None = None,
+    drop_cache: bool = True,
 ) -> int:
     """Write a v2 checkpoint durably (temp file, fsync, rename, fsync dir).
 
@@ -84,7 +85,9 @@ def write_checkpoint(
     bytes-like blobs (stored as uint8). They are streamed to disk in order,
     never concatenated. With ``auth_key`` (32 bytes, from
     :func:`ds4._core.derive_auth_key`) the file carries a keyed MAC
-    (docs/FORMAT.md §1.9). Returns the file size in bytes."""
+    (docs/FORMAT.md §1.9). With ``drop_cache`` (the default) the written
+    pages leave the page cache once fsynced (``posix_fadvise(DONTNEED)``,
+    best-effort: a save never fails for it). Returns the file size in bytes."""
     entries = [_tensor_entry(n, a) for n, a in arrays.items()]
     size, _ = _core.write_checkpoint(
         os.fspath(path),
@@ -98,6 +101,7 @@ def write_checkpoint(
         flags=flags,
         created=int(time.time()) if created is None else created,
         auth_key=auth_key,
+        drop_cache=drop_cache,
     )
     return size
 

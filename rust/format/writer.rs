@@ -18,6 +18,7 @@ use crate::hash::sha1;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use xxhash_rust::xxh3::Xxh3;
@@ -274,6 +275,22 @@ pub fn write_checkpoint_keyed(
     tensors: &[TensorSrc<'_>],
     key: Option<&MacKey>,
 ) -> Result<Written> {
+    write_checkpoint_with(path, meta, text, tensors, key, true)
+}
+
+/// [`write_checkpoint_keyed`]; with `drop_cache`, once the file is fsynced
+/// its pages are dropped from the page cache (`posix_fadvise(DONTNEED)` on
+/// the written range: a checkpoint is read again only by a later load,
+/// and hundreds of saves would otherwise push out the pages other
+/// processes use). The hint is best-effort: its errors are ignored.
+pub fn write_checkpoint_with(
+    path: &Path,
+    meta: &WriteMeta,
+    text: &[u8],
+    tensors: &[TensorSrc<'_>],
+    key: Option<&MacKey>,
+    drop_cache: bool,
+) -> Result<Written> {
     let (mut head, _infos, payload_len) = encode_header(meta, text, tensors)?;
     let text_end = head.len() as u64 + text.len() as u64;
     let payload_off = align_up(text_end).ok_or(Error::SizeOverflow)?;
@@ -332,6 +349,9 @@ pub fn write_checkpoint_keyed(
             ))));
         }
         file.sync_all()?;
+        if drop_cache {
+            drop_cached(&file, total);
+        }
         drop(file);
         fs::rename(&tmp, path)?;
         sync_dir(&dir)?;
@@ -347,6 +367,16 @@ pub fn write_checkpoint_keyed(
         payload_checksum: sum,
         header_checksum: hsum,
     })
+}
+
+/// Asks the kernel to drop `len` bytes of `file` from the page cache (they
+/// are clean: the file was fsynced). Best-effort: a filesystem that keeps
+/// its pages (tmpfs) or refuses the hint changes nothing, and an error is
+/// ignored, never a failed save.
+pub fn drop_cached(file: &File, len: u64) {
+    let len = libc::off_t::try_from(len).unwrap_or(0); // 0: to the end of the file
+                                                       // SAFETY: posix_fadvise only reads its arguments; the fd is open for the call.
+    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, len, libc::POSIX_FADV_DONTNEED) };
 }
 
 /// fsync a directory so a rename or unlink in it survives a crash.

@@ -19,7 +19,7 @@ use std::sync::Arc;
 /// `(name, numpy dtype str, shape, buffer)`; buffers are streamed, never
 /// concatenated. Returns `(file_len, payload_checksum)`.
 #[pyfunction]
-#[pyo3(signature = (path, text, tensors, *, abi, tokens, ctx, reason=0, quant_bits=0, flags=0, created=0, auth_key=None))]
+#[pyo3(signature = (path, text, tensors, *, abi, tokens, ctx, reason=0, quant_bits=0, flags=0, created=0, auth_key=None, drop_cache=true))]
 #[expect(
     clippy::too_many_arguments,
     reason = "the Python keyword arguments of write_checkpoint"
@@ -37,6 +37,7 @@ pub(super) fn write_checkpoint(
     flags: u8,
     created: u64,
     auth_key: Option<Vec<u8>>,
+    drop_cache: bool,
 ) -> PyResult<(u64, u64)> {
     let key = auth_key.as_deref().map(mac_key).transpose()?;
     let text_b = bytes_of(&text)?;
@@ -61,9 +62,11 @@ pub(super) fn write_checkpoint(
         created,
         abi,
     };
-    py.detach(|| writer::write_checkpoint_keyed(&path, &meta, text_b, &srcs, key.as_ref()))
-        .map(|w| (w.file_len, w.payload_checksum))
-        .map_err(|e| write_pyerr(py, e, &path))
+    py.detach(|| {
+        writer::write_checkpoint_with(&path, &meta, text_b, &srcs, key.as_ref(), drop_cache)
+    })
+    .map(|w| (w.file_len, w.payload_checksum))
+    .map_err(|e| write_pyerr(py, e, &path))
 }
 
 /// Runs the verification pipeline and returns an open checkpoint.

@@ -28,13 +28,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _core
-from ..errors import RemoteChunkError, RemoteManifestError, RemoteTierError
+from ..errors import RemoteManifestError, RemoteTierError
 from .counters import Counters, merged
-from .rejection import rejection_of
-from .remote_io import Breaker, FileWriter, RemoteLookup, RemoteScan, read_chunks, scan_namespace
+from .rejection import Rejection, rejection_of
+from .remote_io import Breaker, RemoteLookup, RemoteScan, delete_checkpoint, fetch_chunks, read_chunks, scan_namespace
 from .remote_layout import (
     CHUNK_BYTES,
     DEFAULT_NAMESPACE,
+    HEADER_BYTES,
     SCHEMES,
     KeyLayout,
     RemoteEntry,
@@ -54,6 +55,7 @@ log = logging.getLogger("ds4.kvstore")
 __all__ = [
     "CHUNK_BYTES",
     "DEFAULT_NAMESPACE",
+    "HEADER_BYTES",
     "SCHEMES",
     "Breaker",
     "KeyLayout",
@@ -68,8 +70,6 @@ __all__ = [
 
 #: chunks of an upload that has not committed its manifest expire after this
 UPLOAD_TTL_S = 600
-#: chunks fetched per pipelined round trip (bounds the memory of a download)
-FETCH_BATCH_BYTES = 16 * 2**20
 #: index members checked for a vanished checkpoint after each upload
 PRUNE_SAMPLE = 16
 
@@ -199,23 +199,17 @@ class RemoteTier:
         return found if found is not None else RemoteLookup([], [])
 
     def _lookup(self, c: Client, keys: KeyLayout, prompt: bytes, min_tokens: int, ctx: int | None) -> RemoteLookup:
-        members: list[tuple[int, str]] = []
-        for raw in c.zrangebyscore(keys.index, 1, len(prompt)):
-            text_len, _, sha = raw.decode("ascii", "replace").partition(":")
-            if text_len.isdigit() and is_sha(sha):
-                members.append((int(text_len), sha))
-        if not members:
-            return RemoteLookup([], [])
-        lengths = sorted({n for n, _ in members if n <= len(prompt)})
-        digests = dict(zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True))
-        hits = sorted(((n, sha) for n, sha in members if digests.get(n) == sha), reverse=True)
+        hits = self._matching(c, keys, prompt)
         if not hits:
             return RemoteLookup([], [])
         pipe = c.pipeline(transaction=False)
         for _, sha in hits:
             pipe.get(keys.manifest(sha))
         raws = pipe.execute()
-        out, rejected, gone = [], [], []
+        out: list[RemoteEntry] = []
+        skipped: list[RemoteEntry] = []
+        rejected: list[Rejection] = []
+        gone = []
         for (n, sha), raw in zip(hits, raws, strict=True):
             if raw is None:
                 gone.append(keys.member(n, sha))
@@ -225,16 +219,43 @@ class RemoteTier:
                 if e.text_bytes != n:
                     raise RemoteManifestError("manifest's text length differs from the index")
             except RemoteManifestError as err:
-                rejected.append(rejection_of(f"remote:{sha}.kv", err))
-                self.counters["rejected"] += 1
-                log.warning("kv remote rejected manifest of %s: %s (deleted)", sha[:12], err.reason)
-                self._delete(c, keys, sha, None, n)
+                self._reject(c, keys, sha, err, rejected, text_bytes=n, raw=raw)
                 continue
-            if e.tokens >= min_tokens and (ctx is None or e.tokens < ctx):
-                out.append(e)
+            usable = e.tokens >= min_tokens and (ctx is None or e.tokens < ctx)
+            (out if usable else skipped).append(e)
+        if skipped:  # another replica's sizes, or a manifest lying to stay unused: its header decides
+            pipe = c.pipeline(transaction=False)
+            for e in skipped:
+                pipe.getrange(keys.chunk(e.sha, 0), 0, HEADER_BYTES - 1)
+            for e, head in zip(skipped, pipe.execute(), strict=True):
+                try:
+                    e.check_header(head)
+                except RemoteManifestError as err:
+                    self._reject(c, keys, e.sha, err, rejected, entry=e)
         if gone:
             self.counters["pruned"] += c.zrem(keys.index, *gone)
         return RemoteLookup(out, rejected)
+
+    @staticmethod
+    def _matching(c: Client, keys: KeyLayout, prompt: bytes) -> list[tuple[int, str]]:
+        """(text bytes, SHA-1) of the index members whose text is a prefix of ``prompt``, longest first."""
+        members: list[tuple[int, str]] = []
+        for raw in c.zrangebyscore(keys.index, 1, len(prompt)):
+            text_len, _, sha = raw.decode("ascii", "replace").partition(":")
+            if text_len.isdigit() and is_sha(sha):
+                members.append((int(text_len), sha))
+        lengths = sorted({n for n, _ in members if n <= len(prompt)})
+        digests = dict(zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True)) if lengths else {}
+        return sorted(((n, sha) for n, sha in members if digests.get(n) == sha), reverse=True)
+
+    def _reject(
+        self, c: Client, keys: KeyLayout, sha: str, err: RemoteManifestError, into: list[Rejection], **kw: Any
+    ) -> None:
+        """A manifest rejected by a lookup: reported, counted, deleted."""
+        into.append(rejection_of(f"remote:{sha}.kv", err))
+        self.counters["rejected"] += 1
+        log.warning("kv remote rejected manifest of %s: %s (deleted)", sha[:12], err.reason)
+        self._delete(c, keys, sha, kw.get("entry"), kw.get("text_bytes"), kw.get("raw"))
 
     # -- download ----------------------------------------------------------
     def fetch(self, entry: RemoteEntry, fd: int) -> bool:
@@ -242,32 +263,7 @@ class RemoteTier:
         length and digest on the way (:class:`RemoteChunkError`: missing,
         truncated or altered). False when the tier failed meanwhile."""
         keys = KeyLayout(self.namespace, entry.abi)
-        return self._call("download", lambda c: self._fetch(c, keys, entry, fd)) is not None
-
-    def _fetch(self, c: Client, keys: KeyLayout, entry: RemoteEntry, fd: int) -> bool:
-        """Pipelined batches of chunks, each checked, handed to a writer
-        thread: the file is written while the next batch is on the wire."""
-        n = len(entry.digests)
-        batch = max(1, FETCH_BATCH_BYTES // entry.chunk_bytes)
-        writer = FileWriter(fd)
-        try:
-            for start in range(0, n, batch):
-                pipe = c.pipeline(transaction=False)
-                for i in range(start, min(n, start + batch)):
-                    pipe.get(keys.chunk(entry.sha, i))
-                for i, raw in enumerate(pipe.execute(), start):
-                    if raw is None:
-                        raise RemoteChunkError(f"chunk {i} of {n} is missing")
-                    if len(raw) != entry.chunk_len(i):
-                        raise RemoteChunkError(
-                            f"chunk {i} holds {len(raw)} bytes, its manifest says {entry.chunk_len(i)}"
-                        )
-                    if chunk_digest(raw) != entry.digests[i]:
-                        raise RemoteChunkError(f"chunk {i} does not match its manifest's digest")
-                    writer.put(raw)
-        finally:
-            writer.finish()
-        return True
+        return self._call("download", lambda c: fetch_chunks(c, keys, entry, fd)) is not None
 
     def touch(self, entry: RemoteEntry) -> None:
         """Refresh the TTL of a checkpoint that served a request."""
@@ -287,28 +283,28 @@ class RemoteTier:
 
     # -- removal -----------------------------------------------------------
     def delete(self, sha: str, abi: str, entry: RemoteEntry | None = None, text_bytes: int | None = None) -> bool:
-        """Delete one remote checkpoint (manifest first, so that nobody sees
-        it while its chunks go) and its index member."""
+        """Delete one remote checkpoint (manifest and chunks, then its index
+        member). An ``entry`` read from Redis is deleted only while Redis
+        still holds the manifest it was read from (:func:`.remote_io.delete_checkpoint`)."""
         keys = KeyLayout(self.namespace, abi)
         n_text = entry.text_bytes if entry is not None else text_bytes
         return bool(self._call("delete", lambda c: self._delete(c, keys, sha, entry, n_text)))
 
-    def _delete(self, c: Client, keys: KeyLayout, sha: str, entry: RemoteEntry | None, text_bytes: int | None) -> bool:
-        gone = bool(c.delete(keys.manifest(sha)))
-        if entry is not None:
-            pipe = c.pipeline(transaction=False)
-            for i in range(len(entry.digests)):
-                pipe.delete(keys.chunk(sha, i))
-            pipe.execute()
-        else:  # chunk count unknown (a damaged manifest): delete until a batch finds none
-            start = 0
-            while True:
-                pipe = c.pipeline(transaction=False)
-                for i in range(start, start + 64):
-                    pipe.delete(keys.chunk(sha, i))
-                if not any(pipe.execute()):
-                    break
-                start += 64
+    def _delete(
+        self,
+        c: Client,
+        keys: KeyLayout,
+        sha: str,
+        entry: RemoteEntry | None,
+        text_bytes: int | None,
+        raw: bytes | None = None,
+    ) -> bool:
+        raw = raw if raw is not None else (entry.raw if entry is not None and entry.raw else None)
+        if text_bytes is None and entry is not None:
+            text_bytes = entry.text_bytes
+        gone = delete_checkpoint(c, keys, sha, entry, raw)
+        if raw is not None and not gone:
+            return False  # replaced (or gone) since it was read: nothing of the new one deleted
         if text_bytes is not None:
             c.zrem(keys.index, keys.member(text_bytes, sha))
         else:
@@ -395,8 +391,10 @@ class RemoteTier:
         return self._uploads.flush(timeout)
 
     def upload(self, path: str, abi: str, tokens: int, text_bytes: int) -> str:
-        """Upload one checkpoint file now: ``stored``, ``present`` (already
-        there: its TTL refreshed), ``claimed`` (another uploader is at it),
+        """Upload one checkpoint file now: ``stored``, ``present`` (its
+        manifest there describes this file: its TTL refreshed; one that
+        describes another file is deleted and this one stored),
+        ``claimed`` (another uploader is at it, or committed meanwhile),
         ``gone`` (the file went first), ``skipped`` (the tier is down) or
         ``failed``."""
         sha = os.path.basename(path)[:40]
@@ -422,11 +420,19 @@ class RemoteTier:
 
     def _upload(self, c: Client, keys: KeyLayout, sha: str, f: Any, size: int, tokens: int, text_bytes: int) -> str:
         ttl = self.ttl_s
-        if c.exists(keys.manifest(sha)):
-            if ttl:
-                c.expire(keys.manifest(sha), ttl)
-            return "present"
+        there = c.get(keys.manifest(sha))
+        if there is not None:
+            if RemoteEntry.describes(there, sha, keys.abi, (size, tokens, text_bytes)):
+                if ttl:
+                    c.expire(keys.manifest(sha), ttl)
+                return "present"
+            log.warning("kv remote replaces %s: its manifest is not this checkpoint's", sha[:12])
+            if not self._delete(c, keys, sha, None, None, there):
+                return "claimed"  # another upload replaced it meanwhile
         if not c.set(keys.claim(sha), str(os.getpid()), nx=True, ex=UPLOAD_TTL_S):
+            return "claimed"
+        if c.exists(keys.manifest(sha)):  # committed by another upload since the read
+            c.delete(keys.claim(sha))
             return "claimed"
         digests: list[str] = []
         total = 0

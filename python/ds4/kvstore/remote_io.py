@@ -1,6 +1,8 @@
 """The shared tier's plumbing (:mod:`.remote`): what one lookup or scan
-found (and the scan of a namespace itself), the failure breaker that skips a failing tier for a while, and the
-download's writer thread (disk writes overlapping network reads)."""
+found (and the scan of a namespace itself), the failure breaker that skips a failing tier for a while, a
+checkpoint's removal, and the download: chunks checked against their
+manifest, written by a thread of their own (disk writes overlapping network
+reads)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,34 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..errors import RemoteManifestError
+from ..errors import RemoteChunkError, RemoteManifestError
 from .rejection import Rejection
-from .remote_layout import KeyLayout, RemoteEntry, is_sha
+from .remote_layout import KeyLayout, RemoteEntry, chunk_digest, is_sha
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["Breaker", "FileWriter", "RemoteLookup", "RemoteScan", "read_chunks", "scan_namespace"]
+__all__ = [
+    "Breaker",
+    "FileWriter",
+    "RemoteLookup",
+    "RemoteScan",
+    "delete_checkpoint",
+    "fetch_chunks",
+    "read_chunks",
+    "scan_namespace",
+]
+
+#: chunks fetched per pipelined round trip (bounds the memory of a download)
+FETCH_BATCH_BYTES = 16 * 2**20
+
+#: Deletes KEYS (a manifest, then its chunks: one hash tag, one slot) while
+#: the manifest still holds ARGV[1], atomically: a rejection never deletes
+#: an entry that replaced the one it judged.
+_DELETE_IF_SAME = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+for i = 1, #KEYS do redis.call('DEL', KEYS[i]) end
+return 1
+"""
 
 
 @dataclasses.dataclass
@@ -114,6 +137,63 @@ def scan_namespace(c: Any, namespace: str) -> RemoteScan:
             except (RemoteManifestError, ValueError, AttributeError) as e:
                 found.damaged.append((index, m, str(e)))
     return found
+
+
+def delete_checkpoint(c: Any, keys: KeyLayout, sha: str, entry: RemoteEntry | None, raw: bytes | None) -> bool:
+    """Delete the manifest and chunks of ``sha`` (not its index member:
+    another slot). With ``raw`` (the manifest a rejection judged), manifest
+    and known chunks go in one atomic script, and only while the manifest
+    is still ``raw``: False, nothing deleted, when it changed (an honest
+    upload replaced it) or is gone. Without it, manifest first, so that
+    nobody sees it while its chunks go. A chunk count that is not known (a
+    damaged manifest) is found by deleting until a batch finds none."""
+    n = len(entry.digests) if entry is not None else 0
+    if raw is not None:
+        if not c.eval(_DELETE_IF_SAME, 1 + n, keys.manifest(sha), *(keys.chunk(sha, i) for i in range(n)), raw):
+            return False
+        gone = True
+    else:
+        gone = bool(c.delete(keys.manifest(sha)))
+        pipe = c.pipeline(transaction=True)
+        for i in range(n):
+            pipe.delete(keys.chunk(sha, i))
+        if n:
+            pipe.execute()
+    start = n
+    while entry is None:
+        pipe = c.pipeline(transaction=False)
+        for i in range(start, start + 64):
+            pipe.delete(keys.chunk(sha, i))
+        if not any(pipe.execute()):
+            break
+        start += 64
+    return gone
+
+
+def fetch_chunks(c: Any, keys: KeyLayout, entry: RemoteEntry, fd: int) -> bool:
+    """Pipelined batches of ``entry``'s chunks, each checked against its
+    length and digest (:class:`RemoteChunkError`: missing, truncated or
+    altered), handed to a writer thread: the file is written while the next
+    batch is on the wire."""
+    n = len(entry.digests)
+    batch = max(1, FETCH_BATCH_BYTES // entry.chunk_bytes)
+    writer = FileWriter(fd)
+    try:
+        for start in range(0, n, batch):
+            pipe = c.pipeline(transaction=False)
+            for i in range(start, min(n, start + batch)):
+                pipe.get(keys.chunk(entry.sha, i))
+            for i, raw in enumerate(pipe.execute(), start):
+                if raw is None:
+                    raise RemoteChunkError(f"chunk {i} of {n} is missing")
+                if len(raw) != entry.chunk_len(i):
+                    raise RemoteChunkError(f"chunk {i} holds {len(raw)} bytes, its manifest says {entry.chunk_len(i)}")
+                if chunk_digest(raw) != entry.digests[i]:
+                    raise RemoteChunkError(f"chunk {i} does not match its manifest's digest")
+                writer.put(raw)
+    finally:
+        writer.finish()
+    return True
 
 
 def read_chunks(f: Any, size: int) -> Iterator[bytes]:

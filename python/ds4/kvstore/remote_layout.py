@@ -31,6 +31,7 @@ from ..errors import RemoteManifestError
 __all__ = [
     "CHUNK_BYTES",
     "DEFAULT_NAMESPACE",
+    "HEADER_BYTES",
     "MANIFEST_MAX_BYTES",
     "MANIFEST_VERSION",
     "SCHEMES",
@@ -49,6 +50,9 @@ CHUNK_BYTES = 8 * 2**20
 #: has 131,072 chunks: about 4.5 MiB of digests)
 MANIFEST_MAX_BYTES = 8 * 2**20
 MANIFEST_VERSION = 1
+#: the fixed header of a v2 checkpoint file (docs/FORMAT.md §1.2): what a
+#: manifest's facts are checked against
+HEADER_BYTES = 96
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 DEFAULT_NAMESPACE = "shared"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -168,6 +172,9 @@ class RemoteEntry:
     size: int
     chunk_bytes: int
     digests: tuple[str, ...]
+    #: the manifest's bytes as Redis held them (empty for one built here): a
+    #: rejection deletes the entry only while Redis still holds these bytes
+    raw: bytes = dataclasses.field(default=b"", compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -217,4 +224,33 @@ class RemoteEntry:
         ):
             raise RemoteManifestError("manifest's chunk list does not match its size")
         text_bytes = _nonneg_int(d, "text_bytes", size)
-        return cls(sha, abi, _nonneg_int(d, "tokens"), text_bytes, size, chunk_bytes, tuple(chunks))
+        return cls(sha, abi, _nonneg_int(d, "tokens"), text_bytes, size, chunk_bytes, tuple(chunks), bytes(raw))
+
+    @classmethod
+    def describes(cls, raw: bytes, sha: str, abi: str, facts: tuple[int, int, int]) -> bool:
+        """The manifest ``raw`` parses and describes a file of these (size,
+        tokens, text bytes): what an upload finding a manifest asks."""
+        try:
+            e = cls.from_bytes(raw, sha, abi)
+        except RemoteManifestError:
+            return False
+        return (e.size, e.tokens, e.text_bytes) == facts
+
+    def check_header(self, head: bytes) -> None:
+        """:class:`RemoteManifestError` when ``head`` (the first
+        :data:`HEADER_BYTES` of the file, from chunk 0) is not a v2 header
+        of the checkpoint this manifest describes: its tokens, text length
+        or text SHA-1 differ (a manifest that lies about what it holds), or
+        there is no header at all. A header of another version passes (a
+        newer ds4's file: the pipeline judges it)."""
+        if len(head) < HEADER_BYTES or head[:3] != b"KVC":
+            raise RemoteManifestError("the checkpoint's first chunk holds no header")
+        if head[3] != 2:
+            return
+        tokens = int.from_bytes(head[8:12], "little")
+        text_bytes = int.from_bytes(head[48:52], "little")
+        if tokens != self.tokens or text_bytes != self.text_bytes or head[56:76].hex() != self.sha:
+            raise RemoteManifestError(
+                f"the manifest claims {self.tokens} tokens and {self.text_bytes} text bytes, "
+                f"the file's header {tokens} and {text_bytes}"
+            )

@@ -7,8 +7,12 @@
   name; then the text's SHA-1 must be the key's), and the store renames it
   to ``<sha1>.kv`` under its lock and indexes it (the ``adopt`` hook); the
   ladder then loads it like any local file (:func:`ds4.recovery.load_first`).
-* A remote entry that fails any check (chunks, the pipeline, the engine's
-  own) is deleted from the tier; another engine's is kept there.
+* A remote entry rejected for what it is (damaged or forged chunks, a
+  manifest whose claims are not its file's header's, the pipeline's or the
+  engine's corrupt verdict, a wrong or missing MAC where the store has a
+  key) is deleted from the tier (:data:`FORGED`), so that an honest upload
+  replaces it; another engine's is kept there, and a failure of the tier
+  (a timeout, a lost connection) deletes nothing.
 * ``ds4 kv pull`` and ``ds4 kv push`` move files between the two tiers.
 
 This module never names a file or takes the lock itself: the store does
@@ -26,17 +30,18 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import (
+    AbiMismatchError,
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    MacMissingError,
     NameMismatchError,
-    RemoteChunkError,
 )
 from .counters import Counters
 from .entries import Candidates, Entry
 from .files import create_temp
 from .rejection import RejectionLog, rejection_of
-from .remote import RemoteEntry, RemoteTier
+from .remote import HEADER_BYTES, RemoteEntry, RemoteTier
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -49,6 +54,16 @@ __all__ = ["SharedTier"]
 #: the name check), adopt a verified temp file under its name
 OpenFor = Callable[["Session", str, bytes], Checkpoint]
 Adopt = Callable[[str, str, Checkpoint], "Entry | None"]
+
+
+#: a remote entry rejected for what it is, deleted from the tier so that an
+#: honest upload replaces it: damaged or forged bytes (chunks, manifest, the
+#: pipeline's corrupt verdicts, a wrong MAC), not the prompt's or not its
+#: key's text, no MAC where the replicas share a key (a download happens
+#: with a key only when the store has one), a file of another ABI than its
+#: key's. Another engine's quantization, version or context, or an import
+#: the engine refused, is kept (another replica's).
+FORGED = (CorruptCheckpointError, CheckpointMismatchError, MacMissingError, AbiMismatchError)
 
 
 class SharedTier:
@@ -146,17 +161,16 @@ class SharedTier:
                 os.close(fd)
             if not ok:
                 return None
+            with open(tmp, "rb") as f:
+                r.check_header(f.read(HEADER_BYTES))  # the manifest's claims are the file's
             ck = opener(tmp)
             if ck.text_sha1 != r.sha:
                 raise NameMismatchError("the downloaded text's SHA-1 is not the key's", path=tmp)
             e = self._adopt(tmp, r.name, ck)
             del ck
             return e
-        except (RemoteChunkError, CorruptCheckpointError, CheckpointMismatchError) as err:
-            self._reject(r, err, report, delete=True)
-            return None
-        except CheckpointError as err:  # another engine's or context's: kept on the tier
-            self._reject(r, err, report, delete=False)
+        except CheckpointError as err:  # what it is: deleted; another engine's or context's: kept
+            self._reject(r, err, report, delete=isinstance(err, FORGED))
             return None
         finally:
             with contextlib.suppress(FileNotFoundError):
