@@ -28,6 +28,19 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
     exit 1
   fi
 fi
+# The web page's test (tests/test_ui_browser.py) drives Debian's chromium
+# through Debian's chromedriver (a browser download at test time is not possible).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== setup: installing chromium and chromium-driver (Debian packages)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+  else
+    echo "setup: chromium or chromedriver is missing and cannot be installed here (needs root and apt-get):" >&2
+    echo "       install Debian's chromium and chromium-driver packages, then run this again" >&2
+    exit 1
+  fi
+fi
 echo "== setup: Python dependencies (requirements-dev.txt)"
 "$PY" -m pip install -q -r requirements-dev.txt
 # A wheel cached by an earlier native build is reused by pip whatever

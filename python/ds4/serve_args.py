@@ -61,6 +61,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="another model id /v1/models/{id} knows (repeatable; requests may name any model)",
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--no-metrics",
+        action="store_true",
+        help="no GET /metrics (Prometheus), GET /ui (the web page) nor /ui/data, and no per-turn observation for them",
+    )
     add_guard_args(p)
     g = p.add_argument_group('volatile system text (docs/DESIGN.md, "Volatile system text")')
     g.add_argument(

@@ -266,9 +266,9 @@ class KVStore:
 
     def summary(self) -> dict[str, object]:
         """The directory, its indexed files and bytes, and the counters
-        (what a status page shows), from the index as it stands."""
+        (what a status page shows), from the index as it stands (its heap too)."""
         out: dict[str, object] = {"dir": self.dir, "files": len(self._idx), "bytes": self.total_bytes(), **self.stats}
-        out["tenants"] = self.tenant_usage()
+        out.update(index_heap_bytes=self._idx.heap_bytes(), tenants=self.tenant_usage())
         if self.remote is not None:
             out["remote"] = self.remote.status()
         return out

@@ -112,7 +112,9 @@ class RemoteTier:
         self.breaker = Breaker(fail_threshold, cooldown_s)
         #: the tier's own counters (its upload queue keeps its own: :attr:`stats`)
         self.counters = Counters(
-            *"lookups hits rejected deleted pruned uploads upload_present upload_dropped upload_failed errors".split()
+            *"lookups hits rejected deleted pruned uploads upload_present upload_dropped upload_failed errors".split(),
+            "bytes_uploaded",
+            "bytes_downloaded",
         )
         self._client: Client | None = None
         self._client_lock = threading.Lock()
@@ -413,6 +415,7 @@ class RemoteTier:
             return "failed"
         if out == "stored":
             self.counters["uploads"] += 1
+            self.counters["bytes_uploaded"] += size
             self.prune(abi, PRUNE_SAMPLE)
         elif out == "present":
             self.counters["upload_present"] += 1

@@ -110,6 +110,7 @@ class SharedTier:
         """The download of ``r`` (started at ``t0``) loaded: a hit of the tier."""
         self.tier.touch(r)
         self.tier.counters["hits"] += 1
+        self.tier.counters["bytes_downloaded"] += r.size
         log.info(
             "kv remote hit tokens=%d key=%s download+load=%.1f ms",
             r.tokens,

@@ -6,7 +6,8 @@ Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 [DONE]``), ``POST /v1/messages`` (and ``/count_tokens``), ``POST
 /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``, ``GET
 /v1/responses/{id}/input_items``, ``GET /v1/models``, ``GET
-/v1/models/{id}``, ``GET /health``.
+/v1/models/{id}``, ``GET /health``; ``GET /metrics``, ``GET /ui`` and
+``GET /ui/data`` (:mod:`ds4.server.ui`) unless ``--no-metrics``.
 
 A handler parses the request (its protocol's module over
 :mod:`ds4.server.wire`), submits a job to
@@ -33,6 +34,7 @@ from .body import BodyLimits, read_json
 from .conversation import AgentTurn, Conversation
 from .guard import Guard, GuardMiddleware
 from .health import operator_view, tenant_view
+from .metrics import Metrics, protocol_of
 from .openai import OpenAIWire, RequestParser
 from .pool import HINT_HEADER, body_hint
 from .response_store import MemoryRecords, StoredResponses
@@ -71,22 +73,30 @@ class _JobRun:
     """One submitted job seen from the event loop: its events, and a
     watcher that cancels it when the client disconnects."""
 
-    def __init__(self, service: Service, request: Request, req: ApiRequest):
+    def __init__(self, service: Service, request: Request, req: ApiRequest, metrics: Metrics | None = None):
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
+        tenant = tenant_of_request(request)
+        observe = metrics.observer(protocol_of(request.url.path), tenant) if metrics is not None else None
 
         def post(k: str, v: Any) -> None:
+            if observe is not None:  # /metrics (ds4.server.metrics): the turn's figures, before the reply
+                observe(k, v)
             try:
                 loop.call_soon_threadsafe(self.events.put_nowait, (k, v))
             except RuntimeError:  # loop closed: nobody is listening any more
                 pass
 
-        tenant = tenant_of_request(request)
         namespace = namespace_for(tenant, req.cache_salt)
         # a routing hint (ds4.server.pool): the header, else the body's (read_json put it in the scope)
         hint = request.headers.get(HINT_HEADER) or request.scope.get("state", {}).get("ds4_hint")
         self.job = Job(req.work(), req.params, post, namespace, tenant, hint)
-        service.submit(self.job)
+        try:
+            service.submit(self.job)
+        except Exception as e:  # refused (queue full, shutting down): counted, then answered
+            if observe is not None:
+                observe("error", e)
+            raise
         self.watcher = asyncio.ensure_future(self._watch(request))
 
     async def _watch(self, request: Request) -> None:
@@ -130,6 +140,7 @@ class _Routes:
         self.parser = RequestParser(
             self.model_ids, default_max_tokens, self.gen.ctx, self.gen.max_prompt_bytes(), volatile, self.agent
         )
+        self.metrics: Metrics | None = None  # /metrics and /ui (create_app)
         self.openai = OpenAIWire(service.model_id, debug)
         self.anthropic = AnthropicWire(service.model_id, debug)
         self.messages_parser = MessagesParser(
@@ -235,7 +246,7 @@ class _Routes:
         """Submit ``req`` and answer it in ``wire``'s protocol (OpenAI's by default)."""
         wire = wire or self.openai
         try:
-            run = _JobRun(self.service, request, req)
+            run = _JobRun(self.service, request, req, self.metrics)
         except Exception as e:  # refused: queue full or shutting down
             return self.wire_err(wire, e)
         first = await self._first_event(run, req.stream)
@@ -364,10 +375,13 @@ def create_app(
     debug: bool = False,
     sse_keepalive_s: float = SSE_KEEPALIVE_S,
     volatile: SystemText | None = None,
+    metrics: bool = True,
 ) -> Starlette:
     """The app; ``guard`` (keys, hosts, origins) defaults to no key and the
     loopback names, ``limits`` to a 16 MiB body read within 30 s,
-    ``volatile`` (what is taken out of system text) to the billing line."""
+    ``volatile`` (what is taken out of system text) to the billing line;
+    ``metrics`` (``--no-metrics``: False) serves ``/metrics`` and ``/ui``
+    (:mod:`ds4.server.ui`) and observes every turn for them."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -375,6 +389,7 @@ def create_app(
 
     r = _Routes(service, default_max_tokens, model_aliases, limits or BodyLimits(), debug, volatile)
     r.keepalive_s = sse_keepalive_s
+    guard = guard or Guard()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -394,9 +409,18 @@ def create_app(
         Route("/v1/models/{model:path}", r.model_get, methods=["GET"]),
         Route("/health", r.health, methods=["GET"]),
     ]
+    open_paths: list[str] = []
+    if metrics:
+        from .ui import UI_PATHS, Dashboard
+
+        r.metrics = Metrics(service)
+        dash = Dashboard(service, r.metrics, guard.needs_key)
+        routes += [Route("/metrics", dash.scrape, methods=["GET"]), Route("/ui/data", dash.data, methods=["GET"])]
+        routes += [Route(p, dash.page, methods=["GET"]) for p in UI_PATHS]
+        open_paths += UI_PATHS
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(GuardMiddleware, guard=guard or Guard())],
+        middleware=[Middleware(GuardMiddleware, guard=guard, open_paths=open_paths)],
         exception_handlers={HTTPException: r.http_exc, Exception: r.any_exc},
         lifespan=lifespan,
     )

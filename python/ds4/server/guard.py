@@ -15,7 +15,9 @@ Order of the checks, for every HTTP request:
    401 with OpenAI's error body. The presented key is hashed (SHA-256) and
    compared with every configured key's hash by :func:`hmac.compare_digest`,
    all of them, so the time taken says nothing about which key (or which
-   prefix) is close.
+   prefix) is close. The web page's static files (``GET /ui``, its script
+   and style sheet: no data in them) are the exception: they load without
+   a key, and the page then sends one with each of its data requests.
 
 The tenant of a request (``scope["state"]["ds4_tenant"]``) is its key's
 name in ``--api-key-file`` or a digest of its key, never the key
@@ -154,8 +156,9 @@ def _error(message: str, type_: str, code: str) -> bytes:
 class GuardMiddleware:
     """The checks of :class:`Guard`, in front of the whole app."""
 
-    def __init__(self, app: ASGIApp, guard: Guard):
+    def __init__(self, app: ASGIApp, guard: Guard, open_paths: Iterable[str] = ()):
         self.app, self.guard = app, guard
+        self.open_paths = frozenset(open_paths)  # served without a key (the web page's static files)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -181,6 +184,9 @@ class GuardMiddleware:
         cors = self._cors_headers(origin)
         if scope["method"] == "OPTIONS" and g.cors:
             await _reply(send, 204, b"", cors + self._preflight_headers(headers))
+            return
+        if scope["path"] in self.open_paths and scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, self._with_headers(send, cors) if cors else send)
             return
         tenant = g.tenant(presented_key(headers))
         if tenant is None:

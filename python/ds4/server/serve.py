@@ -25,6 +25,17 @@ log = logging.getLogger("ds4.server")
 __all__ = ["serve_main"]
 
 
+def _metrics_available() -> bool:
+    """Whether ``prometheus_client`` is installed (``/metrics`` and ``/ui``
+    need it); a warning naming the extra when it is not."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        log.warning("GET /metrics and /ui are off: they need prometheus-client (pip install 'ds4[metrics]')")
+        return False
+    return True
+
+
 def serve_main(args: argparse.Namespace) -> int:
     try:
         import starlette  # noqa: F401
@@ -69,6 +80,7 @@ def serve_main(args: argparse.Namespace) -> int:
         debug=args.debug,
         sse_keepalive_s=args.sse_keepalive,
         volatile=SystemText(args.keep_billing_header, args.prompt_volatile, args.prompt_volatile_mode),
+        metrics=not args.no_metrics and _metrics_available(),
     )
     config = uvicorn.Config(
         app,

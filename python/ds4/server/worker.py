@@ -174,6 +174,7 @@ class Service:
         self._lock = threading.Lock()
         self._closed = False
         self.started = time.time()
+        self.busy_s = 0.0  # seconds of jobs, summed over lanes (ds4_worker_busy_seconds_total)
         # tenant -> its counters; a tenant's dict is replaced whole, never
         # changed in place, so a reader on another thread sees one job's end
         self._by_tenant: dict[str, dict[str, int]] = {}
@@ -268,12 +269,14 @@ class Service:
                 self._pending -= 1
             with self.baton:
                 self._running += 1
+                t0 = time.perf_counter()
                 try:
                     self._serve(job)
                 except BaseException:  # pragma: no cover - never let the worker die
                     log.exception("worker failed on job %d", job.id)
                 finally:
                     self._running -= 1
+                    self.busy_s += time.perf_counter() - t0  # under the baton: one lane at a time
                     self.status = self._snapshot()
 
     def _turns(self, job: Job) -> Callable[[], bool]:
