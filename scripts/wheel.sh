@@ -35,6 +35,12 @@ for mod in (ds4, ds4._core):
         sys.exit(f"wheel: {mod.__name__} imports from {path}, not from the venv {venv}")
 if not ds4._core.__file__.endswith(".abi3.so"):
     sys.exit(f"wheel: the extension is not abi3: {ds4._core.__file__}")
+# the /ui page's files (ds4/server/static) are package data: the wheel must carry them
+from importlib import resources
+static = resources.files("ds4.server").joinpath("static")
+missing = [f for f in ("index.html", "ui.js", "ui.css") if not static.joinpath(f).is_file()]
+if missing:
+    sys.exit(f"wheel: ds4/server/static lacks {', '.join(missing)}")
 print(f"wheel: ds4 {ds4.__version__} from {os.path.dirname(ds4.__file__)}", file=sys.stderr)
 PY
 )

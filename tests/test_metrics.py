@@ -13,6 +13,7 @@ import collections
 import os
 import time
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
@@ -261,6 +262,25 @@ def test_no_metrics_serves_neither(tmp_path):
         for path in ("/metrics", "/ui", "/ui/data", "/ui/ui.js"):
             assert c.get(path).status_code == 404, path
         assert c.get("/health").status_code == 200
+
+
+def test_serve_no_metrics_flag(tmp_path):
+    """``ds4 serve --no-metrics``: a real server without the routes; one
+    without the flag has them."""
+    from test_server import Server
+
+    off = Server(str(tmp_path), "off", "--no-kv-cache", "--no-metrics").start()
+    try:
+        assert httpx.get(off.base + "/metrics", timeout=10).status_code == 404
+        assert httpx.get(off.base + "/ui", timeout=10).status_code == 404
+    finally:
+        off.stop()
+    on = Server(str(tmp_path), "on", "--no-kv-cache").start()
+    try:
+        r = httpx.get(on.base + "/metrics", timeout=10)
+        assert r.status_code == 200 and "ds4_queue_depth 0.0" in r.text
+    finally:
+        on.stop()
 
 
 def test_keyless_server_shows_everyone_the_metrics(tmp_path):

@@ -8,7 +8,9 @@
   errors, the ``ds4`` block, server-sent events);
 - :mod:`ds4.server.openai`, :mod:`ds4.server.anthropic`,
   :mod:`ds4.server.responses`: the protocols, siblings over ``wire``. A later
-  protocol is one more module beside them.
+  protocol is one more module beside them;
+- :mod:`ds4.server.metrics`, :mod:`ds4.server.ui`: ``GET /metrics``
+  (Prometheus), the ``/ui`` page and its ``/ui/data``.
 """
 
 from ..serve_args import add_serve_args
