@@ -292,3 +292,18 @@ def test_keyless_server_shows_everyone_the_metrics(tmp_path):
         assert got[("ds4_requests_total", (("protocol", "completions"), ("rung", "prefill")))] == 1
         assert ("ds4_kv_bytes", ()) not in got  # no store: no store series
         assert b'data-needs-key="false"' in c.get("/ui").content
+
+
+def test_a_failing_observation_never_reaches_the_worker(caplog):
+    """The observer runs inside the job's post, in the worker thread: a
+    failure there loses the figure, never the reply (nor the worker)."""
+    from ds4.server.metrics import Metrics
+
+    service = Service(Generator(ds4.ReferenceEngine(), 256), "ds4-reference")
+    try:
+        m = Metrics(service)
+        m.observer("chat", "alice")("done", object())  # not a GenResult
+        assert "was not counted" in caplog.text
+        assert not any(s.name == "ds4_requests_total" for f in m.registry.collect() for s in f.samples)
+    finally:
+        service.close()

@@ -28,6 +28,7 @@ names (or ``key-`` digests, never the key).
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ from ..errors import PromptError
 if TYPE_CHECKING:
     from ..turn import GenResult
     from .worker import Service
+
+log = logging.getLogger("ds4.server")
 
 __all__ = ["LATENCY_BUCKETS", "PROTOCOLS", "Metrics", "Turns", "protocol_of"]
 
@@ -155,10 +158,13 @@ class Metrics:
         ``done`` and ``error`` are counted, the rest ignored."""
 
         def observe(kind: str, value: Any) -> None:
-            if kind == "done":
-                self._done(protocol, tenant, value)
-            elif kind == "error":
-                self.failed.labels(protocol, _failure(value)).inc()
+            try:
+                if kind == "done":
+                    self._done(protocol, tenant, value)
+                elif kind == "error":
+                    self.failed.labels(protocol, _failure(value)).inc()
+            except Exception:  # a figure lost, never the reply it rides on
+                log.exception("metrics: the %s event of a %s request was not counted", kind, protocol)
 
         return observe
 
