@@ -169,6 +169,10 @@ def test_second_replica_resumes_from_the_tier(eng, request, replicas, where):
     s2 = ds4.Session(eng, ctx=2048)
     assert recover(s2, b, follow).rung == "disk"
     assert b.summary()["remote"]["hits"] == 1
+    # the bytes each way (/metrics: ds4_kv_remote_uploaded_bytes_total, ..._downloaded_...): the one file's
+    size = os.path.getsize(rep.loaded_path)
+    assert a.remote.stats["bytes_uploaded"] == size == b.summary()["remote"]["bytes_downloaded"]
+    assert a.remote.stats["bytes_downloaded"] == 0
 
 
 def test_key_layout_one_tag_chunks_and_index(eng, flushed, replicas):
