@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from redis_servers import RedisClusterNodes, RedisNode
 from test_server import KV_FLAGS, Server, _cached, _conv, _extra, cold_chat
 
@@ -32,6 +34,26 @@ def _wait_uploaded(redis_clients, timeout=30.0):
             return
         time.sleep(0.05)
     raise AssertionError("nothing was uploaded to the tier")
+
+
+def _remote_metrics(srv) -> None:
+    """B's /metrics once its worker is idle: the tier up, one hit, its bytes."""
+    for _ in range(200):
+        if not srv.health()["busy"]:
+            break
+        time.sleep(0.05)
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(httpx.get(srv.base + "/metrics", timeout=10).text)
+        for s in f.samples
+    }
+    assert [
+        st for st in ("up", "degraded", "cooldown", "closed") if got[("ds4_kv_remote_state", (("state", st),))]
+    ] == ["up"]
+    assert got[("ds4_kv_remote_hits_total", ())] == 1
+    assert got[("ds4_kv_remote_downloaded_bytes_total", ())] > 0
+    assert got[("ds4_requests_total", (("protocol", "chat"), ("rung", "remote")))] == 1
+    assert got[("ds4_checkpoint_loads_total", (("rung", "remote"),))] == 1
 
 
 def _two_turns(tmp, cold, url, clients, topic):
@@ -58,6 +80,7 @@ def _two_turns(tmp, cold, url, clients, topic):
         assert _cached(r2) == x["reused_tokens"] > 0  # counted as cached
         h = b.health()["kv"]["remote"]
         assert h["state"] == "up" and h["hits"] == 1
+        _remote_metrics(b)
     finally:
         a.stop()
         b.stop()
