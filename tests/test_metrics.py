@@ -307,3 +307,22 @@ def test_a_failing_observation_never_reaches_the_worker(caplog):
         assert not any(s.name == "ds4_requests_total" for f in m.registry.collect() for s in f.samples)
     finally:
         service.close()
+
+
+def test_ui_data_lists_the_resident_sessions(tmp_path):
+    """With ``--sessions 2`` the operator's data has the pool's residents
+    (``/health``'s ``sessions``); with one, no such list."""
+    from ds4.server.pool import Pool
+
+    gen = Generator(ds4.ReferenceEngine(), 256)
+    service = Service(gen, "ds4-reference", pool=Pool(gen, 2))
+    with TestClient(create_app(service), base_url="http://127.0.0.1") as c:
+        body = {"model": "m", "prompt": "The quokka smiles at", "max_tokens": 2}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        _idle(service)
+        sessions = c.get("/ui/data").json()["sessions"]
+        assert sessions == c.get("/health").json()["sessions"]
+        assert [s["index"] for s in sessions] == [0, 1] and sum(s["served"] for s in sessions) == 1
+    single = Service(Generator(ds4.ReferenceEngine(), 256), "ds4-reference")
+    with TestClient(create_app(single), base_url="http://127.0.0.1") as c:
+        assert "sessions" not in c.get("/ui/data").json()
