@@ -77,10 +77,12 @@ def _enter_key(driver, key):
 
 
 def _rows(driver) -> list[list[str]]:
-    return [
-        [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
-        for tr in driver.find_elements(By.CSS_SELECTOR, "#turns tbody tr")
-    ]
+    """The turns table's cells, read in one script (the page replaces the
+    rows on each refresh: elements found one call earlier may be gone)."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('#turns tbody tr'))"
+        ".map((tr) => Array.from(tr.cells).map((td) => td.textContent))"
+    )
 
 
 def _chart(driver) -> tuple[int, str]:
