@@ -176,6 +176,7 @@ def _check_store(got: dict, h: dict, want: Expected, budget: int) -> None:
     for tenant, u in kv["tenants"].items():
         assert got[("ds4_kv_tenant_bytes", (("tenant", tenant),))] == u["bytes"]
     assert got[("ds4_queue_depth", ())] == 0 and got[("ds4_worker_busy", ())] == 0
+    assert got[("ds4_jobs_running", ())] == 0
 
 
 def test_metrics_hold_exactly_what_the_replies_said(served):

@@ -211,7 +211,10 @@ class _Snapshot:
         st = s.status
         yield GaugeMetricFamily("ds4_queue_depth", "Jobs waiting for the worker", value=s.queued)
         yield GaugeMetricFamily("ds4_worker_busy", "1 while the worker runs a job", value=int(bool(st.get("busy"))))
-        yield CounterMetricFamily("ds4_worker_busy_seconds", "Time the worker spent on jobs", value=s.busy_s)
+        yield GaugeMetricFamily("ds4_jobs_running", "Jobs the lanes run now", value=st.get("running", 0))
+        yield CounterMetricFamily(
+            "ds4_worker_busy_seconds", "Seconds of jobs, summed over the lanes (--sessions)", value=s.busy_s
+        )
         sess = st.get("session", {})
         yield GaugeMetricFamily("ds4_session_tokens", "Tokens the live session holds", value=sess.get("n_past", 0))
         counters = st.get("counters", {})
