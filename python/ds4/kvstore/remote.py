@@ -111,11 +111,8 @@ class RemoteTier:
         self.queue_max = max(1, queue_max)
         self.breaker = Breaker(fail_threshold, cooldown_s)
         #: the tier's own counters (its upload queue keeps its own: :attr:`stats`)
-        self.counters = Counters(
-            *"lookups hits rejected deleted pruned uploads upload_present upload_dropped upload_failed errors".split(),
-            "bytes_uploaded",
-            "bytes_downloaded",
-        )
+        names = "lookups hits rejected deleted pruned uploads upload_present upload_dropped upload_failed errors"
+        self.counters = Counters(*names.split(), "bytes_uploaded", "bytes_downloaded")
         self._client: Client | None = None
         self._client_lock = threading.Lock()
         self._closed = False
