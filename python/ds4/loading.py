@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 
 from .checkpoint import open_checkpoint
 from .errors import CheckpointError, CorruptCheckpointError, ImportFailedError
@@ -90,10 +91,11 @@ def _load_remote(
 
 
 def _load_entries(
-    store: KVStore, sess: Session, entries: list[Entry], prompt: bytes, report: RejectionLog | None
+    store: KVStore, sess: Session, entries: Iterable[Entry], prompt: bytes, report: RejectionLog | None
 ) -> LoadResult | None:
     """Load the first of ``entries`` that the store verifies and the session
-    takes; a refused one is the store's to count, remove or keep
+    takes (each next one is found only when the one before is refused:
+    :class:`ds4.kvstore.Matches`); a refused one is the store's to count, remove or keep
     (:func:`ds4.kvstore.loads.refuse`), and invalidates the session when its verdict
     says so (a corrupt file, a failed import)."""
     for e in entries:
