@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from .checkpoint import open_checkpoint
 from .errors import CheckpointError, CorruptCheckpointError, ImportFailedError
-from .kvstore import Candidates, Entry, KVStore, LoadResult, RejectionLog, loads
+from .kvstore import Candidates, Entry, KVStore, LoadResult, Matches, RejectionLog, loads
 from .kvstore.entries import NamedLoad
 from .kvstore.files import NOT_REGULAR, StatKey, is_checkpoint_name, stat_key
 from .kvstore.rejection import import_failure
@@ -99,6 +99,7 @@ def _load_entries(
     (:func:`ds4.kvstore.loads.refuse`), and invalidates the session when its verdict
     says so (a corrupt file, a failed import)."""
     for e in entries:
+        _refused(entries, report)
         t0 = load_clock()
         judged: StatKey | None = None  # the version a corrupt verdict is about
         try:
@@ -114,7 +115,15 @@ def _load_entries(
                     report.rejected.append(refusal.rejection)
             continue
         return loads.hit(store, e, ck, (load_clock() - t0) * 1000, judged)
+    _refused(entries, report)
     return None
+
+
+def _refused(entries: Iterable[Entry], report: RejectionLog | None) -> None:
+    """Report the candidates refused before they were offered (a file
+    changed behind the index and found corrupt: :class:`Matches`)."""
+    if isinstance(entries, Matches) and report is not None:
+        report.rejected.extend(entries.take_refused())
 
 
 def load_named(store: KVStore, sess: Session, sha: str, text: bytes, *, exact: bool = False) -> NamedLoad:

@@ -289,7 +289,7 @@ class KVStore:
         self.refresh()
         pb = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
         rows = self._idx.lookup(pb, min_tokens=max(0, self.min_tokens), abi=abi, ctx=ctx)
-        return [Entry.from_row(self.dir, row) for row in rows]
+        return list(Matches(self.dir, rows, self._index.checker(self.min_tokens, abi, ctx, hold=False)))
 
     def candidates(
         self, prompt: bytes, ctx: int | None = None, abi: str | None = None, namespace: str | None = None
@@ -308,7 +308,8 @@ class KVStore:
         ``prompt`` too (skipped while the tier cools down). The local ones are
         :class:`Matches`: the longest found here, the next ones when asked for."""
         self.refresh()
-        entries = Matches(self.dir, self._idx.prefixes(prompt, min_tokens=max(0, self.min_tokens), ctx=ctx))
+        rows = self._idx.prefixes(prompt, min_tokens=max(0, self.min_tokens), ctx=ctx)
+        entries = Matches(self.dir, rows, self._index.checker(self.min_tokens, None, ctx))
         rejected = self._index.take_unreported()
         found = Candidates(prompt, entries, [] if namespace is not None else rejected, namespace)
         if self._tiered is not None and abi is not None:
@@ -328,7 +329,7 @@ class KVStore:
         name = os.path.basename(path)
         if not is_checkpoint_name(name):
             return None
-        self._forget(name)
+        self._index.drop(name, expect)  # read again if it stays and changes (a rewrite in progress)
         how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
         try:
             with self.locked():

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, overload
 
 from ..keytext import ANONYMOUS, namespace_of, tenant_of_namespace
@@ -147,6 +147,10 @@ class LoadResult:
     tier: str = "local"
 
 
+#: what :class:`Matches` asks of an entry before it offers it
+Check = Callable[[Entry], tuple[Entry | None, list[Rejection]]]
+
+
 class Matches(Sequence[Entry]):
     """The local candidates of one lookup, longest first, built as they are
     asked for: the core's cursor (``StoreIndex.prefixes``) found the
@@ -154,12 +158,20 @@ class Matches(Sequence[Entry]):
     the ladder gets past the one before (a load that failed), so a hit
     costs one SHA-1 pass of the prompt and one :class:`Entry`, whatever
     the number of stored prefixes. Iterating again, indexing and ``len``
-    (which finds them all) see the same entries in the same order."""
+    (which finds them all) see the same entries in the same order.
 
-    def __init__(self, directory: str, rows: Iterable[IndexRow] = ()):
+    ``check`` sees each entry before it is offered (the store's: its file
+    stat'ed, and read again when it changed behind the index,
+    :meth:`ds4.kvstore.indexed.DirIndex.current`): it returns the entry to
+    offer (or None) and the rejections it made, kept in :attr:`refused`."""
+
+    def __init__(self, directory: str, rows: Iterable[IndexRow] = (), check: Check | None = None):
         self._dir = directory
         self._rows: Iterator[IndexRow] | None = iter(rows)
         self._got: list[Entry] = []
+        self._check = check
+        #: files refused by ``check`` (found corrupt before they were offered)
+        self.refused: list[Rejection] = []
 
     def _fill(self, n: int) -> bool:
         """Build entries until there are ``n`` (or none is left); whether there are."""
@@ -167,9 +179,19 @@ class Matches(Sequence[Entry]):
             row = next(self._rows, None)
             if row is None:
                 self._rows = None
-            else:
-                self._got.append(Entry.from_row(self._dir, row))
+                continue
+            e: Entry | None = Entry.from_row(self._dir, row)
+            if self._check is not None and e is not None:
+                e, refused = self._check(e)
+                self.refused.extend(refused)
+            if e is not None:
+                self._got.append(e)
         return len(self._got) >= n
+
+    def take_refused(self) -> list[Rejection]:
+        """The files refused since the last call."""
+        out, self.refused = self.refused, []
+        return out
 
     @property
     def built(self) -> int:
