@@ -438,8 +438,10 @@ def _pin_dir_mtime(d, before):
 
 def test_stale_index_entry_is_rechecked_against_the_context(eng, tmp_path):
     """The index said 8 tokens; the file now holds more than the session's
-    context (rewritten behind the index's back): the load's own header check
-    rejects it as incompatible instead of handing it to the session."""
+    context (rewritten behind the index's back, its size and mtime as
+    indexed, so the stat before the offer cannot tell): the load's own
+    header check rejects it as incompatible instead of handing it to the
+    session."""
     text = BASE[:60]
     s = prefilled(eng, text)
     n = s.n_past
@@ -451,16 +453,24 @@ def test_stale_index_entry_is_rechecked_against_the_context(eng, tmp_path):
     os.unlink(honest)
     st = KVStore(tmp_path, min_tokens=8)
     assert [e.tokens for e in st.entries()] == [8]
-    before = os.stat(tmp_path)
+    before, indexed = os.stat(tmp_path), os.stat(p)
     with open(p, "r+b") as f:
         f.write(data)
         f.truncate()
+    assert os.path.getsize(p) == indexed.st_size
+    os.utime(p, ns=(indexed.st_atime_ns, indexed.st_mtime_ns))
     _pin_dir_mtime(tmp_path, before)
     rep = RecoveryReport()
     sess = ds4.Session(eng, ctx=n)
     assert try_load_text(st, sess, text + "?", report=rep) is None
     assert _codes(rep) == [(p, "header", "ctx_too_small")]
     assert os.path.exists(p) and st.stats["rejected"] == 1
+    # with an mtime of its own, the stat before the offer re-reads it: the
+    # lookup's own context filter then leaves it out (nothing to reject)
+    os.utime(p, ns=(1, 1))
+    rep = RecoveryReport()
+    assert try_load_text(st, sess, text + "?", report=rep) is None
+    assert rep.rejected == [] and st.stats["rejected"] == 1 and st._idx.get(os.path.basename(p))[2] == n
 
 
 def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
@@ -469,8 +479,10 @@ def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
     st.refresh(force=True)
     before = os.stat(tmp_path)
     os.unlink(long_)  # another process removed it...
-    _pin_dir_mtime(tmp_path, before)  # ...and the index cannot tell
-    assert len(st.lookup(BASE[:60] + "?")) == 2
+    _pin_dir_mtime(tmp_path, before)  # ...and a rescan cannot tell
+    assert st._idx.get(os.path.basename(long_)) is not None  # still indexed
+    assert [e.path for e in st.lookup(BASE[:60] + "?")] == [short]  # the stat before the offer can
+    assert st._idx.get(os.path.basename(long_)) is None
     rep = RecoveryReport()
     r = try_load_text(st, ds4.Session(eng, ctx=4096), BASE[:60] + "?", report=rep)
     assert r is not None and r.path == short

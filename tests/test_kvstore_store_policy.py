@@ -213,6 +213,7 @@ def test_two_nested_continued_go_the_cold_one_stays(eng, tmp_path):
         "removed_corrupt",
         "scans",
         "index_rebuilds",
+        "index_retries",
     }
 
 

@@ -589,6 +589,10 @@ def test_one_lookup_and_one_encoding_per_ladder_run(eng, tmp_path, monkeypatch, 
             calls["index_lookups"] += 1
             return self.idx.lookup(*a, **kw)
 
+        def prefixes(self, *a, **kw):  # the lazy lookup: one pass, the rest on demand
+            calls["index_lookups"] += 1
+            return self.idx.prefixes(*a, **kw)
+
         def __getattr__(self, name):
             return getattr(self.idx, name)
 

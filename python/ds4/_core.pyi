@@ -13,6 +13,7 @@ __all__ = [
     "REASONS",
     "Checkpoint",
     "PayloadView",
+    "Prefixes",
     "StoreIndex",
     "__version__",
     "common_prefix_len",
@@ -167,8 +168,32 @@ class StoreIndex:
     def lookup(
         self, prompt: Buffer, *, min_tokens: int, abi: str | None = None, ctx: int | None = None
     ) -> list[_Row]: ...
+    def prefixes(
+        self, prompt: Buffer, *, min_tokens: int, abi: str | None = None, ctx: int | None = None
+    ) -> Prefixes: ...
+    def longest(
+        self,
+        limit: int,
+        namespace: str | None,
+        *,
+        min_tokens: int,
+        ctx: int | None = None,
+        exclude: Sequence[str] = ...,
+    ) -> _Row | None: ...
     def set_hit(self, name: str, hits: int, last_used: int, key: _Key) -> bool: ...
     def total_bytes(self) -> int: ...
     def namespace_usage(self) -> list[tuple[str | None, int, int]]: ...
     def heap_bytes(self) -> int: ...
     def __len__(self) -> int: ...
+
+@final
+class Prefixes:
+    """The stored prefixes of one prompt, longest first, found one at a time
+    (``StoreIndex.prefixes``)."""
+
+    def __iter__(self) -> Prefixes: ...
+    def __next__(self) -> _Row: ...
+    @property
+    def found(self) -> int: ...
+    @property
+    def hashed(self) -> int: ...

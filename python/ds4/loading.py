@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 
 from .checkpoint import open_checkpoint
 from .errors import CheckpointError, CorruptCheckpointError, ImportFailedError
-from .kvstore import Candidates, Entry, KVStore, LoadResult, RejectionLog, loads
+from .kvstore import Candidates, Entry, KVStore, LoadResult, Matches, RejectionLog, loads
 from .kvstore.entries import NamedLoad
 from .kvstore.files import NOT_REGULAR, StatKey, is_checkpoint_name, stat_key
 from .kvstore.rejection import import_failure
@@ -90,13 +91,15 @@ def _load_remote(
 
 
 def _load_entries(
-    store: KVStore, sess: Session, entries: list[Entry], prompt: bytes, report: RejectionLog | None
+    store: KVStore, sess: Session, entries: Iterable[Entry], prompt: bytes, report: RejectionLog | None
 ) -> LoadResult | None:
     """Load the first of ``entries`` that the store verifies and the session
-    takes; a refused one is the store's to count, remove or keep
+    takes (each next one is found only when the one before is refused:
+    :class:`ds4.kvstore.Matches`); a refused one is the store's to count, remove or keep
     (:func:`ds4.kvstore.loads.refuse`), and invalidates the session when its verdict
     says so (a corrupt file, a failed import)."""
     for e in entries:
+        _refused(entries, report)
         t0 = load_clock()
         judged: StatKey | None = None  # the version a corrupt verdict is about
         try:
@@ -112,7 +115,15 @@ def _load_entries(
                     report.rejected.append(refusal.rejection)
             continue
         return loads.hit(store, e, ck, (load_clock() - t0) * 1000, judged)
+    _refused(entries, report)
     return None
+
+
+def _refused(entries: Iterable[Entry], report: RejectionLog | None) -> None:
+    """Report the candidates refused before they were offered (a file
+    changed behind the index and found corrupt: :class:`Matches`)."""
+    if isinstance(entries, Matches) and report is not None:
+        report.rejected.extend(entries.take_refused())
 
 
 def load_named(store: KVStore, sess: Session, sha: str, text: bytes, *, exact: bool = False) -> NamedLoad:

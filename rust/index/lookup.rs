@@ -1,7 +1,7 @@
 //! The in-memory index: the entries by name, their lengths and tails sorted
 //! for the lookup's filter, and the one-pass lookup ([`Index::lookup`]).
 
-use super::{name_of, tail_of, Entry, StatKey};
+use super::{name_of, tail_of, Entry, Prefixes, StatKey};
 use crate::error::Result;
 use crate::format::VERSION_V1;
 use crate::hash::{self, Sha1Digest};
@@ -75,15 +75,127 @@ pub struct Index {
     pub(super) kept: DigestMap<(StatKey, u64)>,
     pub(super) abis: Vec<Arc<str>>,
     pub(super) namespaces: Vec<Arc<str>>,
-    /// (text length, tail, digest), sorted by length; None when stale.
-    pub(super) table: Option<Table>,
+    /// The lookup's table; None when stale (rebuilt by the next lookup).
+    pub(super) table: Option<Arc<Table>>,
 }
 
+/// The lookup's table: one row per entry, sorted by text length, with what
+/// the lookup filters on (its tail, tokens, ABI and namespace as small ids
+/// into the table's own string lists), so a lookup touches no entry until
+/// it yields one. Immutable once built ([`Index::table`]): a cursor
+/// ([`Prefixes`]) keeps the one it started from.
 #[derive(Debug, Default)]
-pub(super) struct Table {
-    lens: Vec<u32>,
-    tails: Vec<u64>,
-    digests: Vec<Sha1Digest>,
+pub struct Table {
+    pub(super) lens: Vec<u32>,
+    pub(super) tails: Vec<u64>,
+    pub(super) digests: Vec<Sha1Digest>,
+    pub(super) rows: Vec<Row>,
+    /// The ABIs and namespaces the rows' ids refer to.
+    pub(super) abis: Vec<Arc<str>>,
+    pub(super) namespaces: Vec<Arc<str>>,
+}
+
+/// A row's filter facts: tokens, whether it is a v1 file, its ABI (an index
+/// into [`Table::abis`]) and namespace (0: the default; `i + 1`: index `i`
+/// of [`Table::namespaces`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Row {
+    pub(super) tokens: u32,
+    pub(super) v1: bool,
+    pub(super) abi: u32,
+    pub(super) ns: u32,
+}
+
+/// The id of `s` in `pool` (by identity first: the index interns its
+/// strings; by value otherwise), or `u32::MAX`.
+fn id_in(ids: &HashMap<usize, u32>, pool: &[Arc<str>], s: &Arc<str>) -> u32 {
+    ids.get(&(Arc::as_ptr(s).cast::<u8>() as usize))
+        .copied()
+        .or_else(|| {
+            pool.iter()
+                .position(|x| **x == **s)
+                .and_then(|i| u32::try_from(i).ok())
+        })
+        .unwrap_or(u32::MAX)
+}
+
+fn ids_of(pool: &[Arc<str>]) -> HashMap<usize, u32> {
+    pool.iter()
+        .enumerate()
+        .map(|(i, a)| {
+            (
+                Arc::as_ptr(a).cast::<u8>() as usize,
+                u32::try_from(i).unwrap_or(u32::MAX),
+            )
+        })
+        .collect()
+}
+
+impl Table {
+    fn build(idx: &Index) -> Self {
+        let (abi_ids, ns_ids) = (ids_of(&idx.abis), ids_of(&idx.namespaces));
+        let mut rows: Vec<(u32, u64, Sha1Digest, Row)> = idx
+            .entries
+            .values()
+            .map(|e| {
+                let row = Row {
+                    tokens: e.tokens,
+                    v1: e.version == VERSION_V1,
+                    abi: id_in(&abi_ids, &idx.abis, &e.abi),
+                    ns: e
+                        .namespace
+                        .as_ref()
+                        .map_or(0, |n| id_in(&ns_ids, &idx.namespaces, n).saturating_add(1)),
+                };
+                (e.text_bytes, e.tail, e.digest, row)
+            })
+            .collect();
+        rows.sort_unstable_by_key(|r| r.0);
+        Table {
+            lens: rows.iter().map(|r| r.0).collect(),
+            tails: rows.iter().map(|r| r.1).collect(),
+            digests: rows.iter().map(|r| r.2).collect(),
+            rows: rows.iter().map(|r| r.3).collect(),
+            abis: idx.abis.clone(),
+            namespaces: idx.namespaces.clone(),
+        }
+    }
+
+    /// How many rows have a text no longer than `len`.
+    pub(super) fn end_for(&self, len: usize) -> usize {
+        self.lens.partition_point(|&l| l as usize <= len)
+    }
+
+    /// Whether row `i` passes `q` (its ABI as an id: [`Table::abi_id`]).
+    pub(super) fn passes(&self, i: usize, q: &Query<'_>, abi: Option<u32>) -> bool {
+        let r = self.rows[i];
+        r.tokens >= q.min_tokens
+            && abi.is_none_or(|a| r.v1 || r.abi == a)
+            && q.ctx.is_none_or(|c| r.tokens < c)
+    }
+
+    /// The id a query's ABI has in this table (`u32::MAX`: no row's).
+    pub(super) fn abi_id(&self, abi: Option<&str>) -> Option<u32> {
+        abi.map(|a| {
+            self.abis
+                .iter()
+                .position(|x| &**x == a)
+                .and_then(|i| u32::try_from(i).ok())
+                .unwrap_or(u32::MAX)
+        })
+    }
+
+    /// The row id of a namespace (0: the default), None when no row can be in it.
+    pub(super) fn ns_id(&self, ns: Option<&str>) -> Option<u32> {
+        match ns {
+            None => Some(0),
+            Some(n) => self
+                .namespaces
+                .iter()
+                .position(|x| &**x == n)
+                .and_then(|i| u32::try_from(i + 1).ok()),
+        }
+    }
 }
 
 impl Index {
@@ -192,7 +304,10 @@ impl Index {
         let entry = std::mem::size_of::<(Sha1Digest, Entry)>() + 1;
         let kept = std::mem::size_of::<(Sha1Digest, (StatKey, u64))>() + 1;
         let table = self.table.as_ref().map_or(0, |t| {
-            t.lens.capacity() * 4 + t.tails.capacity() * 8 + t.digests.capacity() * 20
+            t.lens.capacity() * 4
+                + t.tails.capacity() * 8
+                + t.digests.capacity() * 20
+                + t.rows.capacity() * std::mem::size_of::<Row>()
         });
         self.entries.capacity() * entry
             + self.kept.capacity() * kept
@@ -243,56 +358,117 @@ impl Index {
         Ok(out)
     }
 
-    fn table(&mut self) -> &Table {
-        self.table.get_or_insert_with(|| {
-            let mut rows: Vec<(u32, u64, Sha1Digest)> = self
-                .entries
-                .values()
-                .map(|e| (e.text_bytes, e.tail, e.digest))
-                .collect();
-            rows.sort_unstable_by_key(|r| r.0);
-            Table {
-                lens: rows.iter().map(|r| r.0).collect(),
-                tails: rows.iter().map(|r| r.1).collect(),
-                digests: rows.iter().map(|r| r.2).collect(),
-            }
-        })
+    /// The lookup's table as the index stands (built when stale).
+    pub fn table(&mut self) -> Arc<Table> {
+        if self.table.is_none() {
+            self.table = Some(Arc::new(Table::build(self)));
+        }
+        self.table.clone().unwrap_or_default()
     }
 
-    /// The entries whose name is the SHA-1 of a prefix of `prompt` and that
-    /// pass `q`, longest first (then most tokens): the tails filter, then
-    /// one SHA-1 pass hashes the prompt at the remaining lengths.
+    /// Every entry whose name is the SHA-1 of a prefix of `prompt` and that
+    /// passes `q`, longest first (then most tokens): the tails filter, then
+    /// one SHA-1 pass hashes the prompt at the remaining lengths (a state
+    /// finalised per candidate: what a caller that wants them all pays).
+    /// [`Index::prefixes`] yields the same entries in the same order, one
+    /// at a time, without hashing at lengths it is not asked for.
     pub fn lookup(&mut self, prompt: &[u8], q: &Query<'_>) -> Vec<Entry> {
         let t = self.table();
-        let end = t.lens.partition_point(|&l| l as usize <= prompt.len());
-        let mut cands: Vec<Sha1Digest> = Vec::new();
-        for ((&len, &tail), d) in t.lens[..end].iter().zip(&t.tails[..end]).zip(&t.digests) {
-            if tail_of(prompt, len as usize) == tail {
-                cands.push(*d);
-            }
-        }
-        let hits: Vec<&Entry> = cands
-            .iter()
-            .filter_map(|d| self.entries.get(d))
-            .filter(|e| {
-                e.tokens >= q.min_tokens
-                    && q.abi
-                        .is_none_or(|a| e.version == VERSION_V1 || &*e.abi == a)
-                    && q.ctx.is_none_or(|c| e.tokens < c)
-            })
+        let abi = t.abi_id(q.abi);
+        let cands: Vec<usize> = (0..t.end_for(prompt.len()))
+            .filter(|&i| tail_of(prompt, t.lens[i] as usize) == t.tails[i] && t.passes(i, q, abi))
             .collect();
-        let lengths: Vec<usize> = hits.iter().map(|e| e.text_bytes as usize).collect();
+        let lengths: Vec<usize> = cands.iter().map(|&i| t.lens[i] as usize).collect();
         let digests = hash::sha1_prefixes(prompt, &lengths);
-        let mut out: Vec<Entry> = hits
-            .into_iter()
+        let mut out: Vec<Entry> = cands
+            .iter()
             .zip(digests)
-            .filter(|(e, d)| d.as_ref() == Some(&e.digest))
-            .map(|(e, _)| e.clone())
+            .filter(|(&i, d)| d.as_ref() == Some(&t.digests[i]))
+            .filter_map(|(&i, _)| self.entries.get(&t.digests[i]).cloned())
             .collect();
         out.sort_by(|a, b| {
             (b.text_bytes, b.tokens, a.digest).cmp(&(a.text_bytes, a.tokens, b.digest))
         });
         out
+    }
+
+    /// A cursor over the entries [`Index::lookup`] would return for
+    /// `prompt` and `q`, in its order, hashing nothing yet: each
+    /// [`Index::next_prefix`] walks the table down from the longest text
+    /// no longer than the prompt and stops at the next match. The first
+    /// call hashes the prompt once, up to the longest candidate (one whose
+    /// tail and filters pass), keeping the SHA-1 state every
+    /// [`super::SNAPSHOT_STRIDE`] bytes; every later candidate is finalised from
+    /// the nearest state below it (at most one stride of hashing). So the
+    /// best match costs one SHA-1 pass plus one row per longer entry, and
+    /// each further match a stride at most, whatever the number of stored
+    /// prefixes.
+    pub fn prefixes(&mut self, prompt_len: usize, q: &Query<'_>) -> Prefixes {
+        let table = self.table();
+        Prefixes {
+            abi: table.abi_id(q.abi),
+            min_tokens: q.min_tokens,
+            ctx: q.ctx,
+            next: table.end_for(prompt_len),
+            prompt_len,
+            table,
+            snaps: Vec::new(),
+            last: None,
+        }
+    }
+
+    /// The next entry of a cursor made by [`Index::prefixes`] (`prompt`:
+    /// the same bytes it was made for); None when there is none. An entry
+    /// forgotten since the cursor was made is skipped (its file is gone).
+    pub fn next_prefix(&self, cur: &mut Prefixes, prompt: &[u8]) -> Option<Entry> {
+        while let Some(d) = cur.next_digest(prompt) {
+            if let Some(e) = self.entries.get(&d) {
+                return Some(e.clone());
+            }
+        }
+        None
+    }
+
+    /// The longest entry of namespace `ns` (None: the default) whose text
+    /// is no longer than `limit` bytes, with at least `min_tokens` tokens
+    /// and fewer than `ctx`, not named in `exclude`; ties: most tokens,
+    /// then the smaller name. Nothing is hashed: it need not be a prefix
+    /// of anything (the ladder's divergence, `kvstore/considered.py`). One
+    /// row per longer entry of the table, no entry touched but the
+    /// winner's length's.
+    pub fn longest(
+        &mut self,
+        limit: usize,
+        ns: Option<&str>,
+        q: &Query<'_>,
+        exclude: &HashSet<String>,
+    ) -> Option<Entry> {
+        let t = self.table();
+        let ns = t.ns_id(ns)?;
+        let ok = |i: usize| t.rows[i].ns == ns && t.passes(i, q, None);
+        let mut best: Option<(&Entry, String)> = None;
+        for i in (0..t.end_for(limit)).rev() {
+            if best.as_ref().is_some_and(|(b, _)| t.lens[i] < b.text_bytes) {
+                break;
+            }
+            if !ok(i) {
+                continue;
+            }
+            let Some(e) = self.entries.get(&t.digests[i]) else {
+                continue;
+            };
+            let name = name_of(&e.digest, e.case);
+            if exclude.contains(&name) {
+                continue;
+            }
+            if best
+                .as_ref()
+                .is_none_or(|(b, bn)| (e.tokens, bn.as_str()) > (b.tokens, name.as_str()))
+            {
+                best = Some((e, name));
+            }
+        }
+        best.map(|(e, _)| e.clone())
     }
 }
 

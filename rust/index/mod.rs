@@ -22,15 +22,23 @@
 //! two arrays sorted by length: an entry is a candidate when its tail equals
 //! the prompt's bytes just before its length (one comparison per entry, no
 //! hashing), and only the candidates' lengths are hashed, in one SHA-1 pass
-//! ([`crate::hash::sha1_prefixes`]).
+//! ([`crate::hash::sha1_prefixes`]). The ladder's lookup is lazy
+//! ([`Index::prefixes`], a [`Prefixes`] cursor): the table is walked down
+//! from the longest text no longer than the prompt, the prompt is hashed
+//! once up to the first candidate (a SHA-1 state kept every
+//! [`SNAPSHOT_STRIDE`] bytes), and a later match is finalised only when it
+//! is asked for, from the state below it: the best match costs one pass
+//! whatever the number of stored prefixes.
 
 mod entry;
 mod file;
 mod lookup;
+mod prefixes;
 
 pub use entry::*;
 pub use file::*;
 pub use lookup::*;
+pub use prefixes::*;
 
 #[cfg(test)]
 mod tests;

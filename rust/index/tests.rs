@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::hash;
+use std::collections::HashSet;
 use std::sync::Arc;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -199,4 +200,148 @@ fn save_load_listing_and_file_policy() {
     assert!(save(&idx, &DirStamp::default(), &path, &tmp).is_err());
     assert!(path.is_dir() && !tmp.exists());
     assert!(load(&path).is_err());
+}
+
+fn drain(idx: &mut Index, p: &[u8], q: &Query<'_>) -> Vec<Entry> {
+    let mut cur = idx.prefixes(p.len(), q);
+    std::iter::from_fn(|| idx.next_prefix(&mut cur, p)).collect()
+}
+
+#[test]
+fn prefixes_yield_what_lookup_returns_in_its_order() {
+    // lengths around the snapshot stride, equal lengths, tail collisions
+    // (another text with the prompt's tail), filters
+    let p: Vec<u8> = (0..3 * SNAPSHOT_STRIDE + 77)
+        .map(|i| u8::try_from((i.wrapping_mul(2_654_435_761) >> 13) % 251).unwrap())
+        .collect();
+    let mut idx = Index::new();
+    let s = SNAPSHOT_STRIDE;
+    for (i, n) in [
+        0,
+        1,
+        7,
+        8,
+        9,
+        63,
+        64,
+        65,
+        s - 1,
+        s,
+        s + 1,
+        2 * s,
+        2 * s + 5,
+        3 * s,
+        p.len(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let tokens = u32::try_from(i).unwrap() + 1;
+        idx.insert(entry(&p[..n], tokens, if i % 3 == 0 { "b" } else { "a" }));
+        let mut other = p[..n].to_vec();
+        if let Some(b) = other.first_mut() {
+            *b ^= 0x55; // the same tail and length, another text
+            idx.insert(entry(&other, tokens + 100, "a"));
+        }
+    }
+    let mut v1 = entry(&p[..s + 3], 4, "x");
+    v1.version = crate::format::VERSION_V1;
+    idx.insert(v1);
+    for q in [
+        Query::default(),
+        Query {
+            min_tokens: 5,
+            abi: Some("a"),
+            ctx: Some(14),
+        },
+        Query {
+            abi: Some("none such"),
+            ..Query::default()
+        },
+    ] {
+        for cut in [p.len(), p.len() - 1, 2 * s + 4, s, 9, 0] {
+            let want = idx.lookup(&p[..cut], &q);
+            assert_eq!(drain(&mut idx, &p[..cut], &q), want, "cut {cut} {q:?}");
+        }
+    }
+    assert!(!idx.lookup(&p, &Query::default()).is_empty());
+}
+
+#[test]
+fn prefixes_stop_at_the_best_match() {
+    let p: Vec<u8> = (0..64 * 1024u32).map(|i| (i * 31 % 253) as u8).collect();
+    let mut idx = Index::new();
+    for n in (1..=1000).map(|i| i * 60) {
+        idx.insert(entry(&p[..n], 10, "a"));
+    }
+    idx.insert(entry(b"not a prefix", 10, "a"));
+    let q = Query::default();
+    let mut cur = idx.prefixes(p.len(), &q);
+    let first = idx.next_prefix(&mut cur, &p).unwrap();
+    assert_eq!(first.text_bytes, 60_000);
+    // one row visited, the prompt hashed up to the first candidate only
+    assert_eq!(cur.remaining(), idx.len() - 1);
+    assert!(cur.hashed() <= 60_000 && cur.hashed() + SNAPSHOT_STRIDE > 60_000);
+    let second = idx.next_prefix(&mut cur, &p).unwrap();
+    assert_eq!(second.text_bytes, 59_940);
+    assert_eq!(cur.remaining(), idx.len() - 2);
+    // the index changing under the cursor: a removed entry is skipped
+    idx.remove(&hash::sha1(&p[..59_880]));
+    assert_eq!(idx.next_prefix(&mut cur, &p).unwrap().text_bytes, 59_820);
+}
+
+#[test]
+fn longest_considered_by_namespace_and_filters() {
+    let mut idx = Index::new();
+    let texts: [(&[u8], u32); 6] = [
+        (b"\xff\x00ns:al\xff\x00 short", 5),
+        (b"\xff\x00ns:al\xff\x00 a longer one", 5),
+        (b"\xff\x00ns:al\xff\x00 a longer two", 9),
+        (b"\xff\x00ns:al\xff\x00 longest of all texts here", 50),
+        (b"\xff\x00ns:bo\xff\x00 another namespace's, long", 5),
+        (b"plain default namespace text", 5),
+    ];
+    for (t, tok) in texts {
+        idx.insert(entry(t, tok, "a"));
+    }
+    let none = HashSet::new();
+    let q = Query::default();
+    let len = |e: Option<Entry>| e.map(|e| e.text_bytes as usize);
+    assert_eq!(
+        len(idx.longest(1000, Some("al"), &q, &none)),
+        Some(texts[3].0.len())
+    );
+    let q40 = Query {
+        ctx: Some(40),
+        ..Query::default()
+    };
+    // ties of length: most tokens
+    assert_eq!(
+        idx.longest(1000, Some("al"), &q40, &none).map(|e| e.tokens),
+        Some(9)
+    );
+    assert_eq!(
+        len(idx.longest(texts[1].0.len() - 1, Some("al"), &q, &none)),
+        Some(texts[0].0.len())
+    );
+    assert_eq!(
+        len(idx.longest(1000, None, &q, &none)),
+        Some(texts[5].0.len())
+    );
+    assert!(idx.longest(1000, Some("nobody"), &q, &none).is_none());
+    let mut ex = HashSet::new();
+    ex.insert(name_of(&hash::sha1(texts[3].0), 0));
+    ex.insert(name_of(&hash::sha1(texts[2].0), 0));
+    assert_eq!(
+        idx.longest(1000, Some("al"), &q, &ex).map(|e| e.tokens),
+        Some(5)
+    );
+    let q6 = Query {
+        min_tokens: 6,
+        ..Query::default()
+    };
+    assert_eq!(
+        idx.longest(1000, Some("al"), &q6, &ex).map(|e| e.tokens),
+        None
+    );
 }

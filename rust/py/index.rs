@@ -5,13 +5,14 @@
 
 use super::buffer::bytes_of;
 use super::errors::to_pyerr;
+use super::prefixes::PyPrefixes;
 use crate::format;
 use crate::hash::{self, Sha1Digest};
 use crate::index::{self, DirStamp, Entry, Index, Query, StatKey};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
@@ -19,7 +20,7 @@ type PyKey = (u64, u64, i64);
 /// `(name, version, tokens, text_bytes, hits, created, last_used, abi,
 /// reason, ctx, (ino, size, mtime_ns), namespace)`: the fields of
 /// `ds4.kvstore.Entry` (its size is the stat key's).
-type PyEntry = (
+pub(super) type PyEntry = (
     String,
     u8,
     u32,
@@ -45,7 +46,7 @@ fn py_key(k: StatKey) -> PyKey {
     (k.ino, k.size, k.mtime_ns)
 }
 
-fn py_entry(e: &Entry) -> PyEntry {
+pub(super) fn py_entry(e: &Entry) -> PyEntry {
     (
         index::name_of(&e.digest, e.case),
         e.version,
@@ -74,11 +75,11 @@ fn stamp_of(s: PyStamp) -> DirStamp {
 /// The index of one cache directory (see `ds4.kvstore`).
 #[pyclass(name = "StoreIndex", module = "ds4._core", frozen)]
 pub(super) struct PyStoreIndex {
-    inner: Mutex<Index>,
+    pub(super) inner: Mutex<Index>,
 }
 
 impl PyStoreIndex {
-    fn lock(&self) -> PyResult<MutexGuard<'_, Index>> {
+    pub(super) fn lock(&self) -> PyResult<MutexGuard<'_, Index>> {
         self.inner
             .lock()
             .map_err(|_| PyRuntimeError::new_err("index poisoned by a panic"))
@@ -224,6 +225,54 @@ impl PyStoreIndex {
         });
         let found = found.map_err(|()| PyRuntimeError::new_err("index poisoned by a panic"))?;
         Ok(found.iter().map(py_entry).collect())
+    }
+
+    /// What `lookup` returns, lazily (`ds4._core.Prefixes`, an iterator):
+    /// the longest match is found here (one SHA-1 pass over the prompt up
+    /// to the longest candidate, the GIL released), each next one only
+    /// when asked for (`crate::index::Index::prefixes`).
+    #[pyo3(signature = (prompt, *, min_tokens, abi=None, ctx=None))]
+    fn prefixes(
+        slf: Bound<'_, Self>,
+        prompt: PyBuffer<u8>,
+        min_tokens: u32,
+        abi: Option<String>,
+        ctx: Option<u32>,
+    ) -> PyResult<PyPrefixes> {
+        PyPrefixes::start(
+            slf.py(),
+            slf.unbind(),
+            prompt,
+            min_tokens,
+            abi.as_deref(),
+            ctx,
+        )
+    }
+
+    /// The longest entry of `namespace` (None: the default) whose text is
+    /// at most `limit` bytes, with at least `min_tokens` tokens and fewer
+    /// than `ctx`, not named in `exclude` (ties: most tokens, then the
+    /// smaller name); nothing hashed, no file read.
+    #[pyo3(signature = (limit, namespace, *, min_tokens, ctx=None, exclude=Vec::new()))]
+    fn longest(
+        &self,
+        limit: usize,
+        namespace: Option<String>,
+        min_tokens: u32,
+        ctx: Option<u32>,
+        exclude: Vec<String>,
+    ) -> PyResult<Option<PyEntry>> {
+        let q = Query {
+            min_tokens,
+            abi: None,
+            ctx,
+        };
+        let exclude: HashSet<String> = exclude.into_iter().collect();
+        Ok(self
+            .lock()?
+            .longest(limit, namespace.as_deref(), &q, &exclude)
+            .as_ref()
+            .map(py_entry))
     }
 
     /// Records a hit on an indexed entry; false when it is not indexed.

@@ -16,6 +16,7 @@ mod checkpoint;
 mod errors;
 mod hash;
 mod index;
+mod prefixes;
 
 use pyo3::prelude::*;
 
@@ -34,6 +35,8 @@ mod _core {
     };
     #[pymodule_export]
     use super::index::PyStoreIndex;
+    #[pymodule_export]
+    use super::prefixes::PyPrefixes;
     use crate::format;
     use pyo3::prelude::*;
 

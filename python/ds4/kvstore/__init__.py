@@ -13,9 +13,9 @@
 * In a running store the directory is rescanned only when its mtime changes
   (another process added, replaced or removed a file), and only new or
   changed files are re-read.
-* Lookup is one call into the core, the GIL released: an 8-byte tail of each
-  stored text filters the entries, then one SHA-1 pass over the prompt
-  hashes it at the remaining lengths.
+* Lookup is one call into the core, the GIL released: 8-byte text tails
+  filter the entries longest first, one SHA-1 pass finds the best match,
+  and the next ones are found only when the ladder asks (:class:`Matches`).
 * Candidates are tried longest first by the ladder
   (:func:`ds4.recovery.load_first`, the one place a session is loaded from
   here); the store's verdict on one that fails (:mod:`.loads`): a corrupt
@@ -53,9 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _core
 from ..checkpoint import Checkpoint
-from ..errors import (
-    CheckpointError,
-)
+from ..errors import CheckpointError
 from ..errors import StoreError as StoreError  # what opening a store raises (re-exported)
 from .counters import Counted, Counters, merged
 from .entries import (
@@ -63,6 +61,7 @@ from .entries import (
     Candidates,
     Entry,
     LoadResult,
+    Matches,
     NamedLoad,
     plan_eviction,
     tenant_usage,
@@ -115,6 +114,7 @@ __all__ = [
     "Entry",
     "KVStore",
     "LoadResult",
+    "Matches",
     "NamedLoad",
     "Refusal",
     "Rejection",
@@ -289,7 +289,7 @@ class KVStore:
         self.refresh()
         pb = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
         rows = self._idx.lookup(pb, min_tokens=max(0, self.min_tokens), abi=abi, ctx=ctx)
-        return [Entry.from_row(self.dir, row) for row in rows]
+        return list(Matches(self.dir, rows, self._index.checker(self.min_tokens, abi, ctx, hold=False)))
 
     def candidates(
         self, prompt: bytes, ctx: int | None = None, abi: str | None = None, namespace: str | None = None
@@ -305,12 +305,13 @@ class KVStore:
         namespaced lookup is not told of files rejected while indexing (they
         may be any namespace's; they are logged). With a shared tier and
         ``abi`` (the session's payload ABI), the tier's prefixes of
-        ``prompt`` too (skipped while the tier cools down)."""
-        entries = self.lookup(prompt, ctx=ctx)
+        ``prompt`` too (skipped while the tier cools down). The local ones are
+        :class:`Matches`: the longest found here, the next ones when asked for."""
+        self.refresh()
+        rows = self._idx.prefixes(prompt, min_tokens=max(0, self.min_tokens), ctx=ctx)
+        entries = Matches(self.dir, rows, self._index.checker(self.min_tokens, None, ctx))
         rejected = self._index.take_unreported()
-        if namespace is not None:
-            rejected = []
-        found = Candidates(prompt, entries, rejected, namespace)
+        found = Candidates(prompt, entries, [] if namespace is not None else rejected, namespace)
         if self._tiered is not None and abi is not None:
             self._tiered.lookup(found, abi, min_tokens=self.min_tokens, ctx=ctx)
         return found
@@ -328,7 +329,7 @@ class KVStore:
         name = os.path.basename(path)
         if not is_checkpoint_name(name):
             return None
-        self._forget(name)
+        self._index.drop(name, expect)  # read again if it stays and changes (a rewrite in progress)
         how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
         try:
             with self.locked():
@@ -375,8 +376,7 @@ class KVStore:
         (tried first; none without a shared tier)."""
         if not found.remote or self._tiered is None:
             return []
-        local_best = found.entries[0].text_bytes if found.entries else -1
-        return [r for r in found.remote if r.text_bytes > local_best]
+        return [r for r in found.remote if r.text_bytes > (found.entries[0].text_bytes if found.entries else -1)]
 
     # -- the shared tier (kvstore/tiered.py) ----------------------------------
     def pull(self, r: RemoteEntry, report: RejectionLog | None = None) -> Entry | None:

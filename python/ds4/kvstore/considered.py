@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError
 from ..keytext import namespace_of
-from .entries import Candidates, Entry, IndexRow
+from .entries import Candidates, Entry
 from .files import is_checkpoint_name
 
 if TYPE_CHECKING:
@@ -35,18 +35,12 @@ def longest_considered(
     breaking ties. It need not be a prefix of the prompt: where the
     prompt leaves it is what the ladder reports (its ``divergence``;
     :meth:`stored_text` reads its text). Names in ``exclude`` are left
-    out. A pass over every index row, in Python."""
-    limit, ns = len(found.prompt), found.namespace
-    best: IndexRow | None = None
-    for row in store._idx.entries():
-        tokens, text_bytes = row[2], row[3]
-        if row[11] != ns or text_bytes > limit or tokens < store.min_tokens or (ctx is not None and tokens >= ctx):
-            continue
-        if row[0] in exclude:
-            continue
-        if best is None or (text_bytes, tokens, best[0]) > (best[3], best[2], row[0]):
-            best = row
-    return None if best is None else Entry.from_row(store.dir, best)
+    out. One call into the core (``StoreIndex.longest``: the length-sorted
+    table walked down to the first file of the namespace)."""
+    row = store._idx.longest(
+        len(found.prompt), found.namespace, min_tokens=max(0, store.min_tokens), ctx=ctx, exclude=list(exclude)
+    )
+    return None if row is None else Entry.from_row(store.dir, row)
 
 
 def stored_text(store: KVStore, entry: Entry, namespace: str | None) -> bytes | None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections import deque
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, overload
 
 from ..keytext import ANONYMOUS, namespace_of, tenant_of_namespace
 from .files import StatKey
@@ -26,6 +27,7 @@ __all__ = [
     "Entry",
     "IndexRow",
     "LoadResult",
+    "Matches",
     "NamedLoad",
     "Rejection",
     "import_failure",
@@ -145,19 +147,100 @@ class LoadResult:
     tier: str = "local"
 
 
+#: what :class:`Matches` asks of an entry before it offers it
+Check = Callable[[Entry], tuple[Entry | None, list[Rejection]]]
+
+
+class Matches(Sequence[Entry]):
+    """The local candidates of one lookup, longest first, built as they are
+    asked for: the core's cursor (``StoreIndex.prefixes``) found the
+    longest when the lookup was made and finds each next one only when
+    the ladder gets past the one before (a load that failed), so a hit
+    costs one SHA-1 pass of the prompt and one :class:`Entry`, whatever
+    the number of stored prefixes. Iterating again, indexing and ``len``
+    (which finds them all) see the same entries in the same order.
+
+    ``check`` sees each entry before it is offered (the store's: its file
+    stat'ed, and read again when it changed behind the index,
+    :meth:`ds4.kvstore.indexed.DirIndex.current`): it returns the entry to
+    offer (or None) and the rejections it made, kept in :attr:`refused`."""
+
+    def __init__(self, directory: str, rows: Iterable[IndexRow] = (), check: Check | None = None):
+        self._dir = directory
+        self._rows: Iterator[IndexRow] | None = iter(rows)
+        self._got: list[Entry] = []
+        self._check = check
+        #: files refused by ``check`` (found corrupt before they were offered)
+        self.refused: list[Rejection] = []
+
+    def _fill(self, n: int) -> bool:
+        """Build entries until there are ``n`` (or none is left); whether there are."""
+        while len(self._got) < n and self._rows is not None:
+            row = next(self._rows, None)
+            if row is None:
+                self._rows = None
+                continue
+            e: Entry | None = Entry.from_row(self._dir, row)
+            if self._check is not None and e is not None:
+                e, refused = self._check(e)
+                self.refused.extend(refused)
+            if e is not None:
+                self._got.append(e)
+        return len(self._got) >= n
+
+    def take_refused(self) -> list[Rejection]:
+        """The files refused since the last call."""
+        out, self.refused = self.refused, []
+        return out
+
+    @property
+    def built(self) -> int:
+        """How many entries were built so far."""
+        return len(self._got)
+
+    def __iter__(self) -> Iterator[Entry]:
+        i = 0
+        while self._fill(i + 1):
+            yield self._got[i]
+            i += 1
+
+    def __bool__(self) -> bool:
+        return self._fill(1)
+
+    def __len__(self) -> int:
+        self._fill(sys.maxsize)
+        return len(self._got)
+
+    @overload
+    def __getitem__(self, i: int) -> Entry: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Entry]: ...
+    def __getitem__(self, i: int | slice) -> Entry | list[Entry]:
+        if isinstance(i, slice) or i < 0:
+            self._fill(sys.maxsize)
+        else:
+            self._fill(i + 1)
+        return self._got[i]
+
+    def __repr__(self) -> str:
+        more = "" if self._rows is None else ", ..."
+        return f"Matches({self._got!r}{more})"
+
+
 @dataclasses.dataclass
 class Candidates:
     """What one lookup found for a prompt: the indexed checkpoints whose
-    name is the SHA-1 of a prefix of it (longest first; their headers were
-    verified when indexed, every load verifies the whole file again), and
-    the files rejected while indexing since the last lookup. ``namespace``
-    is the cache namespace of the lookup (:mod:`ds4.keytext`; None: the
-    default). With a shared tier: its matching checkpoints (longest first;
-    nothing downloaded yet) and its state when asked (``""`` without a
-    tier)."""
+    name is the SHA-1 of a prefix of it (longest first, :class:`Matches`
+    when the store made it: built as the ladder asks for them; their
+    headers were verified when indexed, every load verifies the whole
+    file again), and the files rejected while indexing since the last
+    lookup. ``namespace`` is the cache namespace of the lookup
+    (:mod:`ds4.keytext`; None: the default). With a shared tier: its
+    matching checkpoints (longest first; nothing downloaded yet) and its
+    state when asked (``""`` without a tier)."""
 
     prompt: bytes
-    entries: list[Entry]
+    entries: Sequence[Entry]
     rejected: list[Rejection]
     namespace: str | None = None
     remote: list[RemoteEntry] = dataclasses.field(default_factory=list)

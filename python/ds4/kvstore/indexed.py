@@ -11,6 +11,15 @@
   the way.
 * The index file is written back only when the in-memory index changed,
   under the directory's lock (held, or free now: never waited for).
+* It never hides a file: a name dropped after a failure that may pass (the
+  file changed while its header was read, a rewrite in progress, a lock,
+  a corrupt verdict on a version that is gone) is remembered with the
+  file's stat key at the failure, and every refresh stats it again: it is
+  read again as soon as the file has changed, and at the latest one
+  :attr:`DirIndex.retry_s` after the failure. A candidate is stat'ed
+  before it is offered (:meth:`DirIndex.current`): a file changed behind
+  the index (same inode, the directory untouched: truncated or rewritten
+  in place) is read again instead of offered as indexed.
 
 This module never removes a checkpoint or takes the lock itself: the store
 hands over its hooks (:class:`ds4.kvstore.KVStore`): reading one header, the
@@ -29,6 +38,7 @@ from collections.abc import Callable
 from .. import _core
 from ..errors import CheckpointError, CorruptCheckpointError, StoreError
 from .counters import Counters
+from .entries import Check, Entry
 from .files import (
     INDEX_NAME,
     INDEX_TMP_NAME,
@@ -43,7 +53,11 @@ from .rejection import Rejection, rejection_of
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["DirIndex"]
+__all__ = ["RETRY_S", "DirIndex"]
+
+#: the longest a name dropped after a transient failure waits to be read
+#: again when its file does not change (seconds, on :attr:`DirIndex.clock`)
+RETRY_S = 30.0
 
 #: the store's hooks: read one file's header into the index; remove (or
 #: quarantine) a corrupt file judged at a stat key; try the directory's lock
@@ -55,7 +69,8 @@ TryLock = Callable[[], contextlib.AbstractContextManager[bool]]
 
 class DirIndex:
     """One directory's index; its :attr:`counters` (``scans``,
-    ``index_rebuilds``) are merged into the store's stats."""
+    ``index_rebuilds``, ``index_retries``: dropped names read again) are
+    merged into the store's stats."""
 
     def __init__(
         self,
@@ -66,7 +81,13 @@ class DirIndex:
         try_lock: TryLock,
     ):
         self.dir = directory
-        self.counters = Counters("scans", "index_rebuilds")
+        self.counters = Counters("scans", "index_rebuilds", "index_retries")
+        #: names dropped after a failure that may pass: name -> (the file's
+        #: stat key then, or None, and when, on :attr:`clock`)
+        self.dropped: dict[str, tuple[StatKey | None, float]] = {}
+        #: the retries' clock (monotonic seconds) and their bound
+        self.clock: Callable[[], float] = time.monotonic
+        self.retry_s = RETRY_S
         self._read_header = read_header
         self._discard = discard
         self._try_lock = try_lock
@@ -97,6 +118,7 @@ class DirIndex:
         except OSError as e:
             raise StoreError(e.errno, f"cache directory unavailable: {e.strerror}", self.dir) from e
         if not force and mt == self._dir_mtime:
+            self._retry_dropped()
             return
         self.counters["scans"] += 1
         seen = {}
@@ -125,6 +147,72 @@ class DirIndex:
             self.idx.remove(name)
             self.index_file(name, de.path, key)
         self._dir_mtime = mt
+
+    def drop(self, name: str, key: StatKey | None) -> None:
+        """Forget ``name`` after a failure that may pass (its file's stat
+        key then, or None): the next refresh reads it again once the file
+        has changed, and at the latest :attr:`retry_s` later."""
+        self.forget(name)
+        self.dropped[name] = (key, self.clock())
+
+    def _retry_dropped(self) -> None:
+        """Read again each dropped name whose file changed since, or whose
+        retry is due; forget the ones whose file stayed gone that long."""
+        now = self.clock()
+        for name, (key, when) in list(self.dropped.items()):
+            due = now - when >= self.retry_s
+            try:
+                cur = stat_key(os.lstat(os.path.join(self.dir, name)))
+            except OSError:
+                if due:
+                    del self.dropped[name]
+                continue
+            if cur != key or due:
+                del self.dropped[name]
+                self.counters["index_retries"] += 1
+                self.idx.remove(name)
+                self.index_file(name, os.path.join(self.dir, name), cur)
+
+    def checker(self, min_tokens: int, abi: str | None, ctx: int | None, hold: bool = True) -> Check:
+        """:meth:`current` with a lookup's filters (``min_tokens``, ``abi``:
+        or a v1 file, fewer tokens than ``ctx``), for :class:`Matches`; its
+        rejections handed to it (``hold``) or left for the next lookup."""
+
+        def ok(e: Entry) -> bool:
+            return (
+                e.tokens >= min_tokens
+                and (ctx is None or e.tokens < ctx)
+                and (abi is None or e.version == 1 or e.abi == abi)
+            )
+
+        return lambda e: self.current(e, ok, hold)
+
+    def current(self, e: Entry, ok: Callable[[Entry], bool], hold: bool = True) -> tuple[Entry | None, list[Rejection]]:
+        """``e`` as its file is now, before it is offered: one ``lstat``; the
+        indexed stat key (size, mtime, inode) -> ``e``; another -> its
+        header read again (a corrupt one discarded) and the fresh entry
+        when it is still the same candidate (its text as long, ``ok``),
+        else None; gone -> None. With the rejections that re-read made."""
+        try:
+            key = stat_key(os.lstat(e.path))
+        except FileNotFoundError:
+            self.drop(e.name, None)
+            return None, []
+        except OSError:
+            return e, []  # the load judges it
+        if key == e.stat_key:
+            return e, []
+        before = len(self.unreported)
+        self.idx.remove(e.name)
+        self.index_file(e.name, e.path, key)
+        refused: list[Rejection] = []
+        if hold:
+            refused, self.unreported = self.unreported[before:], self.unreported[:before]
+        row = self.idx.get(e.name)
+        fresh = None if row is None else Entry.from_row(self.dir, row)
+        if fresh is None or fresh.text_bytes != e.text_bytes or not ok(fresh):
+            return None, refused
+        return fresh, refused
 
     def open(self) -> None:
         """Open the store: read the index file and list the directory once
@@ -215,13 +303,14 @@ class DirIndex:
         store's hook) and reported, another format's is kept and reported,
         one that is not a regular file or cannot be read is left out."""
         self._dirty = True
+        self.dropped.pop(name, None)
         try:
             self._read_header(self.idx, path)
         except CorruptCheckpointError as e:
             if e.code == NOT_REGULAR:
                 log.warning("kv cache ignoring %s: %s", name, e.reason)
                 return
-            self._discard(path, e, "refresh", key)
+            self._discard(path, e, "refresh", key)  # drops the name: kept when it changed since
             self.unreported.append(rejection_of(path, e))
             return
         except CheckpointError as e:
@@ -229,10 +318,10 @@ class DirIndex:
             self.unreported.append(rejection_of(path, e))
             self.idx.keep(name, key)
             return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            log.warning("kv cache cannot read %s: %s", name, e)
+        except OSError as e:  # gone meanwhile (a rename in progress), locked, unreadable: retried
+            if not isinstance(e, FileNotFoundError):
+                log.warning("kv cache cannot read %s: %s (retried)", name, e)
+            self.drop(name, key)
             return
 
     def forget(self, name: str) -> None:

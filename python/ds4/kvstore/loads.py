@@ -58,7 +58,7 @@ def refuse(store: KVStore, e: Entry, err: Exception, judged: StatKey | None) -> 
     incompatible or unreadable one kept. None when the file was gone
     (removed by another process: forgotten)."""
     if isinstance(err, FileNotFoundError):
-        store._forget(e.name)
+        store._index.drop(e.name, None)  # read again if it comes back
         return None
     store.counters["rejected"] += 1
     if isinstance(err, OSError):  # unreadable (permissions, I/O): a typed rejection; skipped and kept
