@@ -113,7 +113,7 @@ def test_run_json_schema(tmp_path):
 
 
 def test_run_progress_bar_only_on_a_tty():
-    # The bar appears once a prefill has run for 1.5 s; DS4_PROGRESS_DELAY=0
+    # The bar appears once a prefill has run for 1 s; DS4_PROGRESS_DELAY=0
     # shows it at once, so a short prefill (a few 256-token chunks) will do.
     long_prompt = "The tide comes in and the tide goes out. " * 40  # ~1600 tokens
     env = dict(os.environ, DS4_PROGRESS_DELAY="0")
