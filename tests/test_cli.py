@@ -113,7 +113,7 @@ def test_run_json_schema(tmp_path):
 
 
 def test_run_progress_bar_only_on_a_tty():
-    # The bar appears once a prefill has run for 1.5 s; DS4_PROGRESS_DELAY=0
+    # The bar appears once a prefill has run for 1 s; DS4_PROGRESS_DELAY=0
     # shows it at once, so a short prefill (a few 256-token chunks) will do.
     long_prompt = "The tide comes in and the tide goes out. " * 40  # ~1600 tokens
     env = dict(os.environ, DS4_PROGRESS_DELAY="0")
@@ -680,9 +680,9 @@ def test_demo_main_job_end_to_end(tmp_path):
     assert os.listdir(tmp_path / "demo").count(bad) == 0
 
 
-# -- a light start: ds4 kv never loads the server, an engine, the turn or llguidance ---
+# -- a light start: ds4 kv never loads the server, an engine, the turn, llguidance or matplotlib ---
 
-HEAVY = ("ds4.server", "ds4.turn", "ds4.engines", "ds4.constrain", "llguidance")
+HEAVY = ("ds4.server", "ds4.turn", "ds4.engines", "ds4.constrain", "llguidance", "matplotlib")
 
 
 def _modules_after(argv: list[str]) -> list[str]:
@@ -699,8 +699,10 @@ def _modules_after(argv: list[str]) -> list[str]:
     return p.stderr.split()
 
 
-@pytest.mark.parametrize("action", [["ls"], ["ls", "--verify"], ["stats"], ["verify"], ["show", "--json"]])
-def test_kv_imports_no_server_engine_turn_or_llguidance(tmp_path, write_ck, action):
+@pytest.mark.parametrize(
+    "action", [["ls"], ["ls", "--verify"], ["stats"], ["stats", "--plot", "-"], ["verify"], ["show", "--json"]]
+)
+def test_kv_imports_no_server_engine_turn_llguidance_or_matplotlib(tmp_path, write_ck, action):
     path = write_ck(tmp_path, "a checkpoint that ds4 kv lists, shows and verifies")
     argv = ["kv", action[0], path if action[0] == "show" else str(tmp_path), *action[1:]]
     mods = _modules_after(argv)

@@ -155,7 +155,12 @@ def recover(
     resumes from (llama.cpp's context checkpoints). ``None`` (the default)
     does so on engines whose rewind cannot reach into a loaded state
     (``engine.rewind_limited``: sliding-window and recurrent models), where
-    no other checkpoint would be there for it."""
+    no other checkpoint would be there for it.
+
+    ``progress(done, total)`` is called as a prefill goes (the tokens it
+    computes, done of total); when it also has a ``serving(rung, reused)``
+    method, that is called before each prefill the ladder runs, with the
+    rung that served the rest and how many tokens it reused."""
     if prompt_save is None:
         prompt_save = bool(getattr(sess.engine, "rewind_limited", False))
     ladder = _Ladder(sess, store, prompt_text, evict_save, progress, frontier_every, on_frontier, cancel)
@@ -260,7 +265,7 @@ class _Ladder:
     def finish(self, rung: str, source: str, effective: Sequence[int], reused: int) -> RecoveryReport:
         rep = self.rep
         t = time.perf_counter()
-        self.sync(effective)
+        self.sync(effective, rung, reused)
         rep.timings["prefill_ms"] = (time.perf_counter() - t) * 1000
         rep.rung, rep.source, rep.reused_tokens = rung, source, reused
         rep.prompt_tokens = len(effective)
@@ -277,7 +282,13 @@ class _Ladder:
         )
         return rep
 
-    def sync(self, tokens: Sequence[int]) -> None:
+    def sync(self, tokens: Sequence[int], rung: str, reused: int) -> None:
+        """The session to ``tokens``, the prefill of what ``rung`` did not
+        serve (``reused`` tokens); a ``progress`` with a ``serving(rung,
+        reused)`` method hears of both first (the CLI's bar shows them)."""
+        serving = getattr(self.progress, "serving", None)
+        if callable(serving) and len(tokens) > reused:
+            serving(rung, reused)
         self.sess.sync(
             tokens,
             progress=self.progress,
@@ -454,7 +465,7 @@ class _Ladder:
             # the key rendering: a marker typed as text is no anchor
             cold_len = store.policy.cold_store_at(tokens, sess.key_renderer.piece)
             if cold_len is not None:
-                self.sync(tokens[:cold_len])
+                self.sync(tokens[:cold_len], "prefill", 0)
                 try:
                     self.rep.cold_saved = store.store_live_prefix(sess, "cold")
                 except OSError as e:

@@ -6,6 +6,7 @@
     ds4 run    -p TEXT [--max-tokens N] [--raw] [--json] [--json-schema F]  one-shot generation
     ds4 chat   [--system TEXT] [--kv-disk-dir DIR] ...                      interactive REPL
     ds4 kv     ls|show|verify|gc|rm|stats DIR [...] [--json]                inspect a checkpoint directory
+    ds4 kv     stats DIR --plot FILE.png|-                                  its pictures (a PNG, or terminal bars)
     ds4 kv     ls|stats|verify|gc|rm --remote URL, push|pull DIR --remote URL   the shared tier
     ds4 bench  [--tokens N] [--model PATH] [--json]                         headline figures on this machine
     ds4 demo   [--engine ...] [--model PATH]                                the end-to-end demo
@@ -117,6 +118,13 @@ def _kv_parser(sub: Any) -> None:
         help=f"the budget the shares are of (default {DEFAULT_BUDGET_MB:g}, ds4 serve's --kv-disk-space-mb)",
     )
     k.add_argument("--verify", action="store_true", help=verify_help)
+    k.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="draw bytes by reason and tenant, checkpoints by age and hits: a PNG (needs ds4[plot]), "
+        "or - for bars on the terminal",
+    )
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("push", help="upload a directory's checkpoints to the shared tier")
     k.add_argument("dir")
@@ -242,6 +250,8 @@ def _remote_command(args: argparse.Namespace) -> Callable[[argparse.Namespace], 
     if getattr(args, "tenant_share", None) is not None or getattr(args, "budget_mb", None) is not None:
         if args.kvcmd == "stats":
             return _usage("ds4 kv stats --remote: --tenant-share and --budget-mb are a directory's")
+    if args.kvcmd == "stats" and getattr(args, "plot", None) is not None:
+        return _usage("ds4 kv stats --remote: --plot draws a directory's checkpoints")
     if args.kvcmd == "gc" and getattr(args, "tenant_share", None) is not None:
         return _usage("ds4 kv gc --remote: --tenant-share is a directory's (the tier's TTL evicts)")
     if args.kvcmd in ("rm", "verify"):

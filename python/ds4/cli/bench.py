@@ -23,6 +23,7 @@ from ..keytext import tokenize_prompt
 from ..kvstore import KVStore
 from ..recovery import recover
 from ..session import Session
+from .progress import ProgressBar
 from .term import EXIT_OK, EXIT_USAGE, human_bytes
 
 __all__ = ["cmd_bench"]
@@ -88,10 +89,13 @@ def _session_rows(args: argparse.Namespace, eng: Engine) -> list[Row]:
         Session(eng, ctx=ctx).sync(toks[:512])  # warm-up: first-call allocations and tables
         # cold: full prefill then the first token
         s = Session(eng, ctx=ctx)
+        bar = ProgressBar("cold prefill")  # on stderr, a terminal's only: the figures are stdout's
         t0 = time.perf_counter()
-        s.sync(toks)
+        s.sync(toks, progress=bar)
         s.argmax()
-        rows.append((f"TTFT cold ({n} tokens, full prefill)", (time.perf_counter() - t0) * 1000, "ms"))
+        cold = time.perf_counter() - t0
+        bar.close()  # after the clock: erasing the bar is not the prefill's time
+        rows.append((f"TTFT cold ({n} tokens, full prefill)", cold * 1000, "ms"))
         t0 = time.perf_counter()
         path = store.store_live_prefix(s, "cold")
         save = time.perf_counter() - t0
@@ -103,17 +107,21 @@ def _session_rows(args: argparse.Namespace, eng: Engine) -> list[Row]:
         rows.append(("checkpoint verify + load", (time.perf_counter() - t0) * 1000, "ms"))
         # resumed: a new process would start with an empty session
         s3 = Session(eng, ctx=ctx)
+        bar = ProgressBar("resumed")
         t0 = time.perf_counter()
-        rep = recover(s3, store, follow)
+        rep = recover(s3, store, follow, progress=bar)
         s3.argmax()
         resumed = time.perf_counter() - t0
+        bar.close()
         label = f"TTFT resumed from disk (+{rep.prompt_tokens - rep.reused_tokens} new tokens, rung={rep.rung})"
         rows.append((label, resumed * 1000, "ms"))
         s4 = Session(eng, ctx=ctx)
+        bar = ProgressBar("cold follow-up")
         t0 = time.perf_counter()
-        s4.sync(tokenize_prompt(eng, follow))
+        s4.sync(tokenize_prompt(eng, follow), progress=bar)
         s4.argmax()
         cold2 = time.perf_counter() - t0
+        bar.close()
         rows.append(("TTFT same follow-up, cold", cold2 * 1000, "ms"))
         rows.append(("speed-up resumed vs cold", cold2 / max(resumed, 1e-9), "x"))
         del ck

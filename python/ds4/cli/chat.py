@@ -25,7 +25,8 @@ from ..loading import load_named
 from ..recovery import RecoveryReport, recover
 from ..session import Session
 from ..turn import Generator, GenParams
-from .term import EXIT_OK, EXIT_USAGE, ProgressBar, age, printable, table
+from .progress import ProgressBar
+from .term import EXIT_OK, EXIT_USAGE, age, printable, table
 
 __all__ = ["CHAT_INDEX", "ChatREPL", "cmd_chat", "write_session"]
 

@@ -23,6 +23,7 @@ from ..kvstore import (
     temp_is_orphaned,
     tenant_usage,
 )
+from . import plot
 from .kvinfo import READABLE, UNVERIFIED, Info, inspect_file, print_fields, public, resolve
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, printable, report_removed, table
 
@@ -393,6 +394,9 @@ def kv_stats(args: argparse.Namespace) -> int:
     d = args.dir
     if _not_a_dir(d):
         return EXIT_USAGE
+    refused = plot.refuse(args)  # before anything is printed
+    if refused is not None:
+        return refused
     cks, tmps, other = scan_dir(d)
     infos = [inspect_file(p, full=args.verify) for p in cks + other]
     ok = [i for i in infos if i["status"] in READABLE]  # the facts below are the headers'
@@ -419,9 +423,9 @@ def kv_stats(args: argparse.Namespace) -> int:
         _shares(st, d, args)
     if args.json:
         print(json.dumps(st, indent=1))
-        return EXIT_OK
-    _print_stats(st)
-    return EXIT_OK
+    else:
+        _print_stats(st)
+    return plot.draw(args.plot, st, ok) if args.plot is not None else EXIT_OK
 
 
 def _shares(st: Info, d: str, args: argparse.Namespace) -> None:

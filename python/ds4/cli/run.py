@@ -10,7 +10,8 @@ from ..config import build_engine, check_kv_args, make_store
 from ..constrain import Constraint
 from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError
 from ..turn import Generator, GenParams, GenResult
-from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, ProgressBar, printable
+from .progress import ProgressBar
+from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, printable
 
 __all__ = ["cmd_run"]
 
@@ -55,7 +56,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     try:
-        res = gen.generate(prompt, params, on_text=on_text, progress=bar)
+        # the bar is erased before the answer starts: its line is the answer's on a terminal
+        res = gen.generate(prompt, params, on_start=lambda _rep: bar.close(), on_text=on_text, progress=bar)
     except (ContextOverflowError, EmptyPromptError) as e:
         bar.close()
         print(f"ds4 run: {e}", file=sys.stderr)
