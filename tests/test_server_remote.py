@@ -2,7 +2,9 @@
 (a single node, then a three-master cluster): turn one on A, turn two on B,
 served from the shared tier with the reply of a cold server. Redis killed
 in the middle of a conversation, then restarted: no 5xx, served locally
-meanwhile, the tier used again afterwards."""
+meanwhile, the tier used again afterwards (those two replicas are built in
+this process from the same flags, so that the test moves their breakers'
+clock on instead of waiting out the cool-down)."""
 
 from __future__ import annotations
 
@@ -91,13 +93,16 @@ class _InProcess:
     the cool-down out on the wall clock."""
 
     def __init__(self, tmp, name, url, later, *extra):
+        from starlette.testclient import TestClient
+
         from ds4.cli import build_parser
         from ds4.server.guard import Guard
         from ds4.server.serve import build_app
-        from starlette.testclient import TestClient
 
         flags = ["serve", "--engine", "reference", "--ctx", str(CTX), "--default-max-tokens", "16"]
-        args = build_parser().parse_args([*flags, "--kv-disk-dir", str(tmp / f"kv-{name}"), "--kv-remote", url, *KV_FLAGS, *extra])
+        args = build_parser().parse_args(
+            [*flags, "--kv-disk-dir", str(tmp / f"kv-{name}"), "--kv-remote", url, *KV_FLAGS, *extra]
+        )
         app = build_app(args, Guard())
         self.service = app.state.service
         self.service.gen.store.remote.breaker.clock = lambda: time.monotonic() + later[0]
