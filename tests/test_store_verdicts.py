@@ -10,13 +10,16 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from kv_helpers import prefilled
 
+import ds4
 from ds4.errors import BadMagicError, IncompatibleCheckpointError, NotRegularFileError
 from ds4.kvstore import KVStore, loads
 from ds4.kvstore.rejection import Refusal, Rejection
+from ds4.loading import try_load_text
 
 TEXT = "one two three four five six seven eight nine ten"
 
@@ -96,3 +99,42 @@ def test_a_failed_import_is_kept_and_invalidates(stored):
     want = Rejection(e.path, "engine", "import_failed", "RuntimeError: device lost")
     assert r == Refusal(want, f"checkpoint {e.name} failed to load")
     assert os.path.exists(e.path) and st.counters["rejected"] == before + 1
+
+
+def test_each_corrupt_file_removed_is_counted_once(eng, stored):
+    st, e = stored
+    st.store_live_prefix(prefilled(eng, "a second conversation about harbours and tides"))
+    (e2,) = st.lookup("a second conversation about harbours and tides, go on")
+    before = st.counters["removed_corrupt"]
+    judged = loads.version_of(e)
+    assert st.discard(e.path, BadMagicError(path=e.path), "test", judged) == e.path  # removed: its own path
+    assert st.discard(e2.path, BadMagicError(path=e2.path), "test", loads.version_of(e2)) == e2.path
+    assert st.counters["removed_corrupt"] == before + 2
+    assert st.discard(e.path, BadMagicError(path=e.path), "test", judged) is None  # gone: not counted
+    assert st.counters["removed_corrupt"] == before + 2
+
+
+# -- the ladder's one-rung load asks the store with the session's limits --------
+def test_try_load_text_skips_what_the_session_cannot_hold_at_lookup(eng, stored):
+    st, e = stored
+    report = SimpleNamespace(rejected=[])
+    small = ds4.Session(eng, ctx=e.tokens - 1)  # one token short of the checkpoint
+    assert try_load_text(st, small, TEXT + " eleven", report) is None
+    assert report.rejected == []  # not a candidate, so not a rejection
+    assert os.path.exists(e.path) and not small.checkpoint_valid
+
+
+def test_try_load_text_in_a_namespace_is_not_told_of_other_files_rejected_at_indexing(eng, tmp_path):
+    def store_with_garbage(d):
+        st = KVStore(d, min_tokens=8)
+        (d / ("0" * 40 + ".kv")).write_bytes(b"not a checkpoint at all" * 8)  # rejected when indexed
+        return st
+
+    tenant = ds4.Session(eng, ctx=4096)
+    tenant.set_namespace("key-aaaa")
+    report = SimpleNamespace(rejected=[])
+    assert try_load_text(store_with_garbage(tmp_path / "ns"), tenant, TEXT, report) is None
+    assert report.rejected == []  # possibly another namespace's file: logged, not reported
+    report = SimpleNamespace(rejected=[])
+    assert try_load_text(store_with_garbage(tmp_path / "default"), ds4.Session(eng, ctx=4096), TEXT, report) is None
+    assert [r.code for r in report.rejected] == ["bad_magic"]  # the default namespace is told
