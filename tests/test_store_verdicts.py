@@ -138,3 +138,12 @@ def test_try_load_text_in_a_namespace_is_not_told_of_other_files_rejected_at_ind
     report = SimpleNamespace(rejected=[])
     assert try_load_text(store_with_garbage(tmp_path / "default"), ds4.Session(eng, ctx=4096), TEXT, report) is None
     assert [r.code for r in report.rejected] == ["bad_magic"]  # the default namespace is told
+
+
+def test_a_load_that_finds_nothing_is_one_miss_and_a_hit_is_none(eng, stored):
+    st, _ = stored
+    misses, hits = st.counters["misses"], st.counters["hits"]
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), "nothing stored starts like this") is None
+    assert st.counters["misses"] == misses + 1
+    assert try_load_text(st, ds4.Session(eng, ctx=4096), TEXT + " eleven") is not None
+    assert (st.counters["misses"], st.counters["hits"]) == (misses + 1, hits + 1)
