@@ -90,6 +90,8 @@ def log_only(work: str, key: str, cache: dict) -> bool:
     module, _, fname = key.partition(".x")
     fname = "x" + fname
     path = os.path.join(work, "mutants", "src", *module.split(".")) + ".py"
+    if not os.path.exists(path):  # a package's own module: its __init__.py
+        path = os.path.join(path[: -len(".py")], "__init__.py")
     if path not in cache:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())

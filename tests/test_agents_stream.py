@@ -74,7 +74,9 @@ def test_a_failure_after_the_headers_is_an_error_event_in_the_protocol_format(sr
         target=lambda: httpx.post(srv.base + path, json=build(_long_messages(f"bus{proto[0]}", 1000)), timeout=300)
     )
     busy.start()
+    deadline = time.monotonic() + 60
     while not srv.health()["busy"]:
+        assert time.monotonic() < deadline, "the long job never started"
         time.sleep(0.01)
     too_long = [{"role": "user", "content": "x" * (CTX + 100)}]  # overflows the context once tokenized
     try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 
 import httpx
 import openai
@@ -330,11 +329,38 @@ def test_records_of_the_first_format_belong_to_the_anonymous_tenant(open_srv, tm
 
 
 # -- the lock the records are kept under -------------------------------------------
+class _WatchedLock:
+    """A thread lock that sets ``moved`` when a thread finds it held by
+    another and starts waiting for it: the proof that the other thread
+    reached ``held()`` while the lock was held."""
+
+    def __init__(self, inner, moved):
+        self.inner, self.moved = inner, moved
+
+    def acquire(self, blocking=True, timeout=-1):
+        if self.inner.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self.moved.set()
+        return self.inner.acquire(True, timeout)
+
+    def release(self):
+        self.inner.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 def test_the_store_lock_excludes_other_threads(tmp_path):
     """The worker stores (holding the directory's lock) while a request
     thread deletes a record: the lock is re-entrant within one thread only."""
     lock = DirLock(str(tmp_path))
-    held, release, done = threading.Event(), threading.Event(), threading.Event()
+    held, release, moved = threading.Event(), threading.Event(), threading.Event()
+    lock._thread_lock = _WatchedLock(lock._thread_lock, moved)
     seen = {}
 
     def holder():
@@ -348,18 +374,18 @@ def test_the_store_lock_excludes_other_threads(tmp_path):
             seen["try_held"] = got
         with lock.held():
             seen["entered_after_release"] = seen.get("released", False)
-        done.set()
+        moved.set()  # also when held() let it in without waiting (the test then fails)
 
     t = threading.Thread(target=holder)
     t.start()
     held.wait(30)
     u = threading.Thread(target=other)
     u.start()
-    time.sleep(0.2)  # let the other thread reach held() while the lock is held
+    assert moved.wait(30)  # the other thread waits in held() (or got in: see below)
     release.set()
     t.join(30)
     u.join(30)
-    assert done.is_set() and seen == {"released": True, "try_held": False, "entered_after_release": True}
+    assert seen == {"released": True, "try_held": False, "entered_after_release": True}
 
 
 def test_record_store_delete_and_check(tmp_path):

@@ -2,7 +2,9 @@
 (a single node, then a three-master cluster): turn one on A, turn two on B,
 served from the shared tier with the reply of a cold server. Redis killed
 in the middle of a conversation, then restarted: no 5xx, served locally
-meanwhile, the tier used again afterwards."""
+meanwhile, the tier used again afterwards (those two replicas are built in
+this process from the same flags, so that the test moves their breakers'
+clock on instead of waiting out the cool-down)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_servers import RedisClusterNodes, RedisNode
-from test_server import KV_FLAGS, Server, _cached, _conv, _extra, cold_chat
+from test_server import CTX, KV_FLAGS, Server, _cached, _conv, _extra, cold_chat
 
 
 @pytest.fixture(scope="module")
@@ -106,39 +108,78 @@ def test_turn_two_on_another_replica_is_served_from_a_cluster(tmp_path, cold):
         cluster.stop()
 
 
+class _InProcess:
+    """A replica built in this process by ``ds4 serve``'s own
+    :func:`ds4.server.serve.build_app` from the same flags as
+    :func:`_replica`, served through Starlette's test client, so that the
+    test moves its tier's breaker clock on (``later``) instead of waiting
+    the cool-down out on the wall clock."""
+
+    def __init__(self, tmp, name, url, later, *extra):
+        from starlette.testclient import TestClient
+
+        from ds4.cli import build_parser
+        from ds4.server.guard import Guard
+        from ds4.server.serve import build_app
+
+        flags = ["serve", "--engine", "reference", "--ctx", str(CTX), "--default-max-tokens", "16"]
+        args = build_parser().parse_args(
+            [*flags, "--kv-disk-dir", str(tmp / f"kv-{name}"), "--kv-remote", url, *KV_FLAGS, *extra]
+        )
+        app = build_app(args, Guard())
+        self.service = app.state.service
+        self.service.gen.store.remote.breaker.clock = lambda: time.monotonic() + later[0]
+        self.http = TestClient(app, base_url="http://127.0.0.1").__enter__()
+
+    def chat(self, msgs, max_tokens):
+        r = self.http.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": max_tokens})
+        assert r.status_code == 200, r.text  # every request answered: a 5xx fails here
+        return r.json()
+
+    def remote_state(self):
+        return self.http.get("/health").json()["kv"]["remote"]["state"]
+
+    def stop(self):
+        self.http.__exit__(None, None, None)
+
+
 def test_redis_killed_mid_conversation_then_restarted(tmp_path, cold):
     node = RedisNode(str(tmp_path)).start()
-    a = _replica(tmp_path, "a", node.url, "--kv-remote-cooldown", "1")
-    b = _replica(tmp_path, "b", node.url, "--kv-remote-cooldown", "1")
+    later = [0.0]  # the replicas' breaker clocks, moved on by the test
+    a = _InProcess(tmp_path, "a", node.url, later, "--kv-remote-cooldown", "30")
+    b = _InProcess(tmp_path, "b", node.url, later, "--kv-remote-cooldown", "30")
     try:
-        model = a.model()
         msgs = _conv("volcanoes", 24)
-        r1 = a.client().chat.completions.create(model=model, messages=msgs, max_tokens=2)
+        r1 = a.chat(msgs, 2)
         node.stop()  # killed
         msgs = [
             *msgs,
-            {"role": "assistant", "content": r1.choices[0].message.content},
+            {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Go on."},
         ]
-        for srv in (a, b, b, b):  # every request answered (the client never retries: a 5xx would raise)
-            r = srv.client().chat.completions.create(model=model, messages=msgs, max_tokens=4)
-            assert r.choices[0].message.content == cold_chat(cold, msgs, max_tokens=4).choices[0].message.content
-        assert _extra(r)["rung"] != "remote"  # served locally
-        assert b.health()["kv"]["remote"]["state"] in ("cooldown", "degraded")
+        want = cold_chat(cold, msgs, max_tokens=4).choices[0].message.content
+        for srv in (a, b, b, b):
+            r = srv.chat(msgs, 4)
+            assert r["choices"][0]["message"]["content"] == want
+        assert r["ds4"]["rung"] != "remote"  # served locally
+        # the clock stands still: b's failures opened its breaker, and the
+        # cool-down cannot end while a slow machine runs the requests
+        assert b.remote_state() == "cooldown"
         node = RedisNode(str(tmp_path), port=node.port).start()  # back, empty
-        time.sleep(1.2)
+        assert b.remote_state() == "cooldown"  # not tried again before the cool-down ends
+        later[0] += 31.0  # the cool-down is over
         with node.client() as c:
             msgs2 = _conv("deserts", 24)
-            r = a.client().chat.completions.create(model=model, messages=msgs2, max_tokens=2)
+            r = a.chat(msgs2, 2)
             _wait_uploaded([c])
         msgs2 = [
             *msgs2,
-            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "assistant", "content": r["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Then?"},
         ]
-        r = b.client().chat.completions.create(model=model, messages=msgs2, max_tokens=4)
-        assert _extra(r)["rung"] == "remote"
-        assert b.health()["kv"]["remote"]["state"] == "up"
+        r = b.chat(msgs2, 4)
+        assert r["ds4"]["rung"] == "remote"
+        assert b.remote_state() == "up"
     finally:
         a.stop()
         b.stop()

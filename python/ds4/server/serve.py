@@ -10,19 +10,47 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from ..config import build_engine, check_kv_args, engine_model_id, make_store
 from ..turn import Generator
 from .app import create_app
 from .body import BodyLimits
-from .guard import guard_from_args
+from .guard import Guard, guard_from_args
 from .pool import Pool
 from .volatile import SystemText
 from .worker import Service
 
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
 log = logging.getLogger("ds4.server")
 
-__all__ = ["serve_main"]
+__all__ = ["build_app", "serve_main"]
+
+
+def build_app(args: argparse.Namespace, guard: Guard) -> Starlette:
+    """The app ``ds4 serve`` serves for ``args`` (already checked): the
+    engine, the store, the generator, the pool and the worker
+    (``app.state.service``). Tests build a replica in process with it."""
+    engine = build_engine(args.engine, args.model, args.threads)
+    if args.ctx > engine.max_ctx:
+        log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
+    gen = Generator(engine, args.ctx, make_store(args))
+    pool = Pool(gen, args.sessions)
+    service = Service(gen, engine_model_id(engine), max_queue=args.max_queue, pool=pool)
+    limits = BodyLimits(max_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.body_timeout)
+    return create_app(
+        service,
+        default_max_tokens=args.default_max_tokens,
+        model_aliases=args.model_alias,
+        guard=guard,
+        limits=limits,
+        debug=args.debug,
+        sse_keepalive_s=args.sse_keepalive,
+        volatile=SystemText(args.keep_billing_header, args.prompt_volatile, args.prompt_volatile_mode),
+        metrics=not args.no_metrics and _metrics_available(),
+    )
 
 
 def _metrics_available() -> bool:
@@ -64,24 +92,9 @@ def serve_main(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
-    engine = build_engine(args.engine, args.model, args.threads)
-    if args.ctx > engine.max_ctx:
-        log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
-    gen = Generator(engine, args.ctx, make_store(args))
-    pool = Pool(gen, args.sessions)
-    service = Service(gen, engine_model_id(engine), max_queue=args.max_queue, pool=pool)
-    limits = BodyLimits(max_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.body_timeout)
-    app = create_app(
-        service,
-        default_max_tokens=args.default_max_tokens,
-        model_aliases=args.model_alias,
-        guard=guard,
-        limits=limits,
-        debug=args.debug,
-        sse_keepalive_s=args.sse_keepalive,
-        volatile=SystemText(args.keep_billing_header, args.prompt_volatile, args.prompt_volatile_mode),
-        metrics=not args.no_metrics and _metrics_available(),
-    )
+    app = build_app(args, guard)
+    service: Service = app.state.service
+    gen, pool, engine = service.gen, service.pool, service.gen.engine
     config = uvicorn.Config(
         app,
         host=args.host,
