@@ -151,14 +151,14 @@ def drive(base: str, system: str, n_agents: int, args: argparse.Namespace) -> di
     turns = [t for r in results for t in r]
     ttfts = sorted(t["ttft_s"] for t in turns)
     completion = sum(t["usage"].get("completion_tokens", 0) for t in turns)
-    cached = [((t["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")) for t in turns]
+    cached = [(t["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for t in turns]
     return {
         "wall_s": wall,
         "tokens_per_s": completion / wall,
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
         "prompt_tokens": sum(t["usage"].get("prompt_tokens", 0) for t in turns),
-        "prefilled": None if None in cached else sum(t["usage"]["prompt_tokens"] for t in turns) - sum(cached),
+        "prefilled": sum(t["usage"]["prompt_tokens"] for t in turns) - sum(cached),
         "replies": [[t["text"] for t in r] for r in results],
     }
 
