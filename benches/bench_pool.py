@@ -158,7 +158,7 @@ def drive(base: str, system: str, n_agents: int, args: argparse.Namespace) -> di
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
         "prompt_tokens": sum(t["usage"].get("prompt_tokens", 0) for t in turns),
-        "prefilled": sum(t["usage"]["prompt_tokens"] for t in turns) - sum(cached),
+        "prefilled": sum(t["usage"].get("prompt_tokens", 0) for t in turns) - sum(cached),
         "replies": [[t["text"] for t in r] for r in results],
     }
 
