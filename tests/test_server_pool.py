@@ -250,3 +250,32 @@ def test_sessions_below_one_is_refused_at_start():
         timeout=60,
     )
     assert p.returncode == 2 and "--sessions must be >= 1" in p.stderr, (p.returncode, p.stderr)
+
+
+def test_sessions_auto_takes_as_many_contexts_as_the_budget_holds(tmp_path):
+    from test_server import CTX
+
+    from ds4.engines.reference import ReferenceEngine
+    from ds4.server.sizing import context_bytes, sessions_for
+
+    per = context_bytes(ReferenceEngine(), CTX)
+    assert context_bytes(ReferenceEngine(), 2 * CTX) > per > 0  # measured, and it grows with the context
+    assert sessions_for(10 * per, per) == 8 and sessions_for(per // 2, per) == 1 and sessions_for(3 * per, per) == 3
+    budget_mb = 3.5 * per / 2**20  # three contexts fit, not four
+    srv = Server(str(tmp_path), "auto", "--sessions", "auto", "--sessions-mem-mb", f"{budget_mb:.4f}").start()
+    try:
+        assert len(srv.health()["sessions"]) == 3
+        assert "--sessions auto: 3 (" in srv.text_log()
+    finally:
+        srv.stop()
+
+
+def test_sessions_that_do_not_fit_the_budget_are_refused_at_start():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ds4", "serve", "--engine", "reference", "--sessions", "4", "--sessions-mem-mb", "1"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--sessions 4 needs about" in p.stderr, (p.returncode, p.stderr)
+    bad = subprocess.run([*cmd[:6], "--sessions", "many"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "expected a number or auto" in bad.stderr, bad.stderr

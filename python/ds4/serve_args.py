@@ -45,12 +45,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sessions",
-        type=int,
+        type=_sessions,
         default=1,
-        metavar="N",
+        metavar="N|auto",
         help="resident live sessions, each its own engine context of --ctx tokens: a request goes to the one "
         "holding its prefix, and up to N requests run at once, taking turns token by token "
-        "(docs/DESIGN.md, 'Session pool'); default 1",
+        "(docs/DESIGN.md, 'Session pool'); auto: as many as fit in --sessions-mem-mb (at most 8); default 1",
+    )
+    p.add_argument(
+        "--sessions-mem-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="memory for the resident sessions' contexts (each measured at start): --sessions auto fills it, "
+        "an explicit N must fit (default for auto: a quarter of the available memory)",
     )
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
     p.add_argument(
@@ -156,3 +164,16 @@ def add_guard_args(p: argparse.ArgumentParser) -> None:
         metavar="ORIGIN",
         help="an origin browsers may call from ('*': any)",
     )
+
+
+def _sessions(v: str) -> int | str:
+    """``--sessions``: a count of at least 1, or ``auto``."""
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {v!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("--sessions must be >= 1")
+    return n

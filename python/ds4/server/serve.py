@@ -18,6 +18,7 @@ from .app import create_app
 from .body import BodyLimits
 from .guard import Guard, guard_from_args
 from .pool import Pool
+from .sizing import SessionsDontFit, resolve_sessions
 from .volatile import SystemText
 from .worker import Service
 
@@ -36,8 +37,11 @@ def build_app(args: argparse.Namespace, guard: Guard) -> Starlette:
     engine = build_engine(args.engine, args.model, args.threads)
     if args.ctx > engine.max_ctx:
         log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
+    sessions, why = resolve_sessions(args.sessions, args.sessions_mem_mb, engine, min(args.ctx, engine.max_ctx))
+    if why:
+        log.info("%s", why)
     gen = Generator(engine, args.ctx, make_store(args))
-    pool = Pool(gen, args.sessions)
+    pool = Pool(gen, sessions)
     service = Service(gen, engine_model_id(engine), max_queue=args.max_queue, pool=pool)
     limits = BodyLimits(max_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.body_timeout)
     return create_app(
@@ -84,15 +88,19 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.ctx < 16:
         log.error("--ctx must be >= 16")
         return 2
-    if args.sessions < 1:
-        log.error("--sessions must be >= 1")
+    if args.sessions_mem_mb is not None and not args.sessions_mem_mb > 0:
+        log.error("--sessions-mem-mb must be > 0")
         return 2
     try:
         guard = guard_from_args(args)
     except ValueError as e:
         log.error("%s", e)
         return 2
-    app = build_app(args, guard)
+    try:
+        app = build_app(args, guard)
+    except SessionsDontFit as e:
+        log.error("%s", e)
+        return 2
     service: Service = app.state.service
     gen, pool, engine = service.gen, service.pool, service.gen.engine
     config = uvicorn.Config(
