@@ -279,3 +279,12 @@ def test_sessions_that_do_not_fit_the_budget_are_refused_at_start():
     assert p.returncode == 2 and "--sessions 4 needs about" in p.stderr, (p.returncode, p.stderr)
     bad = subprocess.run([*cmd[:6], "--sessions", "many"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "expected a number or auto" in bad.stderr, bad.stderr
+
+
+def test_a_keepalive_that_is_not_positive_is_refused_at_start():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ds4", "serve", "--engine", "reference", "--sse-keepalive", "0"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--sse-keepalive must be > 0" in p.stderr, (p.returncode, p.stderr)

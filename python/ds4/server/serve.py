@@ -88,6 +88,9 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.ctx < 16:
         log.error("--ctx must be >= 16")
         return 2
+    if not args.sse_keepalive > 0:
+        log.error("--sse-keepalive must be > 0 (seconds)")
+        return 2
     if args.sessions_mem_mb is not None and not args.sessions_mem_mb > 0:
         log.error("--sessions-mem-mb must be > 0")
         return 2
