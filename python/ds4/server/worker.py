@@ -350,15 +350,15 @@ class Service:
                 log.exception("job %d: the agent turn's done hook failed", job.id)
         job.post("done", res)
 
-    def _behind_sibling(self, job: Job, resident: Resident, prompt: str) -> None:
+    def _behind_sibling(self, job: Job, resident: Resident, pb: bytes) -> None:
         """A job about to prefill a prompt that another lane is prefilling
         the start of (a shared system prompt: agents starting together)
         waits, without the baton, until that prefill is done: it stored
         its cold checkpoint there, which this job's ladder then loads,
-        instead of both prefilling the same tokens side by side."""
+        instead of both prefilling the same tokens side by side (``pb``:
+        the prompt's bytes)."""
         if resident.pick not in ("free", "lru", "hint") or resident.gen.store is None:
             return
-        pb = prompt.encode("utf-8", "surrogatepass")
         best, ev = 0, None
         for ns, other, done in self._prefills.values():
             n = _core.common_prefix_len(other, pb) if ns == job.namespace else 0
@@ -375,10 +375,11 @@ class Service:
             self.baton.acquire()
 
     def _generate(self, job: Job, resident: Resident, prompt: str) -> GenResult:
-        if self.pool.size > 1:
-            self._behind_sibling(job, resident, prompt)
         prefilled = threading.Event()
-        self._prefills[job.id] = (job.namespace, prompt.encode("utf-8", "surrogatepass"), prefilled)
+        if self.pool.size > 1:  # one lane has no sibling to wait for, nor to be waited for
+            pb = prompt.encode("utf-8", "surrogatepass")
+            self._behind_sibling(job, resident, pb)
+            self._prefills[job.id] = (job.namespace, pb, prefilled)
 
         def on_start(rep: RecoveryReport) -> None:
             prefilled.set()
@@ -396,7 +397,7 @@ class Service:
             )
         finally:
             prefilled.set()
-            del self._prefills[job.id]
+            self._prefills.pop(job.id, None)
         rung = res.report.rung
         self.levels = {**self.levels, rung: self.levels.get(rung, 0) + 1}
         resident.last_rung = rung
