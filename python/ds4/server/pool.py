@@ -223,20 +223,6 @@ def _bind(work: Work, r: Resident) -> None:
         work.gen, work.live = r.gen, r.live
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def _longest_live(mine: list[Resident], prompt: str) -> tuple[Resident | None, Resident | None]:
     """The resident whose whole live state ``prompt`` starts with (by
     tokens, or by key text as the live rung compares), the longest; and,
@@ -257,7 +243,7 @@ def _longest_live(mine: list[Resident], prompt: str) -> tuple[Resident | None, R
         if whole and len(live) > best_n:
             best, best_n = r, len(live)
         elif not whole:
-            shared.append((_common(live, tokens), r))
+            shared.append((sess.common_prefix(tokens), r))
     if best is not None:
         log.info("pool: live prefix of session %d (%d tokens)", best.index, best_n)
         return best, None
