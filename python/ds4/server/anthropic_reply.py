@@ -28,7 +28,7 @@ import uuid
 from ..turn import GenResult
 from .conversation import Outcome, new_call_id
 from .tool_stream import StreamEvent
-from .wire import JSON, ApiError, ApiRequest, Wire, ds4_info, exception_to_api, sse
+from .wire import JSON, ApiError, ApiRequest, ReasoningEvents, Wire, ds4_info, exception_to_api, sse
 
 __all__ = ["AnthropicWire", "MessagesReply", "error_body"]
 
@@ -80,7 +80,7 @@ def stop_reason(oc: Outcome, res: GenResult) -> tuple[str, str | None]:
     return ("max_tokens", None) if oc.finish_reason == "length" else ("end_turn", None)
 
 
-class MessagesReply:
+class MessagesReply(ReasoningEvents):
     """The bodies of one ``/v1/messages`` answer. A stream with tools goes
     through the convention's splitter (:class:`ds4.server.tool_stream.StreamSplitter`):
     text in a text block, then each call as it is generated, a ``tool_use``
@@ -211,15 +211,6 @@ class MessagesReply:
             _sse("content_block_stop", {"type": "content_block_stop", "index": self.index - 1}),
         ]
 
-    def _split(self, text: str) -> tuple[list[bytes], str]:
-        """A text delta through the reasoning splitter: the thinking events
-        and the content left."""
-        if self.req.agent is None:
-            return [], text
-        reasoning, content = self.req.agent.stream_reasoning(text)
-        out = self._think(reasoning)
-        return (out + self._end_think() if content else out), content
-
     def chunk(self, text: str) -> bytes:
         pre, text = self._split(text)
         if self.splitter is not None:
@@ -229,10 +220,9 @@ class MessagesReply:
     def closing(self, res: GenResult) -> list[bytes]:
         oc = self._outcome(res)
         out: list[bytes] = []
-        held = self.req.agent.end_stream_reasoning() if self.req.agent is not None else None
-        if held is not None:
-            reasoning, content = held
-            out += self._think(reasoning) + self._end_think()
+        pre, content = self._held()
+        out += pre
+        if content is not None:
             if content and self.splitter is not None:
                 out += self._events(self.splitter.feed(content))
             else:

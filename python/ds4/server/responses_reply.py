@@ -34,16 +34,17 @@ from .response_store import (
     usage_of,
 )
 from .responses import ResponsesRequest
-from .wire import JSON, ApiRequest, Wire, ds4_info, exception_to_api, sse
+from .wire import JSON, ApiRequest, ReasoningEvents, Wire, ds4_info, exception_to_api, sse
 
 __all__ = ["ResponsesReply", "ResponsesWire"]
 
 
-class ResponsesReply:
+class ResponsesReply(ReasoningEvents):
     """The bodies of one ``/v1/responses`` answer (events carry ``event:``
     lines and a ``sequence_number``)."""
 
     terminator = b""
+    req: ResponsesRequest
 
     def __init__(self, req: ResponsesRequest, model: str, debug: bool):
         self.req, self.model, self.debug = req, model, debug
@@ -138,15 +139,6 @@ class ResponsesReply:
             self._ev("response.output_item.done", output_index=0, item=reasoning_item(rid, text)),
         ]
 
-    def _split(self, text: str) -> tuple[list[bytes], str]:
-        """A text delta through the reasoning splitter: the reasoning events
-        and the content left."""
-        if self.req.agent is None:
-            return [], text
-        reasoning, content = self.req.agent.stream_reasoning(text)
-        out = self._think(reasoning)
-        return (out + self._end_think() if content else out), content
-
     def chunk(self, text: str) -> bytes:
         pre, text = self._split(text)
         if self.splitter is not None:
@@ -156,10 +148,9 @@ class ResponsesReply:
     def closing(self, res: GenResult) -> list[bytes]:
         status, output, oc = self._final(res)
         out: list[bytes] = []
-        held = self.req.agent.end_stream_reasoning() if self.req.agent is not None else None
-        if held is not None:
-            reasoning, content = held
-            out += self._think(reasoning) + self._end_think()
+        pre, content = self._held()
+        out += pre
+        if content is not None:
             if content and self.splitter is not None:
                 content = self.splitter.push(content)
             out += self._delta(content)

@@ -28,6 +28,7 @@ __all__ = [
     "ApiError",
     "ApiRequest",
     "MakeAgent",
+    "ReasoningEvents",
     "Wire",
     "bad",
     "cache_salt_of",
@@ -307,3 +308,37 @@ def sse(obj: JSON, ensure_ascii: bool = True, event: str | None = None) -> bytes
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ReasoningEvents:
+    """A streamed reply's reasoning part, for a protocol that makes its own
+    events of it (:meth:`_think` for a piece, :meth:`_end_think` once it
+    ends): the request's agent turn splits each text delta at
+    ``</think>`` (:meth:`_split`), and the closing flushes what the
+    splitter still held (:meth:`_held`)."""
+
+    req: ApiRequest
+
+    def _think(self, text: str) -> list[bytes]:
+        raise NotImplementedError
+
+    def _end_think(self) -> list[bytes]:
+        raise NotImplementedError
+
+    def _split(self, text: str) -> tuple[list[bytes], str]:
+        """A text delta through the reasoning splitter: the reasoning
+        events and the content left."""
+        if self.req.agent is None:
+            return [], text
+        reasoning, content = self.req.agent.stream_reasoning(text)
+        out = self._think(reasoning)
+        return (out + self._end_think() if content else out), content
+
+    def _held(self) -> tuple[list[bytes], str | None]:
+        """At the end of the stream: the events of the reasoning the
+        splitter still held, and the content after it (None: nothing held)."""
+        held = self.req.agent.end_stream_reasoning() if self.req.agent is not None else None
+        if held is None:
+            return [], None
+        reasoning, content = held
+        return self._think(reasoning) + self._end_think(), content
