@@ -32,6 +32,7 @@ import sys
 import numpy as np
 
 from ds4.config import build_engine
+from ds4.engines.llamacpp_context import context_params, padded
 from ds4.keytext import tokenize_prompt
 
 PROMPTS = [
@@ -60,18 +61,9 @@ class Multi:
     def __init__(self, eng, k: int, n_ctx: int, unified: bool):
         lc = eng.lc
         self.lc, self.eng, self.k = lc, eng, k
-        p = lc.llama_context_default_params()
         cap = eng.batch_room
-        p.n_ctx = (n_ctx + cap) * k
-        p.n_batch = p.n_ubatch = cap
-        p.n_seq_max = k
-        p.n_threads = p.n_threads_batch = eng.n_threads
-        p.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED, as the engine's contexts
-        p.type_k = p.type_v = eng.type_k
-        p.swa_full = True
+        p = context_params(eng, (n_ctx + cap) * k, n_seq_max=k)  # the engine's own settings, K sequences
         p.kv_unified = unified
-        p.offload_kqv = False
-        p.no_perf = True
         self.ctx = lc.llama_init_from_model(eng.model, p)
         if not self.ctx:
             raise RuntimeError("no context")
@@ -105,7 +97,7 @@ class Multi:
 def padded_rows(rows: list[tuple[int, int, int, bool]], floor: int, mult: int) -> list[tuple[int, int, int, bool]]:
     """The engine's exact-mode pad: copies of the last row's token at its
     sequence's next positions, up to a batch size the kernels treat alike."""
-    m = max(floor, -(-len(rows) // mult) * mult)
+    m = max(floor, padded(len(rows), mult))
     tok, pos, seq, _ = rows[-1]
     return rows + [(tok, pos + 1 + j, seq, False) for j in range(m - len(rows))]
 

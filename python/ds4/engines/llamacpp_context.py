@@ -27,7 +27,7 @@ from ..errors import ContextOverflowError, EngineError, EngineStateError
 from .llamacpp_lib import Batch
 from .llamacpp_state import StateLayout, check_payload, full_layout, walk_state
 
-__all__ = ["Idle", "LlamaCppContext", "Owner", "padded"]
+__all__ = ["Idle", "LlamaCppContext", "Owner", "context_params", "padded"]
 
 _LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
 
@@ -35,6 +35,29 @@ _LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
 def padded(n: int, m: int) -> int:
     """``n`` rounded up to a multiple of ``m``."""
     return -(-n // m) * m
+
+
+def context_params(engine: Owner, n_ctx: int, n_seq_max: int = 1) -> Any:
+    """The ``llama_context_params`` of every context the engine makes (of
+    ``n_ctx`` cells; ``n_seq_max`` sequences: one, but for
+    ``benches/probe_batch_exact.py``, which must use the same settings)."""
+    lc = engine.lc
+    cap = engine.batch_room
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = n_ctx
+    cparams.n_batch = cap
+    cparams.n_ubatch = cap
+    cparams.n_seq_max = n_seq_max
+    cparams.n_threads = engine.n_threads
+    cparams.n_threads_batch = engine.n_threads
+    cparams.flash_attn_type = _LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cparams.type_k = engine.type_k
+    cparams.type_v = engine.type_v
+    cparams.swa_full = True  # SWA layers keep every position: rewind stays exact
+    cparams.embeddings = False
+    cparams.offload_kqv = False
+    cparams.no_perf = True
+    return cparams
 
 
 class Owner(Protocol):
@@ -116,21 +139,7 @@ class LlamaCppContext:
             self._ctx, self._mem, self._batch = reuse.ctx, reuse.mem, reuse.batch
             return
         cap = engine.batch_room
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = self.n_ctx + cap  # room for the pad tokens of an exact short batch
-        cparams.n_batch = cap
-        cparams.n_ubatch = cap
-        cparams.n_seq_max = 1
-        cparams.n_threads = engine.n_threads
-        cparams.n_threads_batch = engine.n_threads
-        cparams.flash_attn_type = _LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.type_k = engine.type_k
-        cparams.type_v = engine.type_v
-        cparams.swa_full = True  # SWA layers keep every position: rewind stays exact
-        cparams.embeddings = False
-        cparams.offload_kqv = False
-        cparams.no_perf = True
-        ctx = lc.llama_init_from_model(engine.model, cparams)
+        ctx = lc.llama_init_from_model(engine.model, context_params(engine, self.n_ctx + cap))
         if not ctx:
             raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self._ctx = ctx
