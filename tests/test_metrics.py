@@ -17,9 +17,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
+from test_invalidation import flip_payload_byte
 
 import ds4
-from ds4.checkpoint import open_checkpoint
 from ds4.server.app import create_app
 from ds4.server.guard import Guard
 from ds4.server.metrics import LATENCY_BUCKETS
@@ -44,16 +44,6 @@ def _usage(protocol: str, body: dict) -> tuple[int, int, int]:
     if protocol == "responses":
         return u["input_tokens"], u["input_tokens_details"]["cached_tokens"], u["output_tokens"]
     return u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"]
-
-
-def _flip_payload(path: str) -> None:
-    ck = open_checkpoint(path, load_payload=False)
-    with open(path, "r+b") as f:
-        off = ck.payload_offset + ck.payload_bytes // 2
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -108,7 +98,7 @@ def _sequence(c: TestClient, store: ds4.KVStore) -> list[tuple[str, str, dict]]:
     follow = [*_chat("zebrafinch"), first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
     post("chat", "/v1/chat/completions", {"model": "m", "messages": follow, "max_tokens": 3}, a, "alice")
     post("completions", "/v1/completions", {"model": "m", "prompt": "The quokka smiles at", "max_tokens": 5}, b, "bob")
-    _flip_payload(os.path.join(store.dir, cold))  # alice's cold checkpoint: rejected when next tried
+    flip_payload_byte(os.path.join(store.dir, cold))  # alice's cold checkpoint: rejected when next tried
     post("messages", "/v1/messages", {"model": "m", "max_tokens": 3, "messages": _chat("zebrafinch")}, a, "alice")
     post("responses", "/v1/responses", {"model": "m", "max_output_tokens": 2, "input": "An axolotl is"}, b, "bob")
     post("chat", "/v1/chat/completions", {"model": "m", "messages": _chat("zebrafinch"), "max_tokens": 2}, a, "alice")
