@@ -34,7 +34,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from ports import free_port
 
-RULE = "Rule {i}: read the file before you change it, run the tests after each change, keep each diff small."
+from ds4.cli.bench_pool import system_prompt, ttft_figures
 
 
 class Proc:
@@ -149,14 +148,12 @@ def drive(base: str, system: str, n_agents: int, args: argparse.Namespace) -> di
     if errors:
         raise errors[0]
     turns = [t for r in results for t in r]
-    ttfts = sorted(t["ttft_s"] for t in turns)
     completion = sum(t["usage"].get("completion_tokens", 0) for t in turns)
     cached = [(t["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for t in turns]
     return {
         "wall_s": wall,
         "tokens_per_s": completion / wall,
-        "ttft_p50_ms": 1000 * statistics.median(ttfts),
-        "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+        **ttft_figures([t["ttft_s"] for t in turns]),
         "prompt_tokens": sum(t["usage"].get("prompt_tokens", 0) for t in turns),
         "prefilled": sum(t["usage"].get("prompt_tokens", 0) for t in turns) - sum(cached),
         "replies": [[t["text"] for t in r] for r in results],
@@ -168,14 +165,12 @@ def llama_prefilled(log: str) -> int:
     return sum(int(n) for n in re.findall(r"prompt eval time\s*=\s*[\d.]+ ms /\s*(\d+) tokens", log))
 
 
-def system_prompt(n_tokens: int, model: str) -> str:
+def shared_system(n_tokens: int, model: str) -> str:
+    """``ds4 bench --concurrency``'s system prompt, counted in ``model``'s tokens."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=model, vocab_only=True, verbose=False)
-    rules: list[str] = []
-    while len(llm.tokenize(" ".join(rules).encode())) < n_tokens:
-        rules.append(RULE.format(i=len(rules)))
-    return " ".join(rules)
+    return system_prompt(lambda text: llm.tokenize(text.encode()), n_tokens)
 
 
 def run_one(kind: str, n_agents: int, system: str, args: argparse.Namespace, tmp: str) -> dict:
@@ -218,7 +213,7 @@ def main() -> int:
     ap.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
     args = ap.parse_args()
     args.model = args.model or default_model_path()
-    system = system_prompt(args.system_tokens, args.model)
+    system = shared_system(args.system_tokens, args.model)
     kinds = ["ds4 1 session", "ds4 pool"] + ([] if args.no_llama_cpp_python else ["llama-cpp-python"])
     rows = []
     with tempfile.TemporaryDirectory(prefix="ds4-bench-pool-") as tmp:

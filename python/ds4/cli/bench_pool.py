@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sized
 from typing import Any
 
 from ..engine import Engine
@@ -40,7 +41,7 @@ from ..turn import Generator, GenParams, GenResult
 from .bench import bench_engine
 from .term import EXIT_OK
 
-__all__ = ["cmd_bench_concurrency"]
+__all__ = ["SYSTEM_RULE", "cmd_bench_concurrency", "system_prompt", "ttft_figures"]
 
 SYSTEM_RULE = "Rule {i}: read the file before you change it, run the tests after each change, keep each diff small."
 
@@ -58,12 +59,21 @@ class ChatWork:
         """Nothing follows a bench turn's decoding."""
 
 
-def system_prompt(eng: Engine, n_tokens: int) -> str:
-    """A system text of about ``n_tokens`` tokens of ``eng``."""
+def system_prompt(tokenize: Callable[[str], Sized], n_tokens: int) -> str:
+    """A system text of at least ``n_tokens`` tokens of ``tokenize``."""
     rules: list[str] = []
-    while len(eng.tokenize(" ".join(rules))) < n_tokens:
+    while len(tokenize(" ".join(rules))) < n_tokens:
         rules.append(SYSTEM_RULE.format(i=len(rules)))
     return " ".join(rules)
+
+
+def ttft_figures(ttfts: list[float]) -> dict[str, float]:
+    """``ttft_p50_ms`` and ``ttft_p95_ms`` of times to first token (s)."""
+    ts = sorted(ttfts)
+    return {
+        "ttft_p50_ms": 1000 * statistics.median(ts),
+        "ttft_p95_ms": 1000 * ts[min(len(ts) - 1, round(0.95 * (len(ts) - 1)))],
+    }
 
 
 @dataclasses.dataclass
@@ -129,7 +139,6 @@ def run_pool(eng: Engine, size: int, convs: int, system: str, args: argparse.Nam
     if errors:
         raise errors[0]
     turns = [t for r in results for t in r]
-    ttfts = sorted(t.ttft_s for t in turns)
     levels: dict[str, int] = {}
     for t in turns:
         levels[t.rung] = levels.get(t.rung, 0) + 1
@@ -137,8 +146,7 @@ def run_pool(eng: Engine, size: int, convs: int, system: str, args: argparse.Nam
         "sessions": size,
         "wall_s": wall,
         "tokens_per_s": sum(t.completion for t in turns) / wall,
-        "ttft_p50_ms": 1000 * statistics.median(ttfts),
-        "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+        **ttft_figures([t.ttft_s for t in turns]),
         "prefilled_tokens": sum(t.prefilled for t in turns),
         "levels": levels,
         "replies": [[t.text for t in r] for r in results],
@@ -148,7 +156,7 @@ def run_pool(eng: Engine, size: int, convs: int, system: str, args: argparse.Nam
 def cmd_bench_concurrency(args: argparse.Namespace) -> int:
     eng = bench_engine(args)
     k = args.concurrency
-    system = system_prompt(eng, args.tokens)
+    system = system_prompt(eng.tokenize, args.tokens)
     eng.tokenize("warm-up")
     one = run_pool(eng, 1, k, system, args)
     pool = run_pool(eng, k, k, system, args)
