@@ -61,7 +61,7 @@ def main() -> None:
     try:
         _fixture(d, args.n, args.tenants)
         st = KVStore(d, min_tokens=1)
-        idx = st._idx  # the bench compares two readings of one index
+        idx = st.index.idx  # the bench compares two readings of one index
         core = st.tenant_usage()
         rows = tenant_usage((r[11], r[10][1], 1) for r in idx.entries())
         assert core == rows and sum(t["checkpoints"] for t in core.values()) == args.n

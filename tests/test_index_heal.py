@@ -36,8 +36,8 @@ class Clock:
 
 def _store(d, clock: Clock) -> KVStore:
     st = KVStore(d, min_tokens=1, scan=False)
-    st._index.clock = clock  # before the open: its failures are on this clock too
-    st._index.open()
+    st.index.clock = clock  # before the open: its failures are on this clock too
+    st.index.open()
     return st
 
 
@@ -78,13 +78,13 @@ def test_a_name_dropped_while_its_file_was_rewritten_is_indexed_by_the_next_look
         f.write(good[:100])
     st.refresh(force=True)  # the scan that reads it torn
     assert torn["n"] == 1 and Path(path).read_bytes() == good  # kept: it changed since it was judged
-    assert st._idx.get(name) is None  # dropped from the index
+    assert st.index.idx.get(name) is None  # dropped from the index
     # the directory's mtime as the index last saw it: as when the store's
     # own index write lands in the same tick of the kernel's coarse clock,
     # or the lock was busy and no index file was written (an in-place
     # rewrite never changes it): no rescan will see the file again
     d = os.stat(tmp_path)
-    os.utime(tmp_path, ns=(d.st_atime_ns, st._index._dir_mtime))
+    os.utime(tmp_path, ns=(d.st_atime_ns, st.index._dir_mtime))
     scans = st.stats["scans"]
     # the very next lookup reads it again (its stat key changed since the failure)
     assert _names(st) == [name]
@@ -114,7 +114,7 @@ def test_a_name_dropped_by_a_lock_comes_back_within_one_retry_period(tmp_path, w
     while not _names(st):
         misses += 1
         assert misses < 100
-        clock.t += st._index.retry_s / 4
+        clock.t += st.index.retry_s / 4
     # found by the first lookup at or after one period, none later
     assert misses == 4
     assert st.stats["index_retries"] == 1
@@ -204,7 +204,7 @@ def test_rewrite_race_no_lookup_misses_a_valid_file_for_longer_than_one_period(t
                     found_during[i] += name in _names(st)
                 except CorruptCheckpointError:
                     pass
-                st._index.clock.t += st._index.retry_s / 4
+                st.index.clock.t += st.index.retry_s / 4
         except BaseException as e:  # reported by the test
             errors.append(e)
 
@@ -227,4 +227,4 @@ def test_rewrite_race_no_lookup_misses_a_valid_file_for_longer_than_one_period(t
         while name not in _names(st):
             misses += 1
             assert misses <= 4, f"hidden for {misses} lookups ({st.stats})"
-            st._index.clock.t += st._index.retry_s / 4
+            st.index.clock.t += st.index.retry_s / 4

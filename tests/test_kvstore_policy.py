@@ -470,7 +470,7 @@ def test_stale_index_entry_is_rechecked_against_the_context(eng, tmp_path):
     os.utime(p, ns=(1, 1))
     rep = RecoveryReport()
     assert try_load_text(st, sess, text + "?", report=rep) is None
-    assert rep.rejected == [] and st.stats["rejected"] == 1 and st._idx.get(os.path.basename(p))[2] == n
+    assert rep.rejected == [] and st.stats["rejected"] == 1 and st.index.idx.get(os.path.basename(p))[2] == n
 
 
 def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
@@ -480,9 +480,9 @@ def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
     before = os.stat(tmp_path)
     os.unlink(long_)  # another process removed it...
     _pin_dir_mtime(tmp_path, before)  # ...and a rescan cannot tell
-    assert st._idx.get(os.path.basename(long_)) is not None  # still indexed
+    assert st.index.idx.get(os.path.basename(long_)) is not None  # still indexed
     assert [e.path for e in st.lookup(BASE[:60] + "?")] == [short]  # the stat before the offer can
-    assert st._idx.get(os.path.basename(long_)) is None
+    assert st.index.idx.get(os.path.basename(long_)) is None
     rep = RecoveryReport()
     r = try_load_text(st, ds4.Session(eng, ctx=4096), BASE[:60] + "?", report=rep)
     assert r is not None and r.path == short
@@ -605,7 +605,7 @@ def test_index_entries_hold_the_header_facts(tmp_path, write_ck):
             stat_key=_stat_key(p1),
         ),
     ]
-    assert st.stats["scans"] == 1 and st._unreported == []
+    assert st.stats["scans"] == 1 and st.index.unreported == []
 
 
 def test_a_rescan_rereads_only_new_and_changed_files(tmp_path, write_ck, monkeypatch):
@@ -736,7 +736,7 @@ def test_unreadable_files_are_skipped_and_kept(tmp_path, write_ck, monkeypatch):
     st = KVStore(tmp_path, min_tokens=1)
     assert [e.path for e in st.entries()] == [ok]
     assert os.path.exists(locked) and os.path.exists(gone)
-    assert st._unreported == [] and st.stats["removed_corrupt"] == 0
+    assert st.index.unreported == [] and st.stats["removed_corrupt"] == 0
     # readable again: the next rescan indexes it
     monkeypatch.setattr(kvstore, "index_header", real_index)
     st.refresh(force=True)
@@ -890,7 +890,7 @@ def test_a_file_that_turns_bad_leaves_the_index(tmp_path, write_ck):
     _bump_dir(tmp_path)
     assert [e.path for e in st.entries()] == [keep]
     assert os.path.exists(a) and os.path.islink(b)
-    assert [(p, code) for (p, _s, code, _r) in st._unreported] == [(a, "unsupported_version")]
+    assert [(p, code) for (p, _s, code, _r) in st.index.unreported] == [(a, "unsupported_version")]
 
 
 def test_symlink_loops_and_dangling_links_are_ignored(tmp_path, write_ck):
@@ -902,7 +902,7 @@ def test_symlink_loops_and_dangling_links_are_ignored(tmp_path, write_ck):
     st = KVStore(tmp_path, min_tokens=1)
     assert [e.path for e in st.entries()] == [good]
     assert os.path.islink(loop) and os.path.islink(dangling)
-    assert st._unreported == [] and st.stats["removed_corrupt"] == 0
+    assert st.index.unreported == [] and st.stats["removed_corrupt"] == 0
 
 
 def test_a_file_removed_between_listing_and_stat_is_skipped(tmp_path, write_ck, monkeypatch):

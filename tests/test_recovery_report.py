@@ -597,7 +597,7 @@ def test_one_lookup_and_one_encoding_per_ladder_run(eng, tmp_path, monkeypatch, 
             return getattr(self.idx, name)
 
     monkeypatch.setattr(store, "candidates", candidates)
-    monkeypatch.setattr(store, "_idx", CountingIndex(store._idx))
+    monkeypatch.setattr(store.index, "idx", CountingIndex(store.index.idx))
     _CountingPrompt.encodings = 0
     rep = ds4.recover(s, store, _CountingPrompt(B), evict_save=False)
     assert rep.rung == ("disk" if on_disk else "prefill")

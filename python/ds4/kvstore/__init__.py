@@ -181,8 +181,9 @@ class KVStore:
         )
         #: the index and its file, kept in step with the directory
         #: (:mod:`.indexed`); headers are read through :func:`index_header`,
-        #: looked up when called
-        self._index = DirIndex(
+        #: looked up when called. The store's parts (:mod:`.loads`,
+        #: :mod:`.save`, :mod:`.considered`) reach the index here.
+        self.index = DirIndex(
             self.dir,
             read_header=lambda idx, path: index_header(idx, path),
             discard=self.discard,
@@ -200,7 +201,7 @@ class KVStore:
             )
         )
         if scan:
-            self._index.open()
+            self.index.open()
             if self.total_bytes() > self.budget_bytes:
                 # as ds4 does when a store opens: a directory over its budget
                 # comes down to it (one we cannot write to is still read)
@@ -225,50 +226,35 @@ class KVStore:
     def refresh(self, force: bool = False) -> None:
         """Bring the index up to date with the directory. Cheap when nothing
         changed (one stat of the directory); see :mod:`.indexed`."""
-        self._index.refresh(force)
-
-    @property
-    def _idx(self) -> _core.StoreIndex:
-        # the index itself (:attr:`.indexed.DirIndex.idx`): lookups and hits
-        return self._index.idx
-
-    @_idx.setter
-    def _idx(self, idx: _core.StoreIndex) -> None:
-        self._index.idx = idx
-
-    @property
-    def _unreported(self) -> list[Rejection]:
-        return self._index.unreported
-
-    def _persist(self) -> None:
-        # after each change made under the lock: the index file follows
-        self._index.persist()
-
-    def _forget(self, name: str) -> None:
-        self._index.forget(name)
+        self.index.refresh(force)
 
     def entries(self) -> list[Entry]:
         self.refresh()
         return sorted(self._entries(), key=lambda e: (-e.text_bytes, e.name))
 
     def _entries(self) -> list[Entry]:
-        return [Entry.from_row(self.dir, row) for row in self._idx.entries()]
+        return [Entry.from_row(self.dir, row) for row in self.index.idx.entries()]
 
     def total_bytes(self) -> int:
-        return self._idx.total_bytes()
+        return self.index.idx.total_bytes()
 
     @property
     def stats(self) -> dict[str, int]:
         """The counters of the store, its index and its use of the shared
         tier, merged (:mod:`.counters`)."""
-        parts: list[Counted] = [self, self._index] if self._tiered is None else [self, self._index, self._tiered]
+        parts: list[Counted] = [self, self.index] if self._tiered is None else [self, self.index, self._tiered]
         return merged(*parts)
 
     def summary(self) -> dict[str, object]:
         """The directory, its indexed files and bytes, and the counters
         (what a status page shows), from the index as it stands (its heap too)."""
-        out: dict[str, object] = {"dir": self.dir, "files": len(self._idx), "bytes": self.total_bytes(), **self.stats}
-        out.update(index_heap_bytes=self._idx.heap_bytes(), tenants=self.tenant_usage())
+        out: dict[str, object] = {
+            "dir": self.dir,
+            "files": len(self.index.idx),
+            "bytes": self.total_bytes(),
+            **self.stats,
+        }
+        out.update(index_heap_bytes=self.index.idx.heap_bytes(), tenants=self.tenant_usage())
         if self.remote is not None:
             out["remote"] = self.remote.status()
         return out
@@ -277,7 +263,7 @@ class KVStore:
         """Bytes and checkpoints of each tenant (:func:`.entries.tenant_usage`)
         from the index as it stands: no directory scan, no file read (the
         core sums each namespace; Python names its tenant)."""
-        return tenant_usage(self._idx.namespace_usage())
+        return tenant_usage(self.index.idx.namespace_usage())
 
     # -- lookup --------------------------------------------------------------
     def lookup(self, prompt: str | bytes, abi: str | None = None, ctx: int | None = None) -> list[Entry]:
@@ -288,8 +274,8 @@ class KVStore:
         verifies the whole file again."""
         self.refresh()
         pb = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
-        rows = self._idx.lookup(pb, min_tokens=max(0, self.min_tokens), abi=abi, ctx=ctx)
-        return list(Matches(self.dir, rows, self._index.checker(self.min_tokens, abi, ctx, hold=False)))
+        rows = self.index.idx.lookup(pb, min_tokens=max(0, self.min_tokens), abi=abi, ctx=ctx)
+        return list(Matches(self.dir, rows, self.index.checker(self.min_tokens, abi, ctx, hold=False)))
 
     def candidates(
         self, prompt: bytes, ctx: int | None = None, abi: str | None = None, namespace: str | None = None
@@ -308,9 +294,9 @@ class KVStore:
         ``prompt`` too (skipped while the tier cools down). The local ones are
         :class:`Matches`: the longest found here, the next ones when asked for."""
         self.refresh()
-        rows = self._idx.prefixes(prompt, min_tokens=max(0, self.min_tokens), ctx=ctx)
-        entries = Matches(self.dir, rows, self._index.checker(self.min_tokens, None, ctx))
-        rejected = self._index.take_unreported()
+        rows = self.index.idx.prefixes(prompt, min_tokens=max(0, self.min_tokens), ctx=ctx)
+        entries = Matches(self.dir, rows, self.index.checker(self.min_tokens, None, ctx))
+        rejected = self.index.take_unreported()
         found = Candidates(prompt, entries, [] if namespace is not None else rejected, namespace)
         if self._tiered is not None and abi is not None:
             self._tiered.lookup(found, abi, min_tokens=self.min_tokens, ctx=ctx)
@@ -329,7 +315,7 @@ class KVStore:
         name = os.path.basename(path)
         if not is_checkpoint_name(name):
             return None
-        self._index.drop(name, expect)  # read again if it stays and changes (a rewrite in progress)
+        self.index.drop(name, expect)  # read again if it stays and changes (a rewrite in progress)
         how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
         try:
             with self.locked():
@@ -340,7 +326,7 @@ class KVStore:
                     quarantine_dir=self.policy.quarantine_dir,
                     tag=f"{int(time.time())}.{err.code}",
                 )
-                self._persist()
+                self.index.persist()
         except OSError as e:
             log.error("kv cache could not remove corrupt file %s: %s", name, e)
             return None
@@ -362,8 +348,8 @@ class KVStore:
             raise ValueError(f"not a checkpoint name: {name!r}")
         with self.locked():
             gone = remove_exact(self.dir, name, None) is not None
-            self._forget(name)
-            self._persist()
+            self.index.forget(name)
+            self.index.persist()
         return gone
 
     # -- load ----------------------------------------------------------------
@@ -416,10 +402,10 @@ class KVStore:
             _core.sync_dir(self.dir)
             key = stat_key(os.lstat(final))
             e = Entry.from_checkpoint(ck, final, key)
-            self._index.index_file(name, final, key)
-            self._evict_locked(protect=name)
-            self._persist()
-        return e if self._idx.get(name) is not None else None
+            self.index.index_file(name, final, key)
+            self.evict_locked(protect=name)
+            self.index.persist()
+        return e if self.index.idx.get(name) is not None else None
 
     # -- store policy (:class:`StorePolicy`) ------------------------------------
     @property
@@ -463,8 +449,8 @@ class KVStore:
         """Evict down to the budget (:meth:`plan_evict`'s plan); returns the
         names removed, in the plan's order."""
         with self.locked():
-            removed = self._evict_locked(protect=None)
-            self._persist()
+            removed = self.evict_locked(protect=None)
+            self.index.persist()
             return removed
 
     def eviction_limit(self) -> int:
@@ -487,14 +473,16 @@ class KVStore:
             fresh_guard_s=pol.fresh_guard_s,
         )
 
-    def _evict_locked(self, protect: str | None) -> list[str]:
+    def evict_locked(self, protect: str | None) -> list[str]:
+        """Evict down to the budget, the caller holding :meth:`locked`
+        (``protect``: a name that stays); the names removed."""
         self.refresh(force=True)
         victims = self.plan_evict(self._entries(), protect)
         for victim in victims:
-            self._forget(victim.name)
+            self.index.forget(victim.name)
         removed = evict_entries(self.dir, victims)
         self.counters["evictions"] += len(removed)
         if removed:
             _core.sync_dir(self.dir)
-            self._index.stale()
+            self.index.stale()
         return removed

@@ -37,7 +37,7 @@ def longest_considered(
     :meth:`stored_text` reads its text). Names in ``exclude`` are left
     out. One call into the core (``StoreIndex.longest``: the length-sorted
     table walked down to the first file of the namespace)."""
-    row = store._idx.longest(
+    row = store.index.idx.longest(
         len(found.prompt), found.namespace, min_tokens=max(0, store.min_tokens), ctx=ctx, exclude=list(exclude)
     )
     return None if row is None else Entry.from_row(store.dir, row)

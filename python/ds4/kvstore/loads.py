@@ -58,7 +58,7 @@ def refuse(store: KVStore, e: Entry, err: Exception, judged: StatKey | None) -> 
     incompatible or unreadable one kept. None when the file was gone
     (removed by another process: forgotten)."""
     if isinstance(err, FileNotFoundError):
-        store._index.drop(e.name, None)  # read again if it comes back
+        store.index.drop(e.name, None)  # read again if it comes back
         return None
     store.counters["rejected"] += 1
     if isinstance(err, OSError):  # unreadable (permissions, I/O): a typed rejection; skipped and kept
@@ -83,11 +83,11 @@ def hit(store: KVStore, e: Entry, ck: Checkpoint, ms: float, judged: StatKey | N
     if store.policy.consume_over_cold_max and 0 < store.cold_max_tokens < ck.tokens:
         # ds4's consume: a load longer than cold_max_tokens deletes the
         # file (the version that was loaded; through the one removal).
-        store._forget(e.name)
+        store.index.forget(e.name)
         try:
             with store.locked():
                 gone = remove_exact(store.dir, e.name, judged) is not None
-                store._persist()
+                store.index.persist()
         except OSError as ex:
             log.error("kv cache could not consume %s: %s", e.name, ex)
             gone = False
@@ -99,7 +99,7 @@ def hit(store: KVStore, e: Entry, ck: Checkpoint, ms: float, judged: StatKey | N
             e.last_used = now
             st = os.stat(e.path)
             e.stat_key = stat_key(st)
-            store._idx.set_hit(e.name, e.hits, now, e.stat_key)
+            store.index.idx.set_hit(e.name, e.hits, now, e.stat_key)
         except OSError as ex:
             log.debug("kv cache touch failed for %s: %s", e.name, ex)
     store.counters["hits"] += 1

@@ -165,7 +165,7 @@ def store_live(
         if size is None:
             return None
         store.counters["stores"] += 1
-        store._index.index_file(name, path, stat_key(os.lstat(path)))
+        store.index.index_file(name, path, stat_key(os.lstat(path)))
         if reason == "continued" and supersedes:
             supersede(store, text, name, sess.payload_abi, supersedes)
         if store.remote is not None:  # shared in the background: never adds to this request's latency
@@ -178,8 +178,8 @@ def store_live(
             size / 2**20,
             (time.perf_counter() - t0) * 1000,
         )
-        store._evict_locked(protect=name)
-        store._persist()
+        store.evict_locked(protect=name)
+        store.index.persist()
     return path
 
 
@@ -196,7 +196,9 @@ def supersede(store: KVStore, text: bytes, name: str, abi: str, among: Collectio
     ns = text_namespace(text)
     olds = [
         e
-        for e in (Entry.from_row(store.dir, row) for row in store._idx.lookup(text, min_tokens=0, abi=abi, ctx=None))
+        for e in (
+            Entry.from_row(store.dir, row) for row in store.index.idx.lookup(text, min_tokens=0, abi=abi, ctx=None)
+        )
         if e.name != name
         and e.name in among
         and e.reason == "continued"
@@ -206,10 +208,10 @@ def supersede(store: KVStore, text: bytes, name: str, abi: str, among: Collectio
         and e.namespace == ns
     ]
     for e in olds:
-        store._forget(e.name)
+        store.index.forget(e.name)
     removed = evict_entries(store.dir, olds, why="superseded")
     store.counters["superseded"] += len(removed)
     if removed:
         _core.sync_dir(store.dir)
-        store._index.stale()
+        store.index.stale()
     return removed
