@@ -14,8 +14,16 @@ GGUF through llama-cpp-python's C API:
   ``split``: one KV stream per sequence); each sequence's prompt prefilled
   alone (one batch of its tokens, as the reference's first batch), then
   each step one batch of K tokens (every sequence's next token; padded to
-  the floor with copies when K is below it), and the logits of every row
-  compared with the reference run of that sequence's prompt.
+  the floor with copies when K is below it: "padded once"; or each
+  sequence's token padded on its own to the floor: "padded per sequence"),
+  and the logits of every row compared with the reference run of that
+  sequence's prompt.
+
+Measured (BENCHMARKS.md §16, DESIGN.md "Batched decode"): only split KV
+padded per sequence is bit-identical, on SmolLM2 and Gemma 3. A split-KV
+ubatch is cut per stream, so a sequence with one token in a batch of K
+runs its attention products (KQ, KQV) on the single-token path, which
+gives other bits than the exact-mode floor its reference ran.
 
 It prints, for each K and KV layout, how many steps of how many sequences
 were bit-identical, and the first mismatch::
@@ -102,7 +110,17 @@ def padded_rows(rows: list[tuple[int, int, int, bool]], floor: int, mult: int) -
     return rows + [(tok, pos + 1 + j, seq, False) for j in range(m - len(rows))]
 
 
-def run(eng, k: int, unified: bool, steps: int, refs) -> tuple[int, int, str | None]:
+def padded_each(rows: list[tuple[int, int, int, bool]], floor: int, mult: int) -> list[tuple[int, int, int, bool]]:
+    """The exact-mode pad applied to each sequence's rows on their own: every
+    sequence brings a batch of a size the kernels treat alike into its own
+    KV stream (a split-KV ubatch is cut per stream)."""
+    out: list[tuple[int, int, int, bool]] = []
+    for s in dict.fromkeys(r[2] for r in rows):
+        out += padded_rows([r for r in rows if r[2] == s], floor, mult)
+    return out
+
+
+def run(eng, k: int, unified: bool, steps: int, refs, each: bool = False) -> tuple[int, int, str | None]:
     n_ctx = 512
     m = Multi(eng, k, n_ctx, unified)
     floor, mult = eng.batch_floor, eng.batch_multiple
@@ -126,17 +144,19 @@ def run(eng, k: int, unified: bool, steps: int, refs) -> tuple[int, int, str | N
             pos.append(n)
         for step in range(steps):
             rows = [(refs[s][1][step], pos[s], s, True) for s in range(k)]
-            full = padded_rows(rows, floor, mult)
+            full = padded_each(rows, floor, mult) if each else padded_rows(rows, floor, mult)
             m.decode(full)
+            at = {r[2]: i for i, r in reversed(list(enumerate(full))) if r[3]}  # the row of each sequence's token
             for s in range(k):
                 total += 1
-                if np.array_equal(m.logits(s), refs[s][2][step + 1]):
+                got = m.logits(at[s])
+                if np.array_equal(got, refs[s][2][step + 1]):
                     same += 1
                 elif first_bad is None:
-                    diff = float(np.max(np.abs(m.logits(s) - refs[s][2][step + 1])))
+                    diff = float(np.max(np.abs(got - refs[s][2][step + 1])))
                     first_bad = f"step {step}, sequence {s} (max |d| {diff:.3g})"
-            if len(full) > k:
-                m.drop(full[-1][2], pos[full[-1][2]] + 1)
+            for s in range(k):  # the pad's cells go: the next step writes the sequence's real token there
+                m.drop(s, pos[s] + 1)
             pos = [p + 1 for p in pos]
     finally:
         m.close()
@@ -158,10 +178,10 @@ def main() -> int:
         toks, logits = reference(eng, p, args.steps, 512)
         refs.append((p, toks, logits))
     bad = 0
-    for unified in (True, False):
+    for unified, each in ((True, False), (False, False), (True, True), (False, True)):
         for k in args.k:
-            same, total, first = run(eng, k, unified, args.steps, refs)
-            kv = "unified" if unified else "split"
+            same, total, first = run(eng, k, unified, args.steps, refs, each)
+            kv = ("unified" if unified else "split") + (", padded per sequence" if each else ", padded once")
             print(f"K={k} kv={kv:8} bit-identical {same}/{total}" + (f"; first mismatch: {first}" if first else ""))
             bad += same != total
     return 1 if bad else 0
