@@ -60,6 +60,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="memory for the resident sessions' contexts (each measured at start): --sessions auto fills it, "
         "an explicit N must fit (default for auto: a quarter of the available memory)",
     )
+    p.add_argument(
+        "--batch-decode",
+        choices=("auto", "off"),
+        default="off",
+        help="with --sessions > 1 on llama.cpp: the residents' decode steps in one llama_decode, where this "
+        "build gives bit-identical logits (checked at start; docs/DESIGN.md, 'Batched decode'); "
+        "off: each resident decodes in its own context (default off, until the suite covers auto)",
+    )
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
     p.add_argument(
         "--model-alias",

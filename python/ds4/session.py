@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _core
 from .checkpoint import TOKENS_TENSOR, check_tokens
-from .engine import Engine
+from .engine import Engine, EngineContext
 from .errors import (
     CheckpointError,
     ContextOverflowError,
@@ -142,6 +142,19 @@ class Session:
         if not self._valid or self._logits is None:
             raise InvalidSessionError("argmax on a session without a valid checkpoint")
         return int(np.argmax(self._logits))
+
+    def adopt_context(self, ectx: EngineContext) -> None:
+        """Run on ``ectx``, an engine context of this session's ``ctx``
+        tokens (a pool's batched one), instead of its own, which is closed.
+        Only while the session holds nothing."""
+        if self._valid or self._tokens:
+            raise RuntimeError("a session adopts a context only while it is empty")
+        if ectx.n_ctx != self.ctx:
+            raise ValueError(f"the context holds {ectx.n_ctx} tokens, the session {self.ctx}")
+        old, self._ectx = self._ectx, ectx
+        close = getattr(old, "close", None)
+        if close is not None:
+            close()
 
     def invalidate(self, reason: str = "") -> None:
         """Clear validity (the one place that does). The engine state is reset

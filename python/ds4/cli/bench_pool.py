@@ -112,13 +112,17 @@ def _conversation(svc: Service, system: str, k: int, turns: int, max_tokens: int
         msgs += [("assistant", res.text), ("user", f"Tool result {t} for task {k}: 3 files, 120 lines, tests pass.")]
 
 
-def run_pool(eng: Engine, size: int, convs: int, system: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The conversations on a pool of ``size`` residents: its figures."""
+def run_pool(
+    eng: Engine, size: int, convs: int, system: str, args: argparse.Namespace, batched: bool = False
+) -> dict[str, Any]:
+    """The conversations on a pool of ``size`` residents (``batched``: its
+    decode steps batched, where the engine can): its figures."""
     ctx = min(eng.max_ctx, args.tokens + args.turns * (args.max_tokens + 64) + 512)
     with tempfile.TemporaryDirectory(prefix="ds4-bench-pool-") as tmp:
         store = KVStore(tmp, budget_mb=8192, min_tokens=16)
         gen = Generator(eng, ctx, store)
-        svc = Service(gen, "bench", max_queue=convs + 1, pool=Pool(gen, size))
+        pool = Pool(gen, size, batched=batched)
+        svc = Service(gen, "bench", max_queue=convs + 1, pool=pool)
         results: list[list[Turn]] = [[] for _ in range(convs)]
         errors: list[BaseException] = []
 
@@ -144,6 +148,7 @@ def run_pool(eng: Engine, size: int, convs: int, system: str, args: argparse.Nam
         levels[t.rung] = levels.get(t.rung, 0) + 1
     return {
         "sessions": size,
+        "batched": None if pool.shared is None else pool.shared.view()["steps"],
         "wall_s": wall,
         "tokens_per_s": sum(t.completion for t in turns) / wall,
         **ttft_figures([t.ttft_s for t in turns]),
@@ -153,36 +158,42 @@ def run_pool(eng: Engine, size: int, convs: int, system: str, args: argparse.Nam
     }
 
 
+_FIGURES = (
+    ("generated tokens/s", "tokens_per_s"),
+    ("TTFT p50 (ms)", "ttft_p50_ms"),
+    ("TTFT p95 (ms)", "ttft_p95_ms"),
+    ("prefilled tokens", "prefilled_tokens"),
+)
+
+
 def cmd_bench_concurrency(args: argparse.Namespace) -> int:
     eng = bench_engine(args)
     k = args.concurrency
     system = system_prompt(eng.tokenize, args.tokens)
     eng.tokenize("warm-up")
-    one = run_pool(eng, 1, k, system, args)
-    pool = run_pool(eng, k, k, system, args)
-    same = one["replies"] == pool["replies"]
+    runs = {"1 session": run_pool(eng, 1, k, system, args), f"{k} sessions": run_pool(eng, k, k, system, args)}
+    if k > 1:
+        batched = run_pool(eng, k, k, system, args, batched=True)
+        if batched["batched"] is not None:  # the engine batches its decode steps (llama.cpp)
+            runs[f"{k}, batched"] = batched
+    one = runs["1 session"]
+    same = all(r["replies"] == one["replies"] for r in runs.values())
     ratios = {
-        "tokens_per_s": pool["tokens_per_s"] / one["tokens_per_s"],
-        "ttft_p50": pool["ttft_p50_ms"] / one["ttft_p50_ms"],
-        "ttft_p95": pool["ttft_p95_ms"] / one["ttft_p95_ms"],
-        "prefilled_tokens": pool["prefilled_tokens"] / max(1, one["prefilled_tokens"]),
+        name: {key: r[key] / max(1e-9, one[key]) for _n, key in _FIGURES} for name, r in runs.items() if r is not one
     }
     if args.json:
-        runs = [{key: v for key, v in r.items() if key != "replies"} for r in (one, pool)]
-        print(json.dumps({"concurrency": k, "runs": runs, "ratios": ratios, "replies_identical": same}, indent=1))
+        out = [{key: v for key, v in r.items() if key != "replies"} for r in runs.values()]
+        print(json.dumps({"concurrency": k, "runs": out, "ratios": ratios, "replies_identical": same}, indent=1))
     else:
         print(f"{k} conversations x {args.turns} turns, a {args.tokens}-token shared system prompt, engine {eng.name}")
-        print(f"{'':28}{'1 session':>12}{f'{k} sessions':>12}{'ratio':>8}")
-        for name, key, rk in (
-            ("generated tokens/s", "tokens_per_s", "tokens_per_s"),
-            ("TTFT p50 (ms)", "ttft_p50_ms", "ttft_p50"),
-            ("TTFT p95 (ms)", "ttft_p95_ms", "ttft_p95"),
-            ("prefilled tokens", "prefilled_tokens", "prefilled_tokens"),
-        ):
-            print(f"{name:28}{one[key]:12.1f}{pool[key]:12.1f}{ratios[rk]:8.2f}")
-        for r in (one, pool):
-            lv = ", ".join(f"{n} {c}" for n, c in sorted(r["levels"].items()))
-            print(f"levels, {r['sessions']} session(s): {lv}")
+        print(f"{'':22}" + "".join(f"{n:>14}" for n in runs) + "".join(f"{'ratio ' + n[:8]:>16}" for n in ratios))
+        for name, key in _FIGURES:
+            cells = "".join(f"{r[key]:14.1f}" for r in runs.values())
+            print(f"{name:22}{cells}" + "".join(f"{q[key]:16.2f}" for q in ratios.values()))
+        for n, r in runs.items():
+            lv = ", ".join(f"{rung} {c}" for rung, c in sorted(r["levels"].items()))
+            steps = f"; batched steps by size: {r['batched']}" if r["batched"] is not None else ""
+            print(f"levels, {n}: {lv}{steps}")
         print(f"replies identical: {'yes' if same else 'NO'}")
     if not same:
         print("ds4 bench: the pool's replies differ from one session's", file=sys.stderr)

@@ -63,6 +63,7 @@ Logging
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -70,6 +71,7 @@ from typing import Any
 from ..errors import EngineError
 from ..keytext import Prompt
 from .chat_template import chat_renderer
+from .llamacpp_batch import SharedContext, batched_exact
 from .llamacpp_context import Idle, LlamaCppContext, padded
 from .llamacpp_lib import (
     GGUF_NAME,
@@ -81,6 +83,8 @@ from .llamacpp_lib import (
 )
 from .llamacpp_probe import CANDIDATES, Probe, probe_engine
 from .llamacpp_state import StateLayout
+
+log = logging.getLogger("ds4.engines.llamacpp")
 
 __all__ = ["GGUF_NAME", "LlamaCppContext", "LlamaCppEngine", "default_model_path"]
 
@@ -363,6 +367,25 @@ class LlamaCppEngine:
             self.close()
         except Exception:
             pass
+
+    def batched_contexts(self, n_seq: int, n_ctx: int) -> SharedContext | None:
+        """One context of ``n_seq`` sequences of ``n_ctx`` tokens whose
+        decode steps are batched (:mod:`~ds4.engines.llamacpp_batch`; its
+        ``contexts``, one per session), or None where that
+        would not be exact: outside exact mode, without a learnt state
+        layout, or on a build whose batched steps differ from
+        single-session ones (checked once, here)."""
+        if not self.exact or self.state_layout is None or n_seq < 2:
+            return None
+        if self._batched_ok is None:
+            self._batched_ok = batched_exact(self, [list(range(11, 20)), list(range(40, 63))])
+            if not self._batched_ok:
+                log.warning("llama.cpp: batched decode is not bit-identical on this build; decoding per session")
+        if not self._batched_ok:
+            return None
+        return SharedContext(self, n_seq, n_ctx)
+
+    _batched_ok: bool | None = None
 
     # -- start-up probe ---------------------------------------------------
     def _apply_probe(self, p: Probe) -> None:

@@ -135,6 +135,9 @@ class LlamaCppContext:
         # it), so then the import's length, unless it fit in the window
         self._rewind_min = 0
         self._logits: np.ndarray | None = None
+        #: the sequence id this context's tokens are in (0; a batched
+        #: context's, :mod:`~ds4.engines.llamacpp_batch`, is its stream's)
+        self.seq = 0
         if reuse is not None:
             self._ctx, self._mem, self._batch = reuse.ctx, reuse.mem, reuse.batch
             return
@@ -159,9 +162,14 @@ class LlamaCppContext:
         if self._ctx is None:
             raise EngineError("the context is closed")
 
+    def _clear(self) -> None:
+        """Empty the context's cells (a sequence restore then puts position
+        i in cell i, as a cold prefill does)."""
+        self._lc.llama_memory_clear(self._mem, True)
+
     def reset(self) -> None:
         self._check_open()
-        self._lc.llama_memory_clear(self._mem, True)
+        self._clear()
         self._tokens = []
         self._known_from = 0
         self._rewind_min = 0
@@ -210,7 +218,7 @@ class LlamaCppContext:
         batch.logits[n - 1] = 0
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} at position {pos0}")
-        if m > n and not self._lc.llama_memory_seq_rm(self._mem, 0, pos0 + n, -1):
+        if m > n and not self._lc.llama_memory_seq_rm(self._mem, self.seq, pos0 + n, -1):
             raise EngineError("llama.cpp could not drop the pad tokens")  # pragma: no cover
 
     def _read_logits(self) -> np.ndarray:
@@ -273,7 +281,7 @@ class LlamaCppContext:
             return True
         if n - 1 < self._known_from or not self._engine.can_rewind or n < self._rewind_min:
             return False
-        if not self._lc.llama_memory_seq_rm(self._mem, 0, n - 1, -1):
+        if not self._lc.llama_memory_seq_rm(self._mem, self.seq, n - 1, -1):
             return False
         last = self._tokens[n - 1]
         del self._tokens[n - 1 :]
@@ -292,17 +300,25 @@ class LlamaCppContext:
         if self.n_past == 0 or self._logits is None:
             raise EngineError("nothing to export: the context is empty")
         lc = self._lc
-        size = int(lc.llama_state_seq_get_size(self._ctx, 0))
+        size = int(lc.llama_state_seq_get_size(self._ctx, self.seq))
         if size <= 0:
             raise EngineError("llama_state_seq_get_size failed")
         buf = np.empty(size, dtype=np.uint8)
         ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = int(lc.llama_state_seq_get_data(self._ctx, ptr, size, 0))
+        n = int(lc.llama_state_seq_get_data(self._ctx, ptr, size, self.seq))
         if n <= 0 or n > size:
             raise EngineError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
         if n < size:  # pragma: no cover - get_size is exact
             buf = buf[:n].copy()
-        return {"llama_state": buf, "logits": self._logits.copy()}
+        return {"llama_state": self._portable(buf), "logits": self._logits.copy()}
+
+    def _portable(self, blob: np.ndarray) -> np.ndarray:
+        """The exported blob as every context reads it (this one's: as is)."""
+        return blob
+
+    def _native(self, blob: np.ndarray) -> np.ndarray:
+        """A checked blob as this context's llama.cpp restores it (as is)."""
+        return blob
 
     def import_state(self, arrays: Mapping[str, np.ndarray], n_tokens: int) -> None:
         self._check_open()
@@ -312,15 +328,16 @@ class LlamaCppContext:
         layout = eng.state_layout
         if layout is not None:
             blob = full_layout(blob, n_tokens, layout, walk_state(blob, n_tokens, layout))
+        blob = self._native(blob)
         # -- hand it to llama.cpp: a sequence restore, into an empty cache,
         # puts position i in cell i and the head after the last cell, as a
         # cold prefill leaves them (llamacpp_state, "Exactness on import")
         lc = self._lc
-        lc.llama_memory_clear(self._mem, True)
+        self._clear()
         ptr = ctypes.cast(ctypes.c_void_p(blob.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
-        n_read = int(lc.llama_state_seq_set_data(self._ctx, ptr, blob.size, 0))
-        pos_min = int(lc.llama_memory_seq_pos_min(self._mem, 0))
-        pos_max = int(lc.llama_memory_seq_pos_max(self._mem, 0))
+        n_read = int(lc.llama_state_seq_set_data(self._ctx, ptr, blob.size, self.seq))
+        pos_min = int(lc.llama_memory_seq_pos_min(self._mem, self.seq))
+        pos_max = int(lc.llama_memory_seq_pos_max(self._mem, self.seq))
         if n_read != blob.size or pos_min != 0 or pos_max != n_tokens - 1:
             self.reset()
             raise EngineStateError(

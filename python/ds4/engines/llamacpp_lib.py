@@ -174,10 +174,10 @@ def render_chatml(messages: Sequence[Mapping[str, str]], add_generation_prompt: 
 
 # -- batches -----------------------------------------------------------------
 class Batch:
-    """A ``llama_batch`` of up to ``size`` tokens, all in sequence 0, with
+    """A ``llama_batch`` of up to ``size`` tokens, all in sequence ``seq`` (0), with
     NumPy views of its token, position and logits-flag arrays."""
 
-    def __init__(self, llama_cpp: Any, size: int):
+    def __init__(self, llama_cpp: Any, size: int, seq: int = 0):
         self.raw = b = llama_cpp.llama_batch_init(size, 0, 1)
         self.token = np.ctypeslib.as_array(b.token, shape=(size,))
         self.pos = np.ctypeslib.as_array(b.pos, shape=(size,))
@@ -185,8 +185,12 @@ class Batch:
         n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(size,))
         n_seq[:] = 1
         for i in range(size):
-            b.seq_id[i][0] = 0
+            b.seq_id[i][0] = seq
         self.logits[:] = 0
+
+    def set_seq(self, i: int, seq: int) -> None:
+        """Put row ``i`` in sequence ``seq`` (a batch of several sequences)."""
+        self.raw.seq_id[i][0] = seq
 
     def load(self, toks: np.ndarray, pos0: int, m: int) -> Any:
         """Fill in ``toks`` at positions ``pos0..``, logits requested for the

@@ -57,6 +57,7 @@ __all__ = [
     "check_payload",
     "full_layout",
     "learn_layout",
+    "restream",
     "walk_state",
 ]
 
@@ -368,4 +369,50 @@ def full_layout(blob: np.ndarray, n_tokens: int, layout: StateLayout, spans: Seq
                 parts.append(out.ravel())
             else:
                 parts += [np.zeros(pad * per, np.uint8), data]
+    return np.concatenate(parts)
+
+
+def _u32s(*v: int) -> np.ndarray:
+    return np.array(v, "<u4").view(np.uint8)
+
+
+def restream(blob: np.ndarray, layout: StateLayout, *, seq: tuple[int, int], to: tuple[int, int]) -> np.ndarray:
+    """The state of sequence ``seq[0]`` of a context of ``seq[1]`` KV
+    streams (one per sequence: ``kv_unified`` off), rewritten as the state
+    of sequence ``to[0]`` of a context of ``to[1]`` streams. llama.cpp
+    writes a sequence's state with every stream's cell count, the others'
+    zero, and its cells tagged with its id (which it ignores on a restore:
+    the target sequence is the caller's); a batched pool's checkpoints are
+    stored in the one-stream form (``(0, 1)``) every other context reads.
+    Bounds-checked as :func:`walk_state`; EngineStateError when the blob is
+    not such a state."""
+    (s_from, n_from), (s_to, n_to) = seq, to
+    r = _Reader(blob)
+    h = r.take(8, "the sequence header")
+    if _u32(h) != SEQ_MAGIC or _i32(h, 4) != s_from:
+        raise EngineStateError(f"llama_state is not a state of sequence {s_from}")
+    parts: list[np.ndarray] = [_u32s(SEQ_MAGIC, s_to)]
+    for ic, c in enumerate(layout.caches):
+        if _u32(r.take(4, "the stream count")) != n_from:
+            raise EngineStateError(f"llama_state does not have {n_from} KV streams")
+        body: list[np.ndarray] = []
+        for st in range(n_from):
+            count = _u32(r.take(4, "a stream's cell count"))
+            if st != s_from:
+                if count:
+                    raise EngineStateError("llama_state has cells in another sequence's stream")
+                continue
+            cells = r.take(12 * count, "the cell table").view("<i4").reshape(count, 3).copy()
+            if not np.all(cells[:, 2] == s_from):
+                raise EngineStateError(f"llama_state has cells outside sequence {s_from}")
+            cells[:, 2] = s_to
+            start = r.off
+            if count:
+                _layers(r, count, c, ic)
+            body = [_u32s(count), cells.view(np.uint8).ravel(), blob[start : r.off]]
+        parts.append(_u32s(n_to))
+        for st in range(n_to):
+            parts += body if st == s_to else [_u32s(0)]
+    if r.off != r.size:
+        raise EngineStateError(f"llama_state has {r.size - r.off} trailing bytes")
     return np.concatenate(parts)

@@ -110,7 +110,7 @@ class Pool:
     worker thread only; :meth:`views` is read from the event loop (a copy
     of plain values)."""
 
-    def __init__(self, primary: Generator, size: int = 1, live: LiveTools | None = None):
+    def __init__(self, primary: Generator, size: int = 1, live: LiveTools | None = None, *, batched: bool = False):
         if size < 1:
             raise ValueError(f"a pool needs at least one session, got {size}")
         self.residents = [Resident(0, primary, live or LiveTools())]
@@ -119,6 +119,24 @@ class Pool:
             g.counters = primary.counters  # one set of server-wide counters
             self.residents.append(Resident(k, g, LiveTools()))
         self._hints: collections.OrderedDict[tuple[str | None, str], int] = collections.OrderedDict()
+        #: the residents' one batched context (``--batch-decode``), or None:
+        #: each decodes in its own context
+        self.shared: Any = None
+        if batched and size > 1:
+            self._share()
+
+    def _share(self) -> None:
+        """Put the residents on one context whose decode steps are batched,
+        where the engine has one that is exact (else each keeps its own)."""
+        make = getattr(self.residents[0].gen.engine, "batched_contexts", None)
+        shared = make(self.size, self.residents[0].gen.sess.ctx) if make is not None else None
+        if shared is None:
+            log.info("batched decode: not available on this engine; each resident decodes on its own")
+            return
+        for r, c in zip(self.residents, shared.contexts, strict=True):
+            r.gen.sess.adopt_context(c)
+        self.shared = shared
+        log.info("batched decode: %d residents in one context, one llama_decode per step", self.size)
 
     @property
     def size(self) -> int:

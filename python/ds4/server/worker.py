@@ -184,6 +184,10 @@ class Service:
         self._running = 0  # jobs being served (under the baton)
         #: the prompts being prefilled, by job id: (namespace, prompt bytes, set once prefilled)
         self._prefills: dict[int, tuple[str | None, bytes, threading.Event]] = {}
+        if self.pool.shared is not None:
+            # a decode step posts its token and hands over: the other lanes
+            # post theirs, and one llama_decode runs them all
+            self.pool.shared.handover = self.baton.pass_
         self.status = self._snapshot()
         n = self.pool.size
         self._lanes = [
@@ -206,6 +210,8 @@ class Service:
             st["kv"] = g.store.summary()
         if self.pool.size > 1:
             st["sessions"] = self.pool.views()
+        if self.pool.shared is not None:
+            st["batched"] = self.pool.shared.view()
         return st
 
     def tenant_counters(self, tenant: str) -> dict[str, int]:
