@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ContextOverflowError, EngineError
-from .llamacpp_context import Idle, LlamaCppContext, Owner, context_params, padded
+from .llamacpp_context import Idle, LlamaCppContext, Owner, context_params, open_context, padded
 from .llamacpp_lib import Batch
 from .llamacpp_state import restream
 
@@ -65,15 +65,7 @@ class SharedContext:
             raise ValueError(f"{n_seq} sequences of {self.rows_per_seq} rows exceed the batch of {cap}")
         p = context_params(engine, (self.n_ctx + cap) * self.n_seq, n_seq_max=self.n_seq)
         p.kv_unified = False
-        ctx = lc.llama_init_from_model(engine.model, p)
-        if not ctx:
-            raise EngineError(f"llama.cpp could not create a context of {n_seq} x {n_ctx} tokens")
-        self.ctx = ctx
-        engine.context_opened()
-        if lc.llama_n_ctx_seq(ctx) < self.n_ctx + cap:  # pragma: no cover - llama only rounds up
-            self._free()
-            raise EngineError("llama.cpp gave a smaller context than requested")
-        self.mem = lc.llama_get_memory(ctx)
+        self.ctx, self.mem = open_context(engine, p, self.n_ctx + cap, f"{n_seq} x {n_ctx} tokens")
         self._batch: Batch | None = Batch(lc, cap)
         #: called by a decode step after posting its token: the pool's
         #: baton handover (nothing: a step runs at once)

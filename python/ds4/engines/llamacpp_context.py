@@ -27,7 +27,7 @@ from ..errors import ContextOverflowError, EngineError, EngineStateError
 from .llamacpp_lib import Batch
 from .llamacpp_state import StateLayout, check_payload, full_layout, walk_state
 
-__all__ = ["Idle", "LlamaCppContext", "Owner", "context_params", "padded"]
+__all__ = ["Idle", "LlamaCppContext", "Owner", "context_params", "open_context", "padded"]
 
 _LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
 
@@ -58,6 +58,22 @@ def context_params(engine: Owner, n_ctx: int, n_seq_max: int = 1) -> Any:
     cparams.offload_kqv = False
     cparams.no_perf = True
     return cparams
+
+
+def open_context(engine: Owner, params: Any, cells: int, what: str) -> tuple[Any, Any]:
+    """A llama context of ``params`` with at least ``cells`` cells per
+    sequence, counted as opened by ``engine``, and its memory handle;
+    EngineError (``what``: the context asked for) when llama.cpp gives none."""
+    lc = engine.lc
+    ctx = lc.llama_init_from_model(engine.model, params)
+    if not ctx:
+        raise EngineError(f"llama.cpp could not create a context of {what}")
+    engine.context_opened()
+    if lc.llama_n_ctx_seq(ctx) < cells:  # pragma: no cover - llama only rounds up
+        lc.llama_free(ctx)
+        engine.context_freed()
+        raise EngineError("llama.cpp gave a smaller context than requested")
+    return ctx, lc.llama_get_memory(ctx)
 
 
 class Owner(Protocol):
@@ -142,15 +158,8 @@ class LlamaCppContext:
             self._ctx, self._mem, self._batch = reuse.ctx, reuse.mem, reuse.batch
             return
         cap = engine.batch_room
-        ctx = lc.llama_init_from_model(engine.model, context_params(engine, self.n_ctx + cap))
-        if not ctx:
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx} tokens")
-        self._ctx = ctx
-        engine.context_opened()
-        if lc.llama_n_ctx(ctx) < self.n_ctx + cap:  # pragma: no cover - llama only rounds up
-            self.close()
-            raise EngineError("llama.cpp gave a smaller context than requested")
-        self._mem = lc.llama_get_memory(ctx)
+        params = context_params(engine, self.n_ctx + cap)
+        self._ctx, self._mem = open_context(engine, params, self.n_ctx + cap, f"{n_ctx} tokens")
         self._batch = Batch(lc, cap)
 
     # -- bookkeeping -------------------------------------------------------
