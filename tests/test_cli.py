@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pexpect
 import pytest
 
@@ -392,6 +393,61 @@ def test_kv_usage_errors(tmp_path):
     p = ds4_cmd("kv", "ls", tmp_path / "missing", check=False)
     assert p.returncode == 2 and "not a directory" in p.stderr
     assert ds4_cmd("kv", "show", tmp_path, check=False).returncode == 2
+
+
+# -- ds4 kv gc: ds4 serve's eviction knobs ------------------------------------------
+def _two_files(d, write_ck, a, b):
+    """Two checkpoints of about one size (within 4 %), ``a`` and ``b`` as
+    (text, reason, tokens, age in s); the budget that keeps one of them."""
+    now = int(time.time())
+
+    def arrays(n):  # the tokens a load checks, padded to one size
+        return {"tokens": np.arange(n, dtype=np.int32), "pad": np.zeros(4 * (101 - n), np.uint8)}
+
+    paths = [
+        write_ck(d, text, arrays(tokens), reason=reason, tokens=tokens, created=now - age)
+        for text, reason, tokens, age in (a, b)
+    ]
+    sizes = [os.path.getsize(p) for p in paths]
+    assert max(sizes) < 1.04 * min(sizes)
+    return [os.path.basename(p) for p in paths], f"{(max(sizes) + 100) / 2**20:.6f}"
+
+
+def test_gc_keeps_a_young_never_hit_file_by_the_fresh_guard(tmp_path, write_ck):
+    # the young file scores a tenth of the old one: the guard (60 s, the
+    # default as ds4 serve's) spares it, no guard evicts it
+    (old, young), budget = _two_files(
+        tmp_path, write_ck, ("an old snapshot", "continued", 100, 3600), ("a new snapshot.", "continued", 10, 0)
+    )
+    for flags, evicted in (((), old), (("--kv-fresh-guard-s", "60"), old), (("--kv-fresh-guard-s", "0"), young)):
+        g, _ = ds4_json("kv", "gc", tmp_path, "--budget-mb", budget, *flags, "--dry-run")
+        assert g["evicted"] == [evicted], flags
+    g, _ = ds4_json("kv", "gc", tmp_path, "--budget-mb", budget, "--kv-fresh-guard-s", "0")
+    assert g["evicted"] == [young] and sorted(n for n in os.listdir(tmp_path) if n.endswith(".kv")) == [old]
+
+
+def test_gc_weighs_an_explicit_checkpoint_as_the_server(tmp_path, write_ck):
+    # the cold file scores half the continued one by ds4's formula: the
+    # weight 4 (the default) keeps it, the weight 1 (ds4's one score) evicts it
+    (cold, cont), budget = _two_files(
+        tmp_path, write_ck, ("a cold prefix", "cold", 50, 3600), ("a continued 1", "continued", 100, 3600)
+    )
+    for flags, evicted in (((), cont), (("--kv-explicit-weight", "4"), cont), (("--kv-explicit-weight", "1"), cold)):
+        g, _ = ds4_json("kv", "gc", tmp_path, "--budget-mb", budget, *flags, "--dry-run")
+        assert g["evicted"] == [evicted], flags
+    g, _ = ds4_json("kv", "gc", tmp_path, "--budget-mb", budget, "--kv-explicit-weight", "1")
+    assert g["evicted"] == [cold] and sorted(n for n in os.listdir(tmp_path) if n.endswith(".kv")) == [cont]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "msg"),
+    [("--kv-explicit-weight", "0.5", "must be >= 1"), ("--kv-fresh-guard-s", "-1", "must be >= 0")],
+)
+def test_gc_refuses_the_knobs_ds4_serve_refuses(tmp_path, write_ck, flag, value, msg):
+    write_ck(tmp_path, "a checkpoint gc keeps")
+    p = ds4_cmd("kv", "gc", tmp_path, "--budget-mb", "1", flag, value, check=False)
+    assert p.returncode == 2 and f"{flag} {msg}" in p.stderr
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".kv")]) == 1
 
 
 @pytest.mark.parametrize("n", [-1, 0, 40, 49, 32769])

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..config import DEFAULT_BUDGET_MB, ENGINE_KINDS, add_engine_args, add_kv_args
+from ..config import DEFAULT_BUDGET_MB, ENGINE_KINDS, add_engine_args, add_kv_args, add_policy_args
 from ..serve_args import add_serve_args
 from .kvremote import add_remote_args
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
@@ -99,6 +99,7 @@ def _kv_parser(sub: Any) -> None:
         metavar="F",
         help=SHARE_HELP + ": a tenant over it loses its own checkpoints first (with --budget-mb; default 1)",
     )
+    add_policy_args(k)  # ds4 serve's own flags: gc evicts in the server's order
     k.add_argument("--dry-run", action="store_true")
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("rm", help="remove checkpoints")
