@@ -395,6 +395,43 @@ def test_kv_usage_errors(tmp_path):
     assert ds4_cmd("kv", "show", tmp_path, check=False).returncode == 2
 
 
+# -- ds4 kv lookup: the longest stored prefix of a prompt -----------------------------
+def test_kv_lookup_finds_the_longest_stored_prefix(tmp_path):
+    d, paths = _v2_dir(tmp_path)  # 64, 128 and every token of one conversation
+    cks = {os.path.basename(p): open_checkpoint(p, load_payload=False) for p in paths}
+    longest = max(cks, key=lambda n: cks[n].text_bytes)
+    short = min(cks, key=lambda n: cks[n].text_bytes)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(bytes(cks[longest].text) + b" and a new turn")
+    r, rc = ds4_json("kv", "lookup", d, prompt)
+    assert rc == 0 and r["hit"] and r["name"] == longest
+    assert (r["tokens"], r["text_bytes"], r["reason"]) == (cks[longest].tokens, cks[longest].text_bytes, "evict")
+    assert r["prompt_bytes"] == cks[longest].text_bytes + len(b" and a new turn")
+    # a prompt that leaves the conversation after the shortest one: that one
+    prompt.write_bytes(bytes(cks[short].text) + b"\x01 something else")
+    r, rc = ds4_json("kv", "lookup", d, prompt)
+    assert rc == 0 and (r["name"], r["reason"], r["tokens"]) == (short, "cold", 64)
+    p = ds4_cmd("kv", "lookup", d, prompt)
+    assert p.stdout.startswith(f"hit {short} tokens=64 text_bytes={cks[short].text_bytes} reason=cold")
+    # a miss: exit 1, said so
+    prompt.write_bytes(b"a prompt nothing was stored for")
+    r, rc = ds4_json("kv", "lookup", d, prompt, check=False)
+    assert rc == 1 and not r["hit"] and r["name"] is None
+    p = ds4_cmd("kv", "lookup", d, prompt, check=False)
+    assert p.returncode == 1 and p.stdout.startswith("miss:")
+
+
+def test_kv_lookup_usage_errors(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"some prompt")
+    p = ds4_cmd("kv", "lookup", tmp_path / "missing", prompt, check=False)
+    assert p.returncode == 2 and "not a directory" in p.stderr and not (tmp_path / "missing").exists()
+    p = ds4_cmd("kv", "lookup", tmp_path, tmp_path / "no-prompt.txt", check=False)
+    assert p.returncode == 2 and "cannot read the prompt file" in p.stderr
+    p = ds4_cmd("kv", "lookup", tmp_path, check=False)
+    assert p.returncode == 2  # argparse: PROMPT_FILE is required
+
+
 # -- ds4 kv gc: ds4 serve's eviction knobs ------------------------------------------
 def _two_files(d, write_ck, a, b):
     """Two checkpoints of about one size (within 4 %), ``a`` and ``b`` as
@@ -756,13 +793,17 @@ def _modules_after(argv: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "action", [["ls"], ["ls", "--verify"], ["stats"], ["stats", "--plot", "-"], ["verify"], ["show", "--json"]]
+    "action",
+    [["ls"], ["ls", "--verify"], ["stats"], ["stats", "--plot", "-"], ["verify"], ["show", "--json"], ["lookup"]],
 )
 def test_kv_imports_no_server_engine_turn_llguidance_or_matplotlib(tmp_path, write_ck, action):
     path = write_ck(tmp_path, "a checkpoint that ds4 kv lists, shows and verifies")
     argv = ["kv", action[0], path if action[0] == "show" else str(tmp_path), *action[1:]]
+    if action[0] == "lookup":
+        (tmp_path / "prompt.bin").write_bytes(bytes(open_checkpoint(path, load_payload=False).text) + b" more")
+        argv = ["kv", "lookup", str(tmp_path), str(tmp_path / "prompt.bin"), *action[1:]]
     mods = _modules_after(argv)
-    assert "ds4.cli.kv" in mods  # the command ran
+    assert ("ds4.cli.kvlookup" if action[0] == "lookup" else "ds4.cli.kv") in mods  # the command ran
     heavy = [m for m in mods if any(m == h or m.startswith(h + ".") for h in HEAVY)]
     assert heavy == [], f"ds4 {' '.join(argv)} imported {heavy}"
 
