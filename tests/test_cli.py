@@ -806,6 +806,9 @@ def test_kv_imports_no_server_engine_turn_llguidance_or_matplotlib(tmp_path, wri
     assert ("ds4.cli.kvlookup" if action[0] == "lookup" else "ds4.cli.kv") in mods  # the command ran
     heavy = [m for m in mods if any(m == h or m.startswith(h + ".") for h in HEAVY)]
     assert heavy == [], f"ds4 {' '.join(argv)} imported {heavy}"
+    if action[0] == "lookup":  # a lookup makes no array: not even numpy, the session or the ladder
+        light = [m for m in mods if m.split(".")[0] == "numpy" or m in ("ds4.session", "ds4.recovery", "ds4.engine")]
+        assert light == [], f"ds4 {' '.join(argv)} imported {light}"
 
 
 def test_the_parser_is_built_without_the_server():

@@ -12,10 +12,12 @@ import argparse
 import importlib.util
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .engine import Engine
 from .kvstore import KVStore, RemoteTier, StorePolicy
+
+if TYPE_CHECKING:  # the engine module loads numpy: ds4 kv never needs it
+    from .engine import Engine
 
 __all__ = [
     "DEFAULT_BUDGET_MB",
