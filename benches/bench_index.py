@@ -25,7 +25,14 @@ Rows (median of --repeats runs, warm page cache):
    ``ds4_find_prefix.c`` (ds4's directory rescan, 52-byte header reads and
    find_text_prefix, compiled here with ``cc -O2 ... -lcrypto``), timed
    inside its own process. Target at 10,000: ds4 / C <= 1.0.
-   ``--no-fresh`` skips it.
+   ``--no-fresh`` skips it (and 1b).
+1b. whole process: the wall time of a child process from start to exit
+   (interpreter start, ``import ds4``, open, first lookup, the answer
+   printed) for ``python -m ds4 kv lookup DIR PROMPT_FILE`` and for the
+   library's shortest script (``python -c``: ``from ds4.kvstore import
+   KVStore``, open, ``candidates(prompt).entries[0]``, print), against the
+   wall time of the C executable doing the same, alternated, medians of
+   --repeats (at least 3). Target (issue 23, item 2): <= 1.0.
 2. warm hit: ``KVStore.candidates(prompt)`` and its first entry (what the
    ladder pays for a hit, refresh included) against one SHA-1 of the
    whole prompt (``_core.sha1_hex``). Target: <= 1.5 (issue 23: at N =
@@ -175,6 +182,47 @@ print(json.dumps({"open_ms": (t1 - t0) * 1e3, "lookup_ms": (t2 - t1) * 1e3, "bes
                   "files": st.summary()["files"], "rebuilds": st.stats["index_rebuilds"]}))
 """
 
+#: the library's shortest path, as a user's script: import, open, first lookup, print
+_LIB = (
+    "import sys\n"
+    "from ds4.kvstore import KVStore\n"
+    "prompt = open(sys.argv[2], 'rb').read()\n"
+    "best = KVStore(sys.argv[1], budget_mb=1 << 30, min_tokens=1).candidates(prompt).entries[0]\n"
+    "print(best.name, best.text_bytes)\n"
+)
+
+
+def _wall(cmd: list[str]) -> tuple[float, str]:
+    """Wall time (ms) of one whole child process, start to exit, and its stdout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    ms = (time.perf_counter() - t0) * 1e3
+    if p.returncode != 0:
+        raise RuntimeError(f"{cmd} -> {p.returncode}: {p.stderr}")
+    return ms, p.stdout
+
+
+def whole_process(d: str, pfile: str, c_bin: str, best: int, repeats: int) -> dict[str, float]:
+    """Row 1b: the wall time of a whole process (interpreter start, imports,
+    open, first lookup, print, exit) for ``ds4 kv lookup DIR PROMPT_FILE``
+    (``python -m ds4``), for the library's shortest script (``_LIB``) and
+    for the C executable, alternated, medians in ms. Each answer is checked."""
+    cli, lib, c = [], [], []
+    for _ in range(max(3, repeats)):
+        ms, out = _wall([sys.executable, "-m", "ds4", "kv", "lookup", d, pfile])
+        assert f"text_bytes={best} " in out, out
+        cli.append(ms)
+        ms, out = _wall([sys.executable, "-c", _LIB, d, pfile])
+        assert out.split()[1] == str(best), out
+        lib.append(ms)
+        ms, out = _wall([c_bin, d, pfile])
+        assert out.split()[2] == str(best), out
+        c.append(ms)
+    med = statistics.median
+    return {"cli_wall_ms": med(cli), "lib_wall_ms": med(lib), "c_wall_ms": med(c)}
+
+
 _RSS = r"""
 import sys, json
 from ds4 import _core
@@ -250,6 +298,7 @@ def bench(d: str, n: int, m: int, repeats: int, c_bin: str, prompt_bytes: int, f
     files = sum(1 for name in os.listdir(d) if name.endswith(".kv"))
     assert all(r["best"] == max(matching) and r["files"] == files and r["rebuilds"] == 0 for r in ours), ours
     assert all(r["best"] == max(matching) and r["files"] == files for r in theirs), theirs
+    walls = whole_process(d, pfile, c_bin, max(matching), repeats) if fresh else {}
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     ours_total = statistics.median(r["open_ms"] + r["lookup_ms"] for r in ours) if ours else float("nan")
     c_total = statistics.median(r["open_ms"] + r["lookup_ms"] for r in theirs)
@@ -274,6 +323,9 @@ def bench(d: str, n: int, m: int, repeats: int, c_bin: str, prompt_bytes: int, f
         "c_total_ms": c_total,
         "c_hashed": theirs[0]["hashed"],
         "fresh_ratio": ours_total / c_total,
+        **walls,
+        "cli_wall_ratio": walls["cli_wall_ms"] / walls["c_wall_ms"] if walls else None,
+        "lib_wall_ratio": walls["lib_wall_ms"] / walls["c_wall_ms"] if walls else None,
         "warm_hit_ms": warm["hit_ms"],
         "lookup_all_ms": warm["lookup_all_ms"],
         "sha1_pass_ms": warm["sha1_pass_ms"],
@@ -299,6 +351,13 @@ def _print(r: dict) -> None:
             f"(open {r['fresh_open_ms']:.1f} + lookup {r['fresh_lookup_ms']:.1f}) vs C {r['c_total_ms']:.1f} ms: "
             f"{r['fresh_ratio']:.3f}x" + ("  target <= 1.0: " + ("PASS" if r["fresh_ratio"] <= 1.0 else "MISS"))
         )
+    if r["cli_wall_ratio"] is not None:
+        for what, k in (("ds4 kv lookup", "cli"), ("python -c (ds4.kvstore)", "lib")):
+            ratio = r[f"{k}_wall_ratio"]
+            print(
+                f"  whole process, {what}: {r[f'{k}_wall_ms']:.1f} ms vs the C executable {r['c_wall_ms']:.1f} ms: "
+                f"{ratio:.3f}x  target <= 1.0: " + ("PASS" if ratio <= 1.0 else "MISS")
+            )
     print(
         f"  warm hit (candidates + first entry) {r['warm_hit_ms']:.3f} ms vs one SHA-1 pass {r['sha1_pass_ms']:.3f} ms:"
         f" {r['warm_ratio']:.2f}x  target <= 1.5: {'PASS' if r['warm_ratio'] <= 1.5 else 'MISS'}"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pexpect
 import pytest
 
@@ -394,6 +395,98 @@ def test_kv_usage_errors(tmp_path):
     assert ds4_cmd("kv", "show", tmp_path, check=False).returncode == 2
 
 
+# -- ds4 kv lookup: the longest stored prefix of a prompt -----------------------------
+def test_kv_lookup_finds_the_longest_stored_prefix(tmp_path):
+    d, paths = _v2_dir(tmp_path)  # 64, 128 and every token of one conversation
+    cks = {os.path.basename(p): open_checkpoint(p, load_payload=False) for p in paths}
+    longest = max(cks, key=lambda n: cks[n].text_bytes)
+    short = min(cks, key=lambda n: cks[n].text_bytes)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(bytes(cks[longest].text) + b" and a new turn")
+    r, rc = ds4_json("kv", "lookup", d, prompt)
+    assert rc == 0 and r["hit"] and r["name"] == longest
+    assert (r["tokens"], r["text_bytes"], r["reason"]) == (cks[longest].tokens, cks[longest].text_bytes, "evict")
+    assert r["prompt_bytes"] == cks[longest].text_bytes + len(b" and a new turn")
+    # a prompt that leaves the conversation after the shortest one: that one
+    prompt.write_bytes(bytes(cks[short].text) + b"\x01 something else")
+    r, rc = ds4_json("kv", "lookup", d, prompt)
+    assert rc == 0 and (r["name"], r["reason"], r["tokens"]) == (short, "cold", 64)
+    p = ds4_cmd("kv", "lookup", d, prompt)
+    assert p.stdout.startswith(f"hit {short} tokens=64 text_bytes={cks[short].text_bytes} reason=cold")
+    # a miss: exit 1, said so
+    prompt.write_bytes(b"a prompt nothing was stored for")
+    r, rc = ds4_json("kv", "lookup", d, prompt, check=False)
+    assert rc == 1 and not r["hit"] and r["name"] is None
+    p = ds4_cmd("kv", "lookup", d, prompt, check=False)
+    assert p.returncode == 1 and p.stdout.startswith("miss:")
+
+
+def test_kv_lookup_usage_errors(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"some prompt")
+    p = ds4_cmd("kv", "lookup", tmp_path / "missing", prompt, check=False)
+    assert p.returncode == 2 and "not a directory" in p.stderr and not (tmp_path / "missing").exists()
+    p = ds4_cmd("kv", "lookup", tmp_path, tmp_path / "no-prompt.txt", check=False)
+    assert p.returncode == 2 and "cannot read the prompt file" in p.stderr
+    p = ds4_cmd("kv", "lookup", tmp_path, check=False)
+    assert p.returncode == 2  # argparse: PROMPT_FILE is required
+
+
+# -- ds4 kv gc: ds4 serve's eviction knobs ------------------------------------------
+def _two_files(d, write_ck, a, b):
+    """Two checkpoints of about one size (within 4 %), ``a`` and ``b`` as
+    (text, reason, tokens, age in s); the budget that keeps one of them."""
+    now = int(time.time())
+
+    def arrays(n):  # the tokens a load checks, padded to one size
+        return {"tokens": np.arange(n, dtype=np.int32), "pad": np.zeros(4 * (101 - n), np.uint8)}
+
+    paths = [
+        write_ck(d, text, arrays(tokens), reason=reason, tokens=tokens, created=now - age)
+        for text, reason, tokens, age in (a, b)
+    ]
+    sizes = [os.path.getsize(p) for p in paths]
+    assert max(sizes) < 1.04 * min(sizes)
+    return [os.path.basename(p) for p in paths], f"{(max(sizes) + 100) / 2**20:.6f}"
+
+
+def test_gc_keeps_a_young_never_hit_file_by_the_fresh_guard(tmp_path, write_ck):
+    # the young file scores a tenth of the old one: the guard (60 s, the
+    # default as ds4 serve's) spares it, no guard evicts it
+    (old, young), budget = _two_files(
+        tmp_path, write_ck, ("an old snapshot", "continued", 100, 3600), ("a new snapshot.", "continued", 10, 0)
+    )
+    for flags, evicted in (((), old), (("--kv-fresh-guard-s", "60"), old), (("--kv-fresh-guard-s", "0"), young)):
+        g, _ = ds4_json("kv", "gc", tmp_path, "--budget-mb", budget, *flags, "--dry-run")
+        assert g["evicted"] == [evicted], flags
+    g, _ = ds4_json("kv", "gc", tmp_path, "--budget-mb", budget, "--kv-fresh-guard-s", "0")
+    assert g["evicted"] == [young] and sorted(n for n in os.listdir(tmp_path) if n.endswith(".kv")) == [old]
+
+
+def test_gc_weighs_an_explicit_checkpoint_as_the_server(tmp_path, write_ck):
+    # the cold file scores half the continued one by ds4's formula: the
+    # weight 4 (the default) keeps it, the weight 1 (ds4's one score) evicts it
+    (cold, cont), budget = _two_files(
+        tmp_path, write_ck, ("a cold prefix", "cold", 50, 3600), ("a continued 1", "continued", 100, 3600)
+    )
+    for flags, evicted in (((), cont), (("--kv-explicit-weight", "4"), cont), (("--kv-explicit-weight", "1"), cold)):
+        g, _ = ds4_json("kv", "gc", tmp_path, "--budget-mb", budget, *flags, "--dry-run")
+        assert g["evicted"] == [evicted], flags
+    g, _ = ds4_json("kv", "gc", tmp_path, "--budget-mb", budget, "--kv-explicit-weight", "1")
+    assert g["evicted"] == [cold] and sorted(n for n in os.listdir(tmp_path) if n.endswith(".kv")) == [cont]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "msg"),
+    [("--kv-explicit-weight", "0.5", "must be >= 1"), ("--kv-fresh-guard-s", "-1", "must be >= 0")],
+)
+def test_gc_refuses_the_knobs_ds4_serve_refuses(tmp_path, write_ck, flag, value, msg):
+    write_ck(tmp_path, "a checkpoint gc keeps")
+    p = ds4_cmd("kv", "gc", tmp_path, "--budget-mb", "1", flag, value, check=False)
+    assert p.returncode == 2 and f"{flag} {msg}" in p.stderr
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".kv")]) == 1
+
+
 @pytest.mark.parametrize("n", [-1, 0, 40, 49, 32769])
 def test_bench_refuses_sizes_it_cannot_build(n):
     """Below the smallest chat prompt (50 tokens with the reference
@@ -700,15 +793,22 @@ def _modules_after(argv: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "action", [["ls"], ["ls", "--verify"], ["stats"], ["stats", "--plot", "-"], ["verify"], ["show", "--json"]]
+    "action",
+    [["ls"], ["ls", "--verify"], ["stats"], ["stats", "--plot", "-"], ["verify"], ["show", "--json"], ["lookup"]],
 )
 def test_kv_imports_no_server_engine_turn_llguidance_or_matplotlib(tmp_path, write_ck, action):
     path = write_ck(tmp_path, "a checkpoint that ds4 kv lists, shows and verifies")
     argv = ["kv", action[0], path if action[0] == "show" else str(tmp_path), *action[1:]]
+    if action[0] == "lookup":
+        (tmp_path / "prompt.bin").write_bytes(bytes(open_checkpoint(path, load_payload=False).text) + b" more")
+        argv = ["kv", "lookup", str(tmp_path), str(tmp_path / "prompt.bin"), *action[1:]]
     mods = _modules_after(argv)
-    assert "ds4.cli.kv" in mods  # the command ran
+    assert ("ds4.cli.kvlookup" if action[0] == "lookup" else "ds4.cli.kv") in mods  # the command ran
     heavy = [m for m in mods if any(m == h or m.startswith(h + ".") for h in HEAVY)]
     assert heavy == [], f"ds4 {' '.join(argv)} imported {heavy}"
+    if action[0] == "lookup":  # a lookup makes no array: not even numpy, the session or the ladder
+        light = [m for m in mods if m.split(".")[0] == "numpy" or m in ("ds4.session", "ds4.recovery", "ds4.engine")]
+        assert light == [], f"ds4 {' '.join(argv)} imported {light}"
 
 
 def test_the_parser_is_built_without_the_server():

@@ -188,6 +188,17 @@ def test_a_continued_save_supersedes_the_nested_continued_ones(eng, tmp_path, mo
     assert [e.name for e in st.entries()] == [os.path.basename(c3), os.path.basename(cold)]
 
 
+def test_supersede_off_keeps_every_snapshot(eng, tmp_path):
+    # the policy's switch (the replay bench's "before" arm): the same saves
+    # as above, nothing superseded
+    assert StorePolicy().supersede is True
+    st = KVStore(tmp_path, min_tokens=8, supersede=False)
+    c1 = _save(eng, st, 64, "continued")
+    c2 = _save(eng, st, 96, "continued", among=[c1])
+    c3 = _save(eng, st, 128, "continued", among=[c1, c2])
+    assert _kv(tmp_path) == sorted(os.path.basename(p) for p in (c1, c2, c3)) and st.stats["superseded"] == 0
+
+
 def test_two_nested_continued_go_the_cold_one_stays(eng, tmp_path):
     """Two nested older continued snapshots and one cold one; the continued
     save removes both continued, keeps the cold one. (Each older snapshot is

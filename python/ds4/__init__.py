@@ -10,15 +10,22 @@ Quick tour::
     print(report.rung, report.reused_tokens)
 """
 
-from typing import Any
+from __future__ import annotations
 
-from . import errors, keytext
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._core import __version__ as _core_version
-from .checkpoint import Checkpoint, open_checkpoint, write_checkpoint
-from .engine import Engine, EngineContext
-from .kvstore import KVStore
-from .recovery import RecoveryReport, recover
-from .session import Rewrite, Session
+
+if TYPE_CHECKING:
+    from . import errors, keytext
+    from .checkpoint import Checkpoint, open_checkpoint, write_checkpoint
+    from .engine import Engine, EngineContext
+    from .engines.llamacpp import LlamaCppEngine
+    from .engines.reference import ReferenceEngine
+    from .kvstore import KVStore
+    from .recovery import RecoveryReport, recover
+    from .session import Rewrite, Session
 
 __version__ = _core_version
 
@@ -41,17 +48,36 @@ __all__ = [
 ]
 
 
+#: where each public name lives, imported when first asked for (``import
+#: ds4`` loads only the extension; ``from ds4.kvstore import KVStore`` never
+#: loads numpy, the engines or the ladder): engines, the session and the
+#: ladder pull in numpy, llama_cpp is heavy and optional
+_LAZY = {
+    "Checkpoint": "checkpoint",
+    "open_checkpoint": "checkpoint",
+    "write_checkpoint": "checkpoint",
+    "Engine": "engine",
+    "EngineContext": "engine",
+    "KVStore": "kvstore",
+    "RecoveryReport": "recovery",
+    "recover": "recovery",
+    "Rewrite": "session",
+    "Session": "session",
+    "ReferenceEngine": "engines.reference",
+    "LlamaCppEngine": "engines.llamacpp",
+}
+_SUBMODULES = ("errors", "keytext")
+
+
 def __getattr__(name: str) -> object:
-    # Engines are imported lazily: llama_cpp is heavy and optional at import.
-    if name == "ReferenceEngine":
-        from .engines.reference import ReferenceEngine
-
-        return ReferenceEngine
-    if name == "LlamaCppEngine":
-        from .engines.llamacpp import LlamaCppEngine
-
-        return LlamaCppEngine
-    raise AttributeError(f"module 'ds4' has no attribute {name!r}")
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'ds4' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value  # asked once
+    return value
 
 
 def __dir__() -> list[str]:

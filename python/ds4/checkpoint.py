@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from . import _core
 from .errors import CheckpointError, EngineStateError, TensorTableError, TokenCountMismatchError
+
+if TYPE_CHECKING:  # numpy is imported where arrays are made: a store that only looks up never loads it
+    import numpy as np
 
 __all__ = [
     "REASONS",
@@ -33,8 +34,9 @@ TOKENS_TENSOR = "tokens"
 
 REASONS: tuple[str, ...] = tuple(_core.REASONS)
 
-BytesLike = bytes | bytearray | memoryview | np.ndarray
 Buffer = bytes | bytearray | memoryview
+if TYPE_CHECKING:
+    BytesLike = Buffer | np.ndarray
 
 
 def reason_code(reason: str | int) -> int:
@@ -49,10 +51,14 @@ def reason_code(reason: str | int) -> int:
 def _as_text(text: str | BytesLike) -> Buffer:
     if isinstance(text, str):
         return text.encode("utf-8")
-    return text.data if isinstance(text, np.ndarray) else text
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        return text
+    return text.data  # an ndarray
 
 
 def _tensor_entry(name: str, a: np.ndarray | BytesLike) -> tuple[str, str, list[int], memoryview]:
+    import numpy as np
+
     if not isinstance(a, np.ndarray):
         a = np.frombuffer(a, dtype=np.uint8)
     if a.dtype.byteorder == ">":
@@ -128,6 +134,8 @@ class Checkpoint:
         return self._core.tensor_table()
 
     def _view(self, name: str, dtype: str, shape: list[int], nbytes: int) -> np.ndarray:
+        import numpy as np
+
         dt = np.dtype(dtype)
         buf = self._core.tensor_buffer(name)
         # numpy's stubs list the buffer types they know, not PEP 688's Buffer
@@ -165,6 +173,8 @@ def check_tokens(arrays: Mapping[str, np.ndarray], n_tokens: int) -> np.ndarray:
     """The payload's ``tokens`` tensor, checked against the header: int32,
     one dimension, ``n_tokens`` (at least one) entries, none negative.
     Raises typed corrupt-checkpoint errors."""
+    import numpy as np
+
     toks = arrays.get(TOKENS_TENSOR)
     if toks is None or toks.ndim != 1 or toks.dtype != np.int32:
         raise EngineStateError("payload has no int32 'tokens' tensor")

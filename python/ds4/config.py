@@ -12,18 +12,22 @@ import argparse
 import importlib.util
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .engine import Engine
 from .kvstore import KVStore, RemoteTier, StorePolicy
+
+if TYPE_CHECKING:  # the engine module loads numpy: ds4 kv never needs it
+    from .engine import Engine
 
 __all__ = [
     "DEFAULT_BUDGET_MB",
     "ENGINE_KINDS",
     "add_engine_args",
     "add_kv_args",
+    "add_policy_args",
     "build_engine",
     "check_kv_args",
+    "check_policy_args",
     "engine_kind",
     "engine_model_id",
     "make_store",
@@ -152,22 +156,7 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
     g.add_argument(
         "--kv-cache-reject-different-quant", action="store_true", help="skip checkpoints of another quantization"
     )
-    g.add_argument(
-        "--kv-explicit-weight",
-        type=float,
-        default=4.0,
-        metavar="W",
-        help="eviction scores explicit checkpoints (cold, evict, shutdown) W times a continued one "
-        "(>= 1; default 4, ds4 PR #177; 1: one score for all)",
-    )
-    g.add_argument(
-        "--kv-fresh-guard-s",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="a checkpoint never hit and younger than S seconds is evicted only when nothing else can go "
-        "(default 60; 0: no guard)",
-    )
+    add_policy_args(g)
     g.add_argument("--kv-quarantine-dir", metavar="DIR", help="move corrupt checkpoints here instead of deleting them")
     g.add_argument(
         "--kv-trust-dir",
@@ -203,6 +192,41 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
     )
 
 
+def add_policy_args(g: argparse._ActionsContainer) -> None:
+    """The eviction order's knobs, ``--kv-explicit-weight`` and
+    ``--kv-fresh-guard-s`` (:class:`StorePolicy`'s ``explicit_weight`` and
+    ``fresh_guard_s``): one definition for ``ds4 serve``, ``run``, ``chat``
+    (through :func:`add_kv_args`) and ``ds4 kv gc``, so the offline
+    eviction orders files as the server does (:func:`check_policy_args`
+    checks them)."""
+    g.add_argument(
+        "--kv-explicit-weight",
+        type=float,
+        default=StorePolicy.explicit_weight,
+        metavar="W",
+        help="eviction scores explicit checkpoints (cold, evict, shutdown) W times a continued one "
+        "(>= 1; default 4, ds4 PR #177; 1: one score for all)",
+    )
+    g.add_argument(
+        "--kv-fresh-guard-s",
+        type=float,
+        default=StorePolicy.fresh_guard_s,
+        metavar="S",
+        help="a checkpoint never hit and younger than S seconds is evicted only when nothing else can go "
+        "(default 60; 0: no guard)",
+    )
+
+
+def check_policy_args(args: argparse.Namespace) -> str | None:
+    """:func:`add_policy_args`'s rules (ds4 serve's, run's, chat's and kv
+    gc's); an error message or None."""
+    if not getattr(args, "kv_explicit_weight", 4.0) >= 1.0:
+        return "--kv-explicit-weight must be >= 1"
+    if not getattr(args, "kv_fresh_guard_s", 60.0) >= 0.0:
+        return "--kv-fresh-guard-s must be >= 0"
+    return None
+
+
 def check_kv_args(args: argparse.Namespace) -> str | None:
     """ds4's argument rules; returns an error message or None."""
     if args.kv_cache_min_tokens < 1:
@@ -215,10 +239,9 @@ def check_kv_args(args: argparse.Namespace) -> str | None:
         return "boundary trim and align must be >= 0"
     if args.kv_disk_space_mb <= 0:
         return "--kv-disk-space-mb must be > 0"
-    if not getattr(args, "kv_explicit_weight", 4.0) >= 1.0:
-        return "--kv-explicit-weight must be >= 1"
-    if not getattr(args, "kv_fresh_guard_s", 60.0) >= 0.0:
-        return "--kv-fresh-guard-s must be >= 0"
+    policy = check_policy_args(args)
+    if policy is not None:
+        return policy
     if not 0.0 < getattr(args, "kv_tenant_share", 1.0) <= 1.0:
         return "--kv-tenant-share must be in (0, 1]"
     try:

@@ -6,6 +6,7 @@
     ds4 run    -p TEXT [--max-tokens N] [--raw] [--json] [--json-schema F]  one-shot generation
     ds4 chat   [--system TEXT] [--kv-disk-dir DIR] ...                      interactive REPL
     ds4 kv     ls|show|verify|gc|rm|stats DIR [...] [--json]                inspect a checkpoint directory
+    ds4 kv     lookup DIR PROMPT_FILE [--json]                           the longest stored prefix of a prompt
     ds4 kv     stats DIR --plot FILE.png|-                                  its pictures (a PNG, or terminal bars)
     ds4 kv     ls|stats|verify|gc|rm --remote URL, push|pull DIR --remote URL   the shared tier
     ds4 bench  [--tokens N] [--model PATH] [--json]                         headline figures on this machine
@@ -29,7 +30,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..config import DEFAULT_BUDGET_MB, ENGINE_KINDS, add_engine_args, add_kv_args
+from ..config import DEFAULT_BUDGET_MB, ENGINE_KINDS, add_engine_args, add_kv_args, add_policy_args
 from ..serve_args import add_serve_args
 from .kvremote import add_remote_args
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
@@ -99,7 +100,12 @@ def _kv_parser(sub: Any) -> None:
         metavar="F",
         help=SHARE_HELP + ": a tenant over it loses its own checkpoints first (with --budget-mb; default 1)",
     )
+    add_policy_args(k)  # ds4 serve's own flags: gc evicts in the server's order
     k.add_argument("--dry-run", action="store_true")
+    k.add_argument("--json", action="store_true")
+    k = ksub.add_parser("lookup", help="the longest stored prefix of a prompt (exit 0 on a hit, 1 on a miss)")
+    k.add_argument("dir", help="directory")
+    k.add_argument("prompt_file", metavar="PROMPT_FILE", help="the prompt's key text (its bytes, as stored)")
     k.add_argument("--json", action="store_true")
     k = ksub.add_parser("rm", help="remove checkpoints")
     k.add_argument("dir", nargs="?", help="directory (with --remote: the first name)")
@@ -228,6 +234,10 @@ def _command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int] | 
         return _remote_command(args)
     if getattr(args, "kvcmd", None) and getattr(args, "dir", "") is None:
         return _usage(f"ds4 kv {args.kvcmd}: give a directory (or --remote URL)")
+    if args.kvcmd == "lookup":  # the store alone: no inspection module
+        from .kvlookup import kv_lookup
+
+        return kv_lookup
     from .kv import KV_COMMANDS
 
     return KV_COMMANDS.get(args.kvcmd)

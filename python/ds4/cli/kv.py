@@ -13,7 +13,7 @@ import stat
 import sys
 import time
 
-from ..config import DEFAULT_BUDGET_MB
+from ..config import DEFAULT_BUDGET_MB, check_policy_args
 from ..keytext import plain_text
 from ..kvstore import (
     KVStore,
@@ -254,6 +254,8 @@ class _Gc:
             scan=False,
             trust_dir=True,
             tenant_share=args.tenant_share or 1.0,
+            explicit_weight=args.kv_explicit_weight,
+            fresh_guard_s=args.kv_fresh_guard_s,
         )
         self.removed: list[Info] = []
         self.quarantined: list[str] = []
@@ -341,6 +343,10 @@ def kv_gc(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.tenant_share is not None and args.budget_mb is None:
         print("ds4 kv gc: --tenant-share is a share of --budget-mb: give both", file=sys.stderr)
+        return EXIT_USAGE
+    bad = check_policy_args(args)
+    if bad is not None:
+        print(f"ds4 kv gc: {bad}", file=sys.stderr)
         return EXIT_USAGE
     cks, tmps, _ = scan_dir(args.dir)
     before = _bytes_of(cks)

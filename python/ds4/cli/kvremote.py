@@ -15,11 +15,20 @@ from collections.abc import Callable
 from ..config import read_auth_key
 from ..errors import RemoteTierError
 from ..kvstore import KVStore
+from ..kvstore.rejection import RejectionLog
 from ..kvstore.remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
-from ..recovery import RecoveryReport
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, human_bytes, report_removed, table
 
 __all__ = ["REMOTE_COMMANDS", "add_remote_args"]
+
+
+def _report() -> RejectionLog:
+    """A ladder's report to collect a download's rejections in (imported
+    here: the ladder's module loads the session and numpy, which the
+    directory's commands, ``ds4 kv lookup`` above all, never need)."""
+    from ..recovery import RecoveryReport
+
+    return RecoveryReport()
 
 
 def add_remote_args(k: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -123,7 +132,7 @@ def remote_verify(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="ds4-kv-verify-") as scratch:
             store = KVStore(scratch, remote=tier, auth_key=key, scan=False)
             for e in found.entries:
-                rep = RecoveryReport()
+                rep = _report()
                 if store.pull(e, rep) is not None:
                     ok += 1
                     store.remove(e.name)  # the scratch directory holds one checkpoint at a time
@@ -212,7 +221,7 @@ def remote_pull(args: argparse.Namespace) -> int:
         for e in entries:
             if e.name in have:
                 continue
-            rep = RecoveryReport()
+            rep = _report()
             (pulled if store.pull(e, rep) is not None else failed).append(e.name)
     except RemoteTierError as err:
         print(f"ds4 kv pull: {err}", file=sys.stderr)

@@ -47,6 +47,10 @@ class StorePolicy:
     #: an entry never hit and younger than this (seconds since it was
     #: written) is evicted only when nothing else can go (0: no guard)
     fresh_guard_s: float = 60.0
+    #: a continued save removes the continued snapshots of its own prefill
+    #: that it supersedes (ds4 PR #175; False: every snapshot stays, ds4's
+    #: store before it, the "before" arm of ``benches/bench_store_replay.py``)
+    supersede: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.tenant_share <= 1.0:

@@ -166,7 +166,7 @@ def store_live(
             return None
         store.counters["stores"] += 1
         store.index.index_file(name, path, stat_key(os.lstat(path)))
-        if reason == "continued" and supersedes:
+        if reason == "continued" and supersedes and store.policy.supersede:
             supersede(store, text, name, sess.payload_abi, supersedes)
         if store.remote is not None:  # shared in the background: never adds to this request's latency
             store.remote.enqueue(path, sess.payload_abi, n, len(text))
