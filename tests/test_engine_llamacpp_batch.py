@@ -1,0 +1,199 @@
+"""Batched decode (``ds4.engines.llamacpp_batch``, issue 22 item 3), on both
+real models: one llama context of N sequences whose one-token steps go into
+one ``llama_decode``. Exactness is the condition: every sequence's logits,
+step by step, are the bits a cold single-session context gives for the same
+prompt, whatever the batch held (1 to 4 sequences, of different lengths,
+joining, leaving and starting over on a reused stream), and a sequence's
+exported state is the one a single context exports.
+
+Nothing here is skipped: both models ship with the test setup."""
+
+from __future__ import annotations
+
+import models
+import numpy as np
+import pytest
+
+from ds4.engines import llamacpp_batch as B
+from ds4.engines.llamacpp_context import LlamaCppContext
+from ds4.errors import EngineError
+
+N_CTX = 256
+#: per prompt: (its text, the step it starts at, how many tokens it decodes)
+SCHEDULE = (
+    ("A short note about apples.", 0, 9),
+    ("The history of the river, told slowly and with many small details about its banks.", 1, 4),
+    ("List three colours: red, green, and", 3, 7),
+    (
+        "Dear reader, this letter is long. " * 6 + "It ends with a question: why do otters hold hands?",
+        3,
+        5,
+    ),
+    ("One more conversation starts on a stream another one left:", 6, 6),
+)
+
+
+def _prompt(eng, text):
+    head = [eng.bos_token_id] if eng.add_bos else []
+    return head + eng.tokenize(text)
+
+
+def _alone(eng, prompt, n):
+    """A cold single-session context's logits for ``prompt`` and its ``n``
+    greedy tokens (the first entry is the prompt's last logits)."""
+    c = LlamaCppContext(eng, N_CTX)
+    try:
+        seen = [c.eval(prompt).copy()]
+        for _ in range(n):
+            seen.append(c.eval([int(np.argmax(seen[-1]))]).copy())
+    finally:
+        c.close()
+    return seen
+
+
+@pytest.fixture(scope="module", params=models.MODELS)
+def world(request):
+    eng = models.engine(request.param)
+    prompts = [_prompt(eng, text) for text, _, _ in SCHEDULE]
+    assert len({len(p) for p in prompts}) == len(prompts), "different lengths"
+    cold = [_alone(eng, p, n) for p, (_, _, n) in zip(prompts, SCHEDULE, strict=True)]
+    return eng, prompts, cold
+
+
+def test_the_engine_finds_its_batched_steps_exact(world):
+    eng, _, _ = world
+    assert B.batched_exact(eng, [list(range(11, 20)), list(range(40, 63)), list(range(70, 75))])
+    shared = eng.batched_contexts(3, N_CTX)
+    assert isinstance(shared, B.SharedContext) and len(shared.contexts) == 3
+    for c in shared.contexts:
+        c.close()
+    assert shared.ctx is None  # the last sequence closed frees the llama context
+
+
+def test_mixed_batches_of_one_to_four_are_bit_identical_to_single_sessions(world):
+    """Five conversations over four streams: they join at different steps,
+    the second leaves early and the fifth starts on its reused stream, so
+    the steps hold 1, 2, 3 and 4 sequences of different lengths."""
+    eng, prompts, cold = world
+    shared = B.SharedContext(eng, 4, N_CTX)
+    ctxs = shared.contexts
+    seq_of = {0: 0, 1: 1, 2: 2, 3: 3, 4: 1}  # the fifth reuses the second's stream
+    got: dict[int, list[np.ndarray]] = {}
+    try:
+        for t in range(12):
+            for k, (_, start, _) in enumerate(SCHEDULE):
+                if start == t:
+                    c = ctxs[seq_of[k]]
+                    if c.n_past:
+                        c.reset()  # the stream's cells only
+                    got[k] = [c.eval(prompts[k]).copy()]
+            live = [k for k in got if len(got[k]) <= SCHEDULE[k][2]]
+            live = [k for k in live if not (k == 1 and 4 in got)]
+            if not live:
+                continue
+            items = [(ctxs[seq_of[k]], int(np.argmax(got[k][-1]))) for k in live]
+            out = shared.decode_many(items)
+            for k, (c, tok), lg in zip(live, items, out, strict=True):
+                c.accept(tok, lg)
+                got[k].append(lg)
+    finally:
+        for c in ctxs:
+            c.close()
+    assert set(shared.steps) == {1, 2, 3, 4}, shared.steps
+    for k, seen in got.items():
+        assert len(seen) == len(cold[k]), k
+        same = [bool(np.array_equal(a, b)) for a, b in zip(seen, cold[k], strict=True)]
+        assert all(same), (k, same)
+
+
+def test_a_sequence_exports_the_state_a_single_context_exports(world):
+    """Restreamed to the one-stream form: a checkpoint made in a pool is the
+    file a single session writes, and a single session's state loads into
+    any sequence and goes on to the same logits."""
+    eng, prompts, cold = world
+    single = LlamaCppContext(eng, N_CTX)
+    shared = B.SharedContext(eng, 3, N_CTX)
+    try:
+        single.eval(prompts[2])
+        ref = single.export_state()
+        shared.contexts[0].eval(prompts[0])  # the other streams hold other states
+        sc = shared.contexts[2]
+        sc.eval(prompts[2])
+        mine = sc.export_state()
+        assert set(mine) == set(ref)
+        for name in ref:
+            assert np.array_equal(mine[name], ref[name]), name
+        other = shared.contexts[1]
+        other.import_state(ref, len(prompts[2]))
+        assert np.array_equal(other.last_logits(), cold[2][0])
+        tok = int(np.argmax(cold[2][0]))
+        (lg,) = shared.decode_many([(other, tok)])
+        assert np.array_equal(lg, cold[2][1])
+    finally:
+        single.close()
+        for c in shared.contexts:
+            c.close()
+
+
+def test_a_step_posted_by_several_threads_runs_as_one_batch(world):
+    """The pool's path: each lane posts its token and hands over; the lane
+    that gets the turn back first runs one batch for every posted token."""
+    eng, prompts, cold = world
+    shared = B.SharedContext(eng, 2, N_CTX)
+    a, b = shared.contexts
+    try:
+        a.eval(prompts[0])
+        b.eval(prompts[2])
+        ta, tb = int(np.argmax(cold[0][0])), int(np.argmax(cold[2][0]))
+        inner: list[np.ndarray] = []
+
+        def handover():
+            # the first lane's handover: the second lane posts and runs the batch
+            shared.handover = lambda: None
+            inner.append(b.eval([tb]).copy())
+
+        shared.handover = handover
+        la = a.eval([ta])
+        assert shared.steps == {2: 1}  # one llama_decode for both
+        assert np.array_equal(la, cold[0][1]) and np.array_equal(inner[0], cold[2][1])
+    finally:
+        for c in shared.contexts:
+            c.close()
+
+
+def test_a_failed_batched_step_fails_every_posted_sequence_and_resets_it(world, monkeypatch):
+    eng, prompts, _ = world
+    shared = B.SharedContext(eng, 2, N_CTX)
+    a, b = shared.contexts
+    try:
+        a.eval(prompts[0])
+        b.eval(prompts[1])
+        monkeypatch.setattr(shared._lc, "llama_decode", lambda ctx, batch: 1)
+        with pytest.raises(EngineError, match="batched"):
+            a.eval([1])
+        assert a.n_past == 0 and b.n_past == len(prompts[1])  # the failed one only is reset
+    finally:
+        monkeypatch.undo()
+        for c in shared.contexts:
+            c.close()
+
+
+def test_an_engine_whose_batches_differ_decodes_per_session(monkeypatch):
+    """A build whose batched steps are not bit-identical (the check at the
+    first call) gets no shared context: the pool decodes per session."""
+    import ds4.engines.llamacpp as L
+
+    eng = L.LlamaCppEngine(model_path=models.model_path("smollm2"))
+    try:
+        asked = []
+        monkeypatch.setattr(L, "batched_exact", lambda *a, **k: asked.append(a) or False)
+        assert eng.batched_contexts(2, N_CTX) is None and len(asked) == 1
+        assert eng.batched_contexts(3, N_CTX) is None and len(asked) == 1  # checked once
+        monkeypatch.undo()
+        eng._batched_ok = None
+        shared = eng.batched_contexts(2, N_CTX)
+        assert shared is not None
+        for c in shared.contexts:
+            c.close()
+    finally:
+        eng.close()

@@ -1,0 +1,95 @@
+"""``ds4 serve --sessions 4 --batch-decode auto`` on llama.cpp, with both
+real models: four conversations sent at once, two turns each. The
+residents' decode steps share llama_decode calls (``/health``'s
+``batched`` counts steps of more than one sequence), and every reply is
+the one a cold single-session server gives (issue 22, item 3's
+condition), the second turns being live hits on their own residents."""
+
+from __future__ import annotations
+
+import threading
+
+import models
+import pytest
+from test_server import KV_FLAGS, Server, _extra
+
+TOPICS = ("apples", "rivers", "the moon", "bicycles")
+MAX_TOKENS = 12
+
+
+def _msgs(topic):
+    return [{"role": "user", "content": f"Tell me one fact about {topic}. Answer in one short sentence."}]
+
+
+def _args(model):
+    return ["--threads", "2", *([] if model == "smollm2" else ["--model", models.model_path(model)])]
+
+
+@pytest.fixture(scope="module", params=models.MODELS)
+def servers(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"batch-{request.param}")
+    flags = _args(request.param)
+    cold = Server(str(tmp), "cold", "--no-kv-cache", *flags, engine="llamacpp")
+    pool = Server(
+        str(tmp),
+        "pool",
+        "--sessions",
+        "4",
+        "--batch-decode",
+        "auto",
+        "--kv-disk-dir",
+        str(tmp / "kv"),
+        *KV_FLAGS,
+        *flags,
+        engine="llamacpp",
+    )
+    cold.start(timeout=180)
+    try:
+        pool.start(timeout=180)
+    except BaseException:
+        cold.stop()
+        raise
+    yield cold, pool
+    pool.stop()
+    cold.stop()
+
+
+def _all_at_once(srv, convs):
+    """One request per conversation, all in flight together."""
+    out: dict[str, object] = {}
+    errs: list[BaseException] = []
+    model = srv.model()
+
+    def ask(topic):
+        try:
+            out[topic] = srv.client().chat.completions.create(model=model, messages=convs[topic], max_tokens=MAX_TOKENS)
+        except BaseException as e:  # reported below
+            errs.append(e)
+
+    ts = [threading.Thread(target=ask, args=(t,)) for t in convs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(600)
+    assert not errs, errs
+    return out
+
+
+def test_four_conversations_batched_equal_a_cold_single_session_server(servers):
+    cold, pool = servers
+    assert pool.health()["batched"]["sequences"] == 4, pool.health()
+    convs = {t: _msgs(t) for t in TOPICS}
+    for turn in range(2):
+        got = _all_at_once(pool, convs)
+        for t in TOPICS:
+            ref = cold.client().chat.completions.create(model=cold.model(), messages=convs[t], max_tokens=MAX_TOKENS)
+            r = got[t]
+            text = r.choices[0].message.content
+            assert text == ref.choices[0].message.content, (t, turn)
+            assert r.usage.completion_tokens == ref.usage.completion_tokens
+            if turn == 1 and "\ufffd" not in convs[t][-2]["content"]:
+                assert _extra(r)["rung"] == "live", (t, _extra(r))
+            convs[t] = [*convs[t], {"role": "assistant", "content": text}, {"role": "user", "content": "Why?"}]
+    steps = {int(k): v for k, v in pool.health()["batched"]["steps"].items()}
+    assert any(k >= 2 for k in steps), steps  # the residents' steps did share llama_decode calls
+    assert sum(k * v for k, v in steps.items()) <= 2 * len(TOPICS) * MAX_TOKENS
