@@ -86,7 +86,7 @@ class Server:
             cmd = [sys.executable, os.path.join(here, "..", "tests", "scripted_serve.py"), "--engine", "reference"]
         elif cmd is None:
             cmd = [sys.executable, "-m", "ds4", "serve", "--engine", engine]
-        args = [*cmd, "--port", str(self.port), "--ctx", str(ctx)]
+        args = [*cmd, "--port", str(self.port), "--ctx", str(ctx), "--sessions", "1"]  # one session, as measured
         self.proc = subprocess.Popen([*args, *extra], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:

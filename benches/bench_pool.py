@@ -5,8 +5,11 @@ all running at once, against
 
 * (a) ``ds4 serve`` with one session (the default: a switch between agents
   saves the live state and resumes the next from disk),
-* (b) ``ds4 serve --sessions K`` (the pool: each agent's turns are live
-  hits on its resident, the lanes take turns token by token),
+* (b) ``ds4 serve --sessions K --batch-decode off`` (the pool: each
+  agent's turns are live hits on its resident, the lanes take turns token
+  by token, each resident decoding in its own context),
+* (c) ``ds4 serve --sessions K --batch-decode auto`` (the pool, its
+  residents' decode steps in one ``llama_decode``; at K = 1 it is (b)),
 * (d) llama-cpp-python's own server (``python -m llama_cpp.server``) on the
   same GGUF, threads and context, with its prompt cache on
   (``--cache true``, its RAM cache; ``--interrupt_requests false``, or a
@@ -21,8 +24,9 @@ Reported for each K and server: aggregate generated tokens/s (all agents'
 completion tokens over the wall time), p50 and p95 time to first token as
 the client sees it (request sent to first content byte), the prefilled
 tokens (prompt tokens not served from a cache: ds4's ``cached_tokens``;
-llama-cpp-python's own "prompt eval ... tokens" log lines), and whether
-(b)'s replies equal (a)'s (greedy: they must)::
+llama-cpp-python's own "prompt eval ... tokens" log lines), whether (b)'s
+and (c)'s replies equal (a)'s (greedy: they must), and (c)'s batched steps
+by how many sequences they held (its ``/health``)::
 
     python benches/bench_pool.py --agents 1 2 4 --turns 10
 """
@@ -186,9 +190,12 @@ def run_one(kind: str, n_agents: int, system: str, args: argparse.Namespace, tmp
         sessions = 1 if kind == "ds4 1 session" else n_agents
         kv = os.path.join(tmp, f"kv-{kind.replace(' ', '-')}-{n_agents}")
         cmd = [sys.executable, "-m", "ds4", "serve", "--model", args.model, *common, "--kv-disk-dir", kv]
+        cmd += ["--batch-decode", "auto" if kind == "ds4 pool batched" else "off"]
         srv = Proc([*cmd, "--sessions", str(sessions), "--default-max-tokens", str(args.max_tokens)], log)
     try:
         res = drive(srv.base, system, n_agents, args)
+        if kind == "ds4 pool batched":
+            res["batched"] = httpx.get(srv.base + "/health", timeout=10).json().get("batched")
     finally:
         srv.stop()
     if kind == "llama-cpp-python":
@@ -214,13 +221,14 @@ def main() -> int:
     args = ap.parse_args()
     args.model = args.model or default_model_path()
     system = shared_system(args.system_tokens, args.model)
-    kinds = ["ds4 1 session", "ds4 pool"] + ([] if args.no_llama_cpp_python else ["llama-cpp-python"])
+    kinds = ["ds4 1 session", "ds4 pool", "ds4 pool batched"]
+    kinds += [] if args.no_llama_cpp_python else ["llama-cpp-python"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="ds4-bench-pool-") as tmp:
         for n in args.agents:
             got = {kind: run_one(kind, n, system, args, tmp) for kind in kinds}
             a = got["ds4 1 session"]
-            same = got["ds4 pool"]["replies"] == a["replies"]
+            same = all(got[k]["replies"] == a["replies"] for k in ("ds4 pool", "ds4 pool batched"))
             print(
                 f"\nK = {n} agents x {args.turns} turns, {args.system_tokens}-token system prompt, model {args.model}"
             )
@@ -233,7 +241,8 @@ def main() -> int:
                 pf = r["prefilled"]
                 line = f"{kind:18}{r['tokens_per_s']:9.1f}{r['ttft_p50_ms']:10.0f}{r['ttft_p95_ms']:10.0f}{pf:10d}"
                 print(f"{line}   {ratio}")
-            print(f"pool replies identical to one session's: {'yes' if same else 'NO'}")
+            print(f"pool replies (both) identical to one session's: {'yes' if same else 'NO'}")
+            print(f"batched steps by sequences: {got['ds4 pool batched'].get('batched')}")
             for r in got.values():
                 r.pop("replies")
                 rows.append({**r, "pool_replies_identical": same})

@@ -72,6 +72,8 @@ class Server:
                 str(ctx),
                 "--log-level",
                 "warning",
+                "--sessions",
+                "1",  # the one-session server these figures are about (extra may say otherwise)
                 *extra,
             ],
             stdout=self.log,

@@ -45,7 +45,7 @@ class ScriptedServer(Server):
         cmd = [sys.executable, os.path.join(HERE, "scripted_serve.py"), "--engine", "reference"]
         if engine is not None:
             cmd = [sys.executable, "-m", "ds4", "serve", "--engine", engine]
-        self.args = [*cmd, "--port", str(self.port), "--ctx", str(ctx), *args]
+        self.args = [*cmd, "--port", str(self.port), "--ctx", str(ctx), "--sessions", "1", *args]
 
     def reset(self) -> None:
         """Replace the live session with an unrelated one (a cold run next)."""

@@ -63,6 +63,11 @@ class Server:
             str(ctx),
             "--default-max-tokens",
             "16",
+            # one live session, as the tests here are written for (a switch
+            # saves and resumes from disk); a test of the pool gives its own
+            # --sessions, which comes later and wins
+            "--sessions",
+            "1",
             *args,
         ]
         self.base = f"http://127.0.0.1:{self.port}"

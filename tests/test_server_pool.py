@@ -270,6 +270,28 @@ def test_sessions_auto_takes_as_many_contexts_as_the_budget_holds(tmp_path):
         srv.stop()
 
 
+def test_the_default_is_a_pool_sized_from_memory(tmp_path):
+    """With no --sessions, ds4 serve sizes its pool from memory (auto): at
+    least two residents when two fit, and batched decode where the engine
+    has it (the reference engine has not)."""
+    from ds4.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.sessions, args.batch_decode) == ("auto", "auto")
+    srv = Server(str(tmp_path), "default")
+    at = srv.args.index("--sessions")
+    del srv.args[at : at + 2]  # the harness's pin to one session
+    assert "--sessions" not in srv.args
+    srv.start()
+    try:
+        h = srv.health()
+        assert len(h["sessions"]) >= 2, h  # this machine holds two reference contexts many times over
+        assert "--sessions auto: " in srv.text_log()
+        assert "batched" not in h
+    finally:
+        srv.stop()
+
+
 def test_sessions_that_do_not_fit_the_budget_are_refused_at_start():
     import subprocess
     import sys

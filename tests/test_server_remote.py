@@ -122,7 +122,7 @@ class _InProcess:
         from ds4.server.guard import Guard
         from ds4.server.serve import build_app
 
-        flags = ["serve", "--engine", "reference", "--ctx", str(CTX), "--default-max-tokens", "16"]
+        flags = ["serve", "--engine", "reference", "--ctx", str(CTX), "--default-max-tokens", "16", "--sessions", "1"]
         args = build_parser().parse_args(
             [*flags, "--kv-disk-dir", str(tmp / f"kv-{name}"), "--kv-remote", url, *KV_FLAGS, *extra]
         )

@@ -46,11 +46,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sessions",
         type=_sessions,
-        default=1,
+        default="auto",
         metavar="N|auto",
         help="resident live sessions, each its own engine context of --ctx tokens: a request goes to the one "
         "holding its prefix, and up to N requests run at once, taking turns token by token "
-        "(docs/DESIGN.md, 'Session pool'); auto: as many as fit in --sessions-mem-mb (at most 8); default 1",
+        "(docs/DESIGN.md, 'Session pool'); auto (the default): as many as fit in --sessions-mem-mb (at least 1, "
+        "at most 8); 1: one live session, every switch between conversations saved and resumed from disk",
     )
     p.add_argument(
         "--sessions-mem-mb",
@@ -63,10 +64,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-decode",
         choices=("auto", "off"),
-        default="off",
+        default="auto",
         help="with --sessions > 1 on llama.cpp: the residents' decode steps in one llama_decode, where this "
-        "build gives bit-identical logits (checked at start; docs/DESIGN.md, 'Batched decode'); "
-        "off: each resident decodes in its own context (default off, until the suite covers auto)",
+        "build gives bit-identical logits (auto, the default: checked at start; docs/DESIGN.md, "
+        "'Batched decode'); off: each resident decodes in its own context",
     )
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
     p.add_argument(
