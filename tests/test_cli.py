@@ -778,6 +778,9 @@ def test_demo_main_job_end_to_end(tmp_path):
 HEAVY = ("ds4.server", "ds4.turn", "ds4.engines", "ds4.constrain", "llguidance", "matplotlib")
 
 
+TIER_MODULES = ("ds4.kvstore.remote", "ds4.kvstore.remote_io", "ds4.kvstore.tiered", "ds4.kvstore.uploads")
+
+
 def _modules_after(argv: list[str]) -> list[str]:
     """The modules a fresh interpreter holds after ``ds4.cli.main(argv)``."""
     code = (
@@ -809,6 +812,9 @@ def test_kv_imports_no_server_engine_turn_llguidance_or_matplotlib(tmp_path, wri
     if action[0] == "lookup":  # a lookup makes no array: not even numpy, the session or the ladder
         light = [m for m in mods if m.split(".")[0] == "numpy" or m in ("ds4.session", "ds4.recovery", "ds4.engine")]
         assert light == [], f"ds4 {' '.join(argv)} imported {light}"
+    # no directory command needs the shared tier's client (its modules load when a tier is given)
+    tier = [m for m in mods if m.split(".")[0] == "redis" or m in TIER_MODULES]
+    assert tier == [], f"ds4 {' '.join(argv)} imported {tier}"
 
 
 def test_the_parser_is_built_without_the_server():

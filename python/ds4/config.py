@@ -14,10 +14,11 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from .kvstore import KVStore, RemoteTier, StorePolicy
+from .kvstore import KVStore, StorePolicy
 
-if TYPE_CHECKING:  # the engine module loads numpy: ds4 kv never needs it
+if TYPE_CHECKING:  # the engine module loads numpy, the tier's the Redis client: ds4 kv never needs them
     from .engine import Engine
+    from .kvstore.remote import RemoteTier
 
 __all__ = [
     "DEFAULT_BUDGET_MB",
@@ -332,4 +333,6 @@ def _remote_tier(args: argparse.Namespace) -> RemoteTier | None:
     url = getattr(args, "kv_remote", None)
     if not url:
         return None
+    from .kvstore.remote import RemoteTier
+
     return RemoteTier(url, ttl_s=args.kv_remote_ttl, cooldown_s=args.kv_remote_cooldown)

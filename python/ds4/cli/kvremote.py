@@ -11,12 +11,16 @@ import json
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..config import read_auth_key
 from ..errors import RemoteTierError
 from ..kvstore import KVStore
 from ..kvstore.rejection import RejectionLog
-from ..kvstore.remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
+from ..kvstore.remote_layout import DEFAULT_NAMESPACE
+
+if TYPE_CHECKING:  # the tier's client is imported by the commands that use it, not by the parser
+    from ..kvstore.remote import RemoteEntry, RemoteTier
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, human_bytes, report_removed, table
 
 __all__ = ["REMOTE_COMMANDS", "add_remote_args"]
@@ -43,6 +47,8 @@ def add_remote_args(k: argparse.ArgumentParser, *, required: bool = False) -> No
 
 
 def _tier(args: argparse.Namespace) -> RemoteTier:
+    from ..kvstore.remote import RemoteTier
+
     return RemoteTier(args.remote, namespace=args.namespace, fail_threshold=1, cooldown_s=0)
 
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import os
 import time
@@ -86,13 +87,13 @@ from .loads import open_for
 from .policy import StorePolicy
 from .records import RecordStore
 from .rejection import Refusal, Rejection, RejectionLog
-from .remote import DEFAULT_NAMESPACE, RemoteEntry, RemoteTier
 from .remove import evict_entries, is_regular, remove_exact
 from .save import CHATML_MARKERS, chat_anchor, store_live
-from .tiered import SharedTier
 
 if TYPE_CHECKING:
     from ..session import Session
+    from .remote import RemoteEntry, RemoteTier
+    from .tiered import SharedTier
 
 log = logging.getLogger("ds4.kvstore")
 
@@ -134,6 +135,16 @@ __all__ = [
 ]
 
 
+#: the shared tier's names this package re-exports, imported when first asked for
+_LAZY = {"RemoteTier": "remote", "RemoteEntry": "remote", "DEFAULT_NAMESPACE": "remote", "SharedTier": "tiered"}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+
+
 class KVStore:
     """A checkpoint directory with ds4's store policy (defaults are ds4's).
 
@@ -151,7 +162,7 @@ class KVStore:
         trust_dir: bool = False,
         remote: str | RemoteTier | None = None,
         remote_ttl_s: int = 0,
-        remote_namespace: str = DEFAULT_NAMESPACE,
+        remote_namespace: str | None = None,
         auth_key: bytes | None = None,
         **knobs: Any,
     ):
@@ -167,10 +178,13 @@ class KVStore:
         #: with a key, every checkpoint written carries a MAC and every one
         #: read must carry a valid one (docs/FORMAT.md §1.9)
         self.auth_key = auth_key
+        if isinstance(remote, str):  # the tier's modules load for a tier only (a lookup never needs them)
+            from .remote import DEFAULT_NAMESPACE, RemoteTier
+
+            ns = DEFAULT_NAMESPACE if remote_namespace is None else remote_namespace
+            remote = RemoteTier(remote, ttl_s=remote_ttl_s, namespace=ns)
         #: the shared tier (None: this directory only)
-        self.remote = (
-            RemoteTier(remote, ttl_s=remote_ttl_s, namespace=remote_namespace) if isinstance(remote, str) else remote
-        )
+        self.remote = remote
         self._lock = DirLock(self.dir)
         # small JSON records (stored Responses) in records/: at most 1 % of
         # the budget, and counted in it (eviction makes room for them)
@@ -190,16 +204,11 @@ class KVStore:
             try_lock=self._lock.try_held,
         )
         #: what this directory does with the tier's files (:mod:`.tiered`)
-        self._tiered = (
-            None
-            if self.remote is None
-            else SharedTier(
-                self.remote,
-                self.dir,
-                open_for=self._open_remote,
-                adopt=self._adopt,
-            )
-        )
+        self._tiered = None
+        if self.remote is not None:
+            from .tiered import SharedTier
+
+            self._tiered = SharedTier(self.remote, self.dir, open_for=self._open_remote, adopt=self._adopt)
         if scan:
             self.index.open()
             if self.total_bytes() > self.budget_bytes:
