@@ -69,6 +69,19 @@ def test_fresh_means_never_hit_and_younger_than_the_guard():
     assert not _e("x", created=NOW - 10).fresh(NOW, 0)  # no guard
     assert not _e("x", created=0).fresh(NOW, 60)  # no creation time: not known to be fresh
     assert _e("x", created=NOW + 5).fresh(NOW, 60)  # a clock behind the writer's
+    assert not _e("x", created=NOW + 5).fresh(NOW, 0)  # ... but no guard is no guard
+    assert _e("x", created=NOW).fresh(NOW, 0.5)  # any positive guard, under a second too
+    # the creation time 0 means unknown, whatever the clock says; 1 is a time
+    assert not _e("x", created=0).fresh(30, 60)
+    assert _e("x", created=1).fresh(30, 60)
+
+
+def test_plan_eviction_defaults_to_ds4s_order():
+    # without the knobs, plan_eviction is ds4's: one weight for every reason, no guard
+    ents = [_e("cold", "cold", tokens=60), _e("cont", "continued", tokens=100)]
+    assert [e.name for e in plan_eviction(ents, 100, NOW)] == ["cold"]  # 0.6 scores below 1.0
+    ents = [_e("fresh", "continued", tokens=10, created=NOW), _e("old", "continued", hits=3, last_used=NOW - 30)]
+    assert [e.name for e in plan_eviction(ents, 100, NOW)] == ["fresh"]  # written this second, not guarded
 
 
 @pytest.mark.parametrize("share", [1.0, 0.5])
