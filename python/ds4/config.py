@@ -188,7 +188,7 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         choices=("none", "zstd"),
         default="none",
         help="payload codec of the checkpoints written: none (v2, loaded zero-copy; the default) or zstd "
-        "(v3: 1 MiB frames, bytes of each f16 split, then zstd; about 14%% fewer bytes on disk and to the "
+        "(v3: 1 MiB frames, bytes of each f16 split, then zstd; 13.5-14.7%% fewer bytes on disk and to the "
         "shared tier, a slower load: docs/BENCHMARKS.md section 14)",
     )
     g.add_argument(
