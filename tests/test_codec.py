@@ -24,7 +24,7 @@ from kv_helpers import BASE, prefilled
 import ds4
 from ds4.checkpoint import open_checkpoint
 from ds4.config import add_kv_args, check_kv_args, make_store
-from ds4.errors import BadFrameError, FrameTableError, PayloadChecksumError, UnsupportedCodecError
+from ds4.errors import BadFrameError, FrameTableError, MacMismatchError, PayloadChecksumError, UnsupportedCodecError
 from ds4.kvstore import KVStore, StorePolicy
 
 CTX = 4096
@@ -46,7 +46,8 @@ def _reseal(path, edit=None):
     if edit is not None:
         edit(b, ck)
     meta_len = struct.unpack_from("<I", b, 20)[0]
-    struct.pack_into("<Q", b, 80, xxhash.xxh3_64_intdigest(bytes(b[off:])))
+    end = off + struct.unpack_from("<Q", b, 40)[0]  # the stored frames (a MAC may follow)
+    struct.pack_into("<Q", b, 80, xxhash.xxh3_64_intdigest(bytes(b[off:end])))
     fixed = bytearray(b[:96])
     for lo, hi in ((12, 16), (32, 40), (88, 96)):
         fixed[lo:hi] = bytes(hi - lo)
@@ -206,3 +207,26 @@ def test_the_shared_tier_moves_the_stored_compressed_bytes(eng, tmp_path):
         b.close()
     finally:
         srv.stop()
+
+
+def test_an_authenticated_compressed_store_round_trips_and_refuses_another_key(eng, tmp_path):
+    key = ds4._core.derive_auth_key(b"a codec test secret, not for use")
+    st = _store(tmp_path, auth_key=key)
+    path = st.store_live_prefix(prefilled(eng, BASE * 2), "cold")
+    ck = open_checkpoint(path, auth_key=key)
+    assert (ck.version, ck.authenticated, ck.codec) == (3, True, "zstd")
+    assert ck.file_size == ck.payload_offset + ck.payload_bytes + 32  # the MAC after the stored frames
+    del ck
+    prompt = BASE * 2 + " and the rest"
+    s = ds4.Session(eng, ctx=CTX)
+    assert ds4.recover(s, st, prompt, evict_save=False).rung == "disk"
+    other = ds4._core.derive_auth_key(b"another secret of sixteen bytes")
+    with pytest.raises(MacMismatchError):
+        open_checkpoint(path, auth_key=other)
+    # a stored byte changed and the payload checksum resealed: only the MAC sees it,
+    # before a frame is decompressed (without the key, the frame's own checks do)
+    _reseal(path, lambda b, ck: b.__setitem__(ck.payload_offset + 5, b[ck.payload_offset + 5] ^ 1))
+    with pytest.raises(MacMismatchError):
+        open_checkpoint(path, auth_key=key)
+    with pytest.raises(BadFrameError):
+        open_checkpoint(path)
