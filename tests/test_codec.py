@@ -230,3 +230,29 @@ def test_an_authenticated_compressed_store_round_trips_and_refuses_another_key(e
         open_checkpoint(path, auth_key=key)
     with pytest.raises(BadFrameError):
         open_checkpoint(path)
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_a_real_models_compressed_state_resumes_bit_for_bit(model, tmp_path):
+    """SmolLM2 and Gemma 3 through llama.cpp (tests/models.py): a state
+    stored as v3 at 700 tokens (past Gemma 3's 512-token window), loaded
+    into a new session and continued, gives a cold prefill's logits and
+    greedy tokens."""
+    from models import engine, text_tokens
+
+    eng = engine(model)
+    toks = text_tokens(eng, 760)
+    st = _store(tmp_path)
+    src = ds4.Session(eng, ctx=2048)
+    src.sync(toks[:700])
+    path = st.store_live_prefix(src, "cold")
+    ck = open_checkpoint(path, expected_abi=src.payload_abi)
+    assert (ck.version, ck.codec) == (3, "zstd") and ck.payload_bytes < 0.9 * ck.raw_payload_bytes
+    s = ds4.Session(eng, ctx=2048)
+    s.load_checkpoint(ck)
+    assert s.tokens == toks[:700]
+    s.sync(toks)
+    cold = ds4.Session(eng, ctx=2048)
+    cold.sync(toks)
+    assert np.array_equal(s.logits, cold.logits)
+    assert s.generate(8) == cold.generate(8)
