@@ -495,3 +495,33 @@ fn no_single_bit_flip_of_a_v3_file_loads_anything_but_the_original() {
         );
     }
 }
+
+/// A 0-byte payload (no tensors, or one empty tensor): no frames, an empty
+/// stored section, and the same (empty) payload as v2.
+#[test]
+fn an_empty_payload_has_no_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty: [u64; 1] = [0];
+    let one = [TensorSrc {
+        name: "e",
+        dtype: Dtype::F16,
+        shape: &empty,
+        data: &[],
+    }];
+    for (i, tensors) in [&[][..], &one[..]].into_iter().enumerate() {
+        let text = format!("empty {i}").into_bytes();
+        let p = dir.path().join(name(&text));
+        let c = span(true, 1);
+        write_compressed(&p, &meta(), &text, tensors, None, false, &c).unwrap();
+        let ck = open_both(&p, &VerifyOptions::default()).unwrap();
+        let codec = ck.header.codec.as_ref().unwrap();
+        assert!(codec.frames.is_empty());
+        assert_eq!(
+            (ck.header.payload_bytes, ck.header.raw_payload_bytes),
+            (0, 0)
+        );
+        assert_eq!(ck.payload().unwrap(), b"");
+        assert_eq!(ck.file_len, ck.header.payload_offset);
+        assert_eq!(ck.header.tensors.len(), tensors.len());
+    }
+}
