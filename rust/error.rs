@@ -42,7 +42,7 @@ pub enum Error {
     TooShort { need: u64, have: u64 },
     #[error("bad magic {found:02x?}, expected \"KVC\"")]
     BadMagic { found: [u8; 3] },
-    #[error("format version {found} is not supported (this build reads versions 1 and 2)")]
+    #[error("format version {found} is not supported (this build reads versions 1, 2 and 3)")]
     UnsupportedVersion { found: u8 },
     #[error("reserved header byte at offset {offset} is {value:#04x}, not zero")]
     ReservedNonZero { offset: u64, value: u8 },
@@ -92,6 +92,12 @@ pub enum Error {
     MacMissing,
     #[error("the checkpoint's MAC does not match (forged, damaged, or written with another key)")]
     MacMismatch,
+    #[error("payload codec {codec} with filter {filter} is not one this build reads (zstd = 1; filters none = 0, shuffle2 = 1)")]
+    UnsupportedCodec { codec: u8, filter: u8 },
+    #[error("frame table: {0}")]
+    FrameTable(String),
+    #[error("payload frame {index} is bad: {reason}")]
+    BadFrame { index: usize, reason: String },
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -137,6 +143,9 @@ impl Error {
             Error::V1Ignored(_) => "v1_ignored",
             Error::MacMissing => "mac_missing",
             Error::MacMismatch => "mac_mismatch",
+            Error::UnsupportedCodec { .. } => "unsupported_codec",
+            Error::FrameTable(_) => "frame_table",
+            Error::BadFrame { .. } => "bad_frame",
             Error::Io(_) => "io",
         }
     }
@@ -160,7 +169,9 @@ impl Error {
             | Error::QuantMismatch { .. }
             | Error::CtxTooSmall { .. }
             | Error::V1Ignored(_)
-            | Error::MacMissing => "header",
+            | Error::MacMissing
+            | Error::UnsupportedCodec { .. }
+            | Error::FrameTable(_) => "header",
             Error::TextHashMismatch { .. }
             | Error::NameMismatch { .. }
             | Error::NotPrefix { .. }
@@ -169,7 +180,8 @@ impl Error {
             | Error::PayloadChecksum { .. }
             | Error::BadV1Payload(_)
             | Error::Changed
-            | Error::MacMismatch => "payload",
+            | Error::MacMismatch
+            | Error::BadFrame { .. } => "payload",
         }
     }
 
@@ -180,7 +192,8 @@ impl Error {
             | Error::QuantMismatch { .. }
             | Error::CtxTooSmall { .. }
             | Error::V1Ignored(_)
-            | Error::MacMissing => Class::Incompatible,
+            | Error::MacMissing
+            | Error::UnsupportedCodec { .. } => Class::Incompatible,
             Error::BadName { .. } | Error::NotPrefix { .. } | Error::Changed => Class::Mismatch,
             Error::Io(_) => Class::Io,
             _ => Class::Corrupt,

@@ -38,7 +38,7 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    fn zeroed(len: usize) -> Result<AlignedBuf> {
+    pub(crate) fn zeroed(len: usize) -> Result<AlignedBuf> {
         if len == 0 {
             // A dangling but 64-aligned pointer, so empty views stay aligned.
             return Ok(AlignedBuf {
@@ -57,7 +57,7 @@ impl AlignedBuf {
         }
         Ok(AlignedBuf { ptr, len })
     }
-    fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: ptr is valid for len initialised (zeroed) bytes, or dangling with len 0.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::format::bytes::le_u32;
 use crate::format::mac::{MacKey, MacState, MAC_BYTES};
 use crate::format::{
-    v1, v2, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2,
+    v1, v2, v3, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2, VERSION_V3,
 };
 use crate::hash::{self, Sha1Digest};
 use crate::payload::{self, Damage, Lease, Storage};
@@ -122,7 +122,7 @@ impl Checkpoint {
     /// verification rules out, when the header's range is not inside it).
     pub fn payload(&self) -> Option<&[u8]> {
         let s = self.storage.as_ref()?;
-        let len = usize::try_from(self.header.payload_bytes).ok()?;
+        let len = usize::try_from(self.header.raw_payload_bytes).ok()?;
         let end = self.payload_base.checked_add(len)?;
         s.bytes().get(self.payload_base..end)
     }
@@ -155,7 +155,7 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
     if let Some(prompt) = o.prompt {
         check_prompt_prefix(&text, digest, prompt)?;
     }
-    if header.version == VERSION_V2 {
+    if header.version != VERSION_V1 {
         check_padding(&file, &header, file_len)?;
     }
 
@@ -235,7 +235,7 @@ pub fn read_header(file: &File, file_len: u64) -> Result<Header> {
     let head = pread_vec(file, 0, file_len.min(V2_FIXED as u64), file_len)?;
     match v2::sniff(&head, file_len)? {
         VERSION_V1 => v1::parse_v1(&head, file_len),
-        VERSION_V2 => {
+        VERSION_V2 | VERSION_V3 => {
             let meta_len = v2::v2_meta_len(&head, file_len)?;
             let meta = pread_vec(file, V2_FIXED as u64, meta_len, file_len)?;
             v2::parse_v2(&head, &meta, file_len)
@@ -354,7 +354,10 @@ fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Resu
         let head = read_dsv4_head(file, &ck.header, ck.file_len)?;
         ck.dsv4 = Some(v1::decode_dsv4(&head, ck.header.tokens)?);
     } else {
-        v2::check_tensor_table(&ck.header.tensors, ck.header.payload_bytes)?;
+        v2::check_tensor_table(&ck.header.tensors, ck.header.raw_payload_bytes)?;
+    }
+    if ck.header.codec.is_some() {
+        return load_compressed(file, ck, o);
     }
     let checked = o.verify_checksum && ck.header.version == VERSION_V2;
     let mapped = if o.mmap {
@@ -366,7 +369,7 @@ fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Resu
         None
     };
     let mut mac = match o.auth_key {
-        Some(key) if ck.header.version == VERSION_V2 => Some(start_mac(file, ck, key)?),
+        Some(key) if ck.header.version != VERSION_V1 => Some(start_mac(file, ck, key)?),
         _ => None,
     };
     if let Some(storage) = mapped {
@@ -397,6 +400,41 @@ fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Resu
         }
     }
     ck.check_intact()
+}
+
+/// Payload stage, v3: the stored (compressed) payload is copied and its
+/// checksum and MAC checked over the copy, before anything is decompressed
+/// (what is checked is what is decoded); then the frames are decompressed
+/// one by one into an aligned buffer, each checked against its raw length
+/// and xxh3-64 ([`v3::decode_frames`]); the copy of the stored bytes is
+/// dropped once the last frame is decoded. Never mapped: the engine reads
+/// the decompressed buffer.
+fn load_compressed(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Result<()> {
+    let mut mac = match o.auth_key {
+        Some(key) => Some(start_mac(file, ck, key)?),
+        None => None,
+    };
+    let stored = Storage::copy(
+        file,
+        ck.header.payload_offset,
+        ck.header.payload_bytes,
+        ck.file_len,
+        o.verify_checksum.then_some(ck.header.payload_checksum),
+        mac.as_mut(),
+    )?;
+    if let Some(m) = mac {
+        let at = ck.header.payload_offset + ck.header.payload_bytes;
+        let tag = pread_vec(file, at, MAC_BYTES, ck.file_len)?;
+        if !m.matches(&tag) {
+            return Err(Error::MacMismatch);
+        }
+    }
+    let codec = ck.header.codec.as_ref().ok_or(Error::SizeOverflow)?;
+    let raw = v3::decode_frames(stored.bytes(), codec, ck.header.raw_payload_bytes)?;
+    drop(stored);
+    ck.storage = Some(Arc::new(Storage::Heap(raw)));
+    ck.payload_base = 0;
+    Ok(())
 }
 
 /// The MAC of `ck` up to its payload: the header and metadata (read again:
@@ -457,7 +495,7 @@ pub fn touch(path: &Path, now: u64) -> Result<u32> {
     let lock = FileLock::exclusive(&file)?;
     let head = pread_vec(&file, 0, file_len.min(40), file_len)?;
     let v = v2::sniff(&head, file_len)?;
-    if v != VERSION_V1 && v != VERSION_V2 {
+    if v != VERSION_V1 && v != VERSION_V2 && v != VERSION_V3 {
         return Err(Error::UnsupportedVersion { found: v });
     }
     if file_len < 40 {

@@ -142,7 +142,8 @@ def test_every_truncation_is_corrupt(originals, scratch, mmap):
 @pytest.mark.parametrize("mmap", [True, False])
 def test_every_single_bit_flip(originals, scratch, mmap, key):
     """Flips in hits/last_used load the original; a flip in the version byte is
-    an unsupported (newer/unknown) version; anything else is corrupt."""
+    an unsupported (newer/unknown) version, or v3 (2 ^ 1), whose header
+    checksum then fails (corrupt); anything else is corrupt."""
     data, text, sig = originals[key]
     assert len(data) > 400
     for i in range(len(data)):
@@ -153,6 +154,8 @@ def test_every_single_bit_flip(originals, scratch, mmap, key):
             where = f"flip byte {i} bit {bit}"
             if i in MUTABLE:
                 assert r == sig, f"{where}: a mutable field must not affect the load: {r!r}"
+            elif i == VERSION_BYTE and data[i] ^ (1 << bit) == 3:
+                assert isinstance(r, E.HeaderChecksumError), f"{where}: {r!r}"
             elif i == VERSION_BYTE:
                 assert isinstance(r, E.UnsupportedVersionError), f"{where}: {r!r}"
             else:
@@ -179,6 +182,8 @@ def test_truncation_and_single_flip_any_file(originals, scratch, key, data):
         r = try_open(scratch, bytes(flipped), text, mmap)
         if i in MUTABLE:
             assert r == sig
+        elif i == VERSION_BYTE and raw[i] ^ (1 << bit) == 3:  # read as v3: its header checksum fails
+            assert isinstance(r, E.HeaderChecksumError), r
         elif i == VERSION_BYTE:
             assert isinstance(r, E.UnsupportedVersionError), r
         else:

@@ -342,3 +342,65 @@ def test_the_mutable_fields_are_outside_the_header_checksum():
     ).replace("00000020: 00f1 5365", "00000020: 99f1 5365")
     assert edited.count("0700 0000") > doc.count("0700 0000") and "99f1 5365" in edited
     check_v2(edited)
+
+
+# ---- §4.4: v3 (zstd frames), with the zstandard package's C zstd ----
+
+
+def test_v3_vector_frames_and_checksums_from_the_documented_bytes():
+    """Every documented v3 value recomputed from the dump: the header
+    checksum over the fixed header and the metadata (frame table included),
+    the payload checksum over the stored frames, each frame decompressed
+    with the zstandard package to the shuffle2 of its span of §4.1's raw
+    payload, whose C XXH3 is the table's."""
+    import zstandard
+
+    doc = format_md()
+    b = parse_xxd(block(doc, "v3:hex"))
+    f = fields_dict(doc, "v3:fields")
+    assert b[3] == 3 and (b[53], b[54], b[55]) == (1, 1, 1) and u(b, 76, 4) == int(f["span"])
+    meta_len = u(b, 20, 4)
+    fixed = bytearray(b[:V2_FIXED])
+    for lo, hi in ((12, 16), (32, 40), (88, 96)):
+        fixed[lo:hi] = bytes(hi - lo)
+    hsum = xxh3_64(bytes(fixed) + b[V2_FIXED : V2_FIXED + meta_len])
+    assert hex_u64(hsum) == f["header_checksum"] and u(b, 88, 8) == hsum
+    po = int(f["payload_offset"])
+    assert po == -(-(V2_FIXED + meta_len + int(f["text_bytes"])) // ALIGN) * ALIGN
+    assert len(b) == po + u(b, 40, 8) == int(f["file_len"])
+    assert hex_u64(xxh3_64(b[po:])) == f["payload_checksum"] == hex_u64(u(b, 80, 8))
+    v2 = parse_xxd(block(doc, "v2:hex"))
+    raw = v2[len(v2) - u(v2, 40, 8) :]  # §4.1's payload: the same tensors
+    span = u(b, 76, 4)
+    n_at = V2_FIXED + u(v2, 20, 4)  # the frame table follows §4.1's metadata
+    n, table = u(b, n_at, 4), n_at + 4
+    assert n == 2 and table + 16 * n == V2_FIXED + meta_len
+    at = po
+    listed = [line for k, line in parse_fields(block(doc, "v3:fields")) if k == "frame"]
+    for i in range(n):
+        stored, rlen, h = u(b, table + 16 * i, 4), u(b, table + 16 * i + 4, 4), u(b, table + 16 * i + 8, 8)
+        assert listed[i] == f"stored={stored} raw={rlen} raw_xxh3={hex_u64(h)}"
+        piece = raw[i * span : i * span + rlen]
+        assert xxh3_64(piece) == h
+        got = zstandard.ZstdDecompressor().decompress(b[at : at + stored])
+        assert got == piece[0::2] + piece[1::2]
+        at += stored
+    assert at == len(b) and len(raw) == int(f["raw_payload_bytes"])
+
+
+def test_python_writer_reproduces_the_v3_dump(tmp_path):
+    import numpy as np
+
+    from ds4 import _core
+    from ds4.checkpoint import _tensor_entry
+
+    doc = format_md()
+    want = parse_xxd(block(doc, "v3:hex"))
+    f = fields_dict(doc, "v3:fields")
+    path = tmp_path / f["name"]
+    tensors = [_tensor_entry("logits", np.array([1, 2, 3, 4], dtype=np.float32)), _tensor_entry("blob", b"xyz")]
+    _core.write_checkpoint(
+        str(path), b"Hello, ds4!", tensors, abi="test/1", tokens=3, ctx=4096, reason=1, created=1_700_000_000,
+        codec="zstd", level=1, filter="shuffle2", span=64,
+    )  # fmt: skip
+    assert path.read_bytes() == want

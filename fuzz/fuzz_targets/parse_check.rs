@@ -34,10 +34,11 @@ fn raw_parsers(data: &[u8]) {
             assert_eq!(h.payload_offset % format::ALIGN, 0);
             assert_eq!(h.payload_offset + h.payload_bytes, len);
             assert_eq!(h.header_checksum, v2::header_checksum(head, meta));
-            if v2::check_tensor_table(&h.tensors, h.payload_bytes).is_ok() {
+            // v3: the tensors lie in the raw (decompressed) payload
+            if v2::check_tensor_table(&h.tensors, h.raw_payload_bytes).is_ok() {
                 for t in &h.tensors {
                     assert_eq!(t.offset % format::ALIGN, 0);
-                    assert!(t.offset + t.nbytes <= h.payload_bytes);
+                    assert!(t.offset + t.nbytes <= h.raw_payload_bytes);
                 }
             }
         }
@@ -78,8 +79,8 @@ fn pipeline(data: &[u8]) {
             let h = &x.header;
             assert_eq!(x.file_len, data.len() as u64);
             assert_eq!(x.text.len() as u64, u64::from(h.text_bytes));
-            assert_eq!(x.payload().unwrap().len() as u64, h.payload_bytes);
-            if h.version == 2 {
+            assert_eq!(x.payload().unwrap().len() as u64, h.raw_payload_bytes);
+            if h.version >= 2 {
                 let pl = x.payload().unwrap();
                 assert!(pl.is_empty() || (pl.as_ptr() as usize) % 64 == 0);
                 assert_eq!(h.text_sha1, Some(ds4::hash::sha1(&x.text)));

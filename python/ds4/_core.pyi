@@ -56,6 +56,10 @@ def write_checkpoint(
     created: int = 0,
     auth_key: bytes | None = None,
     drop_cache: bool = True,
+    codec: str = "none",
+    level: int = 1,
+    filter: str = "shuffle2",
+    span: int = 1048576,
 ) -> tuple[int, int]: ...
 def open_checkpoint(
     path: _Path,
@@ -114,6 +118,12 @@ class Checkpoint:
     def payload_bytes(self) -> int: ...
     @property
     def payload_offset(self) -> int: ...
+    @property
+    def raw_payload_bytes(self) -> int: ...
+    @property
+    def codec(self) -> str: ...
+    @property
+    def codec_params(self) -> tuple[str, int, int, int] | None: ...
     @property
     def text_bytes(self) -> int: ...
     @property

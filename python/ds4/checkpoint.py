@@ -84,8 +84,14 @@ def write_checkpoint(
     created: int | None = None,
     auth_key: bytes | None = None,
     drop_cache: bool = True,
+    codec: str = "none",
+    level: int = 1,
+    filter: str = "shuffle2",
 ) -> int:
-    """Write a v2 checkpoint durably (temp file, fsync, rename, fsync dir).
+    """Write a checkpoint durably (temp file, fsync, rename, fsync dir):
+    v2, or with ``codec="zstd"`` v3, its payload in 1 MiB frames each
+    compressed at ``level`` after ``filter`` (``"shuffle2"``: the bytes of
+    each f16 split; ``"none"``), docs/FORMAT.md §1.10.
 
     ``arrays`` maps tensor names to numpy arrays (any supported dtype) or
     bytes-like blobs (stored as uint8). They are streamed to disk in order,
@@ -108,12 +114,16 @@ def write_checkpoint(
         created=int(time.time()) if created is None else created,
         auth_key=auth_key,
         drop_cache=drop_cache,
+        codec=codec,
+        level=level,
+        filter=filter,
     )
     return size
 
 
 class Checkpoint:
-    """A verified checkpoint (v2, or ds4's v1) opened through the Rust core."""
+    """A verified checkpoint (v2 or v3, or ds4's v1) opened through the Rust
+    core. A v3 payload was decompressed into a buffer the arrays view."""
 
     def __init__(self, core: _core.Checkpoint):
         self._core = core

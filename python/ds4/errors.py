@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "ERROR_CODES",
     "AbiMismatchError",
+    "BadFrameError",
     "BadMagicError",
     "BadMetadataError",
     "BadNameError",
@@ -44,6 +45,7 @@ __all__ = [
     "EmptyPromptError",
     "EngineError",
     "EngineStateError",
+    "FrameTableError",
     "HeaderChecksumError",
     "HeaderTooLargeError",
     "ImportFailedError",
@@ -75,6 +77,7 @@ __all__ = [
     "TooShortError",
     "TrailingBytesError",
     "TruncatedCheckpointError",
+    "UnsupportedCodecError",
     "UnsupportedVersionError",
     "V1IgnoredError",
     "from_core",
@@ -241,6 +244,13 @@ class UnsupportedVersionError(IncompatibleCheckpointError):
     code, stage = "unsupported_version", "header"
 
 
+class UnsupportedCodecError(IncompatibleCheckpointError):
+    """A v3 file's payload codec or filter is not one this build reads
+    (kept: a newer ds4 may own it)."""
+
+    code, stage = "unsupported_codec", "header"
+
+
 class AbiMismatchError(IncompatibleCheckpointError):
     """The payload ABI (engine, model, layout) differs from the session's."""
 
@@ -311,6 +321,20 @@ class PayloadChecksumError(CorruptCheckpointError):
     """The payload checksum does not match the payload bytes."""
 
     code, stage = "payload_checksum", "payload"
+
+
+class FrameTableError(CorruptCheckpointError):
+    """A v3 frame table disagrees with the frame span or the stored payload."""
+
+    code, stage = "frame_table", "header"
+
+
+class BadFrameError(CorruptCheckpointError):
+    """A v3 payload frame does not decompress, decompresses to another
+    length than its table entry says, or its raw bytes do not match the
+    entry's hash: the load stops at that frame."""
+
+    code, stage = "bad_frame", "payload"
 
 
 class BadV1PayloadError(CorruptCheckpointError):

@@ -12,7 +12,9 @@ pub(crate) mod bytes;
 pub mod mac;
 pub mod v1;
 pub mod v2;
+pub mod v3;
 pub mod writer;
+pub mod writer_v3;
 
 use crate::error::{Error, Result};
 use crate::hash::Sha1Digest;
@@ -20,6 +22,8 @@ use crate::hash::Sha1Digest;
 pub const MAGIC: [u8; 3] = *b"KVC";
 pub const VERSION_V1: u8 = 1;
 pub const VERSION_V2: u8 = 2;
+/// v2 plus a compressed payload in frames (FORMAT.md §1.10).
+pub const VERSION_V3: u8 = 3;
 /// Size of the fixed v2 header.
 pub const V2_FIXED: usize = 96;
 /// Payload and every tensor start on a multiple of this.
@@ -170,6 +174,11 @@ pub struct Header {
     pub trailer_bytes: u64,
     /// v2: header byte 52 says a MAC trailer follows the payload.
     pub authenticated: bool,
+    /// Bytes the tensors take once decompressed: `payload_bytes` for v1
+    /// and v2; for v3 the sum of the frames' raw lengths.
+    pub raw_payload_bytes: u64,
+    /// v3: the codec, filter, frame span and frame table.
+    pub codec: Option<v3::Codec>,
 }
 
 pub fn align_up(x: u64) -> Option<u64> {

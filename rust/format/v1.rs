@@ -88,6 +88,8 @@ pub fn parse_v1(head: &[u8], file_len: u64) -> Result<Header> {
         total_len: file_len,
         trailer_bytes: trailer,
         authenticated: false,
+        raw_payload_bytes: payload_bytes,
+        codec: None,
     })
 }
 

@@ -7,7 +7,7 @@ use super::bytes::{byte, le_u32, le_u64, Cursor};
 use super::mac::{AUTH_BLAKE3, AUTH_OFFSET, MAC_BYTES};
 use super::{
     align_up, check_total, Dtype, Header, TensorInfo, MAGIC, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM,
-    MAX_TENSORS, V2_FIXED, VERSION_V2,
+    MAX_TENSORS, V2_FIXED, VERSION_V2, VERSION_V3,
 };
 use crate::error::{Error, Result};
 use xxhash_rust::xxh3::Xxh3;
@@ -73,10 +73,13 @@ pub fn v2_meta_len(fixed: &[u8], file_len: u64) -> Result<u64> {
     Ok(meta)
 }
 
-/// Parses and checks a v2 header: `fixed` is the first 96 bytes, `meta` the
+/// Parses and checks a v2 or v3 header (the version byte says which):
+/// `fixed` is the first 96 bytes, `meta` the
 /// metadata that follows, `file_len` the real length of the file. Checks, in
-/// order: header checksum, reserved bytes, section sizes against the file
-/// length (truncation and trailing bytes apart), then decodes the metadata.
+/// order: header checksum, reserved bytes (v3: the codec bytes instead,
+/// FORMAT.md §1.10), section sizes against the file
+/// length (truncation and trailing bytes apart), then decodes the metadata
+/// (v3: and checks the frame table).
 pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
     let meta_len = v2_meta_len(fixed, file_len)?;
     if meta.len() as u64 != meta_len {
@@ -98,7 +101,13 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
         });
     }
     let trailer = if auth == AUTH_BLAKE3 { MAC_BYTES } else { 0 };
-    for off in [7usize, 53, 54, 55, 76, 77, 78, 79] {
+    let v3 = byte(fixed, 3) == VERSION_V3;
+    let reserved: &[usize] = if v3 {
+        &[7]
+    } else {
+        &[7, 53, 54, 55, 76, 77, 78, 79]
+    };
+    for &off in reserved {
         let v = byte(fixed, off);
         if v != 0 {
             return Err(Error::ReservedNonZero {
@@ -123,9 +132,19 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
     if let Some(s) = fixed.get(56..76) {
         sha.copy_from_slice(s);
     }
-    let (abi, tensors) = decode_meta(meta)?;
+    let (abi, tensors, codec) = if v3 {
+        let (abi, tensors, codec) = super::v3::decode_meta_v3(fixed, meta)?;
+        (abi, tensors, Some(codec))
+    } else {
+        let (abi, tensors) = decode_meta(meta)?;
+        (abi, tensors, None)
+    };
+    let raw_payload_bytes = match &codec {
+        Some(c) => c.check_frames(payload_bytes)?,
+        None => payload_bytes,
+    };
     Ok(Header {
-        version: VERSION_V2,
+        version: if v3 { VERSION_V3 } else { VERSION_V2 },
         quant_bits: byte(fixed, 4),
         reason: byte(fixed, 5),
         flags: byte(fixed, 6),
@@ -146,10 +165,12 @@ pub fn parse_v2(fixed: &[u8], meta: &[u8], file_len: u64) -> Result<Header> {
         total_len: total,
         trailer_bytes: trailer,
         authenticated: trailer != 0,
+        raw_payload_bytes,
+        codec,
     })
 }
 
-fn ends_inside(what: &str) -> Error {
+pub(crate) fn ends_inside(what: &str) -> Error {
     Error::BadMetadata(format!("metadata ends inside {what}"))
 }
 
@@ -157,6 +178,21 @@ fn ends_inside(what: &str) -> Error {
 /// `u8 name_len, name, u8 dtype, u8 ndim, u64 shape[ndim], u64 offset, u64 nbytes`.
 pub fn decode_meta(meta: &[u8]) -> Result<(String, Vec<TensorInfo>)> {
     let mut c = Cursor::new(meta, ends_inside);
+    let out = decode_meta_with(&mut c)?;
+    let unused = c.remaining();
+    if unused != 0 {
+        return Err(Error::BadMetadata(format!(
+            "{unused} unused metadata bytes"
+        )));
+    }
+    Ok(out)
+}
+
+/// The ABI string and the tensor table, read from `c` (v3's frame table
+/// follows them).
+pub(crate) fn decode_meta_with<E: Fn(&str) -> Error>(
+    c: &mut Cursor<'_, E>,
+) -> Result<(String, Vec<TensorInfo>)> {
     let abi_len = c.u16("abi length")? as usize;
     if abi_len > MAX_ABI {
         return Err(Error::HeaderTooLarge {
@@ -205,12 +241,6 @@ pub fn decode_meta(meta: &[u8]) -> Result<(String, Vec<TensorInfo>)> {
             offset,
             nbytes,
         });
-    }
-    let unused = c.remaining();
-    if unused != 0 {
-        return Err(Error::BadMetadata(format!(
-            "{unused} unused metadata bytes"
-        )));
     }
     Ok((abi, tensors))
 }

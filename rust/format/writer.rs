@@ -220,7 +220,7 @@ fn encode_meta(abi: &str, infos: &[TensorInfo]) -> Result<Vec<u8>> {
 }
 
 /// `n` zero bytes, `n < ALIGN`: the padding up to the next aligned offset.
-fn zeros(n: u64) -> &'static [u8] {
+pub(crate) fn zeros(n: u64) -> &'static [u8] {
     const ZEROS: [u8; 64] = [0; 64];
     const _: () = assert!(ZEROS.len() as u64 == ALIGN);
     usize::try_from(n)

@@ -4,6 +4,8 @@
 use super::buffer::{bytes_of, PayloadView};
 use super::errors::{to_pyerr, write_pyerr};
 use crate::format::mac::{self, MacKey};
+use crate::format::v3;
+use crate::format::writer_v3::{self, Compression};
 use crate::format::{self, writer, Dtype};
 use crate::hash;
 use crate::payload::Storage;
@@ -15,11 +17,13 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// Writes a v2 checkpoint durably. `tensors` is a list of
+/// Writes a checkpoint durably: v2 with `codec="none"`, v3 (its payload in
+/// zstd frames, FORMAT.md §1.10) with `codec="zstd"` at `level`, `filter`
+/// `"shuffle2"` or `"none"`. `tensors` is a list of
 /// `(name, numpy dtype str, shape, buffer)`; buffers are streamed, never
 /// concatenated. Returns `(file_len, payload_checksum)`.
 #[pyfunction]
-#[pyo3(signature = (path, text, tensors, *, abi, tokens, ctx, reason=0, quant_bits=0, flags=0, created=0, auth_key=None, drop_cache=true))]
+#[pyo3(signature = (path, text, tensors, *, abi, tokens, ctx, reason=0, quant_bits=0, flags=0, created=0, auth_key=None, drop_cache=true, codec="none", level=1, filter="shuffle2", span=1_048_576))]
 #[expect(
     clippy::too_many_arguments,
     reason = "the Python keyword arguments of write_checkpoint"
@@ -38,8 +42,13 @@ pub(super) fn write_checkpoint(
     created: u64,
     auth_key: Option<Vec<u8>>,
     drop_cache: bool,
+    codec: &str,
+    level: u8,
+    filter: &str,
+    span: u32,
 ) -> PyResult<(u64, u64)> {
     let key = auth_key.as_deref().map(mac_key).transpose()?;
+    let compression = compression(codec, level, filter, span)?;
     let text_b = bytes_of(&text)?;
     let mut srcs = Vec::with_capacity(tensors.len());
     for (name, dt, shape, buf) in &tensors {
@@ -62,11 +71,40 @@ pub(super) fn write_checkpoint(
         created,
         abi,
     };
-    py.detach(|| {
-        writer::write_checkpoint_with(&path, &meta, text_b, &srcs, key.as_ref(), drop_cache)
+    py.detach(|| match &compression {
+        None => {
+            writer::write_checkpoint_with(&path, &meta, text_b, &srcs, key.as_ref(), drop_cache)
+        }
+        Some(c) => {
+            writer_v3::write_compressed(&path, &meta, text_b, &srcs, key.as_ref(), drop_cache, c)
+        }
     })
     .map(|w| (w.file_len, w.payload_checksum))
     .map_err(|e| write_pyerr(py, e, &path))
+}
+
+/// The writer's compression for the Python keywords (`None`: v2, uncompressed).
+fn compression(codec: &str, level: u8, filter: &str, span: u32) -> PyResult<Option<Compression>> {
+    let shuffle = match filter {
+        "shuffle2" => true,
+        "none" => false,
+        f => {
+            return Err(PyValueError::new_err(format!(
+                "filter must be 'shuffle2' or 'none', not {f:?}"
+            )))
+        }
+    };
+    match codec {
+        "none" => Ok(None),
+        "zstd" => Ok(Some(Compression {
+            level,
+            shuffle,
+            span,
+        })),
+        c => Err(PyValueError::new_err(format!(
+            "codec must be 'none' or 'zstd', not {c:?}"
+        ))),
+    }
 }
 
 /// Runs the verification pipeline and returns an open checkpoint.
@@ -198,6 +236,29 @@ impl PyCheckpoint {
     fn payload_bytes(&self) -> u64 {
         self.inner.header.payload_bytes
     }
+    /// Bytes the tensors take once decompressed (`payload_bytes` unless v3).
+    #[getter]
+    fn raw_payload_bytes(&self) -> u64 {
+        self.inner.header.raw_payload_bytes
+    }
+    /// The payload codec: `"none"`, or `"zstd"` (v3).
+    #[getter]
+    fn codec(&self) -> &'static str {
+        self.inner
+            .header
+            .codec
+            .as_ref()
+            .map_or("none", |c| v3::codec_name(c.codec))
+    }
+    /// v3: `(filter, level, span, frames)`; None for v1 and v2.
+    #[getter]
+    fn codec_params(&self) -> Option<(&'static str, u8, u32, usize)> {
+        self.inner
+            .header
+            .codec
+            .as_ref()
+            .map(|c| (v3::filter_name(c.filter), c.level, c.span, c.frames.len()))
+    }
     #[getter]
     fn payload_offset(&self) -> u64 {
         self.inner.header.payload_offset
@@ -309,7 +370,7 @@ impl PyCheckpoint {
     }
     /// A read-only buffer over the whole payload.
     fn payload_buffer(&self) -> PyResult<PayloadView> {
-        self.view(0, self.inner.header.payload_bytes)
+        self.view(0, self.inner.header.raw_payload_bytes)
     }
     fn __repr__(&self) -> String {
         let h = &self.inner.header;
@@ -339,3 +400,7 @@ impl PyCheckpoint {
         PayloadView::new(storage, start, len, self.inner.path.clone())
     }
 }
+
+// The signature's span default is written out (PyO3's text signature shows
+// a constant's name as `...`): it is the format's default span.
+const _: () = assert!(v3::DEFAULT_SPAN == 1_048_576);

@@ -85,6 +85,7 @@ fn check_fields(
     dsv4: Option<[u32; 13]>,
 ) {
     let mut tensors_listed = Vec::new();
+    let mut frames_listed = Vec::new();
     for (k, v) in fields {
         let got: String = match k.as_str() {
             "name" => path.file_name().unwrap().to_str().unwrap().to_owned(),
@@ -108,6 +109,15 @@ fn check_fields(
             "payload_checksum" => format!("{:#018x}", h.payload_checksum),
             "header_checksum" => format!("{:#018x}", h.header_checksum),
             "trailer_bytes" => h.trailer_bytes.to_string(),
+            "raw_payload_bytes" => h.raw_payload_bytes.to_string(),
+            "codec" => h.codec.as_ref().expect("v3").codec.to_string(),
+            "filter" => h.codec.as_ref().expect("v3").filter.to_string(),
+            "level" => h.codec.as_ref().expect("v3").level.to_string(),
+            "span" => h.codec.as_ref().expect("v3").span.to_string(),
+            "frame" => {
+                frames_listed.push(v.clone());
+                continue;
+            }
             "tensor" => {
                 tensors_listed.push(v.clone());
                 continue;
@@ -144,6 +154,18 @@ fn check_fields(
         })
         .collect();
     assert_eq!(tensors_read, tensors_listed, "tensor table");
+    let frames_read: Vec<String> = h
+        .codec
+        .iter()
+        .flat_map(|c| &c.frames)
+        .map(|f| {
+            format!(
+                "stored={} raw={} raw_xxh3={:#018x}",
+                f.stored, f.raw, f.hash
+            )
+        })
+        .collect();
+    assert_eq!(frames_read, frames_listed, "frame table");
 }
 
 fn write_bytes(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
@@ -260,6 +282,106 @@ fn v2_vector_writer_produces_the_documented_bytes() {
         assert_eq!(&payload[..16], &logits[..]);
         assert_eq!(&payload[64..67], b"xyz");
         assert_eq!(payload.as_ptr() as usize % 64, 0);
+    }
+}
+
+/// §4.4: the writer produces the documented v3 bytes; the reader returns
+/// the listed fields and §4.1's payload; the checksums follow from their
+/// definitions (independent XXH3), and each frame is a zstd frame of its
+/// shuffled raw bytes.
+#[test]
+fn v3_vector_writer_produces_the_documented_bytes() {
+    use ds4::format::writer_v3::{write_compressed, Compression};
+    let doc = format_md();
+    let expected = parse_xxd(&block(&doc, "v3:hex"));
+    let fields = parse_fields(&block(&doc, "v3:fields"));
+    let dir = tempfile::tempdir().unwrap();
+    let text = b"Hello, ds4!";
+    let logits: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let meta = WriteMeta {
+        quant_bits: 0,
+        reason: 1,
+        flags: 0,
+        tokens: 3,
+        ctx: 4096,
+        created: 1_700_000_000,
+        abi: "test/1".into(),
+    };
+    let tensors = [
+        TensorSrc {
+            name: "logits",
+            dtype: Dtype::F32,
+            shape: &[4],
+            data: &logits,
+        },
+        TensorSrc {
+            name: "blob",
+            dtype: Dtype::U8,
+            shape: &[3],
+            data: b"xyz",
+        },
+    ];
+    let name = format!("{}.kv", ds4::hash::sha1_hex(text));
+    assert_eq!(name, field(&fields, "name"));
+    let path = dir.path().join(&name);
+    let c = Compression {
+        level: 1,
+        shuffle: true,
+        span: 64,
+    };
+    let w = write_compressed(&path, &meta, text, &tensors, None, true, &c).unwrap();
+    assert_eq!(
+        hex::encode(std::fs::read(&path).unwrap()),
+        hex::encode(&expected),
+        "writer output differs from the FORMAT.md dump"
+    );
+    assert_eq!(w.file_len, expected.len() as u64);
+
+    let meta_len = u32::from_le_bytes(expected[20..24].try_into().unwrap()) as usize;
+    let po = common::payload_offset(&expected);
+    let hsum = common::independent_header_checksum(&expected[..96], &expected[96..96 + meta_len]);
+    let psum = common::independent_payload_checksum(&expected[po..]);
+    assert_eq!(format!("{hsum:#018x}"), field(&fields, "header_checksum"));
+    assert_eq!(format!("{psum:#018x}"), field(&fields, "payload_checksum"));
+
+    // The raw payload is §4.1's; each frame is a zstd frame of its span of
+    // it after shuffle2, and the table's hashes are those spans' XXH3.
+    let v2 = parse_xxd(&block(&doc, "v2:hex"));
+    let raw = &v2[common::payload_offset(&v2)..];
+    let ck = open(&path, &VerifyOptions::default()).unwrap();
+    let codec = ck.header.codec.clone().unwrap();
+    let mut at = po;
+    for (i, f) in codec.frames.iter().enumerate() {
+        let span = &raw[i * 64..i * 64 + f.raw as usize];
+        assert_eq!(common::xxh3_64(span), f.hash, "frame {i} hash");
+        let z = &expected[at..at + f.stored as usize];
+        let got = zstd::bulk::decompress(z, 64).unwrap();
+        let mut shuffled: Vec<u8> = span.iter().step_by(2).copied().collect();
+        shuffled.extend(span.iter().skip(1).step_by(2));
+        assert_eq!(got, shuffled, "frame {i}");
+        at += f.stored as usize;
+    }
+    assert_eq!(at, expected.len());
+
+    for mmap in [true, false] {
+        let dir2 = tempfile::tempdir().unwrap();
+        let p = write_bytes(dir2.path(), &name, &expected);
+        let ck = open(
+            &p,
+            &VerifyOptions {
+                mmap,
+                expected_abi: Some("test/1"),
+                prompt: Some(b"Hello, ds4! more"),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        check_fields(&fields, &p, &ck.header, &ck.text, ck.file_len, ck.dsv4);
+        assert_eq!(ck.payload().unwrap(), raw);
+        assert_eq!(ck.payload().unwrap().as_ptr() as usize % 64, 0);
     }
 }
 

@@ -84,12 +84,23 @@ def inspect_file(path: str, full: bool = False) -> Info:
             for (n, dt, sh, off, nb) in ck.tensor_table()
         ]
         info["payload_checksum"] = f"{ck.payload_checksum:016x}"
+        info["raw_payload_bytes"] = ck.raw_payload_bytes
+        info["codec"] = _codec(ck.codec, ck.codec_params)
         info["header_checksum"] = f"{ck.header_checksum:016x}"
     else:
         info["dsv4"] = dict(ck.dsv4) if ck.dsv4 else None
     info["_text"] = ck.text
     info["_entry"] = Entry.from_checkpoint(ck, path)
     return info
+
+
+def _codec(codec: str, params: tuple[str, int, int, int] | None) -> str:
+    """How the payload is stored: ``none`` (v2), or v3's codec, level,
+    filter and frames (docs/FORMAT.md §1.10)."""
+    if params is None:
+        return codec
+    filt, level, span, frames = params
+    return f"{codec} level {level}, filter {filt}, {frames} frames of {human_bytes(span)}"
 
 
 def _namespace(text: bytes) -> Info:
@@ -143,6 +154,8 @@ SHOW_KEYS = (
     "created",
     "last_used",
     "payload_bytes",
+    "raw_payload_bytes",
+    "codec",
     "trailer_bytes",
     "abi",
     "header_checksum",

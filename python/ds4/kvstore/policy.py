@@ -51,8 +51,17 @@ class StorePolicy:
     #: that it supersedes (ds4 PR #175; False: every snapshot stays, ds4's
     #: store before it, the "before" arm of ``benches/bench_store_replay.py``)
     supersede: bool = True
+    #: the payload codec of the checkpoints written: "none" (v2, loaded
+    #: zero-copy) or "zstd" (v3: 1 MiB frames, shuffle2 then zstd at
+    #: ``codec_level``; BENCHMARKS.md §14 for why "none" is the default)
+    codec: str = "none"
+    codec_level: int = 1
 
     def __post_init__(self) -> None:
+        if self.codec not in ("none", "zstd"):
+            raise ValueError(f"codec must be 'none' or 'zstd', not {self.codec!r}")
+        if not 1 <= self.codec_level <= 22:
+            raise ValueError(f"codec_level must be in 1..22, not {self.codec_level!r}")
         if not 0.0 < self.tenant_share <= 1.0:
             raise ValueError(f"tenant_share must be in (0, 1], not {self.tenant_share!r}")
         if not self.explicit_weight >= 1.0:

@@ -65,10 +65,19 @@ def chat_anchor(
 
 
 def write_live(
-    path: str, sess: Session, text: bytes, reason: str, budget_bytes: int, auth_key: bytes | None = None
+    path: str,
+    sess: Session,
+    text: bytes,
+    reason: str,
+    budget_bytes: int,
+    auth_key: bytes | None = None,
+    *,
+    codec: str = "none",
+    level: int = 1,
 ) -> int | None:
     """Export ``sess`` and write it durably to ``path`` under ``text`` (with
-    a MAC when ``auth_key`` is given); returns the file size, or None when
+    a MAC when ``auth_key`` is given; its payload compressed when ``codec``
+    is ``"zstd"``: a v3 file); returns the file size, or None when
     the estimate does not fit ``budget_bytes``. Disk full is
     :class:`ds4.errors.StoreFullError`."""
     arrays = sess.export_arrays()
@@ -92,6 +101,8 @@ def write_live(
             reason=reason_code(reason),
             quant_bits=getattr(sess.engine, "quant_bits", 0),
             auth_key=auth_key,
+            codec=codec,
+            level=level,
         )
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -161,7 +172,10 @@ def store_live(
                 name[:12],
             )
             return None
-        size = write_live(path, sess, text, reason, store.budget_bytes, store.auth_key)
+        pol = store.policy
+        size = write_live(
+            path, sess, text, reason, store.budget_bytes, store.auth_key, codec=pol.codec, level=pol.codec_level
+        )
         if size is None:
             return None
         store.counters["stores"] += 1

@@ -138,7 +138,7 @@ class SharedTier:
         """See :meth:`ds4.kvstore.KVStore.push`."""
         out: dict[str, int] = {}
         for e in entries:
-            res = "skipped_v1" if e.version != 2 else self.tier.upload(e.path, e.abi, e.tokens, e.text_bytes)
+            res = "skipped_v1" if e.version == 1 else self.tier.upload(e.path, e.abi, e.tokens, e.text_bytes)
             out[res] = out.get(res, 0) + 1
         return out
 
