@@ -34,6 +34,21 @@ pub const DEFAULT_SPAN: u32 = 1 << 20;
 /// Spans a reader accepts: a multiple of 64 in `[MIN_SPAN, MAX_SPAN]`.
 pub const MIN_SPAN: u32 = 64;
 pub const MAX_SPAN: u32 = 8 << 20;
+/// The most raw bytes a v3 file may claim per stored byte (beyond one
+/// span): what a reader allocates is bounded by the file it reads, as for
+/// v2, and a forged table of highly compressible frames is refused before
+/// any allocation. KV states store 0.85-0.93 of their raw bytes
+/// (BENCHMARKS.md §14); a payload that compresses further is written as v2
+/// ([`super::writer_v3::write_compressed`]).
+pub const MAX_RATIO: u64 = 64;
+
+/// Whether `raw` bytes decoded from `stored` are within [`MAX_RATIO`].
+pub fn within_ratio(raw: u64, stored: u64, span: u32) -> bool {
+    raw <= stored
+        .saturating_mul(MAX_RATIO)
+        .saturating_add(u64::from(span))
+}
+
 /// One frame table entry: u32 stored length, u32 raw length, u64 xxh3-64.
 pub const FRAME_ENTRY: usize = 16;
 
@@ -156,6 +171,12 @@ impl Codec {
         if stored != payload_bytes {
             return Err(Error::FrameTable(format!(
                 "the frames store {stored} bytes, the payload section is {payload_bytes}"
+            )));
+        }
+        if !within_ratio(raw, stored, span) {
+            return Err(Error::FrameTable(format!(
+                "the frames claim {raw} raw bytes from {stored} stored: more than {MAX_RATIO} times \
+                 what is stored (a reader never allocates for a decompression bomb)"
             )));
         }
         Ok(raw)

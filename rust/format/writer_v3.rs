@@ -11,11 +11,12 @@
 use super::mac::{MacKey, MacState, AUTH_BLAKE3, AUTH_OFFSET, MAC_BYTES};
 use super::v2::header_checksum;
 use super::v3::{
-    shuffle2, Frame, CODEC_OFFSET, CODEC_ZSTD, FILTER_NONE, FILTER_OFFSET, FILTER_SHUFFLE2,
-    FRAME_ENTRY, LEVEL_OFFSET, MAX_SPAN, MIN_SPAN, SPAN_OFFSET,
+    shuffle2, within_ratio, Frame, CODEC_OFFSET, CODEC_ZSTD, FILTER_NONE, FILTER_OFFSET,
+    FILTER_SHUFFLE2, FRAME_ENTRY, LEVEL_OFFSET, MAX_SPAN, MIN_SPAN, SPAN_OFFSET,
 };
 use super::writer::{
-    drop_cached, encode_header, sync_dir, temp_name, zeros, TensorSrc, WriteMeta, Written,
+    drop_cached, encode_header, sync_dir, temp_name, write_checkpoint_with, zeros, TensorSrc,
+    WriteMeta, Written,
 };
 use super::{align_up, MAX_META, V2_FIXED, VERSION_V3};
 use crate::error::{Error, Result};
@@ -129,6 +130,27 @@ pub fn write_compressed(
     c: &Compression,
 ) -> Result<Written> {
     c.check()?;
+    match write_v3(path, meta, text, tensors, key, drop_cache, *c) {
+        // a payload that compresses beyond what a reader accepts (zeros,
+        // mostly: `v3::MAX_RATIO`) is stored uncompressed, as v2: nothing
+        // is lost but bytes
+        Err(Error::FrameTable(_)) => {
+            write_checkpoint_with(path, meta, text, tensors, key, drop_cache)
+        }
+        other => other,
+    }
+}
+
+/// The v3 header and metadata of a write, the frame table zeroed (filled
+/// in once the frames are written): the bytes, where the table starts, and
+/// the raw payload length.
+fn v3_head(
+    meta: &WriteMeta,
+    text: &[u8],
+    tensors: &[TensorSrc<'_>],
+    keyed: bool,
+    c: Compression,
+) -> Result<(Vec<u8>, usize, u64)> {
     let (mut head, _infos, raw_len) = encode_header(meta, text, tensors)?;
     let n_frames = raw_len.div_ceil(u64::from(c.span));
     let meta_len = (head.len() - V2_FIXED) as u64 + 4 + n_frames * FRAME_ENTRY as u64;
@@ -150,12 +172,28 @@ pub fn write_compressed(
     };
     head[LEVEL_OFFSET] = c.level;
     head[SPAN_OFFSET..SPAN_OFFSET + 4].copy_from_slice(&c.span.to_le_bytes());
-    if key.is_some() {
+    if keyed {
         head[AUTH_OFFSET] = AUTH_BLAKE3;
     }
     let table_at = head.len();
     head.extend_from_slice(&n_frames_u32.to_le_bytes());
     head.resize(table_at + 4 + FRAME_ENTRY * n_frames_u32 as usize, 0);
+    Ok((head, table_at, raw_len))
+}
+
+/// [`write_compressed`] without the v2 fallback, its parameters checked:
+/// `FrameTable` only when the payload compresses beyond [`within_ratio`]
+/// (the temp file removed).
+fn write_v3(
+    path: &Path,
+    meta: &WriteMeta,
+    text: &[u8],
+    tensors: &[TensorSrc<'_>],
+    key: Option<&MacKey>,
+    drop_cache: bool,
+    c: Compression,
+) -> Result<Written> {
+    let (mut head, table_at, raw_len) = v3_head(meta, text, tensors, key.is_some(), c)?;
     let text_end = head.len() as u64 + text.len() as u64;
     let payload_off = align_up(text_end).ok_or(Error::SizeOverflow)?;
 
@@ -182,9 +220,12 @@ pub fn write_compressed(
         w.write_all(&head)?; // zeros where the header's checksums and table go
         w.write_all(text)?;
         w.write_all(zeros(payload_off - text_end))?;
-        let (frames, sum) = write_frames(&mut w, tensors, *c)?;
+        let (frames, sum) = write_frames(&mut w, tensors, c)?;
         let file = w.into_inner().map_err(|e| Error::Io(e.into_error()))?;
         let stored_len: u64 = frames.iter().map(|f| u64::from(f.stored)).sum();
+        if !within_ratio(raw_len, stored_len, c.span) {
+            return Err(Error::FrameTable(String::from("beyond the reader's ratio")));
+        }
         for (i, f) in frames.iter().enumerate() {
             let at = table_at + 4 + i * FRAME_ENTRY;
             head[at..at + 4].copy_from_slice(&f.stored.to_le_bytes());

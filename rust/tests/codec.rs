@@ -525,3 +525,79 @@ fn an_empty_payload_has_no_frames() {
         assert_eq!(ck.header.tensors.len(), tensors.len());
     }
 }
+
+#[test]
+fn a_table_claiming_more_than_the_ratio_is_refused_before_any_allocation() {
+    // a forged table: the same few hundred stored bytes, now claiming
+    // 8 MiB frames (the most a span may be), 2^25 raw bytes in all
+    let dir = tempfile::tempdir().unwrap();
+    let (_, p3) = write_pair(dir.path(), 3 * 256, span(true, 1), None);
+    let (_, table, frames) = layout(&p3);
+    let mut f = std::fs::read(&p3).unwrap();
+    let big = ds4::format::v3::MAX_SPAN;
+    set_u32(&mut f, 76, big);
+    for i in 0..frames.len() {
+        set_u32(&mut f, table + 16 * i + 4, big);
+    }
+    reseal(&mut f);
+    std::fs::write(&p3, &f).unwrap();
+    let e = expect_err(
+        &p3,
+        &VerifyOptions::default(),
+        "frame_table",
+        "header",
+        Class::Corrupt,
+    );
+    assert!(e.to_string().contains("more than 64 times"), "{e}");
+    assert!(ds4::format::v3::within_ratio(64 * 100 + 256, 100, 256));
+    assert!(!ds4::format::v3::within_ratio(64 * 100 + 257, 100, 256));
+}
+
+#[test]
+fn a_payload_that_compresses_beyond_the_ratio_is_written_as_v2() {
+    // zeros: a 1 MiB frame stores a few bytes, beyond what a reader takes,
+    // so the writer stores the file uncompressed (and it reads back)
+    let dir = tempfile::tempdir().unwrap();
+    let zeros = vec![0u8; 4 << 20];
+    let shape = [zeros.len() as u64];
+    let t = [TensorSrc {
+        name: "z",
+        dtype: Dtype::U8,
+        shape: &shape,
+        data: &zeros,
+    }];
+    let text = b"zeros".to_vec();
+    let p = dir.path().join(name(&text));
+    let c = Compression::default();
+    write_compressed(&p, &meta(), &text, &t, None, false, &c).unwrap();
+    let ck = open_both(&p, &VerifyOptions::default()).unwrap();
+    assert_eq!(ck.header.version, 2);
+    assert!(ck.header.codec.is_none());
+    assert_eq!(ck.payload().unwrap(), &zeros[..]);
+    // data that compresses as KV states do (about 0.9) stays v3
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let blob: Vec<u8> = (0..4usize << 20)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if i % 2 == 1 {
+                0x3c | (x.to_le_bytes()[0] & 1)
+            } else {
+                x.to_le_bytes()[0]
+            }
+        })
+        .collect();
+    let t = [TensorSrc {
+        name: "b",
+        dtype: Dtype::U8,
+        shape: &shape,
+        data: &blob,
+    }];
+    let text = b"ramp".to_vec();
+    let p = dir.path().join(name(&text));
+    write_compressed(&p, &meta(), &text, &t, None, false, &c).unwrap();
+    let ck = open_both(&p, &VerifyOptions::default()).unwrap();
+    assert_eq!(ck.header.version, 3);
+    assert_eq!(ck.payload().unwrap(), &blob[..]);
+}
