@@ -26,6 +26,7 @@ __all__ = [
     "add_engine_args",
     "add_kv_args",
     "add_policy_args",
+    "add_remote_args",
     "build_engine",
     "check_kv_args",
     "check_policy_args",
@@ -231,6 +232,22 @@ def add_policy_args(g: argparse._ActionsContainer) -> None:
         help="a checkpoint never hit and younger than S seconds is evicted only when nothing else can go "
         "(default 60; 0: no guard)",
     )
+
+
+def add_remote_args(k: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """``ds4 kv``'s flags for the shared tier (``--remote``, ``--namespace``,
+    ``--kv-auth-key-file``): here, beside the other flags, so building the
+    parser loads none of the commands' modules."""
+    from .kvstore.remote_layout import DEFAULT_NAMESPACE
+
+    k.add_argument(
+        "--remote",
+        metavar="URL",
+        required=required,
+        help="the shared tier instead of a directory: redis://host:port/db, rediss://, redis+cluster://host:port",
+    )
+    k.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"remote namespace (default {DEFAULT_NAMESPACE})")
+    k.add_argument("--kv-auth-key-file", metavar="PATH", help="verify (and push/pull) with this key file's MAC key")
 
 
 def check_policy_args(args: argparse.Namespace) -> str | None:

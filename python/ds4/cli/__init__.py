@@ -30,9 +30,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..config import DEFAULT_BUDGET_MB, ENGINE_KINDS, add_engine_args, add_kv_args, add_policy_args
+from ..config import DEFAULT_BUDGET_MB, ENGINE_KINDS, add_engine_args, add_kv_args, add_policy_args, add_remote_args
 from ..serve_args import add_serve_args
-from .kvremote import add_remote_args
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
 __all__ = ["DEFAULT_SYSTEM", "build_parser", "main"]

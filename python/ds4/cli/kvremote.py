@@ -13,11 +13,10 @@ import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..config import read_auth_key
+from ..config import add_remote_args, read_auth_key
 from ..errors import RemoteTierError
 from ..kvstore import KVStore
 from ..kvstore.rejection import RejectionLog
-from ..kvstore.remote_layout import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:  # the tier's client is imported by the commands that use it, not by the parser
     from ..kvstore.remote import RemoteEntry, RemoteTier
@@ -33,17 +32,6 @@ def _report() -> RejectionLog:
     from ..recovery import RecoveryReport
 
     return RecoveryReport()
-
-
-def add_remote_args(k: argparse.ArgumentParser, *, required: bool = False) -> None:
-    k.add_argument(
-        "--remote",
-        metavar="URL",
-        required=required,
-        help="the shared tier instead of a directory: redis://host:port/db, rediss://, redis+cluster://host:port",
-    )
-    k.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"remote namespace (default {DEFAULT_NAMESPACE})")
-    k.add_argument("--kv-auth-key-file", metavar="PATH", help="verify (and push/pull) with this key file's MAC key")
 
 
 def _tier(args: argparse.Namespace) -> RemoteTier:
