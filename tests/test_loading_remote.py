@@ -153,3 +153,35 @@ def test_a_colliding_download_is_rejected_before_the_directory(eng, stores):
     assert not os.path.exists(os.path.join(b.dir, name))
     assert sess.checkpoint_valid and sess.tokens == before
     assert _held(b, name[:40]) == []
+
+
+def test_the_adopted_download_is_loaded_against_the_prompt_too(eng, stores, monkeypatch):
+    """The file a download became is opened again for the load, against the
+    prompt's bytes again: a colliding text put in its place meanwhile (same
+    name, same SHA-1) is refused as a collision, not loaded."""
+    a, b = stores("a"), stores("b")
+    sess = _live(eng)
+    tail = b" and the rest"
+    honest, twin = SHATTERED_2 + tail, SHATTERED_1 + tail
+    name = hashlib.sha1(honest).hexdigest() + ".kv"
+    arrays = {"tokens": np.zeros(len(honest), dtype=np.int32), "logits": np.zeros(eng.vocab_size, dtype=np.float32)}
+    kw = {"abi": sess.payload_abi, "tokens": len(honest), "ctx": CTX}
+    write_checkpoint(os.path.join(a.dir, name), honest, arrays, **kw)
+    a.refresh(force=True)
+    assert a.push() == {"stored": 1}
+    tier = b.shared
+    real = tier.fetch
+
+    def twin_after_download(*args):
+        e = real(*args)
+        assert e is not None  # the honest download verified and was adopted
+        write_checkpoint(e.path, twin, arrays, **kw)  # same name: same SHA-1
+        return e
+
+    monkeypatch.setattr(tier, "fetch", twin_after_download)
+    rep = RecoveryReport()
+    assert try_load_text(b, sess, honest + b"?", rep) is None
+    mine = os.path.join(b.dir, name)
+    assert [(p, stage, code) for (p, stage, code, _r) in rep.rejected] == [(mine, "text", "prefix_collision")]
+    assert not os.path.exists(mine)
+    assert not sess.checkpoint_valid  # a corrupt verdict on a load: the session is not trusted
