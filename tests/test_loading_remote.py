@@ -185,3 +185,26 @@ def test_the_adopted_download_is_loaded_against_the_prompt_too(eng, stores, monk
     assert [(p, stage, code) for (p, stage, code, _r) in rep.rejected] == [(mine, "text", "prefix_collision")]
     assert not os.path.exists(mine)
     assert not sess.checkpoint_valid  # a corrupt verdict on a load: the session is not trusted
+
+
+def test_a_download_that_fails_its_checks_is_deleted_and_the_next_remote_one_tried(eng, stores):
+    a, b = stores("a"), stores("b")
+    short = _prompt("next")
+    long = short + " " + _prompt("next2")
+    kept = prefilled(eng, short, CTX)
+    for s in (kept, prefilled(eng, long, CTX)):
+        assert a.store_live_prefix(s, "cold") is not None
+    assert a.remote.flush(30)
+    abi = kept.payload_abi
+    top, second = sorted(a.remote.entries(abi), key=lambda e: -e.tokens)
+    keys = KeyLayout("shared", abi)
+    c = a.remote.client()
+    v = bytearray(c.get(keys.chunk(top.sha, 0)))
+    v[100] ^= 0x10
+    c.set(keys.chunk(top.sha, 0), bytes(v))  # its chunk digest no longer matches
+    sess, rep = ds4.Session(eng, ctx=CTX), RecoveryReport()
+    res = try_load_text(b, sess, long + " question?", rep)
+    assert res is not None and res.tier == "remote" and res.tokens == second.tokens == kept.n_past
+    assert [(p, code) for (p, _stage, code, _r) in rep.rejected] == [(f"remote:{top.name}", "remote_chunk")]
+    assert _held(b, top.sha) == []
+    assert sess.tokens == kept.tokens and np.array_equal(sess.logits, kept.logits)
