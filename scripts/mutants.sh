@@ -62,7 +62,9 @@ PY_ENGINE_FUNCS=(
 )
 # The tests that exercise those paths (the HTTP, CLI and crash suites run
 # subprocesses, which import the unmutated package and cannot kill anything).
+# tests/test_loading_remote.py needs redis-server (scripts/setup.sh).
 PY_TESTS=(tests/test_invalidation.py tests/test_session.py tests/test_recovery_report.py tests/test_kvstore.py tests/test_kvstore_policy.py tests/test_ladder.py
+          tests/test_load_named.py tests/test_loading_remote.py tests/test_store_verdicts.py
           tests/test_errors.py tests/test_core_format.py tests/test_engine_reference.py tests/test_reliability.py
           tests/test_engine_llamacpp.py tests/test_engine_llamacpp_state.py)
 

@@ -653,6 +653,27 @@ def test_truncate_known_tokens(m_small, m_prompt):
     b.close()
 
 
+def test_a_loaded_session_rewinds_into_its_loaded_prefix(engine):
+    """A session's load tells the context the tokens it verified
+    (``know_tokens``): the context then knows them as if it had evaluated
+    them, and SmolLM2's full cache rewinds into the loaded prefix (no
+    rebuild), equal to a cold prefill of the branch."""
+    import ds4
+
+    toks = engine.tokenize("The heron stood in the reeds by the river, waiting for the fish to come.", special=False)
+    donor = ds4.Session(engine, ctx=256)
+    donor.sync(toks)
+    s = ds4.Session(engine, ctx=256)
+    s.load_arrays(donor.export_arrays(), donor.n_past, text=donor.key_bytes())
+    assert s._ectx.tokens == toks  # known, not hidden behind the import
+    branch = toks[: len(toks) // 2] + engine.tokenize(" A different ending.", special=False)
+    assert s.rewrite_from_common(branch) is ds4.Rewrite.OK
+    ref = ds4.Session(engine, ctx=256)
+    ref.sync(branch)
+    assert s.tokens == branch
+    assert np.array_equal(s.logits, ref.logits)
+
+
 def test_session_rewrite_rewinds_llama_exactly(m_engine, m_prompt):
     """llama.cpp can drop KV cells: rewrite_from_common rewinds to the common
     prefix (no rebuild) and the result equals a cold prefill of the branch."""

@@ -271,6 +271,37 @@ def test_load_result_hit_recorded_and_counters(eng, tmp_path, monkeypatch):
     assert (st.stats["hits"], st.stats["misses"], st.stats["rejected"], st.stats["removed_corrupt"]) == (2, 2, 0, 0)
 
 
+def _saved_at(directory, sess, created):
+    """``sess`` written as ``<sha1(text)>.kv`` with that creation time."""
+    text = sess.text_bytes()
+    path = os.path.join(os.fspath(directory), hashlib.sha1(text).hexdigest() + ".kv")
+    ds4.checkpoint.write_checkpoint(
+        path, text, sess.export_arrays(), abi=sess.payload_abi, tokens=sess.n_past, ctx=sess.ctx, created=created
+    )
+    return path
+
+
+@pytest.mark.parametrize("hit_old", [False, True])
+def test_a_hit_keeps_the_older_checkpoint_over_a_newer_never_hit_one(eng, tmp_path, monkeypatch, hit_old):
+    """Two checkpoints alike in size and tokens, the older written first:
+    without a hit the older goes first (ties: least recently used); a hit on
+    it makes the never-hit newer one go instead. The stamp that decides is
+    the one written into the file and the index (eviction rebuilds its
+    entries from them, not from the entry the load held). No fresh guard:
+    the order is the score's and the recency's alone."""
+    T = 1_700_000_000
+    old = _saved_at(tmp_path, prefilled(eng, BASE[:60]), T)
+    new = _saved_at(tmp_path, prefilled(eng, BASE[1:61]), T + 100)
+    assert os.path.getsize(old) == os.path.getsize(new)
+    st = KVStore(tmp_path, min_tokens=8, fresh_guard_s=0)
+    _clock(monkeypatch, T + 200)
+    if hit_old:
+        r = try_load_text(st, ds4.Session(eng, ctx=4096), BASE[:60] + "?")
+        assert r is not None and r.path == old
+    st.policy = dataclasses.replace(st.policy, budget_mb=(st.total_bytes() - 1) / 2**20)
+    assert st.evict_names() == [os.path.basename(new if hit_old else old)]
+
+
 def test_consume_over_cold_max(eng, tmp_path):
     """With consume_over_cold_max, a load of a checkpoint longer than
     cold_max_tokens deletes the file, as ds4 does (it is consumed); a

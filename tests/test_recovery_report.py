@@ -156,6 +156,44 @@ def test_rest_after_a_cut():
     assert _rest_after(k, [0, 0], [0, 2, 4], 1) == [2, 0]  # "b" then the second "ab"
 
 
+@pytest.mark.parametrize("suffix", ["fits", "fills_ctx", "not_tokenizable"])
+def test_disk_rung_suffix_at_the_context_edge(eng, tmp_path, monkeypatch, suffix):
+    """The disk rung goes on from a loaded checkpoint only when its tokens
+    and the prompt's suffix after its text fit the context with room for one
+    more (as a prompt must) and the suffix could be tokenized; otherwise the
+    loaded state is dropped and the prompt prefilled. The reference engine's
+    byte tokens always cut at a token and give the prompt's own tokens back;
+    a BPE vocabulary re-tokenizes a cut token's tail, which can be longer
+    (here: one token more, the sum exactly the context) or impossible (a cut
+    inside a byte-fallback sequence: None)."""
+    ctx = 64
+    text = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!"
+    tokens = toks(eng, text)
+    assert len(tokens) == ctx - 1  # the longest prompt that fits
+    store = ds4.KVStore(tmp_path, min_tokens=1)
+    donor = ds4.Session(eng, ctx=ctx)
+    donor.sync(tokens[:40])
+    path = store.store_live_prefix(donor)
+    real = recovery._Ladder.rest_after
+
+    def retokenized(self, n_key):
+        rest = real(self, n_key)
+        assert rest == tokens[40:]  # the cut after the checkpoint's text
+        if suffix == "not_tokenizable":
+            return None
+        return rest + rest[-1:] if suffix == "fills_ctx" else rest
+
+    monkeypatch.setattr(recovery._Ladder, "rest_after", retokenized)
+    sess = ds4.Session(eng, ctx=ctx)
+    rep = ds4.recover(sess, store, text, evict_save=False)
+    if suffix == "fits":
+        assert (rep.rung, rep.reused_tokens, rep.loaded_path) == ("disk", 40, path)
+    else:
+        assert (rep.rung, rep.reused_tokens, rep.loaded_path) == ("prefill", 0, None)
+    assert sess.checkpoint_valid and sess.tokens == tokens
+    assert np.array_equal(sess.logits, cold_logits(eng, tokens, ctx))
+
+
 # -- rung 4: full prefill --------------------------------------------------------
 
 
