@@ -10,6 +10,7 @@
 
 pub(crate) mod bytes;
 pub mod mac;
+pub mod meta;
 pub mod v1;
 pub mod v2;
 pub mod v3;

@@ -9,7 +9,7 @@
 #![deny(clippy::indexing_slicing)]
 
 use super::bytes::{byte, le_u32, Cursor};
-use super::v2::{decode_meta_with, ends_inside};
+use super::meta::{decode_meta_with, ends_inside};
 use super::TensorInfo;
 use crate::error::{Error, Result};
 use crate::payload::AlignedBuf;

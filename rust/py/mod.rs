@@ -16,7 +16,6 @@ mod checkpoint;
 mod errors;
 mod hash;
 mod index;
-mod prefixes;
 
 use pyo3::prelude::*;
 
@@ -34,9 +33,9 @@ mod _core {
         sha1_prefixes,
     };
     #[pymodule_export]
-    use super::index::PyStoreIndex;
+    use super::index::PyPrefixes;
     #[pymodule_export]
-    use super::prefixes::PyPrefixes;
+    use super::index::PyStoreIndex;
     use crate::format;
     use pyo3::prelude::*;
 

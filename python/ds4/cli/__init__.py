@@ -225,6 +225,10 @@ def _command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int] | 
         from .chat import cmd_chat
 
         return cmd_chat
+    if args.cmd == "bench" and args.concurrency is not None:  # K conversations against a pool
+        from .bench_pool import cmd_bench_concurrency
+
+        return cmd_bench_concurrency
     if args.cmd == "bench":
         from .bench import cmd_bench
 

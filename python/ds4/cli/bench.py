@@ -156,14 +156,8 @@ def _sha_rows(args: argparse.Namespace) -> list[Row]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.concurrency is not None:
-        if args.concurrency < 1 or args.turns < 1 or args.max_tokens < 1:
-            print("ds4 bench: --concurrency, --turns and --max-tokens must be at least 1", file=sys.stderr)
-            return EXIT_USAGE
-        args.tokens = 2000 if args.tokens is None else args.tokens
-        from .bench_pool import cmd_bench_concurrency
-
-        return cmd_bench_concurrency(args)
+    """``ds4 bench`` (with ``--concurrency``, the CLI runs
+    :func:`ds4.cli.bench_pool.cmd_bench_concurrency` instead)."""
     args.tokens = 4096 if args.tokens is None else args.tokens
     eng = bench_engine(args)
     lo, hi = token_range(eng)

@@ -39,7 +39,7 @@ from ..server.pool import Pool
 from ..server.worker import Job, Service
 from ..turn import Generator, GenParams, GenResult
 from .bench import bench_engine
-from .term import EXIT_OK
+from .term import EXIT_OK, EXIT_USAGE
 
 __all__ = ["SYSTEM_RULE", "cmd_bench_concurrency", "system_prompt", "ttft_figures"]
 
@@ -167,6 +167,11 @@ _FIGURES = (
 
 
 def cmd_bench_concurrency(args: argparse.Namespace) -> int:
+    """``ds4 bench --concurrency K``."""
+    if args.concurrency < 1 or args.turns < 1 or args.max_tokens < 1:
+        print("ds4 bench: --concurrency, --turns and --max-tokens must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    args.tokens = 2000 if args.tokens is None else args.tokens
     eng = bench_engine(args)
     k = args.concurrency
     system = system_prompt(eng.tokenize, args.tokens)

@@ -48,7 +48,7 @@ from .conversation import AgentTurn, LiveTools
 from .tenants import ANONYMOUS
 
 if TYPE_CHECKING:
-    from .worker import Work
+    from .work import Work
 
 log = logging.getLogger("ds4.server")
 

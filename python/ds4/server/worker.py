@@ -32,19 +32,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .. import _core
 from ..errors import PromptError
-from ..keytext import Prompt
 from ..recovery import RecoveryReport
 from ..turn import Generator, GenParams, GenResult
 from .baton import Baton
 from .pool import Pool, Resident
 from .tenants import ANONYMOUS
+from .work import TextPrompt, Work
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    pass
 
 log = logging.getLogger("ds4.server")
 
@@ -88,31 +88,6 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The service takes no more jobs."""
-
-
-class Work(Protocol):
-    """What a job runs, by its type: :meth:`render` its prompt (in the
-    worker thread, in the job's cache namespace), then, once decoded and
-    before the ``done`` event, :meth:`done`. An agent turn
-    (:class:`ds4.server.conversation.AgentTurn`: a chat, whatever its
-    protocol) is one; :class:`TextPrompt` (a completion) the other."""
-
-    def render(self, engine: Engine, namespace: str | None = None) -> str: ...
-
-    def done(self, res: GenResult) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class TextPrompt:
-    """A completion's prompt: client text, in which no marker is special."""
-
-    text: str
-
-    def render(self, engine: Engine, namespace: str | None = None) -> str:
-        return Prompt.text(self.text)
-
-    def done(self, res: GenResult) -> None:
-        """Nothing follows a completion's decoding."""
 
 
 _ids = itertools.count(1)
