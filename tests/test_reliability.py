@@ -167,12 +167,13 @@ def test_symlink_entries_are_never_followed_outside(tmp_path):
 UNREADABLE_CHILD = r"""
 import os, sys
 import ds4
+from ds4 import KVStore, Session, recover  # imported while the interpreter's own files are still readable
 eng = ds4.ReferenceEngine()
-os.setgid(65534); os.setuid(65534)  # now another user, who cannot read the 0600 file
+os.setgid(65534); os.setuid(65534)  # now another user, who cannot read the 0600 file (nor root's Python)
 # the directory is root's: refused unless trusted (tests/test_dir_trust.py); trusted here
-st = ds4.KVStore(sys.argv[1], min_tokens=8, trust_dir=True)
-s = ds4.Session(eng, ctx=1024)
-rep = ds4.recover(s, st, sys.argv[2])
+st = KVStore(sys.argv[1], min_tokens=8, trust_dir=True)
+s = Session(eng, ctx=1024)
+rep = recover(s, st, sys.argv[2])
 print(rep.rung, s.checkpoint_valid)
 """
 
