@@ -253,6 +253,49 @@ fn checksum_and_mac(tensors: &[TensorSrc<'_>], mut mac: Option<&mut MacState>) -
     h.digest()
 }
 
+/// The directory of `path` and the temp file a durable write of it goes
+/// through (same directory, [`temp_name`]).
+pub(crate) fn temp_for(path: &Path) -> Result<(PathBuf, PathBuf)> {
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+        Error::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "checkpoint path has no file name",
+        ))
+    })?;
+    let tmp = dir.join(temp_name(name));
+    Ok((dir, tmp))
+}
+
+/// The end of a durable write: the temp file must hold `total` bytes; it
+/// is fsynced (its pages dropped from the cache with `drop_cache`),
+/// renamed to `path`, and the directory fsynced.
+pub(crate) fn commit(
+    file: File,
+    total: u64,
+    drop_cache: bool,
+    tmp: &Path,
+    path: &Path,
+    dir: &Path,
+) -> Result<()> {
+    let written = file.metadata()?.len();
+    if written != total {
+        return Err(Error::Io(std::io::Error::other(format!(
+            "wrote {written} bytes, expected {total}"
+        ))));
+    }
+    file.sync_all()?;
+    if drop_cache {
+        drop_cached(&file, total);
+    }
+    drop(file);
+    fs::rename(tmp, path)?;
+    sync_dir(dir)
+}
+
 /// Writes a v2 checkpoint durably to `path`: a 0600 temp file in the same
 /// directory, fsync, rename, fsync of the directory. On any error the temp
 /// file is removed and `path` is untouched.
@@ -309,17 +352,7 @@ pub fn write_checkpoint_with(
 
     let total = payload_off + payload_len + if tag.is_some() { MAC_BYTES } else { 0 };
 
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
-        Error::Io(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "checkpoint path has no file name",
-        ))
-    })?;
-    let tmp = dir.join(temp_name(name));
+    let (dir, tmp) = temp_for(path)?;
     let res = (|| -> Result<()> {
         let file = OpenOptions::new()
             .write(true)
@@ -342,19 +375,7 @@ pub fn write_checkpoint_with(
             w.write_all(tag)?;
         }
         let file = w.into_inner().map_err(|e| Error::Io(e.into_error()))?;
-        let written = file.metadata()?.len();
-        if written != total {
-            return Err(Error::Io(std::io::Error::other(format!(
-                "wrote {written} bytes, expected {total}"
-            ))));
-        }
-        file.sync_all()?;
-        if drop_cache {
-            drop_cached(&file, total);
-        }
-        drop(file);
-        fs::rename(&tmp, path)?;
-        sync_dir(&dir)?;
+        commit(file, total, drop_cache, &tmp, path, &dir)?;
         Ok(())
     })();
     if let Err(e) = res {

@@ -15,15 +15,14 @@ use super::v3::{
     FILTER_SHUFFLE2, FRAME_ENTRY, LEVEL_OFFSET, MAX_SPAN, MIN_SPAN, SPAN_OFFSET,
 };
 use super::writer::{
-    drop_cached, encode_header, sync_dir, temp_name, write_checkpoint_with, zeros, TensorSrc,
-    WriteMeta, Written,
+    commit, encode_header, temp_for, write_checkpoint_with, zeros, TensorSrc, WriteMeta, Written,
 };
 use super::{align_up, MAX_META, V2_FIXED, VERSION_V3};
 use crate::error::{Error, Result};
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use xxhash_rust::xxh3::Xxh3;
 
 /// How to compress a payload: zstd at `level`, `shuffle2` first or not,
@@ -197,17 +196,7 @@ fn write_v3(
     let text_end = head.len() as u64 + text.len() as u64;
     let payload_off = align_up(text_end).ok_or(Error::SizeOverflow)?;
 
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
-        Error::Io(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "checkpoint path has no file name",
-        ))
-    })?;
-    let tmp = dir.join(temp_name(name));
+    let (dir, tmp) = temp_for(path)?;
     let res = (|| -> Result<Written> {
         let file = OpenOptions::new()
             .read(true)
@@ -243,19 +232,7 @@ fn write_v3(
             file.write_all_at(&tag, total)?;
             total += MAC_BYTES;
         }
-        let written = file.metadata()?.len();
-        if written != total {
-            return Err(Error::Io(std::io::Error::other(format!(
-                "wrote {written} bytes, expected {total}"
-            ))));
-        }
-        file.sync_all()?;
-        if drop_cache {
-            drop_cached(&file, total);
-        }
-        drop(file);
-        fs::rename(&tmp, path)?;
-        sync_dir(&dir)?;
+        commit(file, total, drop_cache, &tmp, path, &dir)?;
         Ok(Written {
             path: path.to_path_buf(),
             file_len: total,
