@@ -27,7 +27,6 @@ import contextlib
 import errno
 import logging
 import os
-import secrets
 import shutil
 import stat
 from collections.abc import Iterable
@@ -55,7 +54,7 @@ def _aside_name(name: str) -> str:
     # Looks like one of our own temp files (.<sha>.kv.tmp.<pid>.<hex>), so a
     # crash between the rename and the unlink leaves an orphan that the next
     # refresh removes (its writer pid is dead), never a stray file.
-    return f".{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    return f".{name}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
 
 
 def _put_back(aside: str, path: str) -> None:
