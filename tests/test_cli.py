@@ -812,6 +812,9 @@ def test_kv_imports_no_server_engine_turn_llguidance_or_matplotlib(tmp_path, wri
     if action[0] == "lookup":  # a lookup makes no array: not even numpy, the session or the ladder
         light = [m for m in mods if m.split(".")[0] == "numpy" or m in ("ds4.session", "ds4.recovery", "ds4.engine")]
         assert light == [], f"ds4 {' '.join(argv)} imported {light}"
+        # the parser built only the lookup's flags: not the shared ones (config), ds4 serve's or the tier's
+        flags = [m for m in mods if m in ("ds4.config", "ds4.serve_args", "ds4.kvstore.remote_layout")]
+        assert flags == [], f"ds4 {' '.join(argv)} imported {flags}"
     # no directory command needs the shared tier's client (its modules load when a tier is given)
     tier = [m for m in mods if m.split(".")[0] == "redis" or m in TIER_MODULES]
     assert tier == [], f"ds4 {' '.join(argv)} imported {tier}"
@@ -821,3 +824,39 @@ def test_the_parser_is_built_without_the_server():
     mods = _modules_after(["--version"])
     assert "ds4.serve_args" in mods
     assert [m for m in mods if any(m == h or m.startswith(h + ".") for h in HEAVY)] == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--sessions", "3", "--port", "0"],
+        ["run", "-p", "hi", "--max-tokens", "3", "--kv-explicit-weight", "2"],
+        ["chat", "--system", "s", "--no-kv-cache"],
+        ["bench", "--concurrency", "2", "--turns", "3"],
+        ["kv", "ls", "d", "--json"],
+        ["kv", "gc", "d", "--budget-mb", "5", "--kv-fresh-guard-s", "0", "--dry-run"],
+        ["kv", "lookup", "d", "p.bin", "--json"],
+        ["kv", "stats", "--remote", "redis://h:1/0", "--namespace", "n"],
+        ["kv", "pull", "d", "a", "b", "--remote", "redis://h:1/0"],
+        ["kv", "verify", "d", "x", "y"],
+        ["kv", "rm", "d", "--all"],
+        ["kv", "show", "d", "n", "--text"],
+        ["kv", "push", "d", "--remote", "redis://h:1/0", "--kv-trust-dir"],
+        ["--version"],
+    ],
+)
+def test_the_parser_built_for_a_command_parses_it_as_the_whole_parser_does(argv):
+    """build_parser(argv) builds only the named command's flags: what it
+    makes of the line is what the parser with every command's flags makes."""
+    from ds4.cli import build_parser
+
+    assert vars(build_parser(argv).parse_args(argv)) == vars(build_parser().parse_args(argv))
+
+
+def test_the_parser_built_for_one_command_has_no_other_commands_flags():
+    from ds4.cli import build_parser
+
+    line = ["serve", "--sessions", "3"]
+    assert build_parser(line).parse_args(line).cmd == "serve"
+    with pytest.raises(SystemExit):  # the parser built for kv lookup has no ds4 serve flag
+        build_parser(["kv", "lookup"]).parse_args(line)

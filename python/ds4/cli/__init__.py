@@ -15,8 +15,9 @@
 Each command is a module of this package (run, chat, kv, bench), imported
 when the command runs; they stand on :mod:`ds4.turn`, :mod:`ds4.config`,
 :mod:`ds4.recovery` and :mod:`ds4.kvstore`, never on the HTTP server. The
-parser itself needs only :mod:`ds4.config` and :mod:`ds4.serve_args`
-(``ds4 serve``'s flags), so ``ds4 kv`` loads no server module, no turn
+parser itself needs only :mod:`ds4.config` (and :mod:`ds4.serve_args`
+when it builds ``ds4 serve``'s flags: :func:`build_parser` builds only the
+named command's), so ``ds4 kv`` loads no server module, no turn
 driver, no engine and no llguidance; ``ds4 serve`` imports the server when
 it runs.
 """
@@ -27,11 +28,9 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from types import ModuleType
 
-from ..config import DEFAULT_BUDGET_MB, ENGINE_KINDS, add_engine_args, add_kv_args, add_policy_args, add_remote_args
-from ..serve_args import add_serve_args
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
 __all__ = ["DEFAULT_SYSTEM", "build_parser", "main"]
@@ -60,33 +59,45 @@ def tenant_share(s: str) -> float:
     return f
 
 
+def _config() -> ModuleType:
+    """:mod:`ds4.config`, the flags' definitions (imported by the builders
+    that use it: ``ds4 kv lookup``'s parser needs none of them)."""
+    from .. import config
+
+    return config
+
+
 SHARE_HELP = "each tenant's share of the budget, as ds4 serve --kv-tenant-share F (0 < F <= 1)"
 
 
-def _kv_parser(sub: Any) -> None:
-    """``ds4 kv`` and its actions, on the top-level subparsers."""
-    kp = sub.add_parser("kv", help="inspect a checkpoint directory (ds4 v1 and v2 files)")
-    ksub = kp.add_subparsers(dest="kvcmd", metavar="ACTION")
-    verify_help = "run the full verification (what a load would decide); else headers only, marked unverified"
-    k = ksub.add_parser("ls", help="list checkpoints")
+VERIFY_HELP = "run the full verification (what a load would decide); else headers only, marked unverified"
+
+
+def _kv_ls(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir", nargs="?", help="directory (not with --remote)")
-    add_remote_args(k)
-    k.add_argument("--verify", action="store_true", help=verify_help)
+    _config().add_remote_args(k)
+    k.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("show", help="one checkpoint's header, tensors and text")
+
+
+def _kv_show(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir", help="directory (or a checkpoint file)")
     k.add_argument("name", nargs="?", help="file name or unique hex prefix")
     k.add_argument("--text", action="store_true", help="print the whole text")
-    k.add_argument("--verify", action="store_true", help=verify_help)
+    k.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("verify", help="run the full verification pipeline on every file (exit 1 on any failure)")
+
+
+def _kv_verify(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir", nargs="?", help="directory (or a checkpoint file; not with --remote)")
     k.add_argument("names", nargs="*", help="only these files (names or unique prefixes)")
-    add_remote_args(k)
+    _config().add_remote_args(k)
     k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("gc", help="remove corrupt and orphaned temp files; evict to a budget")
+
+
+def _kv_gc(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir", nargs="?", help="directory (not with --remote)")
-    add_remote_args(k)
+    _config().add_remote_args(k)
     k.add_argument("--budget-mb", type=float, default=None, help="evict (ds4's score) until the directory fits")
     k.add_argument(
         "--tmp-age", type=float, default=3600, help="temp files older than this (s) are orphans (default 3600)"
@@ -99,30 +110,36 @@ def _kv_parser(sub: Any) -> None:
         metavar="F",
         help=SHARE_HELP + ": a tenant over it loses its own checkpoints first (with --budget-mb; default 1)",
     )
-    add_policy_args(k)  # ds4 serve's own flags: gc evicts in the server's order
+    _config().add_policy_args(k)  # ds4 serve's own flags: gc evicts in the server's order
     k.add_argument("--dry-run", action="store_true")
     k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("lookup", help="the longest stored prefix of a prompt (exit 0 on a hit, 1 on a miss)")
+
+
+def _kv_lookup(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir", help="directory")
     k.add_argument("prompt_file", metavar="PROMPT_FILE", help="the prompt's key text (its bytes, as stored)")
     k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("rm", help="remove checkpoints")
+
+
+def _kv_rm(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir", nargs="?", help="directory (with --remote: the first name)")
-    add_remote_args(k)
+    _config().add_remote_args(k)
     k.add_argument("names", nargs="*", help="file names or unique hex prefixes")
     k.add_argument("--all", action="store_true", help="every checkpoint in the directory")
     k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("stats", help="totals by version, reason, ABI and tenant")
+
+
+def _kv_stats(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir", nargs="?", help="directory (not with --remote)")
-    add_remote_args(k)
+    _config().add_remote_args(k)
     k.add_argument("--tenant-share", type=tenant_share, default=None, metavar="F", help=SHARE_HELP + ": who is over it")
     k.add_argument(
         "--budget-mb",
         type=float,
         default=None,
-        help=f"the budget the shares are of (default {DEFAULT_BUDGET_MB:g}, ds4 serve's --kv-disk-space-mb)",
+        help=f"the budget the shares are of (default {_config().DEFAULT_BUDGET_MB:g}, ds4 serve's --kv-disk-space-mb)",
     )
-    k.add_argument("--verify", action="store_true", help=verify_help)
+    k.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     k.add_argument(
         "--plot",
         metavar="FILE.png",
@@ -131,28 +148,53 @@ def _kv_parser(sub: Any) -> None:
         "or - for bars on the terminal",
     )
     k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("push", help="upload a directory's checkpoints to the shared tier")
+
+
+def _kv_push(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir")
-    add_remote_args(k, required=True)
+    _config().add_remote_args(k, required=True)
     k.add_argument("--kv-trust-dir", action="store_true", help="a directory owned by another user")
     k.add_argument("--json", action="store_true")
-    k = ksub.add_parser("pull", help="download (and verify) the shared tier's checkpoints into a directory")
+
+
+def _kv_pull(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir")
     k.add_argument("names", nargs="*", help="only these (names or unique prefixes)")
-    add_remote_args(k, required=True)
+    _config().add_remote_args(k, required=True)
     k.add_argument("--kv-trust-dir", action="store_true", help="a directory owned by another user")
     k.add_argument("--json", action="store_true")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds4", description="ds4: LLM inference with a verified disk KV cache")
-    p.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+#: ``ds4 kv``'s actions, in its help's order: (help, the builder of its flags)
+KV_ACTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "ls": ("list checkpoints", _kv_ls),
+    "show": ("one checkpoint's header, tensors and text", _kv_show),
+    "verify": ("run the full verification pipeline on every file (exit 1 on any failure)", _kv_verify),
+    "gc": ("remove corrupt and orphaned temp files; evict to a budget", _kv_gc),
+    "lookup": ("the longest stored prefix of a prompt (exit 0 on a hit, 1 on a miss)", _kv_lookup),
+    "rm": ("remove checkpoints", _kv_rm),
+    "stats": ("totals by version, reason, ABI and tenant", _kv_stats),
+    "push": ("upload a directory's checkpoints to the shared tier", _kv_push),
+    "pull": ("download (and verify) the shared tier's checkpoints into a directory", _kv_pull),
+}
 
-    sp = sub.add_parser("serve", help="OpenAI-compatible HTTP server (one live session, disk KV cache)")
+
+def _kv_args(kp: argparse.ArgumentParser, action: str | None) -> None:
+    """``ds4 kv``'s actions; only ``action``'s flags when it is named."""
+    ksub = kp.add_subparsers(dest="kvcmd", metavar="ACTION")
+    for name, (help_, build) in KV_ACTIONS.items():
+        k = ksub.add_parser(name, help=help_)
+        if action is None or action == name:
+            build(k)
+
+
+def _serve_args(sp: argparse.ArgumentParser) -> None:
+    from ..serve_args import add_serve_args  # ds4 serve's flags: built only for it
+
     add_serve_args(sp)
 
-    rp = sub.add_parser("run", help="generate once from a prompt")
+
+def _run_args(rp: argparse.ArgumentParser) -> None:
     rp.add_argument("-p", "--prompt", required=True, help="the prompt ('-' reads stdin)")
     rp.add_argument("--raw", action="store_true", help="use the prompt as is (no chat template)")
     rp.add_argument("--system", default=None, help="a system message (chat mode)")
@@ -163,22 +205,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("-v", "--verbose", action="store_true", help="print the ladder report to stderr")
     _gen_args(rp, 128)
-    add_engine_args(rp)
-    add_kv_args(rp)
+    _config().add_engine_args(rp)
+    _config().add_kv_args(rp)
 
-    cp = sub.add_parser("chat", help="interactive chat with named checkpoints (/save /list /switch /new /clear /quit)")
+
+def _chat_args(cp: argparse.ArgumentParser) -> None:
     cp.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt (its checkpoint is reused across sessions)")
     cp.add_argument("--no-kv-cache", action="store_true", help="no checkpoint directory")
     _gen_args(cp, 512)
-    add_engine_args(cp)
-    add_kv_args(cp, dir_default=os.environ.get("DS4_KV_DIR") or os.path.join("~", ".cache", "ds4", "kv"))
+    _config().add_engine_args(cp)
+    _config().add_kv_args(cp, dir_default=os.environ.get("DS4_KV_DIR") or os.path.join("~", ".cache", "ds4", "kv"))
 
-    _kv_parser(sub)
 
-    bp = sub.add_parser("bench", help="headline figures on this machine (reference engine, or --model PATH)")
+def _bench_args(bp: argparse.ArgumentParser) -> None:
     bp.add_argument(
         "--engine",
-        choices=ENGINE_KINDS,
+        choices=_config().ENGINE_KINDS,
         default=None,
         help="the session figures' engine (default: reference, or llamacpp with --model)",
     )
@@ -203,10 +245,47 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--kv-disk-dir", default=None, help="directory for the checkpoint (default: a temp dir)")
     bp.add_argument("--json", action="store_true")
 
-    dp = sub.add_parser(
-        "demo", help="the end-to-end demo: cold prefill + save, restart + resume, corruption + recovery", add_help=False
-    )
+
+def _demo_args(dp: argparse.ArgumentParser) -> None:
     dp.add_argument("demo_args", nargs=argparse.REMAINDER)
+
+
+#: the commands, in ``ds4 --help``'s order: (help, the builder of its flags)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "serve": ("OpenAI-compatible HTTP server (a pool of live sessions, disk KV cache)", _serve_args),
+    "run": ("generate once from a prompt", _run_args),
+    "chat": ("interactive chat with named checkpoints (/save /list /switch /new /clear /quit)", _chat_args),
+    "kv": ("inspect a checkpoint directory (ds4 v1 and v2 files)", lambda kp: None),
+    "bench": ("headline figures on this machine (reference engine, or --model PATH)", _bench_args),
+    "demo": ("the end-to-end demo: cold prefill + save, restart + resume, corruption + recovery", _demo_args),
+}
+
+
+def named(argv: Sequence[str] | None) -> tuple[str | None, str | None]:
+    """The command and the ``ds4 kv`` action ``argv`` names, each None when
+    it names none (then the parser builds every one)."""
+    words = list(argv or ())
+    cmd = words[0] if words and words[0] in COMMANDS else None
+    action = words[1] if cmd == "kv" and len(words) > 1 and words[1] in KV_ACTIONS else None
+    return cmd, action
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``ds4`` parser. Given the command line it will parse, it builds
+    only the flags of the command (and ``ds4 kv`` action) that line names:
+    the other commands are there by name and help, so ``ds4 kv lookup``
+    builds neither ``ds4 serve``'s flags nor imports their module. Without
+    ``argv`` (or when it names no command) every command's flags are built."""
+    cmd, action = named(argv)
+    p = argparse.ArgumentParser(prog="ds4", description="ds4: LLM inference with a verified disk KV cache")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    for name, (help_, build) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, add_help=name != "demo")
+        if name == "kv":
+            _kv_args(sp, action if cmd == "kv" else None)
+        elif cmd is None or cmd == name:
+            build(sp)
     return p
 
 
@@ -280,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..demo import main as demo_main
 
         return demo_main(argv[1:])
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.version:
         from .. import __version__
