@@ -107,3 +107,16 @@ def test_run_with_kv_remote_resumes_on_another_directory(tmp_path, node, capsys)
     assert second["text"] == first["text"] and second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     rc, _, err = _run(capsys, *common, "-p", prompt, "--kv-remote", node.url)
     assert rc == 2 and "--kv-disk-dir" in err
+
+
+@pytest.mark.parametrize(
+    "flags", [("--kv-explicit-weight", "4"), ("--kv-fresh-guard-s", "60"), ("--kv-fresh-guard-s", "0")]
+)
+def test_remote_gc_refuses_the_directory_eviction_flags(capsys, flags):
+    """The tier's TTL evicts, not the store's order: a given policy flag
+    (even at its default value) is refused before anything is contacted,
+    instead of being ignored."""
+    from ports import free_port
+
+    rc, _, err = _run(capsys, "kv", "gc", "--remote", f"redis://127.0.0.1:{free_port()}/0", *flags)
+    assert rc == 2 and "--kv-explicit-weight and --kv-fresh-guard-s order a directory's eviction" in err

@@ -253,9 +253,10 @@ def add_remote_args(k: argparse.ArgumentParser, *, required: bool = False) -> No
 def check_policy_args(args: argparse.Namespace) -> str | None:
     """:func:`add_policy_args`'s rules (ds4 serve's, run's, chat's and kv
     gc's); an error message or None."""
-    if not getattr(args, "kv_explicit_weight", 4.0) >= 1.0:
+    w, g = getattr(args, "kv_explicit_weight", None), getattr(args, "kv_fresh_guard_s", None)
+    if w is not None and not w >= 1.0:  # None: not given (ds4 kv gc), the policy's default
         return "--kv-explicit-weight must be >= 1"
-    if not getattr(args, "kv_fresh_guard_s", 60.0) >= 0.0:
+    if g is not None and not g >= 0.0:
         return "--kv-fresh-guard-s must be >= 0"
     return None
 

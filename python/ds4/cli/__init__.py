@@ -111,6 +111,9 @@ def _kv_gc(k: argparse.ArgumentParser) -> None:
         help=SHARE_HELP + ": a tenant over it loses its own checkpoints first (with --budget-mb; default 1)",
     )
     _config().add_policy_args(k)  # ds4 serve's own flags: gc evicts in the server's order
+    # None when not given: a directory's gc takes the server's defaults, and
+    # with --remote (whose TTL evicts, not this order) a given one is refused
+    k.set_defaults(kv_explicit_weight=None, kv_fresh_guard_s=None)
     k.add_argument("--dry-run", action="store_true")
     k.add_argument("--json", action="store_true")
 
@@ -346,6 +349,11 @@ def _remote_command(args: argparse.Namespace) -> Callable[[argparse.Namespace], 
         return _usage("ds4 kv stats --remote: --plot draws a directory's checkpoints")
     if args.kvcmd == "gc" and getattr(args, "tenant_share", None) is not None:
         return _usage("ds4 kv gc --remote: --tenant-share is a directory's (the tier's TTL evicts)")
+    if args.kvcmd == "gc" and (args.kv_explicit_weight is not None or args.kv_fresh_guard_s is not None):
+        return _usage(
+            "ds4 kv gc --remote: --kv-explicit-weight and --kv-fresh-guard-s order a directory's eviction "
+            "(the tier's TTL evicts)"
+        )
     if args.kvcmd in ("rm", "verify"):
         args.names = ([args.dir] if args.dir else []) + list(args.names)
     elif args.kvcmd not in ("push", "pull") and args.dir is not None:

@@ -17,6 +17,7 @@ from ..config import DEFAULT_BUDGET_MB, check_policy_args
 from ..keytext import plain_text
 from ..kvstore import (
     KVStore,
+    StorePolicy,
     is_regular,
     remove_orphaned_temp,
     scan_dir,
@@ -254,8 +255,9 @@ class _Gc:
             scan=False,
             trust_dir=True,
             tenant_share=args.tenant_share or 1.0,
-            explicit_weight=args.kv_explicit_weight,
-            fresh_guard_s=args.kv_fresh_guard_s,
+            # None: the flag not given, the server's default
+            explicit_weight=StorePolicy.explicit_weight if args.kv_explicit_weight is None else args.kv_explicit_weight,
+            fresh_guard_s=StorePolicy.fresh_guard_s if args.kv_fresh_guard_s is None else args.kv_fresh_guard_s,
         )
         self.removed: list[Info] = []
         self.quarantined: list[str] = []
