@@ -197,3 +197,82 @@ def test_an_engine_whose_batches_differ_decodes_per_session(monkeypatch):
             c.close()
     finally:
         eng.close()
+
+
+# -- a resident taking another's prefix (the shared prefill), without a disk load ---
+
+
+def _greedy(c, rest, n=6):
+    seen = [c.eval(rest).copy()]
+    for _ in range(n):
+        seen.append(c.eval([int(np.argmax(seen[-1]))]).copy())
+    return seen
+
+
+@pytest.mark.parametrize("name", models.MODELS)
+def test_a_sequence_copies_another_s_prefix_as_a_cold_prefill_holds_it(name):
+    """``copy_prefix``: the source's whole stream copied, then cut where the
+    prompts part (640 tokens: past Gemma 3's 512-token window, so the
+    window layers' masked cells must come along), gives every logit vector
+    a cold single context gives for the second prompt, step by step; the
+    source, which had decoded two tokens, goes on as if nothing happened."""
+    eng = models.engine(name)
+    base = models.text_tokens(eng, 700)
+    src_prompt = base[:650] + eng.tokenize(" apples and pears")
+    prompt = base[:640] + eng.tokenize(" a different ending about otters")
+    n = 640
+    cold = LlamaCppContext(eng, 1024)
+    try:
+        want = _greedy(cold, prompt)
+    finally:
+        cold.close()
+    shared = B.SharedContext(eng, 3, 1024)
+    a, b, other = shared.contexts
+    try:
+        other.eval(base[:100])  # a third stream holds something else
+        a.eval(src_prompt)
+        a.eval([5])
+        src_logits = a.eval([7]).copy()
+        assert b.copy_prefix(a, n)
+        assert b.n_past == n and b.tokens == prompt[:n]
+        got = _greedy(b, prompt[n:])
+        assert all(np.array_equal(x, y) for x, y in zip(want, got, strict=True)), name
+        alone = LlamaCppContext(eng, 1024)
+        try:
+            alone.eval(src_prompt)
+            alone.eval([5])
+            assert np.array_equal(alone.eval([7]), src_logits)
+            assert np.array_equal(a.eval([9]), alone.eval([9]))  # the source is intact
+        finally:
+            alone.close()
+    finally:
+        for c in shared.contexts:
+            c.close()
+
+
+def test_a_prefix_is_copied_only_where_the_source_could_rewind_to_it():
+    """No copy (False, the context unchanged) from itself, from a context
+    outside the batched one, past the source's length, or into the part of a
+    windowed import longer than its window, which the source could not
+    rewind into either (Gemma 3)."""
+    eng = models.engine("gemma3")
+    toks = models.text_tokens(eng, 700)
+    shared = B.SharedContext(eng, 2, 1024)
+    a, b = shared.contexts
+    single = LlamaCppContext(eng, 1024)
+    try:
+        single.eval(toks[:600])
+        a.eval(toks[:20])
+        b.eval(toks[:30])
+        assert not b.copy_prefix(b, 10) and not b.copy_prefix(single, 10) and not b.copy_prefix(a, 21)
+        assert b.n_past == 30 and b.tokens == toks[:30]
+        state = single.export_state()
+        a.import_state(state, 600)  # windowed: 600 > 512, its early window cells are zeros
+        a.know_tokens(toks[:600])
+        assert not b.copy_prefix(a, 550) and b.n_past == 30
+        assert b.copy_prefix(a, 600) and b.n_past == 600  # the whole import: no cut into it
+        assert not b.truncate(550) and b.n_past == 600  # and the copy is no more rewindable than its source
+    finally:
+        single.close()
+        for c in shared.contexts:
+            c.close()

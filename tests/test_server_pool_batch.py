@@ -7,6 +7,7 @@ condition), the second turns being live hits on their own residents."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import models
@@ -93,3 +94,57 @@ def test_four_conversations_batched_equal_a_cold_single_session_server(servers):
     steps = {int(k): v for k, v in pool.health()["batched"]["steps"].items()}
     assert any(k >= 2 for k in steps), steps  # the residents' steps did share llama_decode calls
     assert sum(k * v for k, v in steps.items()) <= 2 * len(TOPICS) * MAX_TOKENS
+
+
+def test_agents_starting_together_take_the_shared_prefix_from_ram(servers, tmp_path):
+    """Four conversations with one long system prompt sent at once to a
+    fresh batched pool: one lane prefills it, the other three wait, then
+    copy from that resident the tokens their prompts share with its live
+    state (rung ``live``, ``copied from session J``), more than its cold
+    checkpoint holds (the chat anchor), without loading it; every reply
+    equals a cold single-session server's."""
+    from test_server import SYSTEM
+
+    from ds4.checkpoint import REASONS, open_checkpoint
+
+    cold, pool = servers
+    system = SYSTEM + " " + " ".join(f"Rule {i}: keep every answer short and exact." for i in range(40))
+    convs = {
+        t: [{"role": "system", "content": system}, {"role": "user", "content": f"Tell me of {t}."}] for t in TOPICS
+    }
+    model = "smollm2" if "--model" not in pool.args else "gemma3"
+    fresh = Server(
+        str(tmp_path),
+        "pool-copy",
+        "--sessions",
+        "4",
+        "--batch-decode",
+        "auto",
+        "--kv-disk-dir",
+        str(tmp_path / "kv"),
+        *KV_FLAGS,
+        *_args(model),
+        engine="llamacpp",
+    ).start(timeout=180)
+    try:
+        got = _all_at_once(fresh, convs)
+        for t in TOPICS:
+            ref = cold.client().chat.completions.create(model=cold.model(), messages=convs[t], max_tokens=MAX_TOKENS)
+            assert got[t].choices[0].message.content == ref.choices[0].message.content, t
+        assert fresh.health()["levels"] == {"prefill": 1, "live": 3}, fresh.health()["levels"]
+        first = next(t for t in TOPICS if _extra(got[t])["rung"] == "prefill")
+        (src,) = [s["index"] for s in fresh.health()["sessions"] if s["last_rung"] == "prefill"]
+        cks = [open_checkpoint(p, load_payload=False) for p in (tmp_path / "kv").iterdir() if p.suffix == ".kv"]
+        (anchor,) = [ck.tokens for ck in cks if REASONS[ck.reason] == "cold"]  # the first lane's cold save
+        takers = set()
+        for t in TOPICS:
+            if t == first:
+                continue
+            m = re.fullmatch(rf"session (\d+), copied from session {src}", _extra(got[t])["source"])
+            assert m is not None, _extra(got[t])
+            takers.add(int(m.group(1)))
+            cached = got[t].usage.prompt_tokens_details.cached_tokens
+            assert anchor < cached < got[t].usage.prompt_tokens, (t, anchor, cached)
+        assert len(takers) == 3 and src not in takers, takers
+    finally:
+        fresh.stop()

@@ -156,6 +156,35 @@ class Session:
         if close is not None:
             close()
 
+    def adopt_prefix(self, other: Session, n_tokens: int) -> bool:
+        """Take ``other``'s first ``n_tokens`` live tokens into this
+        session, in ``other``'s namespace, without a disk load: a pool's
+        resident starting on a prefix another resident holds (agents that
+        share a system prompt). The engine context copies them
+        (``copy_prefix``: a batched context's sequences can, as a cold
+        prefill would hold them); when it cannot, or ``other`` holds no
+        valid state that long, it returns False and this session is
+        unchanged. On success the old live state is gone: the caller takes
+        only an empty session this way (the pool: a free resident)."""
+        n = int(n_tokens)
+        copy = getattr(self._ectx, "copy_prefix", None)
+        if copy is None or other is self or not other._valid or not 1 <= n <= len(other._tokens) or n >= self.ctx:
+            return False
+        if self._valid or self._tokens:
+            raise RuntimeError("a session adopts a prefix only while it is empty")
+        self.set_namespace(other.namespace)
+        try:
+            if not copy(other._ectx, n):
+                return False
+            logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
+        except Exception as e:
+            self.invalidate(f"prefix copy failed: {e}")
+            raise
+        self._tokens = list(other._tokens[:n])
+        self._logits = logits
+        self._valid = True
+        return True
+
     def invalidate(self, reason: str = "") -> None:
         """Clear validity (the one place that does). The engine state is reset
         so nothing stale can be extended by mistake."""

@@ -211,6 +211,37 @@ class SeqContext(LlamaCppContext):
             progress(1, 1)
         return self.last_logits()
 
+    def copy_prefix(self, other: object, n_tokens: int) -> bool:
+        """``other``'s first ``n_tokens`` positions, copied: its whole
+        stream (``llama_memory_seq_cp`` across streams copies every cell, a
+        windowed layer's masked ones too, as ``swa_full`` keeps them), then
+        cut at ``n_tokens`` as a rewind cuts (the last kept token decoded
+        again). Bit-identical to a cold prefill of those tokens on both
+        models (``tests/test_engine_llamacpp_batch.py``). False, this
+        context unchanged, when ``other`` is not another sequence of the same
+        batched context, or when it could not rewind to ``n_tokens`` itself
+        (unknown ids, a windowed import longer than its window)."""
+        self._check_open()
+        n = int(n_tokens)
+        if not isinstance(other, SeqContext) or other._shared is not self._shared or other is self:
+            return False
+        if not 1 <= n <= other.n_past or n >= self.n_ctx or not self._engine.can_rewind:
+            return False
+        if n - 1 < other._known_from or n < other._rewind_min:
+            return False
+        lc = self._lc
+        self._clear()
+        # the buffers are copied at the next decode's memory update: the
+        # cut's own decode, at once, before another sequence can change its cells
+        lc.llama_memory_seq_cp(self._mem, other.seq, self.seq, -1, -1)
+        # what the source could not rewind into, this copy cannot either
+        self._tokens = list(other._tokens[:n])
+        self._known_from, self._rewind_min, self._logits = other._known_from, other._rewind_min, None
+        if self._cut(n):  # an engine error resets this context and is raised
+            return True
+        self.reset()  # pragma: no cover - llama.cpp refused a tail removal it allows
+        return False
+
     def accept(self, token: int, logits: np.ndarray) -> None:
         """``token`` was decoded in a batched step with these logits."""
         self._tokens.append(int(token))

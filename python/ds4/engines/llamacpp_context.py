@@ -290,6 +290,12 @@ class LlamaCppContext:
             return True
         if n - 1 < self._known_from or not self._engine.can_rewind or n < self._rewind_min:
             return False
+        return self._cut(n)
+
+    def _cut(self, n: int) -> bool:
+        """Keep positions < ``n`` (1 <= n <= n_past, the ids known): drop
+        the rest and the last kept token, and decode that token again for
+        its logits."""
         if not self._lc.llama_memory_seq_rm(self._mem, self.seq, n - 1, -1):
             return False
         last = self._tokens[n - 1]
@@ -302,6 +308,14 @@ class LlamaCppContext:
             self.reset()
             raise
         return True
+
+    def copy_prefix(self, other: object, n_tokens: int) -> bool:
+        """Make this context hold ``other``'s first ``n_tokens`` positions,
+        as a cold prefill of them would (a pool's resident taking another's
+        shared prefix without a disk load). Only sequences of one batched
+        context can (:class:`~ds4.engines.llamacpp_batch.SeqContext`); a
+        context of its own returns False, unchanged."""
+        return False
 
     # -- state -------------------------------------------------------------
     def export_state(self) -> dict[str, np.ndarray]:

@@ -88,6 +88,8 @@ class Resident:
     #: "live", "hint", "free", "shared" (rule 5) or "lru"
     pick: str = "only"
     last_rung: str | None = None  # the cache level that served its last turn
+    #: the resident its current turn copied its prefix from (a shared prefill), or None
+    copied_from: int | None = None
 
     def view(self) -> dict[str, Any]:
         """The operator's line for it (``/health``)."""

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _core
 from ..errors import PromptError
+from ..keytext import tokenize_prompt
 from ..recovery import RecoveryReport
 from ..turn import Generator, GenParams, GenResult
 from .baton import Baton
@@ -157,8 +158,9 @@ class Service:
         self.levels: dict[str, int] = {}
         self.baton = Baton()
         self._running = 0  # jobs being served (under the baton)
-        #: the prompts being prefilled, by job id: (namespace, prompt bytes, set once prefilled)
-        self._prefills: dict[int, tuple[str | None, bytes, threading.Event]] = {}
+        #: the prompts being prefilled, by job id: (namespace, prompt bytes,
+        #: set once prefilled, the resident prefilling it)
+        self._prefills: dict[int, tuple[str | None, bytes, threading.Event, Resident]] = {}
         if self.pool.shared is not None:
             # a decode step posts its token and hands over: the other lanes
             # post theirs, and one llama_decode runs them all
@@ -270,10 +272,14 @@ class Service:
 
         return check
 
-    def _named(self, rep: RecoveryReport, index: int) -> RecoveryReport:
-        """A live hit of a pool names its resident (``source``: ``session K``)."""
+    def _named(self, rep: RecoveryReport, r: Resident) -> RecoveryReport:
+        """A live hit of a pool names its resident (``source``: ``session
+        K``), and the one it copied its prefix from (``session K, copied
+        from session J``)."""
         if self.pool.size > 1 and rep.rung == "live":
-            rep.source = f"session {index}"
+            rep.source = f"session {r.index}"
+            if r.copied_from is not None:
+                rep.source += f", copied from session {r.copied_from}"
         return rep
 
     def _serve(self, job: Job) -> None:
@@ -331,22 +337,21 @@ class Service:
                 log.exception("job %d: the agent turn's done hook failed", job.id)
         job.post("done", res)
 
-    def _behind_sibling(self, job: Job, resident: Resident, pb: bytes) -> None:
+    def _behind_sibling(self, job: Job, resident: Resident, pb: bytes) -> Resident | None:
         """A job about to prefill a prompt that another lane is prefilling
         the start of (a shared system prompt: agents starting together)
-        waits, without the baton, until that prefill is done: it stored
-        its cold checkpoint there, which this job's ladder then loads,
-        instead of both prefilling the same tokens side by side (``pb``:
-        the prompt's bytes)."""
+        waits, without the baton, until that prefill is done, instead of
+        both prefilling the same tokens side by side (``pb``: the prompt's
+        bytes); the resident that prefilled it, or None (no wait)."""
         if resident.pick not in ("free", "lru", "hint") or resident.gen.store is None:
-            return
-        best, ev = 0, None
-        for ns, other, done in self._prefills.values():
+            return None
+        best, ev, sibling = 0, None, None
+        for ns, other, done, r in self._prefills.values():
             n = _core.common_prefix_len(other, pb) if ns == job.namespace else 0
             if n > best:
-                best, ev = n, done
+                best, ev, sibling = n, done, r
         if ev is None or 2 * best < len(pb):
-            return
+            return None
         log.info("job %d waits for another lane's prefill of its first %d bytes", job.id, best)
         self.baton.release()
         try:
@@ -354,17 +359,38 @@ class Service:
                 pass
         finally:
             self.baton.acquire()
+        return sibling
+
+    def _take_prefix(self, job: Job, resident: Resident, sibling: Resident, prompt: str) -> None:
+        """After the wait, a free resident takes the prefix its prompt shares
+        with the sibling's live state from RAM (``Session.adopt_prefix``: a
+        batched context's sequences copy it, as a cold prefill would hold
+        it), the tokens one session's rewind would keep; the ladder then
+        extends it (rung ``live``). Where the engine cannot copy, the
+        ladder loads the sibling's cold checkpoint, as before."""
+        mine, theirs = resident.gen.sess, sibling.gen.sess
+        if resident.pick != "free" or mine.checkpoint_valid or mine.n_past or theirs.namespace != job.namespace:
+            return
+        tokens = tokenize_prompt(mine.engine, prompt)
+        n = theirs.common_prefix(tokens)
+        if 2 * n < len(tokens) or not mine.adopt_prefix(theirs, n):
+            return
+        resident.copied_from = sibling.index
+        log.info("job %d: session %d took %d tokens from session %d", job.id, resident.index, n, sibling.index)
 
     def _generate(self, job: Job, resident: Resident, prompt: str) -> GenResult:
         prefilled = threading.Event()
+        resident.copied_from = None
         if self.pool.size > 1:  # one lane has no sibling to wait for, nor to be waited for
             pb = prompt.encode("utf-8", "surrogatepass")
-            self._behind_sibling(job, resident, pb)
-            self._prefills[job.id] = (job.namespace, pb, prefilled)
+            sibling = self._behind_sibling(job, resident, pb)
+            if sibling is not None:
+                self._take_prefix(job, resident, sibling, prompt)
+            self._prefills[job.id] = (job.namespace, pb, prefilled, resident)
 
         def on_start(rep: RecoveryReport) -> None:
             prefilled.set()
-            job.post("start", self._named(rep, resident.index))
+            job.post("start", self._named(rep, resident))
 
         try:
             res = resident.gen.generate(
