@@ -225,9 +225,7 @@ class SeqContext(LlamaCppContext):
         n = int(n_tokens)
         if not isinstance(other, SeqContext) or other._shared is not self._shared or other is self:
             return False
-        if not 1 <= n <= other.n_past or n >= self.n_ctx or not self._engine.can_rewind:
-            return False
-        if n - 1 < other._known_from or n < other._rewind_min:
+        if not 1 <= n <= other.n_past or n >= self.n_ctx or not other._rewindable(n):
             return False
         lc = self._lc
         self._clear()

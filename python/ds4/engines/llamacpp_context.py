@@ -288,9 +288,14 @@ class LlamaCppContext:
         if n == 0:
             self.reset()
             return True
-        if n - 1 < self._known_from or not self._engine.can_rewind or n < self._rewind_min:
+        if not self._rewindable(n):
             return False
         return self._cut(n)
+
+    def _rewindable(self, n: int) -> bool:
+        """Whether a cut at ``n`` (>= 1) is exact here: the kept last token's
+        id known, the model able to rewind, the cut outside a windowed import."""
+        return n - 1 >= self._known_from and self._engine.can_rewind and n >= self._rewind_min
 
     def _cut(self, n: int) -> bool:
         """Keep positions < ``n`` (1 <= n <= n_past, the ids known): drop
