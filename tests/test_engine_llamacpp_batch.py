@@ -161,6 +161,83 @@ def test_a_step_posted_by_several_threads_runs_as_one_batch(world):
             c.close()
 
 
+def test_prefill_pieces_of_different_lengths_batch_bit_identically(world):
+    """Batched prefill: pieces of 1 to 4 sequences of different lengths in
+    one llama_decode each; every sequence gets the shortest piece's rows,
+    the longer ones go on in later batches, and each prompt's logits are a
+    cold single context's."""
+    eng, prompts, cold = world
+    shared = B.SharedContext(eng, 4, N_CTX)
+    try:
+        # all four together; as the shortest finishes, 3, 2 and then 1 go on
+        left = {k: np.array(prompts[k]) for k in range(4)}
+        last: dict[int, np.ndarray] = {}
+        while any(t.size for t in left.values()):
+            ks = [k for k, t in left.items() if t.size]
+            out = shared.eval_many([(shared.contexts[k], left[k]) for k in ks])
+            for k, (n, lg) in zip(ks, out, strict=True):
+                assert 1 <= n <= left[k].size
+                shared.contexts[k].accept_many(left[k][:n], lg)
+                left[k], last[k] = left[k][n:], lg
+        for k in range(4):
+            assert shared.contexts[k].n_past == len(prompts[k])
+            assert np.array_equal(last[k], cold[k][0]), k
+            # and the state goes on as a cold one does
+            assert np.array_equal(shared.contexts[k].eval([int(np.argmax(last[k]))]), cold[k][1]), k
+        assert set(shared.prefill_steps) == {1, 2, 3, 4}, shared.prefill_steps
+    finally:
+        for c in shared.contexts:
+            c.close()
+
+
+def test_lanes_prefill_and_decode_through_one_batch_as_the_pool_does(world):
+    """Four lanes on one baton, as the pool's: each prefills its prompt
+    (handing over at every chunk and every piece) and decodes its tokens.
+    Prefill pieces go in together, decode steps go in together (the two
+    kinds in separate batches), and every lane's logits, from the prompt's
+    last to its last token, are a cold single context's."""
+    import threading
+
+    from ds4.server.baton import Baton
+
+    eng, prompts, cold = world
+    shared = B.SharedContext(eng, 4, N_CTX)
+    baton = Baton()
+    shared.handover = baton.pass_
+    got: dict[int, list[np.ndarray]] = {}
+    errors: list[BaseException] = []
+
+    def lane(k: int) -> None:
+        c = shared.contexts[k]
+        try:
+            with baton:
+                seen = [c.eval(prompts[k], progress=lambda _d, _t: baton.pass_()).copy()]
+                for _ in range(SCHEDULE[k][2]):
+                    seen.append(c.eval([int(np.argmax(seen[-1]))]).copy())
+            got[k] = seen
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=lane, args=(k,)) for k in range(4)]
+        with baton:  # every lane queued before the first runs
+            for t in threads:
+                t.start()
+            while baton.waiting < 4:
+                threading.Event().wait(0.005)
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+        for k in range(4):
+            same = [bool(np.array_equal(a, b)) for a, b in zip(got[k], cold[k], strict=True)]
+            assert len(got[k]) == len(cold[k]) and all(same), (k, same)
+        assert 4 in shared.prefill_steps, shared.prefill_steps
+        assert 4 in shared.steps and 1 in shared.steps, shared.steps
+    finally:
+        for c in shared.contexts:
+            c.close()
+
+
 def test_a_failed_batched_step_fails_every_posted_sequence_and_resets_it(world, monkeypatch):
     eng, prompts, _ = world
     shared = B.SharedContext(eng, 2, N_CTX)

@@ -70,18 +70,23 @@ class SharedContext:
         #: called by a decode step after posting its token: the pool's
         #: baton handover (nothing: a step runs at once)
         self.handover: Callable[[], None] = lambda: None
-        self._posted: dict[int, tuple[SeqContext, int]] = {}
-        self._results: dict[int, np.ndarray | EngineError] = {}
-        #: batched steps run, by how many sequences they held
+        self._posted: dict[int, tuple[SeqContext, np.ndarray]] = {}
+        self._results: dict[int, tuple[int, np.ndarray] | EngineError] = {}
+        #: batched decode steps run, by how many sequences they held
         self.steps: collections.Counter[int] = collections.Counter()
+        #: batched prefill pieces run, by how many sequences they held
+        self.prefill_steps: collections.Counter[int] = collections.Counter()
         self._open = set(range(self.n_seq))
         self.contexts = [SeqContext(self, s) for s in range(self.n_seq)]
 
     # -- the steps ---------------------------------------------------------
-    def step(self, sc: SeqContext, token: int) -> np.ndarray:
-        """``sc``'s next token, decoded with every other posted one: post it,
-        hand over, and run the batch unless another lane ran it."""
-        self._posted[sc.seq] = (sc, token)
+    def step(self, sc: SeqContext, tokens: np.ndarray) -> tuple[int, np.ndarray]:
+        """The next piece of ``sc``'s ``tokens`` (its next token, or a prefill
+        chunk's rest), evaluated with every other posted piece: post it, hand
+        over, and run the batch unless another lane ran it. How many of the
+        tokens went in (a prefill piece may go in part, :meth:`eval_many`),
+        and the logits after the last of them."""
+        self._posted[sc.seq] = (sc, tokens)
         self.handover()
         got = self._results.pop(sc.seq, None)
         if got is None:
@@ -93,50 +98,81 @@ class SharedContext:
 
     def _run(self) -> None:
         posted, self._posted = list(self._posted.values()), {}
-        try:
-            out = self.decode_many([(sc, tok) for sc, tok in posted])
-        except EngineError as e:
-            for sc, _tok in posted:
-                self._results[sc.seq] = EngineError(f"batched decode failed: {e}")
-            return
-        for (sc, _tok), logits in zip(posted, out, strict=True):
-            self._results[sc.seq] = logits
+        # one-token steps together, prefill pieces together: one batch holds
+        # one row count per sequence, and a prefill cut down to a decode
+        # step's rows would run in pieces of the floor
+        for group in ([p for p in posted if p[1].size == 1], [p for p in posted if p[1].size > 1]):
+            if not group:
+                continue
+            try:
+                out = self.eval_many(group)
+            except EngineError as e:
+                for sc, _toks in group:
+                    self._results[sc.seq] = EngineError(f"batched decode failed: {e}")
+                continue
+            for (sc, _toks), got in zip(group, out, strict=True):
+                self._results[sc.seq] = got
 
-    def decode_many(self, items: Sequence[tuple[SeqContext, int]]) -> list[np.ndarray]:
-        """One llama_decode of one token for each of ``items``' sequences
-        (at each one's next position, each padded on its own); their
-        logits, in order. The contexts' own bookkeeping is theirs
-        (:meth:`SeqContext.eval`)."""
+    def rows_for(self, lengths: Sequence[int]) -> int:
+        """The rows each sequence gets in one batch of pieces of ``lengths``
+        tokens: the shortest piece padded to the engine's floor (and its
+        multiple), within the batch's room; longer pieces go in up to that."""
+        eng = self._engine
+        rows = max(eng.batch_floor, padded(min(lengths), eng.batch_multiple))
+        room = eng.batch_room // len(lengths) // eng.batch_multiple * eng.batch_multiple
+        return max(self.rows_per_seq, min(rows, room))
+
+    def eval_many(self, items: Sequence[tuple[SeqContext, np.ndarray]]) -> list[tuple[int, np.ndarray]]:
+        """One llama_decode of the next tokens of each of ``items``'
+        sequences (one piece each, at each one's next position). Every
+        sequence has the same rows (:meth:`rows_for`): its first tokens,
+        padded on its own with copies of its last one where it has fewer.
+        That is the layout a split-KV batch is exact in: llama.cpp cuts a
+        batch of unequal sequences into ubatches of equal ones, and the
+        pieces it cuts off go through short-batch kernels unpadded
+        (``benches/probe_batch_exact.py --prefill``). For each item: how
+        many of its tokens went in, and the logits after the last. The
+        contexts' own bookkeeping is theirs (:meth:`SeqContext.eval`)."""
         batch = self._batch
         if batch is None or not items:
             raise EngineError("the shared context is closed" if batch is None else "nothing to decode")
-        m, lc = self.rows_per_seq, self._lc
         if len({sc.seq for sc, _ in items}) != len(items):
-            raise ValueError("one token per sequence")
-        for k, (sc, tok) in enumerate(items):
-            r = k * m
+            raise ValueError("one piece per sequence")
+        lc = self._lc
+        m = self.rows_for([int(t.size) for _, t in items])
+        takes = []
+        for k, (sc, toks) in enumerate(items):
+            r, n = k * m, min(int(toks.size), m)
             pos = sc.n_past
-            batch.token[r : r + m] = tok
+            batch.token[r : r + n] = toks[:n]
+            batch.token[r + n : r + m] = toks[n - 1]
             batch.pos[r : r + m] = np.arange(pos, pos + m, dtype=np.int32)
             batch.logits[r : r + m] = 0
-            batch.logits[r] = 1
+            batch.logits[r + n - 1] = 1
             for i in range(r, r + m):
                 batch.set_seq(i, sc.seq)
+            takes.append(n)
         batch.raw.n_tokens = m * len(items)
         rc = lc.llama_decode(self.ctx, batch.raw)
         batch.logits[: m * len(items)] = 0
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} in a batched step")
         out = []
-        for k, (sc, _tok) in enumerate(items):
-            p = lc.llama_get_logits_ith(self.ctx, k * m)
+        for k, ((sc, _toks), n) in enumerate(zip(items, takes, strict=True)):
+            p = lc.llama_get_logits_ith(self.ctx, k * m + n - 1)
             if not p:
                 raise EngineError("llama.cpp returned no logits")
-            out.append(np.ctypeslib.as_array(p, shape=(self._engine.vocab_size,)).copy())
-            if m > 1 and not lc.llama_memory_seq_rm(self.mem, sc.seq, sc.n_past + 1, -1):
+            out.append((n, np.ctypeslib.as_array(p, shape=(self._engine.vocab_size,)).copy()))
+            if m > n and not lc.llama_memory_seq_rm(self.mem, sc.seq, sc.n_past + n, -1):
                 raise EngineError("llama.cpp could not drop the pad tokens")  # pragma: no cover
-        self.steps[len(items)] += 1
+        (self.steps if max(takes) == 1 else self.prefill_steps)[len(items)] += 1
         return out
+
+    def decode_many(self, items: Sequence[tuple[SeqContext, int]]) -> list[np.ndarray]:
+        """One llama_decode of one token for each of ``items``' sequences
+        (:meth:`eval_many` of one-token pieces); their logits, in order."""
+        got = self.eval_many([(sc, np.array([int(tok)], dtype=np.int32)) for sc, tok in items])
+        return [logits for _n, logits in got]
 
     # -- lifetime ----------------------------------------------------------
     def released(self, seq: int) -> None:
@@ -159,8 +195,13 @@ class SharedContext:
         self._engine.context_freed()
 
     def view(self) -> dict[str, Any]:
-        """The operator's view: how many batched steps held how many sequences."""
-        return {"sequences": self.n_seq, "steps": {str(k): v for k, v in sorted(self.steps.items())}}
+        """The operator's view: how many batched decode steps and prefill
+        pieces held how many sequences."""
+        return {
+            "sequences": self.n_seq,
+            "steps": {str(k): v for k, v in sorted(self.steps.items())},
+            "prefill_steps": {str(k): v for k, v in sorted(self.prefill_steps.items())},
+        }
 
 
 class SeqContext(LlamaCppContext):
@@ -195,20 +236,30 @@ class SeqContext(LlamaCppContext):
         return restream(blob, self._layout(), seq=(0, 1), to=(self.seq, self._shared.n_seq))
 
     def eval(self, tokens: Sequence[int], progress: Callable[[int, int], object] | None = None) -> np.ndarray:
-        if len(tokens) != 1 or not self._exact:
+        """As a single context evaluates (chunks cut at absolute multiples of
+        ``n_batch``, ``progress`` after each), but every chunk goes through
+        the shared context's steps, batched with the other sequences'
+        pieces, until all of it is in."""
+        if not self._exact or not len(tokens):
             return super().eval(tokens, progress)
         self._check_open()
-        tok = int(self._as_tokens(tokens)[0])
-        if self.n_past + 1 > self.n_ctx:
-            raise ContextOverflowError(self.n_past + 1, self.n_ctx)
+        toks = self._as_tokens(tokens)
+        total, nb = int(toks.size), self._nb
+        if self.n_past + total > self.n_ctx:
+            raise ContextOverflowError(self.n_past + total, self.n_ctx)
+        done = 0
         try:
-            logits = self._shared.step(self, tok)
+            while done < total:
+                end = done + min(total - done, nb - self.n_past % nb)
+                while done < end:
+                    n, logits = self._shared.step(self, toks[done:end])
+                    self.accept_many(toks[done : done + n], logits)
+                    done += n
+                if progress is not None:
+                    progress(done, total)
         except EngineError:
             self.reset()
             raise
-        self.accept(tok, logits)
-        if progress is not None:
-            progress(1, 1)
         return self.last_logits()
 
     def copy_prefix(self, other: object, n_tokens: int) -> bool:
@@ -245,6 +296,11 @@ class SeqContext(LlamaCppContext):
         self._tokens.append(int(token))
         self._logits = logits
 
+    def accept_many(self, tokens: np.ndarray, logits: np.ndarray) -> None:
+        """``tokens`` went in, in a batched piece, with these logits after them."""
+        self._tokens.extend(int(t) for t in tokens)
+        self._logits = logits
+
     def close(self) -> None:
         ctx, self._ctx = self._ctx, None
         if ctx is None:
@@ -259,11 +315,27 @@ class SeqContext(LlamaCppContext):
         self._shared.released(self.seq)
 
 
+def _prefill_together(shared: SharedContext, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """``prompts`` prefilled into the shared context's first sequences, all
+    the pieces one batch each step (the shortest one's rows, the longer ones
+    going on); the logits after each prompt."""
+    left = [np.asarray(p, dtype=np.int32) for p in prompts]
+    last: list[np.ndarray | None] = [None] * len(left)
+    while any(t.size for t in left):
+        ks = [k for k, t in enumerate(left) if t.size]
+        out = shared.eval_many([(shared.contexts[k], left[k]) for k in ks])
+        for k, (n, logits) in zip(ks, out, strict=True):
+            shared.contexts[k].accept_many(left[k][:n], logits)
+            left[k], last[k] = left[k][n:], logits
+    return [lg for lg in last if lg is not None]
+
+
 def batched_exact(engine: Owner, prompts: Sequence[Sequence[int]], steps: int = 4) -> bool:
     """Whether this build's batched steps are bit-identical to
-    single-session ones: each of ``prompts`` (2 or more) decoded greedily
-    for ``steps`` tokens in one context of its own, then all together in a
-    :class:`SharedContext`, every step one batch."""
+    single-session ones: each of ``prompts`` (2 or more, of different
+    lengths) prefilled and decoded greedily for ``steps`` tokens in one
+    context of its own, then all together in a :class:`SharedContext`, the
+    prefills' pieces batched, then every step one batch."""
     n_ctx = max(len(p) for p in prompts) + steps + 2
     alone = []
     for p in prompts:
@@ -278,7 +350,7 @@ def batched_exact(engine: Owner, prompts: Sequence[Sequence[int]], steps: int = 
     shared = SharedContext(engine, len(prompts), n_ctx)
     try:
         ctxs = shared.contexts
-        got = [[c.eval(p)] for c, p in zip(ctxs, prompts, strict=True)]
+        got = [[lg] for lg in _prefill_together(shared, prompts)]
         for _ in range(steps):
             toks = [int(np.argmax(g[-1])) for g in got]
             out = shared.decode_many(list(zip(ctxs, toks, strict=True)))
