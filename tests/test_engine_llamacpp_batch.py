@@ -190,6 +190,90 @@ def test_prefill_pieces_of_different_lengths_batch_bit_identically(world):
             c.close()
 
 
+@pytest.mark.parametrize("seed", [1, 4, 5])
+def test_random_prefill_pieces_over_three_streams_stay_bit_identical(world, seed):
+    """Three sequences fed in random pieces (1 to 60 tokens; some sequences
+    sitting a batch out), the pieces of every batch put in together: at
+    every piece's end each sequence's logits are those of a single context
+    fed the same pieces. Batched at their own lengths instead (each padded
+    alone, not to one row count), these three schedules come out in other
+    bits on SmolLM2 (``benches/probe_batch_exact.py --prefill`` finds a fifth
+    of such piece ends differ)."""
+    import random
+
+    eng, _, _ = world
+    rng = random.Random(seed)
+    texts = [_prompt(eng, (text + " ") * 4) for text, _, _ in SCHEDULE[:3]]
+    plans = []
+    for t in texts:
+        cuts, i = [], 0
+        while i < len(t):
+            n = min(rng.choice([1, 2, 3, rng.randint(1, 60)]), len(t) - i)
+            cuts.append(t[i : i + n])
+            i += n
+        plans.append(cuts)
+    want = []
+    for cuts in plans:
+        c = LlamaCppContext(eng, N_CTX)
+        try:
+            want.append([c.eval(p).copy() for p in cuts])
+        finally:
+            c.close()
+    shared = B.SharedContext(eng, 3, N_CTX)
+    ctxs, at = shared.contexts, [0, 0, 0]
+    left = [np.array(plans[k][0]) for k in range(3)]
+    bad = []
+    try:
+        while any(at[k] < len(plans[k]) for k in range(3)):
+            ks = [k for k in range(3) if at[k] < len(plans[k])]
+            ks = [k for k in ks if rng.random() < 0.7] or ks[:1]
+            for k, (n, lg) in zip(ks, shared.eval_many([(ctxs[k], left[k]) for k in ks]), strict=True):
+                ctxs[k].accept_many(left[k][:n], lg)
+                left[k] = left[k][n:]
+                if not left[k].size:
+                    if not np.array_equal(lg, want[k][at[k]]):
+                        bad.append((k, at[k]))
+                    at[k] += 1
+                    if at[k] < len(plans[k]):
+                        left[k] = np.array(plans[k][at[k]])
+    finally:
+        for c in ctxs:
+            c.close()
+    assert not bad, bad
+    assert any(k >= 2 for k in shared.prefill_steps), shared.prefill_steps
+
+
+def test_two_pieces_a_multiple_apart_stay_bit_identical(world):
+    """Pieces of floor + multiple and floor + 2 multiples tokens (12 and 16
+    on Gemma 3) from the start of two streams: the shorter one's rows for
+    both, then the longer one's rest padded on its own. Put in together at
+    their own lengths, llama.cpp cuts the rest off into a ubatch of its
+    own, short of Gemma's floor, and the longer prompt's logits differ."""
+    eng, prompts, _ = world
+    f, m = eng.batch_floor, eng.batch_multiple
+    pieces = [np.array(prompts[3][: f + m]), np.array(prompts[3][5 : 5 + f + 2 * m])]
+    cold = [_alone(eng, list(p), 1) for p in pieces]
+    shared = B.SharedContext(eng, 2, N_CTX)
+    ctxs = shared.contexts
+    try:
+        last = [np.empty(0)] * 2
+        left = list(pieces)
+        while any(t.size for t in left):
+            ks = [k for k in range(2) if left[k].size]
+            for k, (n, lg) in zip(ks, shared.eval_many([(ctxs[k], left[k]) for k in ks]), strict=True):
+                ctxs[k].accept_many(left[k][:n], lg)
+                left[k], last[k] = left[k][n:], lg
+        for k in range(2):
+            assert np.array_equal(last[k], cold[k][0]), k
+            assert np.array_equal(ctxs[k].eval([int(np.argmax(last[k]))]), cold[k][1]), k
+        # both together, then the rest alone (a one-token rest, SmolLM2's, counts as a step)
+        both = shared.prefill_steps + shared.steps
+        assert shared.prefill_steps[2] == 1 and both[1] == 3 and sum(both.values()) == 4, both
+    finally:
+        for c in ctxs:
+            c.close()
+
+
 def test_lanes_prefill_and_decode_through_one_batch_as_the_pool_does(world):
     """Four lanes on one baton, as the pool's: each prefills its prompt
     (handing over at every chunk and every piece) and decodes its tokens.

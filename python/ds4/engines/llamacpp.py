@@ -378,7 +378,17 @@ class LlamaCppEngine:
         if not self.exact or self.state_layout is None or n_seq < 2:
             return None
         if self._batched_ok is None:
-            self._batched_ok = batched_exact(self, [list(range(11, 20)), list(range(40, 63))])
+            # two prompts a batch multiple apart past the floor (12 and 16
+            # tokens on Gemma 3): batched at their own lengths, not in this
+            # layout, llama.cpp runs the longer one's rest short and unpadded
+            f, m = self.batch_floor, self.batch_multiple
+            probe = [
+                list(range(11, 11 + f + m)),
+                list(range(40, 40 + f + 2 * m)),
+                list(range(70, 79)),
+                list(range(90, 113)),
+            ]
+            self._batched_ok = batched_exact(self, probe)
             if not self._batched_ok:
                 log.warning("llama.cpp: batched decode is not bit-identical on this build; decoding per session")
         if not self._batched_ok:
