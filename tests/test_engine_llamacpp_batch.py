@@ -274,10 +274,12 @@ def test_two_pieces_a_multiple_apart_stay_bit_identical(world):
             c.close()
 
 
-def test_lanes_prefill_and_decode_through_one_batch_as_the_pool_does(world):
+@pytest.mark.parametrize("batch_prefill", [True, False])
+def test_lanes_prefill_and_decode_through_one_batch_as_the_pool_does(world, batch_prefill):
     """Four lanes on one baton, as the pool's: each prefills its prompt
     (handing over at every chunk and every piece) and decodes its tokens.
-    Prefill pieces go in together, decode steps go in together (the two
+    Prefill pieces go in together (or, with ``batch_prefill`` off, each
+    sequence prefills on its own), decode steps go in together (the two
     kinds in separate batches), and every lane's logits, from the prompt's
     last to its last token, are a cold single context's."""
     import threading
@@ -286,6 +288,7 @@ def test_lanes_prefill_and_decode_through_one_batch_as_the_pool_does(world):
 
     eng, prompts, cold = world
     shared = B.SharedContext(eng, 4, N_CTX)
+    shared.batch_prefill = batch_prefill
     baton = Baton()
     shared.handover = baton.pass_
     got: dict[int, list[np.ndarray]] = {}
@@ -315,7 +318,10 @@ def test_lanes_prefill_and_decode_through_one_batch_as_the_pool_does(world):
         for k in range(4):
             same = [bool(np.array_equal(a, b)) for a, b in zip(got[k], cold[k], strict=True)]
             assert len(got[k]) == len(cold[k]) and all(same), (k, same)
-        assert 4 in shared.prefill_steps, shared.prefill_steps
+        if batch_prefill:
+            assert 4 in shared.prefill_steps, shared.prefill_steps
+        else:
+            assert not shared.prefill_steps, shared.prefill_steps
         assert 4 in shared.steps and 1 in shared.steps, shared.steps
     finally:
         for c in shared.contexts:

@@ -120,6 +120,8 @@ def test_agents_starting_together_take_the_shared_prefix_from_ram(servers, tmp_p
         "4",
         "--batch-decode",
         "auto",
+        "--batch-prefill",  # the waiters' suffixes may go in together: the same replies
+        "on",
         "--kv-disk-dir",
         str(tmp_path / "kv"),
         *KV_FLAGS,
@@ -146,5 +148,7 @@ def test_agents_starting_together_take_the_shared_prefix_from_ram(servers, tmp_p
             cached = got[t].usage.prompt_tokens_details.cached_tokens
             assert anchor < cached < got[t].usage.prompt_tokens, (t, anchor, cached)
         assert len(takers) == 3 and src not in takers, takers
+        batched = fresh.health()["batched"]
+        assert batched["prefill"] is True and batched["prefill_steps"], batched  # prefills went through it
     finally:
         fresh.stop()

@@ -69,6 +69,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "build gives bit-identical logits (auto, the default: checked at start; docs/DESIGN.md, "
         "'Batched decode'); off: each resident decodes in its own context",
     )
+    p.add_argument(
+        "--batch-prefill",
+        choices=("on", "off"),
+        default="off",
+        help="with batched decode: the residents' prefill pieces in one llama_decode too, as exact "
+        "(off, the default: on 2 cores it buys no throughput and turns that finish apart finish together; "
+        "docs/DESIGN.md, 'Batched decode')",
+    )
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
     p.add_argument(
         "--model-alias",

@@ -74,6 +74,9 @@ class SharedContext:
         self._results: dict[int, tuple[int, np.ndarray] | EngineError] = {}
         #: batched decode steps run, by how many sequences they held
         self.steps: collections.Counter[int] = collections.Counter()
+        #: whether prefill pieces are batched too (else each sequence
+        #: prefills on its own, as a single context does)
+        self.batch_prefill = True
         #: batched prefill pieces run, by how many sequences they held
         self.prefill_steps: collections.Counter[int] = collections.Counter()
         self._open = set(range(self.n_seq))
@@ -200,6 +203,7 @@ class SharedContext:
         return {
             "sequences": self.n_seq,
             "steps": {str(k): v for k, v in sorted(self.steps.items())},
+            "prefill": self.batch_prefill,
             "prefill_steps": {str(k): v for k, v in sorted(self.prefill_steps.items())},
         }
 
@@ -240,7 +244,7 @@ class SeqContext(LlamaCppContext):
         ``n_batch``, ``progress`` after each), but every chunk goes through
         the shared context's steps, batched with the other sequences'
         pieces, until all of it is in."""
-        if not self._exact or not len(tokens):
+        if not self._exact or not len(tokens) or (len(tokens) > 1 and not self._shared.batch_prefill):
             return super().eval(tokens, progress)
         self._check_open()
         toks = self._as_tokens(tokens)

@@ -112,7 +112,15 @@ class Pool:
     worker thread only; :meth:`views` is read from the event loop (a copy
     of plain values)."""
 
-    def __init__(self, primary: Generator, size: int = 1, live: LiveTools | None = None, *, batched: bool = False):
+    def __init__(
+        self,
+        primary: Generator,
+        size: int = 1,
+        live: LiveTools | None = None,
+        *,
+        batched: bool = False,
+        batch_prefill: bool = False,
+    ):
         if size < 1:
             raise ValueError(f"a pool needs at least one session, got {size}")
         self.residents = [Resident(0, primary, live or LiveTools())]
@@ -125,11 +133,12 @@ class Pool:
         #: each decodes in its own context
         self.shared: Any = None
         if batched and size > 1:
-            self._share()
+            self._share(batch_prefill)
 
-    def _share(self) -> None:
-        """Put the residents on one context whose decode steps are batched,
-        where the engine has one that is exact (else each keeps its own)."""
+    def _share(self, batch_prefill: bool) -> None:
+        """Put the residents on one context whose decode steps (and, with
+        ``batch_prefill``, prefill pieces) are batched, where the engine has
+        one that is exact (else each keeps its own)."""
         make = getattr(self.residents[0].gen.engine, "batched_contexts", None)
         shared = make(self.size, self.residents[0].gen.sess.ctx) if make is not None else None
         if shared is None:
@@ -137,8 +146,10 @@ class Pool:
             return
         for r, c in zip(self.residents, shared.contexts, strict=True):
             r.gen.sess.adopt_context(c)
+        shared.batch_prefill = batch_prefill
         self.shared = shared
-        log.info("batched decode: %d residents in one context, one llama_decode per step", self.size)
+        what = "step and prefill piece" if batch_prefill else "step"
+        log.info("batched decode: %d residents in one context, one llama_decode per %s", self.size, what)
 
     @property
     def size(self) -> int:
