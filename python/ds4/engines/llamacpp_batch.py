@@ -19,11 +19,21 @@ Exactness is the condition, and it holds only in one layout, measured by
 
 So a batched step of K sequences is a batch of K x floor tokens, each
 sequence's rows as its own single-session step would be; the weight
-matrices are read once for all of them. Prefill chunks, rewinds and state
-imports run per sequence (a sequence's cells only; the other streams are
-untouched). At start (:func:`batched_exact`) the engine checks it on its
-own build: two sequences, batched steps against single-session ones; a
-build where they differ decodes per session.
+matrices are read once for all of them.
+
+Prefill pieces batch too (:attr:`SharedContext.batch_prefill`; the server's
+``--batch-prefill on``), under one more rule: **every sequence in a batch
+gets the same rows**, the shortest piece's (padded to the floor), and the
+longer pieces go on in later batches. Given pieces of unequal lengths,
+llama.cpp cuts the batch into ubatches of equal per-sequence counts
+itself, and the rests it cuts off run through the short-batch kernels
+unpadded: other bits (``benches/probe_batch_exact.py --prefill``). One-token
+steps and prefill pieces batch apart, so a prefill is never cut down to a
+decode step's rows. Rewinds and state imports run per sequence (a
+sequence's cells only; the other streams are untouched). At start
+(:func:`batched_exact`) the engine checks it on its own build: prompts of
+different lengths prefilled together, then batched steps, against
+single-session ones; a build where they differ decodes per session.
 
 The pool's lanes take turns through a baton (:mod:`ds4.server.baton`);
 only the holder calls into a context. A lane's decode step *posts* its
