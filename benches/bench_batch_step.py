@@ -48,6 +48,25 @@ def _best(f: Callable[[], None], rounds: int) -> float:
     return best
 
 
+def _row(
+    n: int,
+    alone: Callable[[], None],
+    batched: Callable[[int], Callable[[], None]],
+    ks: list[int],
+    rounds: int,
+    per: int,
+) -> dict[str, float]:
+    """The figures of one context length: the single context's time per
+    call (``per`` calls in a round), each K's batched time, and the ratio."""
+    one = _best(alone, rounds) / per
+    row = {"context": n, "single_step_ms": one * 1e3}
+    for k in ks:
+        step = _best(batched(k), rounds) / per
+        row[f"k{k}_step_ms"] = step * 1e3
+        row[f"k{k}_per_token_ratio"] = k * one / step
+    return row
+
+
 def measure(eng: LlamaCppEngine, n: int, ks: list[int], steps: int, rounds: int) -> dict[str, float]:
     toks = models.text_tokens(eng, n)
     n_ctx = n + steps + 8
@@ -76,13 +95,7 @@ def measure(eng: LlamaCppEngine, n: int, ks: list[int], steps: int, rounds: int)
 
             return run
 
-        one = _best(alone, rounds) / steps
-        row = {"context": n, "single_step_ms": one * 1e3}
-        for k in ks:
-            step = _best(batched(k), rounds) / steps
-            row[f"k{k}_step_ms"] = step * 1e3
-            row[f"k{k}_per_token_ratio"] = k * one / step
-        return row
+        return _row(n, alone, batched, ks, rounds, steps)
     finally:
         single.close()
         for c in shared.contexts:
@@ -116,13 +129,7 @@ def measure_prefill(eng: LlamaCppEngine, n: int, piece: int, ks: list[int], roun
 
             return run
 
-        one = _best(alone, rounds)
-        row = {"context": n, "single_step_ms": one * 1e3}
-        for k in ks:
-            step = _best(batched(k), rounds)
-            row[f"k{k}_step_ms"] = step * 1e3
-            row[f"k{k}_per_token_ratio"] = k * one / step
-        return row
+        return _row(n, alone, batched, ks, rounds, 1)
     finally:
         single.close()
         for c in shared.contexts:

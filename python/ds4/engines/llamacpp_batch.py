@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ContextOverflowError, EngineError
+from ..errors import EngineError
 from .llamacpp_context import Idle, LlamaCppContext, Owner, context_params, open_context, padded
 from .llamacpp_lib import Batch
 from .llamacpp_state import restream
@@ -145,7 +145,7 @@ class SharedContext:
         pieces it cuts off go through short-batch kernels unpadded
         (``benches/probe_batch_exact.py --prefill``). For each item: how
         many of its tokens went in, and the logits after the last. The
-        contexts' own bookkeeping is theirs (:meth:`SeqContext.eval`)."""
+        contexts' own bookkeeping is theirs (:meth:`SeqContext.accept_many`)."""
         batch = self._batch
         if batch is None or not items:
             raise EngineError("the shared context is closed" if batch is None else "nothing to decode")
@@ -249,32 +249,16 @@ class SeqContext(LlamaCppContext):
     def _native(self, blob: np.ndarray) -> np.ndarray:
         return restream(blob, self._layout(), seq=(0, 1), to=(self.seq, self._shared.n_seq))
 
-    def eval(self, tokens: Sequence[int], progress: Callable[[int, int], object] | None = None) -> np.ndarray:
-        """As a single context evaluates (chunks cut at absolute multiples of
-        ``n_batch``, ``progress`` after each), but every chunk goes through
-        the shared context's steps, batched with the other sequences'
-        pieces, until all of it is in."""
-        if not self._exact or not len(tokens) or (len(tokens) > 1 and not self._shared.batch_prefill):
-            return super().eval(tokens, progress)
-        self._check_open()
-        toks = self._as_tokens(tokens)
-        total, nb = int(toks.size), self._nb
-        if self.n_past + total > self.n_ctx:
-            raise ContextOverflowError(self.n_past + total, self.n_ctx)
-        done = 0
-        try:
-            while done < total:
-                end = done + min(total - done, nb - self.n_past % nb)
-                while done < end:
-                    n, logits = self._shared.step(self, toks[done:end])
-                    self.accept_many(toks[done : done + n], logits)
-                    done += n
-                if progress is not None:
-                    progress(done, total)
-        except EngineError:
-            self.reset()
-            raise
-        return self.last_logits()
+    def _feed(self, chunk: np.ndarray, last: bool) -> int:
+        """A piece of a chunk through the shared context's steps, batched
+        with the other sequences' pieces (it may go in part); a prefill
+        piece without ``batch_prefill``, or outside exact mode, on this
+        sequence's own, as a single context feeds it."""
+        if not self._exact or (chunk.size > 1 and not self._shared.batch_prefill):
+            return super()._feed(chunk, last)
+        n, logits = self._shared.step(self, chunk)
+        self.accept_many(chunk[:n], logits)
+        return n
 
     def copy_prefix(self, other: object, n_tokens: int) -> bool:
         """``other``'s first ``n_tokens`` positions, copied: its whole
@@ -307,10 +291,9 @@ class SeqContext(LlamaCppContext):
 
     def accept(self, token: int, logits: np.ndarray) -> None:
         """``token`` was decoded in a batched step with these logits."""
-        self._tokens.append(int(token))
-        self._logits = logits
+        self.accept_many((token,), logits)
 
-    def accept_many(self, tokens: np.ndarray, logits: np.ndarray) -> None:
+    def accept_many(self, tokens: Sequence[int] | np.ndarray, logits: np.ndarray) -> None:
         """``tokens`` went in, in a batched piece, with these logits after them."""
         self._tokens.extend(int(t) for t in tokens)
         self._logits = logits

@@ -247,20 +247,26 @@ class LlamaCppContext:
         done = 0
         try:
             while done < total:
-                pos = n_past + done
                 # chunk boundaries at absolute multiples of n_batch
-                step = min(total - done, nb - pos % nb)
-                self._decode(toks[done : done + step], pos)
-                self._tokens.extend(toks[done : done + step].tolist())
-                done += step
-                if done == total:
-                    self._logits = self._read_logits()
+                end = done + min(total - done, nb - self.n_past % nb)
+                while done < end:
+                    done += self._feed(toks[done:end], end == total)
                 if progress is not None:
                     progress(done, total)
         except EngineError:
             self.reset()
             raise
         return self.last_logits()
+
+    def _feed(self, chunk: np.ndarray, last: bool) -> int:
+        """Evaluate ``chunk`` (a piece of one aligned chunk) at the next
+        position, the logits read when it is the ``last`` of the eval; how
+        many of its tokens went in (here all: one llama_decode)."""
+        self._decode(chunk, self.n_past)
+        self._tokens.extend(chunk.tolist())
+        if last:
+            self._logits = self._read_logits()
+        return int(chunk.size)
 
     def last_logits(self) -> np.ndarray:
         """Logits after the last evaluated token (a copy); used after truncate()."""
