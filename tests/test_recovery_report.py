@@ -21,7 +21,7 @@ from kv_helpers import toks
 import ds4
 from ds4 import _core, recovery
 from ds4.checkpoint import open_checkpoint, write_checkpoint
-from ds4.recovery import RecoveryReport, _rest_after
+from ds4.recovery import RecoveryReport
 
 STEP = 0.25  # seconds per perf_counter call: every interval is 250 ms
 MS = STEP * 1000
@@ -100,6 +100,7 @@ def test_as_dict_spells_out_every_field():
         events=["one"],
         remote="up",
         divergence={"against": "live", "token": 3, "byte": 5, "cached": "ab", "prompt": "cd"},
+        token_check={"against": "disk", "kept": 6, "of": 7},
     )
     assert rep.as_dict() == {
         "rung": "disk",
@@ -118,8 +119,10 @@ def test_as_dict_spells_out_every_field():
         "events": ["one"],
         "remote": "up",
         "divergence": {"against": "live", "token": 3, "byte": 5, "cached": "ab", "prompt": "cd"},
+        "token_check": {"against": "disk", "kept": 6, "of": 7},
     }
     assert RecoveryReport().as_dict()["rejected"] == []
+    assert RecoveryReport().as_dict()["token_check"] is None
     assert RecoveryReport().as_dict()["divergence"] is None
 
 
@@ -128,70 +131,6 @@ def test_event_formats_only_with_arguments():
     rep._event("reused=%d of %s", 3, "ten")
     rep._event("a literal 100% and %d, no arguments")
     assert rep.events == ["reused=3 of ten", "a literal 100% and %d, no arguments"]
-
-
-def test_rest_after_a_cut():
-    """The prompt's tokens after a cut of its key text: its own tokens at a
-    token boundary; a plain token's tail re-tokenized as text; None inside a
-    special token or a UTF-8 sequence."""
-    eng = ds4.ReferenceEngine()
-    keys = ds4.Session(eng, ctx=64).key_renderer
-    toks = eng.tokenize("<|im_start|>xé", special=True)  # [257, 120, 195, 169]
-    cum = [0, 12, 13, 14, 15]
-    assert _rest_after(keys, toks, cum, 12) == toks[1:]
-    assert _rest_after(keys, toks, cum, 15) == []
-    assert _rest_after(keys, toks, cum, 5) is None  # inside the marker
-    assert _rest_after(keys, toks, cum, 16) is None  # past the end
-
-    class Tok:  # a tokenizer with multi-byte tokens: "ab" is one
-        vocab_size = 3
-
-        def token_bytes(self, t):
-            return [b"ab", b"a", b"b"][t]
-
-        def tokenize(self, text, special=False):
-            return [{"a": 1, "b": 2}[c] for c in text]
-
-    k = ds4.keytext.KeyRenderer(Tok())
-    assert _rest_after(k, [0, 0], [0, 2, 4], 1) == [2, 0]  # "b" then the second "ab"
-
-
-@pytest.mark.parametrize("suffix", ["fits", "fills_ctx", "not_tokenizable"])
-def test_disk_rung_suffix_at_the_context_edge(eng, tmp_path, monkeypatch, suffix):
-    """The disk rung goes on from a loaded checkpoint only when its tokens
-    and the prompt's suffix after its text fit the context with room for one
-    more (as a prompt must) and the suffix could be tokenized; otherwise the
-    loaded state is dropped and the prompt prefilled. The reference engine's
-    byte tokens always cut at a token and give the prompt's own tokens back;
-    a BPE vocabulary re-tokenizes a cut token's tail, which can be longer
-    (here: one token more, the sum exactly the context) or impossible (a cut
-    inside a byte-fallback sequence: None)."""
-    ctx = 64
-    text = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!"
-    tokens = toks(eng, text)
-    assert len(tokens) == ctx - 1  # the longest prompt that fits
-    store = ds4.KVStore(tmp_path, min_tokens=1)
-    donor = ds4.Session(eng, ctx=ctx)
-    donor.sync(tokens[:40])
-    path = store.store_live_prefix(donor)
-    real = recovery._Ladder.rest_after
-
-    def retokenized(self, n_key):
-        rest = real(self, n_key)
-        assert rest == tokens[40:]  # the cut after the checkpoint's text
-        if suffix == "not_tokenizable":
-            return None
-        return rest + rest[-1:] if suffix == "fills_ctx" else rest
-
-    monkeypatch.setattr(recovery._Ladder, "rest_after", retokenized)
-    sess = ds4.Session(eng, ctx=ctx)
-    rep = ds4.recover(sess, store, text, evict_save=False)
-    if suffix == "fits":
-        assert (rep.rung, rep.reused_tokens, rep.loaded_path) == ("disk", 40, path)
-    else:
-        assert (rep.rung, rep.reused_tokens, rep.loaded_path) == ("prefill", 0, None)
-    assert sess.checkpoint_valid and sess.tokens == tokens
-    assert np.array_equal(sess.logits, cold_logits(eng, tokens, ctx))
 
 
 # -- rung 4: full prefill --------------------------------------------------------
@@ -231,6 +170,7 @@ def test_prefill_report_progress_and_frontiers(eng, clock):
         "events": [ladder_event("prefill", "full", 0, 41, 0, 5 * MS)],
         "remote": "",
         "divergence": None,  # a fresh session, no store: no candidate
+        "token_check": None,
     }
 
 
@@ -337,6 +277,7 @@ def test_rewind_report(eng, clock, monkeypatch):
         "remote": "",
         # "shared prefix then branch " (26 bytes, one token each), then "one" / "two"
         "divergence": {"against": "live", "token": 26, "byte": 26, "cached": "one", "prompt": "two, longer"},
+        "token_check": None,  # the tokens part where the text does
     }
     assert s.tokens == b and np.array_equal(s.logits, cold_logits(eng, b, 128))
 

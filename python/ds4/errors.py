@@ -78,6 +78,7 @@ __all__ = [
     "TrailingBytesError",
     "TruncatedCheckpointError",
     "UnsupportedCodecError",
+    "UnsupportedModelError",
     "UnsupportedVersionError",
     "V1IgnoredError",
     "from_core",
@@ -442,6 +443,21 @@ class NoChatTemplateError(ChatTemplateError):
 
 class EngineError(Ds4Error, RuntimeError):
     """The engine failed while prefilling or decoding."""
+
+
+class UnsupportedModelError(EngineError):
+    """llama.cpp loads the model but ds4 cannot run it: its architecture
+    (``arch``) cannot decode a prompt here, or its memory offers nothing ds4
+    can keep exact. ``code`` is stable; the message says what to do."""
+
+    code = "model_unsupported"
+
+    def __init__(self, arch: str, reason: str, hint: str):
+        self.arch, self.reason, self.hint = arch, reason, hint
+        super().__init__(f"{self.code}: architecture {arch!r}: {reason}; {hint}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.__class__, (self.arch, self.reason, self.hint))
 
 
 class StoreError(Ds4Error, OSError):

@@ -1,11 +1,15 @@
 """The recovery ladder (docs/DESIGN.md, "Recovery ladder").
 
-1. The live session: token-prefix match, then rendered byte-prefix match.
+1. The live session: token-prefix match (a rendered byte-prefix match whose
+   tokens are not the prompt's own is cut by the token check to their
+   common prefix, the rewrite rung's rewind).
 2. ``rewrite_from_common``; on REBUILD_NEEDED go on.
 3. Disk checkpoints, longest first (corrupt: invalidate and remove, then the
    next; incompatible: skip and keep). With a shared tier, a remote
    checkpoint longer than every local one is downloaded, verified and
-   loaded first: the rung is then ``remote``.
+   loaded first: the rung is then ``remote``. A loaded state is kept only
+   as far as its tokens are the prompt's own (the token check): a cold
+   prefill evaluates the prompt's tokenization, so a resume must too.
 4. Full prefill.
 
 Before the live session is replaced by an unrelated prompt, it is saved
@@ -31,11 +35,11 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any
 
 from . import _core
 from .errors import InvalidSessionError, PromptError
-from .keytext import KeyRenderer, parting, plain_len, snippet, tokenize_prompt
+from .keytext import parting, plain_len, snippet, tokenize_prompt
 from .kvstore import Candidates, Entry, KVStore, LoadResult, Rejection, considered
 from .loading import load_first, try_load_text
 from .session import Rewrite, Session
@@ -70,6 +74,10 @@ class RecoveryReport:
     #: ``cached`` is ``""`` exactly when the prompt holds the whole candidate;
     #: None when there was no candidate
     divergence: dict[str, Any] | None = None
+    #: when the token check cut a text match (:meth:`_Ladder.token_check`):
+    #: ``{"against": "live"|"disk"|"remote", "kept": K, "of": M}``, the
+    #: state's first K tokens of M being the prompt's own; None: no cut
+    token_check: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -80,37 +88,6 @@ class RecoveryReport:
         text = msg % args if args else msg
         self.events.append(text)
         log.info(text)
-
-
-def _rest_after(keys: KeyRenderer, tokens: Sequence[int], cum: Sequence[int], n_bytes: int) -> list[int] | None:
-    """The prompt's tokens after the first ``n_bytes`` of its key text (no
-    preamble): the prompt's own tokens when the cut falls between two of
-    them; when it falls inside a plain token, that token's tail tokenized as
-    text, then the rest. None when the cut falls inside a special token, an
-    escaped byte or a UTF-8 sequence (the suffix cannot be tokenized on its
-    own). ``cum[i]`` is the key length of the first ``i`` tokens."""
-    i = bisect.bisect_left(cum, n_bytes)
-    if i < len(cum) and cum[i] == n_bytes:
-        return list(tokens[i:])
-    if n_bytes < 0 or i >= len(cum):
-        return None
-    j = i - 1  # the token the cut falls in
-    tok = tokens[j]
-    if not keys.is_plain(tok):
-        return None
-    part = keys.engine.token_bytes(tok)[n_bytes - cum[j] :]
-    try:
-        text = part.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    head = cast("_Tokenizer", keys.engine).tokenize(text, special=False)
-    if keys.render(head) != part:
-        return None
-    return head + list(tokens[j + 1 :])
-
-
-class _Tokenizer(Protocol):
-    def tokenize(self, text: str, special: bool = ...) -> list[int]: ...
 
 
 def switch_namespace(sess: Session, store: KVStore | None, namespace: str | None) -> str | None:
@@ -256,11 +233,21 @@ class _Ladder:
             self._cum = [0, *itertools.accumulate(self.sess.key_renderer.lengths(self.tokens))]
         return self._cum
 
-    def rest_after(self, n_key: int) -> list[int] | None:
-        """The prompt's tokens after the first ``n_key`` bytes of its key
-        text (preamble included); see :func:`_rest_after`."""
-        cum = self.cum()
-        return _rest_after(self.sess.key_renderer, self.tokens, cum, n_key - self.pre)
+    def token_check(self, against: str) -> int:
+        """The token check behind a text match: how many of the session's
+        tokens are the prompt's own (its tokenization, the one a cold
+        prefill evaluates), their longest common prefix. A state whose text
+        is the prompt's but whose ids are not (a reply the model generated
+        as other pieces than the text's tokenization, a cut inside a token)
+        is kept only up to there, so the turn equals a cold prefill. A cut
+        is in the report (``token_check``) and logged."""
+        sess = self.sess
+        matched = sess.n_past
+        kept = sess.common_prefix(self.tokens)
+        if kept < matched:
+            self.rep.token_check = {"against": against, "kept": kept, "of": matched}
+            self.rep._event("ds4 token_check: kept %d of %d (%s)", kept, matched, against)
+        return kept
 
     def finish(self, rung: str, source: str, effective: Sequence[int], reused: int) -> RecoveryReport:
         rep = self.rep
@@ -388,9 +375,9 @@ class _Ladder:
             return self.finish("live", "memory-token", tokens, len(live))
         live_text = self.live_text = sess.key_bytes()
         if len(live_text) <= len(prompt_b) and prompt_b.startswith(live_text):
-            rest = self.rest_after(len(live_text))
-            if rest is not None and len(live) + len(rest) < sess.ctx:
-                return self.finish("live", "memory-text", live + rest, len(live))
+            # the text matches but the tokens do not: the rewrite below keeps
+            # what the token check keeps
+            self.token_check("live")
         done = self.rewrite(live)
         if done is not None:
             return done
@@ -448,14 +435,20 @@ class _Ladder:
         rep.timings["disk_ms"] = (time.perf_counter() - t) * 1000
         if res is None:
             return None
-        rest = self.rest_after(res.text_bytes)
-        if rest is not None and res.tokens + len(rest) < sess.ctx:
-            rep.loaded_path, self.loaded = res.path, res
-            if res.tier == "remote":
-                return self.finish("remote", "remote-text", sess.tokens + rest, res.tokens)
-            return self.finish("disk", "disk-text", sess.tokens + rest, res.tokens)
-        sess.invalidate("suffix not tokenizable after disk load")
-        return None
+        rung = "remote" if res.tier == "remote" else "disk"
+        kept = self.token_check(rung)
+        if kept < res.tokens:
+            try:
+                cut = kept > 0 and sess.rewind(kept)
+            except Exception as e:  # the session is invalid: prefill
+                rep._event("ds4 token_check: the rewind to %d tokens failed: %s", kept, e)
+                cut = False
+            if not cut:
+                rep._event("ds4 token_check: the loaded state cannot be cut to %d tokens; prefilling", kept)
+                sess.invalidate("the token check cut a state that cannot rewind")
+                return None
+        rep.loaded_path, self.loaded = res.path, res
+        return self.finish(rung, f"{rung}-text", self.tokens, kept)
 
     # 4. full prefill (with ds4's cold save on the way) -------------------------
     def prefill(self, cold_save: bool) -> RecoveryReport:

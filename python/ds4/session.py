@@ -312,6 +312,30 @@ class Session:
             return 0
         return _core.common_token_prefix(self._tokens, [int(t) for t in tokens])
 
+    def rewind(self, n_tokens: int) -> bool:
+        """Keep the first ``n_tokens`` (1 <= n <= n_past) live tokens, the
+        engine's state and logits exactly those of a cold prefill of them.
+        False, the session untouched, when the engine cannot rewind there
+        (a recurrent memory, a windowed import, unknown ids); on an engine
+        failure half-way the session is invalid and the error raised."""
+        n = int(n_tokens)
+        if not self._valid or not 0 < n <= len(self._tokens):
+            return False
+        if n == len(self._tokens):
+            return True
+        try:
+            if not self._ectx.truncate(n):
+                return False
+            logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
+        except Exception as e:
+            # The engine may have changed its state half-way: never leave it
+            # marked valid.
+            self.invalidate(f"rewind failed: {e}")
+            raise
+        del self._tokens[n:]
+        self._logits = logits
+        return True
+
     def rewrite_from_common(self, tokens: Sequence[int]) -> Rewrite:
         """ds4's rewrite: OK when the common prefix is the whole live state
         (then extend), or when the engine can rewind to it; REBUILD_NEEDED
@@ -329,21 +353,13 @@ class Session:
         live = len(self._tokens)
         if common < live:
             try:
-                rewound = common > 0 and self._ectx.truncate(common)
-                if rewound:
-                    logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
+                rewound = self.rewind(common)
             except Exception as e:
-                # The engine may have changed its state half-way: never leave
-                # it marked valid.
-                self.invalidate(f"rewind failed: {e}")
                 self.last_error = f"rewind failed: {e}"
                 return Rewrite.ERROR
             if not rewound:
                 self.last_error = f"rewrite needs rebuild: common={common} live={live} canonical={len(tokens)}"
                 return Rewrite.REBUILD_NEEDED
-            # The engine rewound its KV to `common` and restored its logits.
-            del self._tokens[common:]
-            self._logits = logits
         try:
             self.sync(tokens)
         except Exception as e:

@@ -68,7 +68,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import EngineError
+from ..errors import EngineError, UnsupportedModelError
 from ..keytext import Prompt
 from .chat_template import chat_renderer
 from .llamacpp_batch import SharedContext, batched_exact
@@ -81,7 +81,7 @@ from .llamacpp_lib import (
     load_llama_cpp,
     model_fingerprint,
 )
-from .llamacpp_probe import CANDIDATES, Probe, probe_engine
+from .llamacpp_probe import CANDIDATES, Memory, Probe, pads_needed, probe_engine
 from .llamacpp_state import StateLayout
 
 log = logging.getLogger("ds4.engines.llamacpp")
@@ -164,8 +164,18 @@ class LlamaCppEngine:
         self.bos_token_id = int(lc.llama_vocab_bos(self._vocab))
         #: the sliding window of the model's SWA layers (0: none)
         self.n_swa = max(0, int(lc.llama_model_n_swa(model)))
+        #: the memory has a recurrent part (Mamba, RWKV: all of it; LFM2,
+        #: Granite 4 hybrid, Jamba: beside a KV cache)
+        self.hybrid = bool(lc.llama_model_is_hybrid(model))
+        self.recurrent = bool(lc.llama_model_is_recurrent(model)) or self.hybrid
         #: recurrent/hybrid memory cannot drop a tail of positions: no rewind
-        self.can_rewind = not (bool(lc.llama_model_is_recurrent(model)) or bool(lc.llama_model_is_hybrid(model)))
+        self.can_rewind = not self.recurrent
+        #: rollback snapshots a context asks for: enough to drop the pads of
+        #: any batch policy (granted only where the architecture keeps them)
+        self.rollback_room = max(pads_needed(*c) for c in CANDIDATES) if self.recurrent else 0
+        #: every token evaluated on its own (the probe's last resort for
+        #: exactness: ``llamacpp_probe``)
+        self.serial = False
         self.arch = self.meta("general.architecture") or ""
         self.chat_template = self.meta("tokenizer.chat_template")
         self.type_k = self.type_v = _GGML_TYPE_F16
@@ -182,7 +192,20 @@ class LlamaCppEngine:
         #: (exact=False: 1x1, no pad; the ABI says so, its states differ)
         self.batch_floor, self.batch_multiple = 1, 1
         self.exact_verified = False
-        self._apply_probe(probe_engine(self))
+        #: what the memory can do (the probe asks it)
+        self.memory = Memory("attention", True, 0, True)
+        #: a state survives export and import here (else nothing is saved)
+        self.checkpoints_ok = False
+        try:
+            probe = probe_engine(self)
+        except EngineError as e:
+            self.close()
+            raise UnsupportedModelError(
+                self.arch,
+                f"llama.cpp cannot evaluate a prompt with it ({e})",
+                "serve it with a llama.cpp build that runs this architecture, or pick another GGUF",
+            ) from e
+        self._apply_probe(probe)
 
     # -- model facts -------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -223,12 +246,34 @@ class LlamaCppEngine:
             digest = model_fingerprint(self.model_path)[:16]
             lay = self.state_layout.describe() if self.state_layout is not None else "unknown"
             swa = f" swa={self.n_swa}/full" if self.n_swa else ""
+            # a recurrent part is named (its states are not an attention
+            # model's); a plain or windowed model's ABI is what it always was
+            mem = f" mem={self.memory.kind}" if self.recurrent else ""
             self._abi = (
                 f"llamacpp/{self._lc.__version__} model=sha256:{digest} layout={PAYLOAD_LAYOUT} "
-                f"arch={self.arch} layers={self.n_layer} caches={lay}{swa} kv=f16/f16 "
+                f"arch={self.arch} layers={self.n_layer} caches={lay}{swa}{mem} kv=f16/f16 "
                 f"fa={'on' if self.flash_attn else 'off'} batch={self.batch_floor}x{self.batch_multiple}"
+                + (" serial" if self.serial else "")
             )
         return self._abi
+
+    def facts(self) -> dict[str, object]:
+        """What the engine learnt of its model at start (``/health``'s
+        ``engine_facts``): the architecture, the memory's abilities, the
+        batch policy and whether it was verified exact, whether states
+        survive a round trip, and whether the pool may batch its residents."""
+        return {
+            "arch": self.arch,
+            "memory": self.memory.kind,
+            "truncate": self.memory.truncate,
+            "rollback": self.memory.rollback,
+            "copy": self.memory.copy,
+            "batch": f"{self.batch_floor}x{self.batch_multiple}" + (" serial" if self.serial else ""),
+            "exact": self.exact,
+            "exact_verified": self.exact_verified,
+            "checkpoints": self.checkpoints_ok,
+            "batched_decode": self.exact and self.state_layout is not None and self.memory.copy,
+        }
 
     # -- text --------------------------------------------------------------
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
@@ -377,6 +422,10 @@ class LlamaCppEngine:
         single-session ones (checked once, here)."""
         if not self.exact or self.state_layout is None or n_seq < 2:
             return None
+        if not self.memory.copy:
+            # a recurrent memory: one sequence per call (its residents'
+            # states cannot be cut, copied or restreamed as a KV cache's)
+            return None
         if self._batched_ok is None:
             # two prompts a batch multiple apart past the floor (12 and 16
             # tokens on Gemma 3): batched at their own lengths, not in this
@@ -402,6 +451,9 @@ class LlamaCppEngine:
         """Take what :func:`~ds4.engines.llamacpp_probe.probe_engine` found."""
         self.state_layout = p.layout
         self.state_bytes_per_token = p.bytes_per_token
+        self.memory = p.memory
+        self.checkpoints_ok = p.roundtrip
+        self.serial = bool(self.exact and p.serial)
         if self.exact:
             self.batch_floor, self.batch_multiple = p.batch_floor, p.batch_multiple
             self.exact_verified = p.exact_verified

@@ -46,8 +46,13 @@ def context_params(engine: Owner, n_ctx: int, n_seq_max: int = 1) -> Any:
     cparams = lc.llama_context_default_params()
     cparams.n_ctx = n_ctx
     cparams.n_batch = cap
-    cparams.n_ubatch = cap
+    # serial: llama.cpp evaluates every token on its own (a memory whose
+    # batches are exact at no size: every token then takes the one path)
+    cparams.n_ubatch = 1 if engine.serial else cap
     cparams.n_seq_max = n_seq_max
+    # a recurrent memory drops the pad tokens of a batch by rolling back to a
+    # snapshot (only where the architecture keeps them: LFM2's, say)
+    cparams.n_rs_seq = engine.rollback_room
     cparams.n_threads = engine.n_threads
     cparams.n_threads_batch = engine.n_threads
     cparams.flash_attn_type = _LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -91,6 +96,12 @@ class Owner(Protocol):
     type_v: int
     vocab_size: int
     can_rewind: bool
+    #: the model's memory has a recurrent part (pure recurrent or hybrid)
+    recurrent: bool
+    #: snapshots a context asks for so a recurrent memory can drop pads
+    rollback_room: int
+    #: every token evaluated on its own (ubatches of one)
+    serial: bool
     n_swa: int
     state_layout: StateLayout | None
 
@@ -164,6 +175,12 @@ class LlamaCppContext:
 
     # -- bookkeeping -------------------------------------------------------
     @property
+    def raw(self) -> Any:
+        """The ``llama_context`` handle (for the probe's questions to it)."""
+        self._check_open()
+        return self._ctx
+
+    @property
     def n_past(self) -> int:
         return len(self._tokens)
 
@@ -228,7 +245,9 @@ class LlamaCppContext:
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} at position {pos0}")
         if m > n and not self._lc.llama_memory_seq_rm(self._mem, self.seq, pos0 + n, -1):
-            raise EngineError("llama.cpp could not drop the pad tokens")  # pragma: no cover
+            # a recurrent memory without enough rollback snapshots; the
+            # start-up probe only picks a padded policy it saw work
+            raise EngineError(f"llama.cpp could not drop the {m - n} pad tokens at position {pos0 + n}")
 
     def _read_logits(self) -> np.ndarray:
         p = self._lc.llama_get_logits_ith(self._ctx, -1)
@@ -372,11 +391,14 @@ class LlamaCppContext:
         n_read = int(lc.llama_state_seq_set_data(self._ctx, ptr, blob.size, self.seq))
         pos_min = int(lc.llama_memory_seq_pos_min(self._mem, self.seq))
         pos_max = int(lc.llama_memory_seq_pos_max(self._mem, self.seq))
-        if n_read != blob.size or pos_min != 0 or pos_max != n_tokens - 1:
+        # a recurrent memory holds one cell, at the last position (a hybrid's
+        # minimum is the larger of its two memories' minimums)
+        first = n_tokens - 1 if eng.recurrent else 0
+        if n_read != blob.size or pos_min != first or pos_max != n_tokens - 1:
             self.reset()
             raise EngineStateError(
                 f"llama.cpp rejected the state (read {n_read} of {blob.size} bytes, "
-                f"positions {pos_min}..{pos_max}, expected 0..{n_tokens - 1})"
+                f"positions {pos_min}..{pos_max}, expected {first}..{n_tokens - 1})"
             )
         self._tokens = [-1] * n_tokens
         self._known_from = n_tokens

@@ -22,6 +22,19 @@ Two facts that no metadata states, measured on a small context:
   Gemma 3 270M (Q4_K_M) 8x4. A model for which no candidate passes keeps
   the strictest, with ``exact_verified`` False (logged).
 
+Before either, the probe asks the model's **memory** what it can do
+(:class:`Memory`): whether it drops a tail of positions (pads, rewinds),
+and, for a recurrent or hybrid memory (Mamba-2, LFM2, Granite 4 hybrid),
+which cannot, whether the architecture keeps rollback snapshots
+(``n_rs_seq``) through which the last few tokens of a batch can still be
+dropped. A padded policy is only a candidate where the pads can be dropped;
+the unpadded policy (1x1) is always one. So LFM2 pads like any model, and
+Mamba-2 runs unpadded batches, exact where the probe sees every split agree
+unpadded. Where no policy the memory can run is exact (Granite 4 hybrid:
+no rollback snapshots, and unpadded splits differ), the engine goes
+**serial**: llama.cpp evaluates every token on its own (ubatches of one),
+a cold prefill too, so every split is one computation; prefill is slower.
+
 Probes are cached per model file (path, size, mtime), batch size and thread
 count for the life of the process.
 """
@@ -39,15 +52,49 @@ from ..errors import EngineError, EngineStateError
 from .llamacpp_context import LlamaCppContext, Owner
 from .llamacpp_state import StateLayout, learn_layout, walk_state
 
-__all__ = ["CANDIDATES", "Probe", "probe_engine"]
+__all__ = ["CANDIDATES", "Memory", "Probe", "pads_needed", "probe_engine"]
 
 log = logging.getLogger("ds4.engines.llamacpp")
 
-#: batch policies (floor, multiple), cheapest first
-CANDIDATES: tuple[tuple[int, int], ...] = ((2, 1), (8, 4))
+#: batch policies (floor, multiple), cheapest first; 1x1 is no pad at all
+CANDIDATES: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (8, 4))
 #: the probe's splits of its 32 tokens (each a list of batch lengths)
 SPLITS: tuple[tuple[int, ...], ...] = ((31, 1), (29, 3), (26, 6), (3, 29), (1, 31), (30, 1, 1))
 _N = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """What the model's memory can do, as the probe found it.
+
+    ``kind``: ``attention`` (one KV cache), ``swa`` (a full and a windowed
+    cache), ``recurrent`` (no KV cache: Mamba, RWKV) or ``hybrid`` (a KV
+    cache and a recurrent memory: LFM2, Granite 4 hybrid, Jamba).
+    ``truncate``: a tail of positions can be dropped at any point (a rewind;
+    never for a recurrent part, whose one state summarises every token).
+    ``rollback``: how many of the last tokens a recurrent part can drop
+    right after the decode that took them (llama.cpp's per-token snapshots,
+    ``n_rs_seq``; 0 where the architecture keeps none); pads need that.
+    ``copy``: a prefix of one sequence can be copied into another (a pool's
+    shared prefix; a recurrent state has no prefix to copy)."""
+
+    kind: str
+    truncate: bool
+    rollback: int
+    copy: bool
+
+    def can_pad(self, floor: int, multiple: int) -> bool:
+        """Whether a batch policy's pads can be dropped after each decode."""
+        return self.truncate or pads_needed(floor, multiple) <= self.rollback
+
+    def describe(self) -> str:
+        """The memory's facts for the engine facts and the payload ABI."""
+        return f"{self.kind} truncate={'yes' if self.truncate else 'no'} rollback={self.rollback}"
+
+
+def pads_needed(floor: int, multiple: int) -> int:
+    """The most pad tokens a batch policy adds to one decode."""
+    return max(floor - 1, multiple - 1, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +104,12 @@ class Probe:
     batch_floor: int
     batch_multiple: int
     exact_verified: bool
+    memory: Memory
+    #: a state exported, imported into a cleared context and continued gives
+    #: the continuation of the state it was exported from, bit for bit
+    roundtrip: bool = False
+    #: exact only with every token evaluated alone (ubatches of one)
+    serial: bool = False
 
 
 _cache: dict[tuple[object, ...], Probe] = {}
@@ -67,6 +120,7 @@ class Probed(Owner, Protocol):
     as it starts): a context's owner, with its model file and tokenizer."""
 
     model_path: str
+    hybrid: bool
 
     def tokenize(self, text: str, special: bool = False) -> list[int]: ...
 
@@ -74,32 +128,83 @@ class Probed(Owner, Protocol):
 def probe_engine(eng: Probed) -> Probe:
     """The probe of ``eng``'s model (cached; see the module docstring)."""
     st = os.stat(eng.model_path)
-    key = (os.path.realpath(eng.model_path), st.st_size, st.st_mtime_ns, eng.n_batch, eng.n_threads)
+    key = (os.path.realpath(eng.model_path), st.st_size, st.st_mtime_ns, eng.n_batch, eng.n_threads, eng.exact)
     hit = _cache.get(key)
     if hit is None:
         hit = _cache[key] = _probe(eng)
     return hit
 
 
+def _memory(ctx: LlamaCppContext, eng: Probed) -> Memory:
+    """The memory's facts (see :class:`Memory`), read from the model and the
+    probe's context (how many rollback snapshots llama.cpp granted it)."""
+    if eng.recurrent:
+        rollback = int(eng.lc.llama_n_rs_seq(ctx.raw))
+        return Memory("hybrid" if eng.hybrid else "recurrent", False, rollback, False)
+    return Memory("swa" if eng.n_swa else "attention", True, 0, True)
+
+
 def _probe(eng: Probed) -> Probe:
+    ctx = LlamaCppContext(eng, 256)
     try:
-        ctx = LlamaCppContext(eng, 256)
-    except EngineError:  # pragma: no cover
-        return Probe(None, 0, *CANDIDATES[-1], False)
-    try:
+        mem = _memory(ctx, eng)
         layout, per_token = _layout(ctx, eng)
         toks = _tokens(eng)
-        for floor, mult in CANDIDATES:
-            if _alike(ctx, toks, floor, mult):
-                return Probe(layout, per_token, floor, mult, True)
-        log.warning(
-            "llama.cpp engine: no batch policy made %s's results independent of the batch split; "
-            "resumed sessions may differ from a cold prefill in the last bits",
-            os.path.basename(eng.model_path),
-        )
-        return Probe(layout, per_token, *CANDIDATES[-1], False)
+        possible = [c for c in CANDIDATES if mem.can_pad(*c)] if eng.exact else [(1, 1)]
+        floor, mult = possible[-1]
+        verified = serial = False
+        for f, m in possible:
+            if _alike(ctx, toks, f, m):
+                floor, mult, verified = f, m, True
+                break
+        else:
+            # no batch size the memory can take is exact: every token alone
+            # (llama.cpp's ubatches of one) takes one path, in a cold prefill
+            # too, so every split is the same computation (slower prefill)
+            if eng.exact:
+                ctx.close()
+                eng.serial = True
+                ctx = LlamaCppContext(eng, 256)
+                floor, mult = 1, 1
+                verified = serial = _alike(ctx, toks, 1, 1)
+            eng.serial = serial
+            if eng.exact and not serial:
+                log.warning(
+                    "llama.cpp engine: no batch policy its %s memory can run made %s's results independent of "
+                    "the batch split; resumed sessions may differ from a cold prefill in the last bits",
+                    mem.kind,
+                    os.path.basename(eng.model_path),
+                )
+        ctx.batch_floor, ctx.batch_multiple = floor, mult
+        trip = layout is not None and _roundtrip(ctx, toks)
+        if layout is not None and not trip:
+            log.warning(
+                "llama.cpp engine: %s's state does not survive an export and import here; "
+                "its checkpoints are not saved",
+                os.path.basename(eng.model_path),
+            )
+        return Probe(layout, per_token, floor, mult, verified, mem, trip, serial)
     finally:
         ctx.close()
+
+
+def _roundtrip(ctx: LlamaCppContext, toks: list[int]) -> bool:
+    """Whether a state of 20 tokens, exported, imported into the cleared
+    context and continued by the rest, gives the logits of the context that
+    prefilled them all (under the policy just chosen)."""
+    cut = 20
+    try:
+        ctx.reset()
+        ctx.eval(toks[:cut])
+        state = ctx.export_state()
+        ctx.eval(toks[cut:])
+        ref = ctx.last_logits()
+        ctx.reset()
+        ctx.import_state(state, cut)
+        return bool(np.array_equal(ctx.eval(toks[cut:]), ref))
+    except (EngineError, EngineStateError) as e:
+        log.warning("llama.cpp engine: the state round trip failed: %s", e)
+        return False
 
 
 def _layout(ctx: LlamaCppContext, eng: Probed) -> tuple[StateLayout | None, int]:
@@ -107,11 +212,12 @@ def _layout(ctx: LlamaCppContext, eng: Probed) -> tuple[StateLayout | None, int]
     token adds to the blob (below the window)."""
     try:
         sizes, layout = [], None
+        kv = (1 if eng.hybrid else 0) if eng.recurrent else None
         for n in (1, 3):
             ctx.reset()
             ctx.eval(list(range(n)))
             blob = ctx.export_state()["llama_state"]
-            layout = learn_layout(blob, n, eng.n_swa)
+            layout = learn_layout(blob, n, eng.n_swa, recurrent=eng.recurrent, kv_caches=kv)
             walk_state(blob, n, layout)  # its own checks agree
             sizes.append(int(blob.size))
         return layout, (sizes[1] - sizes[0]) // 2
@@ -140,5 +246,9 @@ def _alike(ctx: LlamaCppContext, toks: list[int], floor: int, mult: int) -> bool
             at += p
         return logits
 
-    ref = run((_N,))
-    return all(np.array_equal(run(s), ref) for s in SPLITS)
+    try:
+        ref = run((_N,))
+        return all(np.array_equal(run(s), ref) for s in SPLITS)
+    except EngineError as e:  # the memory refused the pads after all
+        log.info("llama.cpp engine: batch policy %dx%d cannot run here: %s", floor, mult, e)
+        return False

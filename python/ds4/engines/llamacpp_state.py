@@ -12,6 +12,16 @@ State payload (``LlamaCppContext.export_state``)
     K/V per token, not 18. The blob holds *no* logits.
     ``logits``: ``float32[vocab_size]``, the logits of the last token.
 
+Recurrent and hybrid models (Mamba-2, LFM2, Granite 4 hybrid) add the
+recurrent memory's part after the KV caches (a pure recurrent model has no
+KV cache): one cell per sequence, at the position of the last token, with
+no sequence ids (a sequence's own state), then ``s_trans`` (always 0) and
+the memory's layer count, then every recurrent layer's ``r`` row (the conv
+state) and every recurrent layer's ``s`` row (the SSM state; empty for a
+conv-only layer such as LFM2's), each behind its ``(type, row bytes)``.
+Its size does not grow with the tokens: the state *is* the summary of
+them, which is also why it cannot be rewound (:mod:`~ds4.engines.llamacpp`).
+
 What makes a state valid is described by a :class:`StateLayout`: each
 cache's window (0: every position), V transposition, and per layer the K/V
 types and row sizes. The engine learns it at start-up from a state it
@@ -47,12 +57,15 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import EngineStateError
+from .llamacpp_blob import _MAX_LAYERS, _MAX_ROW, _i32, _Reader, _u32, _u64
+from .llamacpp_recurrent import RecurrentLayout, _learn_recurrent, _recurrent
 
 __all__ = [
     "PAYLOAD_NAMES",
     "SEQ_MAGIC",
     "CacheLayout",
     "ModelFacts",
+    "RecurrentLayout",
     "StateLayout",
     "check_payload",
     "full_layout",
@@ -65,13 +78,11 @@ __all__ = [
 PAYLOAD_NAMES = frozenset({"llama_state", "logits"})
 #: the first field of a llama.cpp sequence state (llama-context.cpp ``io_magic``)
 SEQ_MAGIC = 0xAF143CD8
-#: bounds on a K/V row (bytes), a transposed V's element size and width, and
-#: the caches and layers a layout may have
-_MAX_ROW = 1 << 24
+#: bounds on a transposed V's element size and width, and the caches a
+#: layout may have (a row's and the layers' bounds: llamacpp_blob)
 _MAX_V_EL = 16
 _MAX_V_EMBD = 1 << 20
 _MAX_CACHES = 4
-_MAX_LAYERS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,17 +111,26 @@ class CacheLayout:
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """The caches of a model's state, in blob order."""
+    """The caches of a model's state, in blob order, and the recurrent part
+    after them (None: the model has none)."""
 
     caches: tuple[CacheLayout, ...]
+    recurrent: RecurrentLayout | None = None
 
     def describe(self) -> str:
         """A short, stable text of the layout for the payload ABI: each
-        cache's layer count and window, and a digest of every layer header."""
+        cache's layer count and window, the recurrent layers (``r``: how
+        many, of how many layers), and a digest of every layer header. A
+        plain or windowed model's text is what it was before recurrent
+        parts were known (its checkpoints keep their ABI)."""
         import hashlib
 
         parts = [f"{len(c.k)}" + (f"w{c.n_swa}" if c.n_swa else "") for c in self.caches]
-        h = hashlib.sha256(repr(self.caches).encode()).hexdigest()[:12]
+        what: object = self.caches
+        if self.recurrent is not None:
+            parts.append(f"r{len(self.recurrent.r)}of{self.recurrent.n_layer}")
+            what = (self.caches, self.recurrent)
+        h = hashlib.sha256(repr(what).encode()).hexdigest()[:12]
         return f"{'+'.join(parts)}:{h}"
 
     def size(self, n_tokens: int) -> int:
@@ -118,6 +138,8 @@ class StateLayout:
         total = 8  # magic, sequence id
         for c in self.caches:
             total += 8 + 8 + 24 * len(c.k) + c.bytes_per_cell() * c.cells(n_tokens)
+        if self.recurrent is not None:
+            total += self.recurrent.size()
         return total
 
     @property
@@ -157,37 +179,6 @@ def check_payload(
     if not np.all(np.isfinite(logits)):
         raise EngineStateError("logits contain NaN or infinity")
     return np.ascontiguousarray(blob), np.array(logits, dtype=np.float32, copy=True), n
-
-
-# Each reads exactly its field: .item() fails unless the slice holds one value
-# (indexing [0] would also accept a longer slice).
-def _u32(b: np.ndarray, at: int = 0) -> int:
-    return int(b[at : at + 4].view("<u4").item())
-
-
-def _i32(b: np.ndarray, at: int = 0) -> int:
-    return int(b[at : at + 4].view("<i4").item())
-
-
-def _u64(b: np.ndarray, at: int) -> int:
-    return int(b[at : at + 8].view("<u8").item())
-
-
-class _Reader:
-    """Reads a blob front to back; every read is bounds-checked first."""
-
-    def __init__(self, blob: np.ndarray):
-        self.blob = blob
-        self.size = int(blob.size)
-        self.off = 0
-
-    def take(self, n: int, what: str) -> np.ndarray:
-        """The next ``n`` bytes; EngineStateError if fewer are left."""
-        if n < 0 or self.off + n > self.size:
-            raise EngineStateError(f"llama_state truncated in {what} (at byte {self.off} of {self.size})")
-        out = self.blob[self.off : self.off + n]
-        self.off += n
-        return out
 
 
 @dataclasses.dataclass
@@ -284,51 +275,69 @@ def walk_state(blob: np.ndarray, n_tokens: int, layout: StateLayout) -> list[_Sp
         n = _cells(r, range(n_tokens - count, n_tokens))
         ks, vs = _layers(r, n, c, ic)
         spans.append(_Span(start, n, ks, vs, r.off))
+    if layout.recurrent is not None:
+        _recurrent(r, n_tokens, layout.recurrent)
     if r.off != r.size:
         raise EngineStateError(f"llama_state has {r.size - r.off} trailing bytes")
     return spans
 
 
-def learn_layout(blob: np.ndarray, n_tokens: int, n_swa: int) -> StateLayout:
+def _learn_cache(r: _Reader, n_tokens: int) -> CacheLayout:
+    """One KV cache of a state this engine exported itself: its cell table
+    and every layer's K and V headers, read with the walker's bounds."""
+    _cells(r, range(n_tokens))
+    h = r.take(8, "the layer header")
+    v_trans, n_layer = _u32(h), _u32(h, 4)
+    if v_trans > 1 or not 0 < n_layer <= _MAX_LAYERS:
+        raise EngineStateError("llama_state has a bad layer header")
+    k = []
+    for _ in range(n_layer):
+        h = r.take(12, "a K header")
+        kt, krow = _i32(h), _u64(h, 4)
+        if not 0 < krow <= _MAX_ROW:
+            raise EngineStateError("llama_state has a bad K header")
+        r.take(krow * n_tokens, "K rows")
+        k.append((kt, krow))
+    v: list[tuple[int, ...]] = []
+    for _ in range(n_layer):
+        h = r.take(12, "a V header")
+        if v_trans:
+            vt, el, embd = _i32(h), _u32(h, 4), _u32(h, 8)
+            if not 0 < el <= _MAX_V_EL or not 0 < embd <= _MAX_V_EMBD:
+                raise EngineStateError("llama_state has a bad V header")
+            r.take(el * embd * n_tokens, "V rows")
+            v.append((vt, el, embd))
+        else:
+            vt, row = _i32(h), _u64(h, 4)
+            if not 0 < row <= _MAX_ROW:
+                raise EngineStateError("llama_state has a bad V header")
+            r.take(row * n_tokens, "V rows")
+            v.append((vt, row))
+    return CacheLayout(0, bool(v_trans), tuple(k), tuple(v))
+
+
+def learn_layout(
+    blob: np.ndarray, n_tokens: int, n_swa: int, *, recurrent: bool = False, kv_caches: int | None = None
+) -> StateLayout:
     """The layout of a state this engine exported itself (``n_tokens`` of
     them, fewer than the window): each cache's layer headers, read with the
     same bounds checks. The second of two caches is the window's (``n_swa``).
-    Raises EngineStateError when the blob is not understood."""
+    A model with a recurrent memory (``recurrent``) has ``kv_caches`` KV
+    caches first (0: a pure recurrent model; 1: a hybrid), then the
+    recurrent part. Raises EngineStateError when the blob is not understood."""
     r = _Reader(blob)
     _head(r)
     caches: list[CacheLayout] = []
-    while r.off < r.size:
+    while r.off < r.size and (kv_caches is None or len(caches) < kv_caches):
         if len(caches) == _MAX_CACHES:
             raise EngineStateError("llama_state has too many caches")
-        _cells(r, range(n_tokens))
-        h = r.take(8, "the layer header")
-        v_trans, n_layer = _u32(h), _u32(h, 4)
-        if v_trans > 1 or not 0 < n_layer <= _MAX_LAYERS:
-            raise EngineStateError("llama_state has a bad layer header")
-        k = []
-        for _ in range(n_layer):
-            h = r.take(12, "a K header")
-            kt, krow = _i32(h), _u64(h, 4)
-            if not 0 < krow <= _MAX_ROW:
-                raise EngineStateError("llama_state has a bad K header")
-            r.take(krow * n_tokens, "K rows")
-            k.append((kt, krow))
-        v: list[tuple[int, ...]] = []
-        for _ in range(n_layer):
-            h = r.take(12, "a V header")
-            if v_trans:
-                vt, el, embd = _i32(h), _u32(h, 4), _u32(h, 8)
-                if not 0 < el <= _MAX_V_EL or not 0 < embd <= _MAX_V_EMBD:
-                    raise EngineStateError("llama_state has a bad V header")
-                r.take(el * embd * n_tokens, "V rows")
-                v.append((vt, el, embd))
-            else:
-                vt, row = _i32(h), _u64(h, 4)
-                if not 0 < row <= _MAX_ROW:
-                    raise EngineStateError("llama_state has a bad V header")
-                r.take(row * n_tokens, "V rows")
-                v.append((vt, row))
-        caches.append(CacheLayout(0, bool(v_trans), tuple(k), tuple(v)))
+        caches.append(_learn_cache(r, n_tokens))
+    if recurrent:
+        if kv_caches is None or len(caches) != kv_caches:
+            raise EngineStateError(f"llama_state has {len(caches)} KV caches before its recurrent part")
+        if n_swa > 0:
+            raise EngineStateError("a windowed hybrid memory is not a layout this engine knows")
+        return StateLayout(tuple(caches), _learn_recurrent(r, n_tokens))
     if len(caches) == 2 and n_swa > 0:
         caches[1] = dataclasses.replace(caches[1], n_swa=int(n_swa))
     elif len(caches) != 1:
@@ -369,6 +378,7 @@ def full_layout(blob: np.ndarray, n_tokens: int, layout: StateLayout, spans: Seq
                 parts.append(out.ravel())
             else:
                 parts += [np.zeros(pad * per, np.uint8), data]
+    parts.append(blob[spans[-1].end :])  # the recurrent part, if any
     return np.concatenate(parts)
 
 

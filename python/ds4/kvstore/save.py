@@ -149,6 +149,11 @@ def store_live(
     index and eviction; this module's checks and write)."""
     if not sess.checkpoint_valid:
         raise InvalidSessionError("cannot store a session without a valid checkpoint")
+    if not getattr(sess.engine, "checkpoints_ok", True):
+        # the engine's state did not survive its start-up round trip: a file
+        # it could never load again is not written
+        log.info("kv cache store skipped reason=%s: this engine cannot load its own states", reason)
+        return None
     n = sess.n_past
     floor = store.min_tokens if min_tokens is None else min_tokens
     if n < max(1, floor):

@@ -30,12 +30,16 @@ __all__ = ["operator_view", "tenant_view"]
 def _head(service: Service) -> dict[str, Any]:
     """What every view shows: fixed for the server's lifetime."""
     g = service.gen
-    return {
+    head = {
         "status": "ok",
         "model": service.model_id,
         "engine": g.engine.name,
         "payload_abi": g.sess.payload_abi,
     }
+    facts = getattr(g.engine, "facts", None)
+    if facts is not None:  # what the engine's start-up probe learnt of the model
+        head["engine_facts"] = facts()
+    return head
 
 
 def operator_view(service: Service, debug: bool = False) -> dict[str, Any]:
