@@ -261,6 +261,7 @@ def test_an_engine_that_cannot_rewind_rebuilds_from_a_checkpoint(eng, tmp_path):
     # engine that cannot rewind cannot do)
     head = story(eng, 20).rstrip()
     s = ds4.Session(no, ctx=CTX)
+    s.snapshots.configure(0, 0, 0)  # no RAM snapshot to go back to (tests/test_models_tiny.py has them)
     recover(s, st, head, cold_save=True, prompt_save=False)
     a = head + " The first ending, with a long tail." * 5
     recover(s, st, a, prompt_save=False)

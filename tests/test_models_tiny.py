@@ -115,8 +115,9 @@ def test_a_checkpoint_after_generation_resumes_as_cold(eng, tmp_path):
         assert rep.rung == "disk" and rep.reused_tokens == s.n_past and rep.token_check is None
     elif rep.token_check is not None:  # the text matched, the ids did not
         assert rep.token_check["against"] == "disk" and rep.token_check["of"] == s.n_past
-        if name_of(eng) in RECURRENT:
-            assert rep.rung == "prefill"
+        if name_of(eng) in RECURRENT:  # the state cannot be cut: the prompt's own checkpoint, if any
+            assert any("next checkpoint" in e for e in rep.events)
+            assert rep.rung == "prefill" or rep.reused_tokens <= rep.token_check["kept"]
         else:
             assert rep.rung == "disk" and rep.reused_tokens == rep.token_check["kept"]
     assert_cold(eng, s2, q)
@@ -136,7 +137,11 @@ def test_a_live_continuation_equals_cold(eng):
         assert rep.rung == "live" and rep.reused_tokens == n and rep.token_check is None
     elif rep.token_check is not None:  # the text matched, the ids did not
         assert rep.token_check["against"] == "live"
-        assert rep.rung == ("prefill" if name_of(eng) in RECURRENT else "rewrite")
+        if name_of(eng) in RECURRENT:  # from the prompt's snapshot, when the cut is past it
+            assert rep.rung in ("rewrite", "prefill")
+            assert (rep.rung == "rewrite") is (rep.snapshot is not None)
+        else:
+            assert rep.rung == "rewrite" and rep.snapshot is None
     assert_cold(eng, s, q)
 
 
@@ -192,7 +197,9 @@ def test_a_reply_respelled_is_cut_by_the_token_check(eng, tmp_path, rung):
     rep = ds4.recover(s, st, q, evict_save=False, prompt_save=False)
     assert rep.token_check == {"against": rung, "kept": kept, "of": len(head) + len(_respelled(eng, reply))}
     assert any(f"token_check: kept {kept} of" in e for e in rep.events)
-    if name_of(eng) in RECURRENT:
+    if name_of(eng) in RECURRENT and rep.rung == "rewrite":  # the live session's snapshot
+        assert rung == "live" and rep.reused_tokens == rep.snapshot <= kept
+    elif name_of(eng) in RECURRENT:  # a loaded state has no snapshot to go back to
         assert rep.rung == "prefill" and rep.reused_tokens == 0
     else:
         assert rep.rung == ("rewrite" if rung == "live" else "disk") and rep.reused_tokens == kept
@@ -276,3 +283,69 @@ def test_the_recurrent_part_of_a_state_is_walked_and_bounded(name):
             s.load_arrays({**s.export_arrays(), "llama_state": bad}, n)
         assert not s.checkpoint_valid, what
         ds4.recover(s, None, story(5))
+
+
+def _chat(eng, turns: list[str], replies: list[str]) -> str:
+    msgs = []
+    for i, u in enumerate(turns):
+        msgs.append({"role": "user", "content": u})
+        if i < len(replies):
+            msgs.append({"role": "assistant", "content": replies[i]})
+    return eng.render_chat(msgs)
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+@pytest.mark.parametrize("snapshots", [8, 0])
+def test_an_edited_last_turn_resumes_from_a_snapshot(name, snapshots):
+    """Two turns of a chat on a memory that cannot rewind, then the last
+    user turn edited: served from the RAM snapshot of the previous turn's
+    prompt (rung rewrite, the snapshot's position reused and reported),
+    with cold's logits and reply; a regenerated reply resumes from the
+    snapshot at its own prompt (nothing prefilled). With snapshots off the
+    edit is an honest full prefill."""
+    eng = engine(name)
+    s = ds4.Session(eng, ctx=CTX)
+    s.snapshots.configure(snapshots, 256, 0)
+    first = story(10)
+    p1 = _chat(eng, [first], [])
+    ds4.recover(s, None, p1)
+    r1 = eng.detokenize(s.generate(GEN, stop_tokens=sorted(eng.eog_token_ids)))
+    p2 = _chat(eng, [first, "Tell me about the heron."], [r1])
+    ds4.recover(s, None, p2)
+    s.generate(GEN)
+    edited = _chat(eng, [first, "Tell me about the otters instead."], [r1])
+    restored = s.snapshots.counters["restored"]
+    rep = ds4.recover(s, None, edited)
+    n1 = len(tokenize_prompt(eng, p1))
+    if snapshots:
+        assert rep.rung == "rewrite" and rep.source == "snapshot"
+        assert rep.snapshot is not None and n1 <= rep.snapshot == rep.reused_tokens
+        assert any(f"snapshot={rep.snapshot}" in e for e in rep.events)
+        assert s.snapshots.counters["restored"] == restored + 1
+    else:
+        assert rep.rung == "prefill" and rep.reused_tokens == 0 and len(s.snapshots) == 0
+    assert_cold(eng, s, edited)
+    # the reply regenerated: the snapshot at the edited prompt's end
+    rep = ds4.recover(s, None, edited)
+    n = len(tokenize_prompt(eng, edited))
+    if snapshots:
+        assert (rep.rung, rep.snapshot, rep.reused_tokens) == ("rewrite", n, n)
+    assert_cold(eng, s, edited)
+
+
+def test_snapshots_keep_their_budget_and_stay_in_their_namespace():
+    """Periodic snapshots (every 64 tokens of a prefill) go before turn
+    boundaries when over the count; none outlives a namespace switch."""
+    eng = engine("mamba2")
+    s = ds4.Session(eng, ctx=CTX)
+    s.snapshots.configure(3, 256, 64)
+    ds4.recover(s, None, story(30))  # about 400 tokens: 6 periodic, 1 boundary
+    n = s.n_past
+    pos = s.snapshots.positions()
+    assert len(pos) == 3 and pos[-1] == n and all(p % 64 == 0 for p in pos[:-1])
+    assert s.snapshots.counters["dropped"] == s.snapshots.counters["taken"] - 3
+    s.set_namespace("tenant-b")
+    assert len(s.snapshots) == 0
+    s.snapshots.configure(2, 0.0001, 0)  # a budget smaller than one state keeps none
+    ds4.recover(s, None, story(3))
+    assert len(s.snapshots) == 0

@@ -101,6 +101,7 @@ def test_as_dict_spells_out_every_field():
         remote="up",
         divergence={"against": "live", "token": 3, "byte": 5, "cached": "ab", "prompt": "cd"},
         token_check={"against": "disk", "kept": 6, "of": 7},
+        snapshot=5,
     )
     assert rep.as_dict() == {
         "rung": "disk",
@@ -120,6 +121,7 @@ def test_as_dict_spells_out_every_field():
         "remote": "up",
         "divergence": {"against": "live", "token": 3, "byte": 5, "cached": "ab", "prompt": "cd"},
         "token_check": {"against": "disk", "kept": 6, "of": 7},
+        "snapshot": 5,
     }
     assert RecoveryReport().as_dict()["rejected"] == []
     assert RecoveryReport().as_dict()["token_check"] is None
@@ -171,6 +173,7 @@ def test_prefill_report_progress_and_frontiers(eng, clock):
         "remote": "",
         "divergence": None,  # a fresh session, no store: no candidate
         "token_check": None,
+        "snapshot": None,
     }
 
 
@@ -278,6 +281,7 @@ def test_rewind_report(eng, clock, monkeypatch):
         # "shared prefix then branch " (26 bytes, one token each), then "one" / "two"
         "divergence": {"against": "live", "token": 26, "byte": 26, "cached": "one", "prompt": "two, longer"},
         "token_check": None,  # the tokens part where the text does
+        "snapshot": None,
     }
     assert s.tokens == b and np.array_equal(s.logits, cold_logits(eng, b, 128))
 

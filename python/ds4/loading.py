@@ -22,7 +22,7 @@ from .kvstore.rejection import import_failure
 from .kvstore.remote import RemoteEntry
 from .session import Session
 
-__all__ = ["load_first", "load_named", "try_load_text"]
+__all__ = ["load_first", "load_named", "load_shorter", "try_load_text"]
 
 #: the loads' own clock (what the store and the tier log of a load), apart
 #: from the report's timings (``time.perf_counter``)
@@ -63,6 +63,15 @@ def load_first(
     if res is None:
         store.miss()
     return res
+
+
+def load_shorter(
+    store: KVStore, sess: Session, found: Candidates, below: int, report: RejectionLog | None = None
+) -> LoadResult | None:
+    """Load the first local candidate of ``found`` whose text is shorter
+    than ``below`` bytes (the ladder's next try when the token check cut a
+    loaded state that cannot rewind); as :func:`load_first` otherwise."""
+    return _load_entries(store, sess, (e for e in found.entries if e.text_bytes < below), found.prompt, report)
 
 
 def _load_remote(

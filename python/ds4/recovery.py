@@ -41,7 +41,7 @@ from . import _core
 from .errors import InvalidSessionError, PromptError
 from .keytext import parting, plain_len, snippet, tokenize_prompt
 from .kvstore import Candidates, Entry, KVStore, LoadResult, Rejection, considered
-from .loading import load_first, try_load_text
+from .loading import load_first, load_shorter, try_load_text
 from .session import Rewrite, Session
 
 log = logging.getLogger("ds4.recovery")
@@ -78,6 +78,9 @@ class RecoveryReport:
     #: ``{"against": "live"|"disk"|"remote", "kept": K, "of": M}``, the
     #: state's first K tokens of M being the prompt's own; None: no cut
     token_check: dict[str, Any] | None = None
+    #: the token count of the RAM snapshot the rewrite rung resumed from
+    #: (an engine that cannot rewind: :mod:`ds4.snapshots`); None: none
+    snapshot: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -413,9 +416,14 @@ class _Ladder:
         r = sess.rewrite_from_common(tokens)
         rep.timings["rewrite_ms"] = (time.perf_counter() - t) * 1000
         if r is Rewrite.OK:
-            rep.rung, rep.source, rep.reused_tokens = "rewrite", "memory-rewind", common
+            snap = rep.snapshot = sess.last_snapshot
+            reused = common if snap is None else snap
+            rep.rung, rep.source, rep.reused_tokens = "rewrite", "memory-rewind" if snap is None else "snapshot", reused
             rep.timings["total_ms"] = (time.perf_counter() - self.t_start) * 1000
-            rep._event("ds4 ladder rung=rewrite reused=%d prompt=%d", common, len(tokens))
+            if snap is None:
+                rep._event("ds4 ladder rung=rewrite reused=%d prompt=%d", common, len(tokens))
+            else:
+                rep._event("ds4 ladder rung=rewrite reused=%d prompt=%d snapshot=%d", reused, len(tokens), snap)
             return rep
         rep._event(
             "ds4 live kv cache miss live=%d prompt=%d common=%d reason=%s",
@@ -433,22 +441,30 @@ class _Ladder:
         t = time.perf_counter()
         res = load_first(self.store, sess, self.found(), report=rep)
         rep.timings["disk_ms"] = (time.perf_counter() - t) * 1000
-        if res is None:
-            return None
-        rung = "remote" if res.tier == "remote" else "disk"
-        kept = self.token_check(rung)
-        if kept < res.tokens:
-            try:
-                cut = kept > 0 and sess.rewind(kept)
-            except Exception as e:  # the session is invalid: prefill
-                rep._event("ds4 token_check: the rewind to %d tokens failed: %s", kept, e)
-                cut = False
-            if not cut:
-                rep._event("ds4 token_check: the loaded state cannot be cut to %d tokens; prefilling", kept)
-                sess.invalidate("the token check cut a state that cannot rewind")
-                return None
-        rep.loaded_path, self.loaded = res.path, res
-        return self.finish(rung, f"{rung}-text", self.tokens, kept)
+        while res is not None:
+            rung = "remote" if res.tier == "remote" else "disk"
+            kept = self.token_check(rung)
+            if kept == res.tokens or self.cut(kept):
+                rep.loaded_path, self.loaded = res.path, res
+                return self.finish(rung, f"{rung}-text", self.tokens, kept)
+            # a shorter checkpoint may end where the tokens still agree
+            # (a turn's prompt, before a reply the check cut)
+            rep._event("ds4 token_check: the loaded state cannot be cut to %d tokens; next checkpoint", kept)
+            sess.invalidate("the token check cut a state that cannot rewind")
+            t = time.perf_counter()
+            res = load_shorter(self.store, sess, self.found(), res.text_bytes, report=rep)
+            rep.timings["disk_ms"] += (time.perf_counter() - t) * 1000
+        return None
+
+    def cut(self, kept: int) -> bool:
+        """Rewind a loaded state to the ``kept`` tokens the token check
+        kept (the engine's rewind, else a RAM snapshot); False when neither
+        can (the caller drops the state)."""
+        try:
+            return kept > 0 and self.sess.rewind(kept)
+        except Exception as e:  # the session is invalid
+            self.rep._event("ds4 token_check: the rewind to %d tokens failed: %s", kept, e)
+            return False
 
     # 4. full prefill (with ds4's cold save on the way) -------------------------
     def prefill(self, cold_save: bool) -> RecoveryReport:

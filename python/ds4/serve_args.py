@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 
 from .config import add_engine_args, add_kv_args
+from .snapshots import DEFAULT_COUNT, DEFAULT_EVERY, DEFAULT_MB
 
 __all__ = ["SSE_KEEPALIVE_S", "VOLATILE_MODES", "add_guard_args", "add_serve_args", "regex"]
 
@@ -76,6 +78,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="with batched decode: the residents' prefill pieces in one llama_decode too, as exact "
         "(off, the default: on 2 cores it buys no throughput and turns that finish apart finish together; "
         "docs/DESIGN.md, 'Batched decode')",
+    )
+    g = p.add_argument_group("RAM snapshots where a state cannot rewind (recurrent, hybrid, windowed imports)")
+    g.add_argument(
+        "--ctx-checkpoints",
+        type=_at_least_zero(int),
+        default=DEFAULT_COUNT,
+        metavar="N",
+        help=f"snapshots each session keeps at turn boundaries and every --ctx-checkpoint-every tokens; "
+        f"an edited turn resumes from the newest at or before it (default {DEFAULT_COUNT}; 0: off)",
+    )
+    g.add_argument(
+        "--ctx-checkpoints-mb",
+        type=_at_least_zero(float),
+        default=DEFAULT_MB,
+        metavar="MB",
+        help=f"memory the snapshots of one session may take (default {DEFAULT_MB})",
+    )
+    g.add_argument(
+        "--ctx-checkpoint-every",
+        type=_at_least_zero(int),
+        default=DEFAULT_EVERY,
+        metavar="N",
+        help=f"a snapshot every N tokens of a prefill too (default {DEFAULT_EVERY}; 0: turn boundaries only)",
     )
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="queued requests before 429 (default 64)")
     p.add_argument(
@@ -194,3 +219,18 @@ def _sessions(v: str) -> int | str:
     if n < 1:
         raise argparse.ArgumentTypeError("--sessions must be >= 1")
     return n
+
+
+def _at_least_zero(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind``, at least 0."""
+
+    def parse(v: str) -> float:
+        try:
+            n = kind(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
+        if not n >= 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+        return n
+
+    return parse

@@ -38,6 +38,7 @@ from .errors import (
     TokensTextMismatchError,
 )
 from .keytext import KeyRenderer, preamble
+from .snapshots import Snapshots, restore
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -74,6 +75,12 @@ class Session:
         self._keys = KeyRenderer.of(engine)
         self._namespace: str | None = None
         self._preamble = b""
+        #: RAM snapshots, kept where the engine cannot always rewind
+        #: (recurrent memory, windowed imports: :mod:`ds4.snapshots`)
+        self.snapshots = Snapshots()
+        self._snap_on = bool(getattr(engine, "rewind_limited", False))
+        #: where the last rewind came from: a snapshot's token count, or None
+        self.last_snapshot: int | None = None
 
     # -- state ---------------------------------------------------------------
     @property
@@ -114,6 +121,7 @@ class Session:
         pre = preamble(namespace)
         if namespace != self._namespace:
             self.invalidate("namespace switch")
+            self.snapshots.clear()  # another namespace's: never reused across
             self._namespace, self._preamble = namespace, pre
 
     @property
@@ -264,7 +272,8 @@ class Session:
 
     def _cuts(self, start: int, end: int, frontier_every: int | None, cancellable: bool) -> list[int]:
         cuts = {end}
-        for every in (frontier_every, self.prefill_chunk if cancellable else None):
+        snap_every = self.snapshots.every if self._snap_on and self.snapshots.enabled else None
+        for every in (frontier_every, self.prefill_chunk if cancellable else None, snap_every):
             if every:
                 cuts.update(range((start // every + 1) * every, end, every))
         return sorted(cuts)
@@ -292,8 +301,17 @@ class Session:
 
             self._eval(tokens[pos:cut], prog if progress else None)
             pos = cut
+            every = self.snapshots.every
+            if cut == len(tokens) or (every and cut % every == 0):
+                self._snapshot(periodic=cut != len(tokens))
             if on_frontier and frontier_every and cut % frontier_every == 0:
                 on_frontier(self)
+
+    def _snapshot(self, periodic: bool) -> None:
+        """Keep the live state in RAM (a turn boundary, or every
+        ``snapshots.every`` tokens) where the engine cannot always rewind."""
+        if self._snap_on and self.snapshots.enabled:
+            self.snapshots.add(self._tokens, self._ectx.export_state(), periodic)
 
     def eval_token(self, token: int) -> np.ndarray:
         """Decode one token on top of a valid state; returns the new logits."""
@@ -316,17 +334,28 @@ class Session:
         """Keep the first ``n_tokens`` (1 <= n <= n_past) live tokens, the
         engine's state and logits exactly those of a cold prefill of them.
         False, the session untouched, when the engine cannot rewind there
-        (a recurrent memory, a windowed import, unknown ids); on an engine
+        (a recurrent memory, a windowed import, unknown ids) and no RAM
+        snapshot (:mod:`ds4.snapshots`) is at or before the cut (one is:
+        it is imported and the gap prefilled; ``last_snapshot`` says
+        where it was); on an engine
         failure half-way the session is invalid and the error raised."""
         n = int(n_tokens)
         if not self._valid or not 0 < n <= len(self._tokens):
             return False
         if n == len(self._tokens):
             return True
+        self.last_snapshot = None
         try:
-            if not self._ectx.truncate(n):
+            if self._ectx.truncate(n):
+                logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
+            elif (snap := self.snapshots.best(self._tokens, n)) is not None and self._snap_on:
+                # the engine cannot drop the tail: the newest snapshot at or
+                # before the cut, and a prefill of the gap
+                logits = restore(self._ectx, snap, self._tokens[:n])
+                self.last_snapshot = len(snap.tokens)
+                self.snapshots.counters["restored"] += 1
+            else:
                 return False
-            logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
         except Exception as e:
             # The engine may have changed its state half-way: never leave it
             # marked valid.

@@ -105,6 +105,7 @@ class Turns:
                 "ttft_ms": round(res.ttft_s * 1000.0, 3),
                 "total_ms": round(res.total_s * 1000.0, 3),
                 "divergence": None if div is None else {k: div.get(k) for k in ("against", "token", "byte")},
+                "snapshot": rep.snapshot,
             }
         )
 

@@ -127,6 +127,8 @@ class Pool:
         for k in range(1, size):
             g = Generator(primary.engine, primary.ctx, primary.store)
             g.counters = primary.counters  # one set of server-wide counters
+            snaps = primary.sess.snapshots  # each resident keeps its own, under the same budget
+            g.sess.snapshots.configure(snaps.count, snaps.max_bytes / 2**20, snaps.every)
             self.residents.append(Resident(k, g, LiveTools()))
         self._hints: collections.OrderedDict[tuple[str | None, str], int] = collections.OrderedDict()
         #: the residents' one batched context (``--batch-decode``), or None:

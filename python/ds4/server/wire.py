@@ -277,6 +277,10 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
         # where the prompt left the best candidate (ds4.recovery): the live
         # state or a checkpoint of the request's own namespace
         "divergence": r.divergence,
+        # a text match the token check cut, and the RAM snapshot a rewrite
+        # resumed from (a memory that cannot rewind): ds4.recovery
+        "token_check": r.token_check,
+        "snapshot": r.snapshot,
         "stop_action": res.stop_action,
         "ttft_ms": round(res.ttft_s * 1000, 3),
         "total_ms": round(res.total_s * 1000, 3),

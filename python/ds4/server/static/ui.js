@@ -139,7 +139,8 @@ function turns(recent, operator) {
     const tr = document.createElement("tr");
     tr.append(text("td", new Date(t.t * 1000).toLocaleTimeString()), text("td", t.protocol));
     if (operator) tr.append(text("td", t.tenant, "op"));
-    tr.append(text("td", t.rung, "rung-" + t.rung), text("td", t.cached + " / " + t.prompt));
+    const rung = t.snapshot == null ? t.rung : t.rung + " (snapshot " + t.snapshot + ")";
+    tr.append(text("td", rung, "rung-" + t.rung), text("td", t.cached + " / " + t.prompt));
     tr.append(text("td", t.ttft_ms.toFixed(1)));
     const dv = t.divergence;
     tr.append(text("td", dv ? "token " + dv.token + ", byte " + dv.byte + " (" + dv.against + ")" : "-"));
