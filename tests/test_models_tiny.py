@@ -20,10 +20,12 @@ import os
 import numpy as np
 import pytest
 from models import RECURRENT, TINY, engine
+from redis_servers import RedisNode
 
 import ds4
 from ds4.errors import UnsupportedModelError
 from ds4.keytext import tokenize_prompt
+from ds4.kvstore.remote import RemoteTier
 
 GEN = 40
 CTX = 4096
@@ -349,3 +351,37 @@ def test_snapshots_keep_their_budget_and_stay_in_their_namespace():
     s.snapshots.configure(2, 0.0001, 0)  # a budget smaller than one state keeps none
     ds4.recover(s, None, story(3))
     assert len(s.snapshots) == 0
+
+
+@pytest.mark.parametrize("respelled", [False, True])
+def test_the_remote_rung_equals_cold(eng, tmp_path, respelled):
+    """One store saves to Redis, another with an empty directory resumes
+    from it (rung remote) with cold's output; a reply respelled against its
+    tokenization is cut there too (token_check against ``remote``)."""
+    srv = RedisNode(str(tmp_path / "r")).start()
+    a = ds4.KVStore(str(tmp_path / "a"), budget_mb=4096, min_tokens=16, remote=RemoteTier(srv.url))
+    b = ds4.KVStore(str(tmp_path / "b"), budget_mb=4096, min_tokens=16, remote=RemoteTier(srv.url))
+    try:
+        p = story(30, "Shared text.")
+        s = ds4.Session(eng, ctx=CTX)
+        ds4.recover(s, None, p)
+        reply = "  The  heron   waited.  "
+        if respelled:
+            s.sync(s.tokens + _respelled(eng, reply))
+            p += reply
+        assert a.store_live_prefix(s, "continued")
+        a.remote.flush(30)
+        q = p + " Then it rained."
+        s2 = ds4.Session(eng, ctx=CTX)
+        rep = ds4.recover(s2, b, q, evict_save=False, prompt_save=False)
+        if not respelled:
+            assert rep.rung == "remote" and rep.reused_tokens == s.n_past and rep.token_check is None
+        else:
+            assert rep.token_check is not None and rep.token_check["against"] == "remote"
+            cut = name_of(eng) not in RECURRENT
+            assert rep.rung == ("remote" if cut else "prefill")
+        assert_cold(eng, s2, q)
+    finally:
+        a.close()
+        b.close()
+        srv.stop()

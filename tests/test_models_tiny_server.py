@@ -1,4 +1,4 @@
-"""The recurrent and hybrid tiny models behind the real server, with the
+"""The tiny models (recurrent, hybrid and dense) behind the real server, with the
 official openai client (issue 34): ``/health`` says what the memory can
 do; four conversations interleaved on ``--sessions 4`` each get a cold
 server's replies; an edited last user turn resumes from a RAM snapshot
@@ -12,7 +12,7 @@ import signal
 
 import httpx
 import pytest
-from models import RECURRENT, model_path
+from models import RECURRENT, TINY, model_path
 from test_server import Server
 
 CTX = 4096
@@ -31,7 +31,7 @@ def chat(srv, msgs):
     return r.choices[0].message.content, (r.model_extra or {}).get("ds4", {})
 
 
-@pytest.fixture(scope="module", params=RECURRENT)
+@pytest.fixture(scope="module", params=TINY)
 def name(request):
     return request.param
 
@@ -73,10 +73,10 @@ def test_recurrent_models_served_exactly(name, cold, tmp_path):
     srv.start(timeout=300)
     try:
         health = httpx.get(srv.base + "/health", headers=srv.headers, timeout=10).json()
-        facts = health["engine_facts"]
-        assert facts["memory"] in ("recurrent", "hybrid") and facts["truncate"] is False
-        assert facts["exact_verified"] and facts["checkpoints"] and not facts["batched_decode"]
-        assert " mem=" in health["payload_abi"]
+        facts, recurrent = health["engine_facts"], name in RECURRENT
+        assert (facts["memory"] in ("recurrent", "hybrid")) is recurrent and facts["truncate"] is not recurrent
+        assert facts["exact_verified"] and facts["checkpoints"] and facts["batched_decode"] is not recurrent
+        assert (" mem=" in health["payload_abi"]) is recurrent
         convos = [convo(k) for k in range(4)]
         for _turn in range(2):  # interleaved: each conversation's turn in turn
             for k, msgs in enumerate(convos):
@@ -86,8 +86,11 @@ def test_recurrent_models_served_exactly(name, cold, tmp_path):
         # conversation 0's last user turn, edited: its previous prompt's snapshot
         edited = [*convos[0][:-1], {"role": "user", "content": "No, tell me about the heron instead."}]
         text, info = chat(srv, edited)
-        assert info["rung"] == "rewrite" and info["snapshot"] is not None, info
-        assert info["reused_tokens"] == info["snapshot"] > 0
+        assert info["rung"] == "rewrite", info
+        if recurrent:  # the snapshot of the previous turn's prompt
+            assert info["snapshot"] is not None and info["reused_tokens"] == info["snapshot"] > 0
+        else:  # the memory rewinds
+            assert info["snapshot"] is None and info["reused_tokens"] > 0
         assert text == cold(edited)
     finally:
         srv.stop(signal.SIGTERM)
