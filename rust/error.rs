@@ -64,7 +64,7 @@ pub enum Error {
     TrailingBytes { expected: u64, extra: u64 },
     #[error("alignment padding at offset {offset} is not zero")]
     BadPadding { offset: u64 },
-    #[error("payload ABI {found:?} differs from the session's {expected:?}")]
+    #[error("payload ABI {found:?} differs from {expected}")]
     AbiMismatch { found: String, expected: String },
     #[error("quantization {found} bits differs from the session's {expected}")]
     QuantMismatch { found: u8, expected: u8 },

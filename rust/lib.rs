@@ -7,6 +7,7 @@ pub mod error;
 pub mod format;
 pub mod hash;
 pub mod index;
+pub mod name;
 pub mod payload;
 pub mod verify;
 

@@ -21,6 +21,7 @@ use crate::format::{
     v1, v2, v3, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2, VERSION_V3,
 };
 use crate::hash::{self, Sha1Digest};
+use crate::name::{model_tag, FileId};
 use crate::payload::{self, Damage, Lease, Storage};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -40,7 +41,8 @@ pub struct VerifyOptions<'a> {
     pub quant_bits: Option<u8>,
     /// Reject (incompatible) when the checkpoint holds more tokens than this.
     pub ctx: Option<u64>,
-    /// Require the name `<sha1 of text>.kv`.
+    /// Require the name `<sha1 of text>.kv`, or `<sha1 of text>-<tag>.kv`
+    /// with the tag of the file's ABI (`crate::name`).
     pub check_name: bool,
     /// Require the stored text to be a byte prefix of this prompt.
     pub prompt: Option<&'a [u8]>,
@@ -132,16 +134,20 @@ impl Checkpoint {
 /// this order, each stopping the open at its first failure.
 pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
     // Stage: open.
-    let name_digest = if o.check_name {
-        Some(digest_from_name(path)?)
+    let name_id = if o.check_name {
+        Some(id_from_name(path)?)
     } else {
         None
     };
+    let name_digest = name_id.map(|id| id.digest);
     let (file, file_len) = open_regular(path, false)?;
 
     // Stage: header (corrupt, then incompatible).
     let header = read_header(&file, file_len)?;
     check_compatible(&header, o)?;
+    if let Some(id) = name_id {
+        check_name_model(&id, &header)?;
+    }
 
     // Stage: text.
     let text = pread_vec(
@@ -181,14 +187,27 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
     Ok(ck)
 }
 
-/// `<40 lowercase hex>.kv` -> the digest.
-pub fn digest_from_name(path: &Path) -> Result<Sha1Digest> {
+/// `<40 hex>.kv` or `<40 hex>-<16 hex>.kv` -> what the name says
+/// ([`FileId`]).
+pub fn id_from_name(path: &Path) -> Result<FileId> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    name.strip_suffix(".kv")
-        .and_then(hash::parse_hex_digest)
-        .ok_or_else(|| Error::BadName {
-            name: name.to_owned(),
-        })
+    FileId::parse(name).ok_or_else(|| Error::BadName {
+        name: name.to_owned(),
+    })
+}
+
+/// A per-model name's tag is the tag of the ABI the header records. A file
+/// under another model's name is `abi_mismatch` (incompatible: kept, never
+/// loaded), not corrupt: a release that tags names otherwise must not have
+/// its files deleted here.
+pub fn check_name_model(id: &FileId, header: &Header) -> Result<()> {
+    match id.model {
+        Some(t) if t != model_tag(&header.abi) => Err(Error::AbiMismatch {
+            found: header.abi.clone(),
+            expected: format!("the one its name's model tag {} names", hash::to_hex(&t)),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Opens a file for reading without following a final symlink, and checks
@@ -257,7 +276,7 @@ fn check_compatible(header: &Header, o: &VerifyOptions<'_>) -> Result<()> {
             };
             return Err(Error::AbiMismatch {
                 found,
-                expected: abi.to_owned(),
+                expected: format!("the session's {abi:?}"),
             });
         }
     }

@@ -82,3 +82,27 @@ def text_tokens(eng: LlamaCppEngine, n: int) -> list[int]:
     toks = head + eng.tokenize(text * (n // 8 + 8))
     assert len(toks) >= n
     return toks[:n]
+
+
+def twin_model(directory: str) -> str:
+    """A copy of SmolLM2's GGUF in ``directory`` with one weight byte
+    changed (the lowest mantissa byte of the first float of
+    ``blk.0.attn_norm.weight``): the same tokenizer and template, so the
+    same key texts, and another file, so another model fingerprint and
+    payload ABI. Two models of one family, as users run them."""
+    import shutil
+
+    import gguf
+
+    src = model_path("smollm2")
+    dst = os.path.join(directory, "smollm2-twin.gguf")
+    if not os.path.exists(dst):
+        [t] = [t for t in gguf.GGUFReader(src).tensors if t.name == "blk.0.attn_norm.weight"]
+        shutil.copyfile(src, dst + ".tmp")
+        with open(dst + ".tmp", "r+b") as f:
+            f.seek(int(t.data_offset))
+            b = f.read(1)
+            f.seek(int(t.data_offset))
+            f.write(bytes([b[0] ^ 0x01]))
+        os.replace(dst + ".tmp", dst)
+    return dst

@@ -17,7 +17,9 @@ import pexpect
 import pytest
 
 import ds4
+from ds4 import _core
 from ds4.checkpoint import open_checkpoint
+from ds4.kvstore import checkpoint_name
 from ds4.kvstore.files import pid_space
 
 KV = ["--kv-cache-min-tokens", "32", "--kv-cache-boundary-align-tokens", "64"]
@@ -545,7 +547,7 @@ def test_bench_quick(tmp_path):
     path = os.path.join(kv, files[0])
     ck = open_checkpoint(path, load_payload=False)
     assert ck.tokens == n and len(ds4.ReferenceEngine().tokenize(ck.text.decode(), special=True)) == n
-    assert files[0] == hashlib.sha1(ck.text).hexdigest() + ".kv"
+    assert files[0] == checkpoint_name(hashlib.sha1(ck.text).hexdigest(), ck.abi)
     assert save_size == _human_bytes(os.path.getsize(path))
     assert ck.hits == 1, "the resumed run loads it from disk (a hit); the direct verify + load does not touch it"
 
@@ -597,8 +599,8 @@ def test_chat_repl_save_list_switch_clear(tmp_path):
         rung, cached = _turn(c, "Hello there, tell me about the sea and its tides.")
         assert rung == "live" and cached > 0  # on top of the system prompt checkpoint
         c.sendline("/save sea")
-        c.expect(r"\[saved sea: (\d+) tokens -> ([0-9a-f]{40})\.kv\]")
-        saved_tokens, sha = int(c.match.group(1)), c.match.group(2)
+        c.expect(r"\[saved sea: (\d+) tokens -> ([0-9a-f]{40})-([0-9a-f]{16})\.kv\]")
+        saved_tokens, sha, tag = int(c.match.group(1)), c.match.group(2), c.match.group(3)
         c.expect(PROMPT_RE)
         _turn(c, "And what about the moon?")
         c.sendline("/list")
@@ -632,9 +634,10 @@ def test_chat_repl_save_list_switch_clear(tmp_path):
         c.close()
     assert c.exitstatus == 0
     idx = json.loads((kv / "ds4-chat.json").read_text())
-    assert idx["sessions"]["sea"]["sha"] == sha and (kv / f"{sha}.kv").exists()
+    assert idx["sessions"]["sea"]["sha"] == sha and (kv / f"{sha}-{tag}.kv").exists()
     assert [m["role"] for m in idx["sessions"]["sea"]["messages"]] == ["system", "user", "assistant"]
-    ck = open_checkpoint(kv / f"{sha}.kv")
+    ck = open_checkpoint(kv / f"{sha}-{tag}.kv")
+    assert tag == _core.model_tag(ck.abi)
     assert ck.reason_name == "named" and ck.tokens == saved_tokens
 
     # a new process: the system prompt checkpoint and the named session are reused
@@ -765,9 +768,11 @@ def test_demo_main_job_end_to_end(tmp_path):
     m2 = re.search(r"^   rung=disk, reused (\d+) of (\d+) tokens$", out, re.M)
     reused2, n2 = int(m2.group(1)), int(m2.group(2))
     assert n2 == len(eng.tokenize(nxt, special=True)) and reused2 == n1 < n2
-    bad = re.search(r"^3\) corruption: flipped one payload bit in ([0-9a-f]{40}\.kv);", out, re.M).group(1)
+    bad = re.search(r"^3\) corruption: flipped one payload bit in ([0-9a-f]{40}-[0-9a-f]{16}\.kv);", out, re.M).group(1)
     assert re.search(r"^   rejected " + re.escape(bad) + r": stage=payload code=payload_checksum ", out, re.M), out
-    assert bad == hashlib.sha1(first.encode()).hexdigest() + ".kv"  # the longest: the whole first conversation
+    assert bad == checkpoint_name(
+        hashlib.sha1(first.encode()).hexdigest(), eng.payload_abi()
+    )  # the longest: the whole first conversation
     reused3 = int(re.search(r"^   rung=disk, reused (\d+) tokens; corrupt file removed: True$", out, re.M).group(1))
     assert 0 < reused3 < reused2 and reused3 % 512 == 0  # --align 512
     assert os.listdir(tmp_path / "demo").count(bad) == 0

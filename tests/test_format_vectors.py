@@ -404,3 +404,19 @@ def test_python_writer_reproduces_the_v3_dump(tmp_path):
         codec="zstd", level=1, filter="shuffle2", span=64,
     )  # fmt: skip
     assert path.read_bytes() == want
+
+
+def test_file_name_vector():
+    """§5's name vector: the SHA-1 of the text, the model tag of the ABI (the
+    first 8 bytes of its SHA-1), both names, from the library and by hand."""
+    from ds4 import _core
+    from ds4.kvstore import checkpoint_name, is_checkpoint_name
+    from ds4.kvstore.files import legacy_name
+
+    f = fields_dict(format_md(), "name")
+    text, abi = f["text"].encode(), f["abi"]
+    assert hashlib.sha1(text).hexdigest() == f["sha1"] == _core.sha1_hex(text)
+    assert hashlib.sha1(abi.encode()).hexdigest()[:16] == f["tag"] == _core.model_tag(abi)
+    assert checkpoint_name(f["sha1"], abi) == f["name"] and legacy_name(f["sha1"]) == f["old name"]
+    assert is_checkpoint_name(f["name"]) and is_checkpoint_name(f["old name"])
+    assert not is_checkpoint_name(f["name"].replace(f["tag"], f["tag"].upper()))

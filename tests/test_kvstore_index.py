@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from cknames import stored_name, stored_path
 from kv_helpers import BASE, prefilled
 
 import ds4
@@ -23,7 +24,7 @@ from ds4.kvstore.files import INDEX_TMP_NAME, is_checkpoint_name, is_temp_name
 from ds4.recovery import try_load_text
 
 TEXTS = [BASE * 2, BASE * 3, "another conversation entirely " * 8]
-RECORD = 104  # bytes of one record of the index file (docs/FORMAT.md)
+RECORD = 112  # bytes of one record of the index file (docs/FORMAT.md)
 
 
 @pytest.fixture(scope="module")
@@ -127,20 +128,21 @@ def _another_process_changes(eng, d, with_lock):
     name) and removes one; with the lock (a ds4 store, which rewrites the
     index too) or without it (a writer that knows nothing of the index)."""
     before = os.stat(d)
+    abi = ds4.Session(eng, ctx=4096).payload_abi
     if with_lock:
         other = _store(d)
         added = other.store_live_prefix(prefilled(eng, TEXTS[2] + "more words " * 4))
-        other.remove(ds4._core.sha1_hex(TEXTS[1].encode()) + ".kv")
+        other.remove(stored_name(TEXTS[1], abi))
     else:
         s = prefilled(eng, TEXTS[2] + "more words " * 4)
-        added = os.path.join(d, ds4._core.sha1_hex(s.text_bytes()) + ".kv")
+        added = stored_path(d, s.text_bytes(), abi)
         ds4.checkpoint.write_checkpoint(
             added, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=s.n_past, ctx=s.ctx
         )
-        os.unlink(os.path.join(d, ds4._core.sha1_hex(TEXTS[1].encode()) + ".kv"))
+        os.unlink(stored_path(d, TEXTS[1], abi))
     # replaced: the same text written again (temp file, rename: a new inode)
     s = prefilled(eng, TEXTS[0])
-    p0 = os.path.join(d, ds4._core.sha1_hex(TEXTS[0].encode()) + ".kv")
+    p0 = stored_path(d, TEXTS[0], abi)
     ino = os.stat(p0).st_ino
     ds4.checkpoint.write_checkpoint(
         p0, s.text_bytes(), s.export_arrays(), abi=s.payload_abi, tokens=s.n_past, ctx=s.ctx
@@ -314,7 +316,7 @@ def test_an_upper_case_name_keeps_its_case_through_the_index_file(eng, tmp_path,
     so a store opened from the index file finds and loads the file."""
     st = _store(tmp_path)
     p = st.store_live_prefix(prefilled(eng, TEXTS[1]))
-    upper = os.path.join(str(tmp_path), os.path.basename(p)[:40].upper() + ".kv")
+    upper = os.path.join(str(tmp_path), os.path.basename(p)[:40].upper() + os.path.basename(p)[40:])
     os.rename(p, upper)
     st = _store(tmp_path)
     st.store_live_prefix(prefilled(eng, TEXTS[2]))  # writes the index file
@@ -322,5 +324,5 @@ def test_an_upper_case_name_keeps_its_case_through_the_index_file(eng, tmp_path,
     again = _store(tmp_path)
     assert reads == [] and again.stats["index_rebuilds"] == 0
     assert upper in {e.path for e in again.entries()}
-    other = os.path.join(str(tmp_path), hashlib.sha1(TEXTS[2].encode()).hexdigest() + ".kv")
+    other = stored_path(tmp_path, TEXTS[2], ds4.Session(eng, ctx=4096).payload_abi)
     _check_loads(eng, again, cold, {TEXTS[1]: upper, TEXTS[2]: other})

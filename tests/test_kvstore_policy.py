@@ -18,6 +18,7 @@ import types
 from pathlib import Path
 
 import pytest
+from cknames import stored_name, stored_path
 from kv_helpers import BASE, prefilled
 
 import ds4
@@ -840,21 +841,36 @@ def test_store_over_the_same_engines_file_is_a_no_op(eng, tmp_path):
     assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 0)
 
 
-def test_store_over_another_engines_file_keeps_it(eng, tmp_path, save_session):
+def test_store_over_another_engines_file_keeps_it_and_writes_its_own(eng, tmp_path, save_session):
+    """Another model's file of the same text (under an earlier release's
+    name, <sha1>.kv): kept untouched, and this engine's goes beside it under
+    its own model's name; each model resumes its own."""
     s = prefilled(eng, BASE[:60])
     p = save_session(tmp_path, s, abi="another-engine/9")
     before = _snapshot(p)
     st = KVStore(tmp_path, min_tokens=8)
-    assert st.store_live_prefix(s) is None
+    mine = stored_path(tmp_path, s.text_bytes(), s.payload_abi)
+    assert st.store_live_prefix(s) == mine != p
     assert _snapshot(p) == before
-    assert _header(p).abi == "another-engine/9"
-    assert (st.stats["stores"], st.stats["removed_corrupt"]) == (0, 0)
+    assert _header(p).abi == "another-engine/9" and _header(mine).abi == s.payload_abi
+    assert (st.stats["stores"], st.stats["removed_corrupt"]) == (1, 0)
     assert s.checkpoint_valid
+    assert st.store_live_prefix(s) == mine and st.stats["stores"] == 1  # stored once
+    # a file under this model's name that records another ABI (renamed by
+    # hand): never loaded, kept, and nothing is written over it
+    os.unlink(mine)
+    os.rename(p, mine)
+    st = KVStore(tmp_path, min_tokens=8)
+    assert st.store_live_prefix(s) is None
+    assert _snapshot(mine) == before
+    with pytest.raises(ds4.errors.AbiMismatchError, match="another-engine/9"):
+        _header(mine)
+    assert st.stats["removed_corrupt"] == 0
 
 
 def test_store_over_a_corrupt_file_replaces_it(eng, tmp_path):
     s = prefilled(eng, BASE[:60])
-    p = os.path.join(tmp_path, hashlib.sha1(s.text_bytes()).hexdigest() + ".kv")
+    p = stored_path(tmp_path, s.text_bytes(), s.payload_abi)
     st = KVStore(tmp_path, min_tokens=8)
     with open(p, "wb") as f:  # written after the index was built: found by the store itself
         f.write(b"XYZ\x02" + bytes(200))
@@ -883,7 +899,9 @@ def test_store_under_a_colliding_key_replaces_the_other_text(eng, tmp_path, writ
 
     s = prefilled(eng, BASE[:60])
     s.text_bytes = lambda: SHATTERED_1  # a session whose rendered text is A
-    other = write_ck(tmp_path, SHATTERED_2, abi=s.payload_abi, tokens=s.n_past)
+    other = write_ck(
+        tmp_path, SHATTERED_2, abi=s.payload_abi, tokens=s.n_past, name=stored_name(SHATTERED_1, s.payload_abi)
+    )
     st = KVStore(tmp_path, min_tokens=8)
     p = st.store_live_prefix(s)
     assert p == other

@@ -20,6 +20,7 @@ import pytest
 import ds4
 from ds4 import _core
 from ds4.checkpoint import open_checkpoint, write_checkpoint
+from ds4.kvstore import checkpoint_name
 
 GEN = 12
 
@@ -85,13 +86,18 @@ class World:
         self.cold_out = cold.generate(GEN)
         self.template = os.path.join(tmp, "template")
         store = self.store(self.template)
+        paths = []
         for n_tok in (short, long):
             s = ds4.Session(engine, ctx=self.ctx)
             s.sync(toks[:n_tok])
-            path = store.store_live_prefix(s, "cold")
-            assert path is not None
-        self.short_path, self.long_path = [
-            os.path.join(self.template, _core.sha1_hex(b"".join(engine.token_bytes(t) for t in toks[:n])) + ".kv")
+            paths.append(store.store_live_prefix(s, "cold"))
+        # each under its text's SHA-1 and the engine's model tag
+        self.short_path, self.long_path = paths
+        assert paths == [
+            os.path.join(
+                self.template,
+                checkpoint_name(_core.sha1_hex(b"".join(engine.token_bytes(t) for t in toks[:n])), s.payload_abi),
+            )
             for n in (short, long)
         ]
         assert os.path.exists(self.short_path) and os.path.exists(self.long_path)

@@ -26,7 +26,7 @@ from test_kvstore import SHATTERED_1, SHATTERED_2
 
 import ds4
 from ds4.checkpoint import write_checkpoint
-from ds4.kvstore import KVStore
+from ds4.kvstore import KVStore, checkpoint_name
 from ds4.kvstore.remote import KeyLayout, RemoteTier
 from ds4.loading import try_load_text
 from ds4.recovery import RecoveryReport
@@ -120,7 +120,7 @@ def test_a_download_the_session_refuses_is_discarded_and_deleted_from_the_tier(e
     assert _held(a, sha)
     sess, rep = _live(eng), RecoveryReport()
     assert try_load_text(b, sess, prompt + "?", rep) is None
-    mine = os.path.join(b.dir, os.path.basename(path))
+    mine = os.path.join(b.dir, checkpoint_name(sha, sess.payload_abi))  # the download's name: its model's
     assert [(p, stage, code) for (p, stage, code, _r) in rep.rejected] == [(mine, "engine", "tokens_text_mismatch")]
     assert not os.path.exists(mine) and b.stats["removed_corrupt"] == 1
     assert not sess.checkpoint_valid and sess.tokens == [] and sess.logits is None
@@ -147,10 +147,11 @@ def test_a_colliding_download_is_rejected_before_the_directory(eng, stores):
     before = list(sess.tokens)
     rep = RecoveryReport()
     assert try_load_text(b, sess, prompt + b"?", rep) is None
+    mine = checkpoint_name(name[:40], sess.payload_abi)
     assert [(p, stage, code) for (p, stage, code, _r) in rep.rejected] == [
-        (f"remote:{name}", "text", "prefix_collision")
+        (f"remote:{mine}", "text", "prefix_collision")
     ]
-    assert not os.path.exists(os.path.join(b.dir, name))
+    assert not os.path.exists(os.path.join(b.dir, mine))
     assert sess.checkpoint_valid and sess.tokens == before
     assert _held(b, name[:40]) == []
 
@@ -181,7 +182,7 @@ def test_the_adopted_download_is_loaded_against_the_prompt_too(eng, stores, monk
     monkeypatch.setattr(tier, "fetch", twin_after_download)
     rep = RecoveryReport()
     assert try_load_text(b, sess, honest + b"?", rep) is None
-    mine = os.path.join(b.dir, name)
+    mine = os.path.join(b.dir, checkpoint_name(name[:40], sess.payload_abi))
     assert [(p, stage, code) for (p, stage, code, _r) in rep.rejected] == [(mine, "text", "prefix_collision")]
     assert not os.path.exists(mine)
     assert not sess.checkpoint_valid  # a corrupt verdict on a load: the session is not trusted

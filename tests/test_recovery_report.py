@@ -16,6 +16,7 @@ import types
 
 import numpy as np
 import pytest
+from cknames import stored_path
 from kv_helpers import toks
 
 import ds4
@@ -314,7 +315,7 @@ def test_rewind_evict_saves_the_discarded_branch(eng, tmp_path, monkeypatch, ext
     if extra_min:
         assert rep.evict_saved is None and kv_files(tmp_path) == []
         return
-    expected = os.path.join(str(tmp_path), _core.sha1_hex(a_text) + ".kv")
+    expected = stored_path(tmp_path, a_text, s.payload_abi)
     assert rep.evict_saved == expected and kv_files(tmp_path) == [os.path.basename(expected)]
     ck = open_checkpoint(expected, prompt=a_text)
     assert ck.reason_name == "evict" and ck.tokens == len(a)
@@ -418,7 +419,7 @@ def test_nothing_in_common_skips_the_rewrite(eng, tmp_path, clock):
     assert (rep.rung, rep.source, rep.reused_tokens, rep.loaded_path) == ("disk", "disk-text", 24, path)
     assert rep.prompt_tokens == len(tokens)
     # the live state was evict-saved before it was replaced
-    assert rep.evict_saved == os.path.join(str(tmp_path), _core.sha1_hex(b"apples and pears") + ".kv")
+    assert rep.evict_saved == stored_path(tmp_path, b"apples and pears", s.payload_abi)
     miss = f"ds4 live kv cache miss live={len(live)} prompt={len(tokens)} common=0 reason=token-mismatch"
     # start, tokenize start/end, disk start/end, prefill start/end, total
     assert len(clock) == 8
@@ -443,7 +444,7 @@ def test_unrelated_prompt_evict_saves_the_live_state_at_exactly_min_tokens(eng, 
     if extra_min:
         assert rep.evict_saved is None and kv_files(tmp_path) == []
         return
-    expected = os.path.join(str(tmp_path), _core.sha1_hex(live_text) + ".kv")
+    expected = stored_path(tmp_path, live_text, s.payload_abi)
     assert rep.evict_saved == expected
     ck = open_checkpoint(expected, prompt=live_text)
     assert ck.reason_name == "evict" and ck.tokens == len(live)
@@ -497,7 +498,7 @@ def test_cold_save_stores_the_trimmed_aligned_prefix_on_the_way(eng, tmp_path):
     )
     assert (rep.rung, rep.source, rep.reused_tokens, rep.prompt_tokens) == ("prefill", "full", 0, len(tokens))
     cold_text = eng.detokenize(tokens[:cold_len]).encode()
-    expected = os.path.join(str(tmp_path), _core.sha1_hex(cold_text) + ".kv")
+    expected = stored_path(tmp_path, cold_text, s.payload_abi)
     assert rep.cold_saved == expected and kv_files(tmp_path) == [os.path.basename(expected)]
     ck = open_checkpoint(expected, prompt=cold_text)
     assert ck.reason_name == "cold" and ck.tokens == cold_len

@@ -17,7 +17,7 @@ from .checkpoint import open_checkpoint
 from .errors import CheckpointError, CorruptCheckpointError, ImportFailedError
 from .kvstore import Candidates, Entry, KVStore, LoadResult, Matches, RejectionLog, loads
 from .kvstore.entries import NamedLoad
-from .kvstore.files import NOT_REGULAR, StatKey, is_checkpoint_name, stat_key
+from .kvstore.files import NOT_REGULAR, StatKey, checkpoint_name, is_checkpoint_name, legacy_name, stat_key
 from .kvstore.rejection import import_failure
 from .kvstore.remote import RemoteEntry
 from .session import Session
@@ -136,16 +136,21 @@ def _refused(entries: Iterable[Entry], report: RejectionLog | None) -> None:
 
 
 def load_named(store: KVStore, sess: Session, sha: str, text: bytes, *, exact: bool = False) -> NamedLoad:
-    """Load the checkpoint ``<sha>.kv`` of the store's directory into
+    """Load the checkpoint of text SHA-1 ``sha`` written by this session's
+    model (``<sha>-<tag>.kv``, else an earlier release's ``<sha>.kv``) into
     ``sess`` (``ds4 chat``'s named sessions and system prompt), verified
     against ``text`` (its stored text must be a prefix of it; with
     ``exact``, equal to it). A corrupt file invalidates the session and is
     discarded by the store; an unusable one invalidates it and is kept.
     ``sha`` must be 40 lowercase hex digits: a name from an index file never
     reaches outside the directory."""
-    name = f"{sha}.kv"
-    if not is_checkpoint_name(name):
+    if not is_checkpoint_name(legacy_name(sha)):
         raise ValueError(f"not a checkpoint key: {sha!r}")
+    name = checkpoint_name(sha, sess.payload_abi)
+    if not os.path.lexists(os.path.join(store.dir, name)) and os.path.lexists(
+        os.path.join(store.dir, legacy_name(sha))
+    ):
+        name = legacy_name(sha)
     path = os.path.join(store.dir, name)
     t0 = time.perf_counter()
     try:

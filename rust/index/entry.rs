@@ -4,6 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::hash::{self, Sha1Digest};
+use crate::name::{FileId, ModelTag};
 use crate::payload;
 use crate::verify;
 use std::os::unix::fs::MetadataExt;
@@ -36,6 +37,8 @@ impl StatKey {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
     pub digest: Sha1Digest,
+    /// The tag of a per-model name (`<sha1>-<tag>.kv`); None for `<sha1>.kv`.
+    pub model: Option<ModelTag>,
     pub version: u8,
     pub quant_bits: u8,
     pub reason: u8,
@@ -66,16 +69,23 @@ pub fn case_of(name: &str) -> u64 {
         .fold(0, |m, (i, _)| m | (1 << i))
 }
 
-/// The file name of a digest whose digits have the case `case`.
-pub fn name_of(d: &Sha1Digest, case: u64) -> String {
-    let mut hex = hash::to_hex(d).into_bytes();
-    for (i, c) in hex.iter_mut().enumerate() {
-        if case & (1 << i) != 0 {
-            c.make_ascii_uppercase();
+/// The file name of an id whose SHA-1 digits have the case `case`.
+pub fn name_of(id: &FileId, case: u64) -> String {
+    id.name(case)
+}
+
+impl Entry {
+    /// What its name identifies (the index's key).
+    pub fn id(&self) -> FileId {
+        FileId {
+            digest: self.digest,
+            model: self.model,
         }
     }
-    hex.extend_from_slice(b".kv");
-    String::from_utf8(hex).unwrap_or_default()
+    /// Its file name, as on disk.
+    pub fn name(&self) -> String {
+        self.id().name(self.case)
+    }
 }
 
 /// The last (up to) 8 bytes of `text[..len]` as a little-endian `u64`
@@ -118,16 +128,19 @@ pub fn namespace_of(text: &[u8]) -> Option<&str> {
     }
 }
 
-/// Indexes one file from its header: the name must be `<sha1>.kv`, the file
-/// regular, the header valid (the corrupt checks of a load's header stage);
-/// a v2 header's recorded SHA-1 must equal the name. Reads the text's first
+/// Indexes one file from its header: the name must be `<sha1>.kv` or
+/// `<sha1>-<tag>.kv` ([`FileId`]), the file regular, the header valid (the
+/// corrupt checks of a load's header stage); a v2 header's recorded SHA-1
+/// must equal the name, and a per-model name's tag the ABI's. Reads the text's first
 /// [`NS_READ`] bytes (its namespace) and last 8 bytes, never the whole text. The stat key is the opened file's.
 pub fn read_entry(path: &Path) -> Result<Entry> {
-    let digest = verify::digest_from_name(path)?;
+    let id = verify::id_from_name(path)?;
+    let digest = id.digest;
     let case = case_of(path.file_name().and_then(|n| n.to_str()).unwrap_or(""));
     let (file, file_len) = verify::open_regular(path, false)?;
     let key = StatKey::of(&file.metadata()?);
     let h = verify::read_header(&file, file_len)?;
+    verify::check_name_model(&id, &h)?;
     if let Some(stored) = h.text_sha1 {
         if stored != digest {
             return Err(Error::NameMismatch {
@@ -151,6 +164,7 @@ pub fn read_entry(path: &Path) -> Result<Entry> {
     };
     Ok(Entry {
         digest,
+        model: id.model,
         version: h.version,
         quant_bits: h.quant_bits,
         reason: h.reason,

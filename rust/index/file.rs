@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::format;
 use crate::format::bytes::Cursor;
 use crate::hash::Sha1Digest;
+use crate::name::FileId;
 use crate::payload;
 use crate::verify;
 use std::fs::{File, OpenOptions};
@@ -19,13 +20,18 @@ use xxhash_rust::xxh3::xxh3_64;
 /// The index file's magic and version.
 pub const INDEX_MAGIC: [u8; 8] = *b"DS4INDEX";
 /// Version 2 added the namespaces (a string table and a reference per
-/// record); a file of version 1 is rebuilt from the headers.
-pub const INDEX_VERSION: u32 = 2;
+/// record), version 3 the per-model names (a record's model tag); a file of
+/// an earlier version is rebuilt from the headers.
+pub const INDEX_VERSION: u32 = 3;
 /// Bytes of the fixed head: magic, version, entry count, ABI count,
 /// namespace count, the directory stamp (dev, ino, mtime, scan time).
 const HEAD: usize = 8 + 4 + 4 + 4 + 4 + 32;
 /// Bytes of one record.
-pub const RECORD: usize = 104;
+pub const RECORD: usize = 112;
+/// A record's kind byte: bit 0, a kept file (not an entry); bit 1, the
+/// name carries a model tag (the record's last 8 bytes).
+const KIND_KEPT: u8 = 1;
+const KIND_TAGGED: u8 = 2;
 /// A record's namespace reference for the default namespace.
 const NO_NAMESPACE: u32 = u32::MAX;
 /// An index file larger than this is not read (10 million entries).
@@ -47,6 +53,11 @@ fn put_strings(v: &mut Vec<u8>, pool: &[Arc<str>]) {
         v.extend_from_slice(&u32::try_from(a.len()).unwrap_or(u32::MAX).to_le_bytes());
         v.extend_from_slice(a.as_bytes());
     }
+}
+
+/// A record's kind byte for a name's tag and `base` (0 or [`KIND_KEPT`]).
+fn kind_of(model: Option<[u8; 8]>, base: u8) -> u8 {
+    base | if model.is_some() { KIND_TAGGED } else { 0 }
 }
 
 /// The index's bytes: head, ABI strings, namespace strings, one record per
@@ -80,7 +91,7 @@ pub fn encode(idx: &Index, stamp: &DirStamp) -> Vec<u8> {
     put_strings(&mut v, &nss);
     for e in idx.entries.values() {
         v.extend_from_slice(&e.digest);
-        v.extend_from_slice(&[e.version, e.quant_bits, e.reason, 0]);
+        v.extend_from_slice(&[e.version, e.quant_bits, e.reason, kind_of(e.model, 0)]);
         let ns = e
             .namespace
             .as_ref()
@@ -100,15 +111,17 @@ pub fn encode(idx: &Index, stamp: &DirStamp) -> Vec<u8> {
         }
         v.extend_from_slice(&e.key.mtime_ns.to_le_bytes());
         v.extend_from_slice(&e.case.to_le_bytes());
+        v.extend_from_slice(&e.model.unwrap_or_default());
     }
     for (d, (k, case)) in &idx.kept {
-        v.extend_from_slice(d);
-        v.extend_from_slice(&[0, 0, 0, 1]);
+        v.extend_from_slice(&d.digest);
+        v.extend_from_slice(&[0, 0, 0, kind_of(d.model, KIND_KEPT)]);
         v.extend_from_slice(&[0u8; 24 + 24]);
         v.extend_from_slice(&k.ino.to_le_bytes());
         v.extend_from_slice(&k.size.to_le_bytes());
         v.extend_from_slice(&k.mtime_ns.to_le_bytes());
         v.extend_from_slice(&case.to_le_bytes());
+        v.extend_from_slice(&d.model.unwrap_or_default());
     }
     let sum = xxh3_64(&v);
     v.extend_from_slice(&sum.to_le_bytes());
@@ -147,6 +160,28 @@ fn referenced(pool: &[Arc<str>], i: u32, what: &str) -> Result<Arc<str>> {
     pool.get(i as usize)
         .cloned()
         .ok_or_else(|| bad(&format!("{what} reference out of bounds")))
+}
+
+/// A record's last fields, `case` and `tag`, with its digest and kind: the
+/// name it records (its [`FileId`]) and the name's case bits.
+fn name_tail(
+    r: &mut Cursor<'_, fn(&str) -> Error>,
+    digest: Sha1Digest,
+    kind: u8,
+) -> Result<(FileId, u64)> {
+    let case = r.u64("index")?;
+    if case >> 40 != 0 {
+        return Err(bad("case bits beyond the name"));
+    }
+    let tag: [u8; 8] = r
+        .take(8, "index")?
+        .try_into()
+        .map_err(|_| bad("truncated"))?;
+    if kind & KIND_TAGGED == 0 && tag != [0; 8] {
+        return Err(bad("a model tag on an untagged name"));
+    }
+    let model = (kind & KIND_TAGGED != 0).then_some(tag);
+    Ok((FileId { digest, model }, case))
 }
 
 /// Parses an index file's bytes: magic, version, exact length, checksum,
@@ -207,14 +242,11 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
             size: r.u64("index")?,
             mtime_ns: r.i64("index")?,
         };
-        let case = r.u64("index")?;
-        if case >> 40 != 0 {
-            return Err(bad("case bits beyond the name"));
-        }
+        let (digest, case) = name_tail(&mut r, digest, kind)?;
         if idx.entries.contains_key(&digest) || idx.kept.contains_key(&digest) {
             return Err(bad("a name recorded twice"));
         }
-        match kind {
+        match kind & !KIND_TAGGED {
             0 => {
                 let abi = referenced(&abis, abi, "ABI")?;
                 let namespace = match ns {
@@ -224,7 +256,8 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
                 idx.entries.insert(
                     digest,
                     Entry {
-                        digest,
+                        digest: digest.digest,
+                        model: digest.model,
                         version,
                         quant_bits,
                         reason,
@@ -242,7 +275,7 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
                     },
                 );
             }
-            1 => {
+            KIND_KEPT => {
                 idx.kept.insert(digest, (key, case));
             }
             _ => return Err(bad("unknown record kind")),

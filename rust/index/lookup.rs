@@ -4,7 +4,8 @@
 use super::{name_of, tail_of, Entry, Prefixes, StatKey};
 use crate::error::Result;
 use crate::format::VERSION_V1;
-use crate::hash::{self, Sha1Digest};
+use crate::hash;
+use crate::name::FileId;
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::path::Path;
@@ -53,8 +54,8 @@ impl Hasher for DigestHasher {
     }
 }
 
-pub(super) type DigestMap<V> = HashMap<Sha1Digest, V, BuildHasherDefault<DigestHasher>>;
-type DigestSet = HashSet<Sha1Digest, BuildHasherDefault<DigestHasher>>;
+pub(super) type DigestMap<V> = HashMap<FileId, V, BuildHasherDefault<DigestHasher>>;
+type DigestSet = HashSet<FileId, BuildHasherDefault<DigestHasher>>;
 
 /// The directory an index file describes and when it was scanned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -88,7 +89,7 @@ pub struct Index {
 pub struct Table {
     pub(super) lens: Vec<u32>,
     pub(super) tails: Vec<u64>,
-    pub(super) digests: Vec<Sha1Digest>,
+    pub(super) digests: Vec<FileId>,
     pub(super) rows: Vec<Row>,
     /// The ABIs and namespaces the rows' ids refer to.
     pub(super) abis: Vec<Arc<str>>,
@@ -134,7 +135,7 @@ fn ids_of(pool: &[Arc<str>]) -> HashMap<usize, u32> {
 impl Table {
     fn build(idx: &Index) -> Self {
         let (abi_ids, ns_ids) = (ids_of(&idx.abis), ids_of(&idx.namespaces));
-        let mut rows: Vec<(u32, u64, Sha1Digest, Row)> = idx
+        let mut rows: Vec<(u32, u64, FileId, Row)> = idx
             .entries
             .values()
             .map(|e| {
@@ -147,7 +148,7 @@ impl Table {
                         .as_ref()
                         .map_or(0, |n| id_in(&ns_ids, &idx.namespaces, n).saturating_add(1)),
                 };
-                (e.text_bytes, e.tail, e.digest, row)
+                (e.text_bytes, e.tail, e.id(), row)
             })
             .collect();
         rows.sort_unstable_by_key(|r| r.0);
@@ -208,28 +209,28 @@ impl Index {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
-    pub fn get(&self, d: &Sha1Digest) -> Option<&Entry> {
+    pub fn get(&self, d: &FileId) -> Option<&Entry> {
         self.entries.get(d)
     }
     pub fn entries(&self) -> impl Iterator<Item = &Entry> {
         self.entries.values()
     }
     /// The stat key the index holds for a name: its entry's, or the kept file's.
-    pub fn key_of(&self, d: &Sha1Digest) -> Option<(StatKey, bool)> {
+    pub fn key_of(&self, d: &FileId) -> Option<(StatKey, bool)> {
         self.entries
             .get(d)
             .map(|e| (e.key, true))
             .or_else(|| self.kept.get(d).map(|k| (k.0, false)))
     }
-    /// The file name the index knows for a digest (its case as on disk).
-    pub fn name(&self, d: &Sha1Digest) -> Option<String> {
+    /// The file name the index knows for an id (its case as on disk).
+    pub fn name(&self, d: &FileId) -> Option<String> {
         self.entries
             .get(d)
             .map(|e| e.case)
             .or_else(|| self.kept.get(d).map(|k| k.1))
             .map(|case| name_of(d, case))
     }
-    pub fn names(&self) -> impl Iterator<Item = &Sha1Digest> {
+    pub fn names(&self) -> impl Iterator<Item = &FileId> {
         self.entries.keys().chain(self.kept.keys())
     }
     fn intern(pool: &mut Vec<Arc<str>>, s: &Arc<str>) -> Arc<str> {
@@ -246,20 +247,21 @@ impl Index {
             .namespace
             .as_ref()
             .map(|n| Self::intern(&mut self.namespaces, n));
-        self.kept.remove(&e.digest);
-        self.entries.insert(e.digest, e);
+        let id = e.id();
+        self.kept.remove(&id);
+        self.entries.insert(id, e);
         self.table = None;
     }
     /// Remembers a file that is kept but not indexed, by its stat key (and
     /// the case of its name).
-    pub fn keep(&mut self, d: Sha1Digest, key: StatKey, case: u64) {
+    pub fn keep(&mut self, d: FileId, key: StatKey, case: u64) {
         if self.entries.remove(&d).is_some() {
             self.table = None;
         }
         self.kept.insert(d, (key, case));
     }
     /// Forgets a name (entry or kept file); true when it was known.
-    pub fn remove(&mut self, d: &Sha1Digest) -> bool {
+    pub fn remove(&mut self, d: &FileId) -> bool {
         let was = self.entries.remove(d).is_some();
         if was {
             self.table = None;
@@ -267,7 +269,7 @@ impl Index {
         self.kept.remove(d).is_some() || was
     }
     /// Updates an entry after a hit; false when the name is not indexed.
-    pub fn set_hit(&mut self, d: &Sha1Digest, hits: u32, last_used: u64, key: StatKey) -> bool {
+    pub fn set_hit(&mut self, d: &FileId, hits: u32, last_used: u64, key: StatKey) -> bool {
         match self.entries.get_mut(d) {
             Some(e) => {
                 e.hits = hits;
@@ -301,8 +303,8 @@ impl Index {
     }
     /// An estimate of the heap the index holds (bytes).
     pub fn heap_bytes(&self) -> usize {
-        let entry = std::mem::size_of::<(Sha1Digest, Entry)>() + 1;
-        let kept = std::mem::size_of::<(Sha1Digest, (StatKey, u64))>() + 1;
+        let entry = std::mem::size_of::<(FileId, Entry)>() + 1;
+        let kept = std::mem::size_of::<(FileId, (StatKey, u64))>() + 1;
         let table = self.table.as_ref().map_or(0, |t| {
             t.lens.capacity() * 4
                 + t.tails.capacity() * 8
@@ -337,7 +339,7 @@ impl Index {
             let de = de?;
             let name = de.file_name();
             let Some(name) = name.to_str() else { continue };
-            match name.strip_suffix(".kv").and_then(hash::parse_hex_digest) {
+            match FileId::parse(name) {
                 Some(d) => {
                     seen.insert(d);
                     let same_name = self.name(&d).is_some_and(|n| n == name);
@@ -383,12 +385,10 @@ impl Index {
         let mut out: Vec<Entry> = cands
             .iter()
             .zip(digests)
-            .filter(|(&i, d)| d.as_ref() == Some(&t.digests[i]))
+            .filter(|(&i, d)| d.as_ref() == Some(&t.digests[i].digest))
             .filter_map(|(&i, _)| self.entries.get(&t.digests[i]).cloned())
             .collect();
-        out.sort_by(|a, b| {
-            (b.text_bytes, b.tokens, a.digest).cmp(&(a.text_bytes, a.tokens, b.digest))
-        });
+        out.sort_by(|a, b| (b.text_bytes, b.tokens, a.id()).cmp(&(a.text_bytes, a.tokens, b.id())));
         out
     }
 
@@ -457,7 +457,7 @@ impl Index {
             let Some(e) = self.entries.get(&t.digests[i]) else {
                 continue;
             };
-            let name = name_of(&e.digest, e.case);
+            let name = e.name();
             if exclude.contains(&name) {
                 continue;
             }

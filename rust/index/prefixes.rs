@@ -6,6 +6,7 @@
 
 use super::{tail_of, Table};
 use crate::hash::Sha1Digest;
+use crate::name::FileId;
 use sha1::{Digest, Sha1};
 use std::sync::Arc;
 
@@ -42,7 +43,7 @@ impl Prefixes {
     /// # Panics
     ///
     /// When `prompt` is not as long as the prompt the cursor was made for.
-    pub fn next_digest(&mut self, prompt: &[u8]) -> Option<Sha1Digest> {
+    pub fn next_digest(&mut self, prompt: &[u8]) -> Option<FileId> {
         assert_eq!(prompt.len(), self.prompt_len, "a cursor is for one prompt");
         let t = Arc::clone(&self.table);
         let q = super::Query {
@@ -57,7 +58,7 @@ impl Prefixes {
             if tail_of(prompt, len) != t.tails[i] || !t.passes(i, &q, self.abi) {
                 continue;
             }
-            if self.digest_at(prompt, len) == t.digests[i] {
+            if self.digest_at(prompt, len) == t.digests[i].digest {
                 return Some(t.digests[i]);
             }
         }

@@ -2,13 +2,30 @@
 
 use super::*;
 use crate::hash;
+use crate::name::FileId;
 use std::collections::HashSet;
 use std::sync::Arc;
 use xxhash_rust::xxh3::xxh3_64;
 
+/// The id of a text's file in the form every release before the
+/// per-model names wrote (`<sha1>.kv`).
+fn id(text: &[u8]) -> FileId {
+    FileId {
+        digest: hash::sha1(text),
+        model: None,
+    }
+}
+
+/// `e` under its per-model name (`<sha1>-<tag of its ABI>.kv`).
+fn tagged(mut e: Entry) -> Entry {
+    e.model = Some(crate::name::model_tag(&e.abi));
+    e
+}
+
 fn entry(text: &[u8], tokens: u32, abi: &str) -> Entry {
     Entry {
         digest: hash::sha1(text),
+        model: None,
         version: 2,
         quant_bits: 0,
         reason: 1,
@@ -95,7 +112,7 @@ fn lookup_longest_first_with_filters() {
         .map(|e| e.text_bytes)
         .collect();
     assert_eq!(got, [500, 400, 100, 5]);
-    idx.remove(&hash::sha1(&p[..100]));
+    idx.remove(&id(&p[..100]));
     let q = Query {
         ctx: Some(11),
         ..Query::default()
@@ -136,7 +153,9 @@ fn encode_decode_roundtrip_and_every_flip_detected() {
     idx.insert(entry(b"\xff\x00ns:t1\xff\x00a text", 4, "y/2"));
     idx.insert(entry(b"\xff\x00ns:t1\xff\x00another", 4, "y/2"));
     idx.insert(entry(b"\xff\x00ns:t2/salt-1\xff\x00x", 4, "y/2"));
-    idx.keep(hash::sha1(b"kept"), StatKey::default(), 1 << 39);
+    idx.keep(id(b"kept"), StatKey::default(), 1 << 39);
+    idx.keep(tagged(entry(b"kept", 1, "k/1")).id(), StatKey::default(), 0);
+    idx.insert(tagged(entry(b"one text", 3, "z/1")));
     let stamp = DirStamp {
         dev: 1,
         ino: 2,
@@ -146,11 +165,11 @@ fn encode_decode_roundtrip_and_every_flip_detected() {
     let b = encode(&idx, &stamp);
     let (back, st) = decode(&b).unwrap();
     assert_eq!(st, stamp);
-    assert_eq!(back.len(), 5);
+    assert_eq!(back.len(), 6);
     assert_eq!(back.namespaces.len(), 2);
-    assert_eq!(back.kept.len(), 1);
+    assert_eq!(back.kept.len(), 2);
     for e in idx.entries() {
-        assert_eq!(back.get(&e.digest), Some(e));
+        assert_eq!(back.get(&e.id()), Some(e));
     }
     for i in 0..b.len() {
         assert!(decode(&b[..i]).is_err(), "torn at {i}");
@@ -161,7 +180,7 @@ fn encode_decode_roundtrip_and_every_flip_detected() {
     // a file of the previous version (checksummed as such) is refused:
     // the store rebuilds it from the headers
     let mut old = b[..b.len() - 8].to_vec();
-    old[8..12].copy_from_slice(&1u32.to_le_bytes());
+    old[8..12].copy_from_slice(&2u32.to_le_bytes());
     let sum = xxh3_64(&old);
     old.extend_from_slice(&sum.to_le_bytes());
     assert!(decode(&old).is_err());
@@ -181,7 +200,7 @@ fn save_load_listing_and_file_policy() {
     let (mut back, _) = load(&path).unwrap();
     assert_eq!(back.len(), 2);
     // a listing: `a` is on disk (another inode than indexed), `b` is gone
-    let name_a = format!("{}.kv", hash::to_hex(&a.digest));
+    let name_a = a.name();
     std::fs::write(d.path().join(&name_a), b"x").unwrap();
     let l = back.sync_listing(d.path()).unwrap();
     assert_eq!(l.changed, [name_a]);
@@ -189,7 +208,7 @@ fn save_load_listing_and_file_policy() {
     let mut others = l.others;
     others.sort();
     assert_eq!(others, [".ds4.index"]);
-    assert!(back.get(&b.digest).is_none() && back.get(&a.digest).is_some());
+    assert!(back.get(&b.id()).is_none() && back.get(&a.id()).is_some());
     // never written through a symlinked temp file, never over a non-file
     std::os::unix::fs::symlink(d.path().join("elsewhere"), &tmp).unwrap();
     assert!(save(&idx, &DirStamp::default(), &path, &tmp).is_err());
@@ -286,7 +305,7 @@ fn prefixes_stop_at_the_best_match() {
     assert_eq!(second.text_bytes, 59_940);
     assert_eq!(cur.remaining(), idx.len() - 2);
     // the index changing under the cursor: a removed entry is skipped
-    idx.remove(&hash::sha1(&p[..59_880]));
+    idx.remove(&id(&p[..59_880]));
     assert_eq!(idx.next_prefix(&mut cur, &p).unwrap().text_bytes, 59_820);
 }
 
@@ -330,8 +349,8 @@ fn longest_considered_by_namespace_and_filters() {
     );
     assert!(idx.longest(1000, Some("nobody"), &q, &none).is_none());
     let mut ex = HashSet::new();
-    ex.insert(name_of(&hash::sha1(texts[3].0), 0));
-    ex.insert(name_of(&hash::sha1(texts[2].0), 0));
+    ex.insert(name_of(&id(texts[3].0), 0));
+    ex.insert(name_of(&id(texts[2].0), 0));
     assert_eq!(
         idx.longest(1000, Some("al"), &q, &ex).map(|e| e.tokens),
         Some(5)
@@ -344,4 +363,53 @@ fn longest_considered_by_namespace_and_filters() {
         idx.longest(1000, Some("al"), &q6, &ex).map(|e| e.tokens),
         None
     );
+}
+
+#[test]
+fn one_text_two_models_two_entries_the_query_picks_its_own() {
+    // two models whose key texts are the same bytes: one file each
+    let mut idx = Index::new();
+    let text = b"the same rendered text for both models";
+    let (a, b) = (
+        tagged(entry(text, 8, "model/a")),
+        tagged(entry(text, 8, "model/b")),
+    );
+    let old = entry(text, 8, "model/a"); // today's release's name for model a
+    for e in [&a, &b, &old] {
+        idx.insert(e.clone());
+    }
+    assert_eq!(idx.len(), 3);
+    assert_ne!(a.name(), b.name());
+    assert!(a.name().starts_with(&hash::to_hex(&a.digest)) && a.name().len() == 60);
+    let mut prompt = text.to_vec();
+    prompt.extend_from_slice(b" and a suffix");
+    for (abi, want) in [
+        ("model/a", vec![a.name(), old.name()]),
+        ("model/b", vec![b.name()]),
+    ] {
+        let q = Query {
+            abi: Some(abi),
+            ..Query::default()
+        };
+        let mut got: Vec<String> = idx.lookup(&prompt, &q).iter().map(Entry::name).collect();
+        got.sort();
+        let mut want = want;
+        want.sort();
+        assert_eq!(got, want, "{abi}");
+        let mut cur = idx.prefixes(prompt.len(), &q);
+        let mut lazy = Vec::new();
+        while let Some(e) = idx.next_prefix(&mut cur, &prompt) {
+            lazy.push(e.name());
+        }
+        lazy.sort();
+        assert_eq!(lazy, want, "{abi}");
+    }
+    // removing one model's file leaves the other's
+    assert!(idx.remove(&a.id()));
+    assert!(idx.get(&b.id()).is_some() && idx.get(&old.id()).is_some());
+    // the index file keeps them apart
+    let (back, _) = decode(&encode(&idx, &DirStamp::default())).unwrap();
+    assert_eq!(back.get(&b.id()), Some(&b));
+    assert_eq!(back.get(&old.id()), Some(&old));
+    assert_eq!(back.len(), 2);
 }

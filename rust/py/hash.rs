@@ -19,6 +19,13 @@ pub(super) fn sha1_hex(py: Python<'_>, data: PyBuffer<u8>) -> PyResult<String> {
     })
 }
 
+/// The 16 hex digits a payload ABI adds to a checkpoint's name
+/// (`<sha1>-<tag>.kv`: docs/FORMAT.md, "File names").
+#[pyfunction]
+pub(super) fn model_tag(abi: &str) -> String {
+    hash::to_hex(&crate::name::model_tag(abi))
+}
+
 /// Hex SHA-1 of `data[:n]` for every `n` in `lengths`, in one pass over
 /// `data`; `None` where `n > len(data)`.
 #[pyfunction]

@@ -12,8 +12,8 @@
 use super::buffer::bytes_of;
 use super::errors::to_pyerr;
 use crate::format;
-use crate::hash::{self, Sha1Digest};
 use crate::index::{self, DirStamp, Entry, Index, Prefixes, Query, StatKey};
+use crate::name::FileId;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -41,9 +41,8 @@ pub(super) type PyEntry = (
 );
 type PyStamp = (u64, u64, i64, i64);
 
-fn digest_of(name: &str) -> PyResult<Sha1Digest> {
-    name.strip_suffix(".kv")
-        .and_then(hash::parse_hex_digest)
+fn digest_of(name: &str) -> PyResult<FileId> {
+    FileId::parse(name)
         .ok_or_else(|| PyValueError::new_err(format!("not a checkpoint name: {name:?}")))
 }
 
@@ -53,7 +52,7 @@ fn py_key(k: StatKey) -> PyKey {
 
 pub(super) fn py_entry(e: &Entry) -> PyEntry {
     (
-        index::name_of(&e.digest, e.case),
+        e.name(),
         e.version,
         e.tokens,
         e.text_bytes,

@@ -29,7 +29,7 @@ mod _core {
     };
     #[pymodule_export]
     use super::hash::{
-        common_prefix_len, common_token_prefix, is_byte_prefix, namespace_of, sha1_hex,
+        common_prefix_len, common_token_prefix, is_byte_prefix, model_tag, namespace_of, sha1_hex,
         sha1_prefixes,
     };
     #[pymodule_export]

@@ -633,6 +633,34 @@ fn name_mismatch() {
 }
 
 #[test]
+fn a_per_model_name_is_checked_against_the_abi() {
+    use ds4::name::FileId;
+    let d = dir();
+    let digest = ds4::hash::sha1(TEXT);
+    // its own ABI's tag: opens; the name parses back to the same id
+    let own = FileId::for_abi(digest, ABI).name(0);
+    let p = d.path().join(&own);
+    std::fs::write(&p, default_file()).unwrap();
+    open(&p, &opts()).unwrap();
+    assert_eq!(FileId::parse(&own), Some(FileId::for_abi(digest, ABI)));
+    // another model's tag on this file: never loaded, and kept
+    // (incompatible, as another engine's file is), whatever the session
+    let p = d
+        .path()
+        .join(FileId::for_abi(digest, "another model").name(0));
+    std::fs::write(&p, default_file()).unwrap();
+    let e = expect_err(&p, &opts(), "abi_mismatch", "header", Class::Incompatible);
+    assert!(matches!(e, Error::AbiMismatch { ref found, .. } if found == ABI));
+    let own_abi = VerifyOptions {
+        expected_abi: Some(ABI),
+        ..opts()
+    };
+    expect_err(&p, &own_abi, "abi_mismatch", "header", Class::Incompatible);
+    let e = ds4::index::read_entry(&p).unwrap_err();
+    assert_eq!(e.class(), Class::Incompatible);
+}
+
+#[test]
 fn not_prefix() {
     let d = dir();
     let p = put(d.path(), TEXT, &default_file());

@@ -20,7 +20,8 @@ from .. import _core
 from ..config import build_engine, check_kv_args, make_store
 from ..errors import ContextOverflowError, EngineError, StoreError
 from ..keytext import tokenize_prompt
-from ..kvstore import KVStore, is_checkpoint_name
+from ..kvstore import KVStore, checkpoint_name, is_checkpoint_name
+from ..kvstore.files import legacy_name
 from ..loading import load_named
 from ..recovery import RecoveryReport, recover
 from ..session import Session
@@ -186,7 +187,7 @@ class ChatREPL:
         if rep.rung != "live":
             self.say(f"[transcript re-synced ({rep.rung}): {rep.prompt_tokens - rep.reused_tokens} tokens prefilled]")
         path = write_session(store, self.sess, "named")
-        sha = os.path.basename(path)[:-3]
+        sha = os.path.basename(path)[:40]  # <sha>.kv or <sha>-<model tag>.kv
         first_user = next((m["content"] for m in self.messages if m["role"] == "user"), "")
         entry = {
             "sha": sha,
@@ -205,10 +206,10 @@ class ChatREPL:
         self.say(f"[saved {name}: {self.sess.n_past} tokens -> {os.path.basename(path)}]")
 
     def _file_state(self, sha: object) -> str:
-        name = f"{sha}.kv"
-        if not is_checkpoint_name(name):
+        if not isinstance(sha, str) or not is_checkpoint_name(legacy_name(sha)):
             return "bad"
-        return "ok" if os.path.exists(os.path.join(self._store().dir, name)) else "gone"
+        names = (checkpoint_name(sha, self.sess.payload_abi), legacy_name(sha))
+        return "ok" if any(os.path.exists(os.path.join(self._store().dir, n)) for n in names) else "gone"
 
     def cmd_list(self) -> None:
         sessions = self.load_index()
@@ -256,7 +257,7 @@ class ChatREPL:
             tokenize_prompt(self.engine, self.engine.render_chat(msgs, add_generation_prompt=False))
         )
         sha = e.get("sha", "")
-        if not isinstance(sha, str) or not is_checkpoint_name(f"{sha}.kv"):
+        if not isinstance(sha, str) or not is_checkpoint_name(legacy_name(sha)):
             self.sess.invalidate("switch: no valid checkpoint key")
             self.say(f"[switched to {name}: its index entry names no valid checkpoint; the next turn prefills]")
         else:

@@ -1,7 +1,8 @@
 """KVStore: a directory of checkpoints with ds4's policy on top.
 
-* Files are ``<sha1 of the rendered text>.kv`` (format v2, written by the
-  Rust core: temp file, fsync, rename, fsync of the directory, mode 0600).
+* Files are ``<sha1 of the key text>-<model tag>.kv`` (:func:`checkpoint_name`;
+  an earlier release's ``<sha1>.kv`` is read too), format v2, written by the
+  Rust core: temp file, fsync, rename, fsync of the directory, mode 0600.
 * The index (name -> header facts and stat key) lives in the Rust core
   (``_core.StoreIndex``) and persists in the directory (``.ds4.index``:
   written under the lock through a temp file, fsync'd, renamed, checksummed).
@@ -74,6 +75,7 @@ from .files import (
     TMP_MAX_AGE_S,
     DirLock,
     StatKey,
+    checkpoint_name,
     is_checkpoint_name,
     open_cache_dir,
     remove_orphaned_temp,
@@ -123,6 +125,7 @@ __all__ = [
     "RemoteTier",
     "StorePolicy",
     "chat_anchor",
+    "checkpoint_name",
     "is_checkpoint_name",
     "is_regular",
     "plan_eviction",

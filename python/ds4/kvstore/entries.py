@@ -65,7 +65,7 @@ class Entry:
     ctx: int
     stat_key: StatKey | tuple[()]
     #: the cache namespace its text's preamble names (None: the default
-    #: namespace, or a start that is no whole preamble; docs/FORMAT.md §5)
+    #: namespace, or a start that is no whole preamble; docs/FORMAT.md §6)
     namespace: str | None = None
 
     @property

@@ -16,6 +16,7 @@ import stat
 import threading
 from collections.abc import Iterator
 
+from .. import _core
 from ..errors import StoreError
 
 __all__ = [
@@ -26,9 +27,11 @@ __all__ = [
     "TMP_MAX_AGE_S",
     "DirLock",
     "StatKey",
+    "checkpoint_name",
     "create_temp",
     "is_checkpoint_name",
     "is_temp_name",
+    "legacy_name",
     "open_cache_dir",
     "pid_space",
     "remove_orphaned_temp",
@@ -42,11 +45,14 @@ log = logging.getLogger("ds4.kvstore")
 
 StatKey = tuple[int, int, int]
 
-# ds4 reads names case-insensitively (an upper-case name loads there): so do we.
-_NAME_RE = re.compile(r"^[0-9a-fA-F]{40}\.kv$")
-# Temp files of writers: ours `.<sha>.kv.tmp.<pid>.<hex>`, ds4-server's
+# A checkpoint's name: `<sha1>.kv` (every release before per-model names)
+# or `<sha1>-<model tag>.kv` (docs/FORMAT.md, "File names"). ds4 reads the
+# SHA-1 case-insensitively (an upper-case name loads there): so do we; the
+# tag is ours, lower case only.
+_NAME_RE = re.compile(r"^[0-9a-fA-F]{40}(?:-[0-9a-f]{16})?\.kv$")
+# Temp files of writers: ours `.<name>.tmp.<pid>.<hex>`, ds4-server's
 # `<sha>.kv.tmp.<pid>`, ds4-agent's `<sha>.kv.tmp.XXXXXX` (mkstemp).
-_TMP_RE = re.compile(r"^\.?[0-9a-fA-F]{40}\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
+_TMP_RE = re.compile(r"^\.?[0-9a-fA-F]{40}(?:-[0-9a-f]{16})?\.kv\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
 LOCK_NAME = ".ds4.lock"
 #: the persisted index (header facts and a stat key per file) and the one
 #: temp file it is written through (under the lock, so by one writer at a
@@ -68,9 +74,26 @@ def stat_key(st: os.stat_result) -> StatKey:
 
 
 def is_checkpoint_name(name: str) -> bool:
-    """True for ``<40 hex>.kv`` (either case, as ds4 reads them), the only
-    names the store reads or removes."""
+    """True for ``<40 hex>.kv`` (either case, as ds4 reads them) and
+    ``<40 hex>-<16 lowercase hex>.kv`` (a per-model name), the only names the
+    store reads or removes."""
     return _NAME_RE.match(name) is not None
+
+
+def checkpoint_name(sha: str, abi: str) -> str:
+    """The name a checkpoint of the key text whose SHA-1 is ``sha`` gets
+    when an engine of payload ABI ``abi`` writes it: ``<sha>-<tag>.kv``, the
+    tag the first 16 hex digits of the SHA-1 of the ABI (``_core.model_tag``;
+    the Redis tier's ABI id). Models whose key texts are the same bytes so
+    keep one file each; :func:`legacy_name` is what earlier releases wrote."""
+    return f"{sha}-{_core.model_tag(abi)}.kv"
+
+
+def legacy_name(sha: str) -> str:
+    """``<sha>.kv``: the one name per text of releases before per-model
+    names. Such files are read, matched and evicted like any other; a save
+    finds its own model's there and writes nothing new."""
+    return f"{sha}.kv"
 
 
 def is_temp_name(name: str) -> bool:

@@ -1,6 +1,6 @@
 """The store's index and its upkeep: what keeps the in-memory
 ``_core.StoreIndex`` (name -> header facts and stat key) and the index file
-(``.ds4.index``, docs/FORMAT.md §5) in step with the directory.
+(``.ds4.index``, docs/FORMAT.md §6) in step with the directory.
 
 * Opening reads the index file and lists the directory once (names and
   inode numbers, no ``stat``); only the files that are new or were replaced

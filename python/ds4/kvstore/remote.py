@@ -251,7 +251,7 @@ class RemoteTier:
         self, c: Client, keys: KeyLayout, sha: str, err: RemoteManifestError, into: list[Rejection], **kw: Any
     ) -> None:
         """A manifest rejected by a lookup: reported, counted, deleted."""
-        into.append(rejection_of(f"remote:{sha}.kv", err))
+        into.append(rejection_of(f"remote:{sha}-{keys.abi_id}.kv", err))
         self.counters["rejected"] += 1
         log.warning("kv remote rejected manifest of %s: %s (deleted)", sha[:12], err.reason)
         self._delete(c, keys, sha, kw.get("entry"), kw.get("text_bytes"), kw.get("raw"))

@@ -104,7 +104,7 @@ class KeyLayout:
             raise ValueError(f"a remote namespace is 1-64 of [A-Za-z0-9._-], not {namespace!r}")
         self.namespace = namespace
         self.abi = abi
-        self.abi_id = hashlib.sha1(abi.encode("utf-8")).hexdigest()[:16]
+        self.abi_id = abi_id(abi)
         self.index = f"ds4:{{{namespace}/{self.abi_id}}}:idx"
 
     def tag(self, sha: str) -> str:
@@ -160,6 +160,12 @@ def _nonneg_int(d: dict[str, Any], key: str, limit: int = 2**62) -> int:
     return v
 
 
+def abi_id(abi: str) -> str:
+    """The first 16 hex digits of the SHA-1 of a payload ABI: its keys' part,
+    and the model tag of a directory's per-model file names."""
+    return hashlib.sha1(abi.encode("utf-8")).hexdigest()[:16]
+
+
 @dataclasses.dataclass(frozen=True)
 class RemoteEntry:
     """One remote checkpoint, as its manifest describes it: the header
@@ -178,7 +184,9 @@ class RemoteEntry:
 
     @property
     def name(self) -> str:
-        return self.sha + ".kv"
+        """The file it becomes in a directory: its model's per-model name
+        (``<sha1>-<abi id>.kv``, the tag is the key's ABI id)."""
+        return f"{self.sha}-{abi_id(self.abi)}.kv"
 
     def chunk_len(self, i: int) -> int:
         return min(self.chunk_bytes, self.size - i * self.chunk_bytes)

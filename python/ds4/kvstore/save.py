@@ -24,7 +24,7 @@ from ..errors import (
     StoreFullError,
 )
 from .entries import Entry, text_namespace
-from .files import NOT_REGULAR, StatKey, stat_key
+from .files import NOT_REGULAR, StatKey, checkpoint_name, legacy_name, stat_key
 from .remove import evict_entries
 
 if TYPE_CHECKING:
@@ -160,12 +160,18 @@ def store_live(
         log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, floor)
         return None
     text = sess.key_bytes()
-    name = _core.sha1_hex(text) + ".kv"
+    sha = _core.sha1_hex(text)
+    name = checkpoint_name(sha, sess.payload_abi)
     path = os.path.join(store.dir, name)
     t0 = time.perf_counter()
     with store.locked():
         # Cheap checks first: an existing file for this key needs no
-        # export of the (possibly large) engine state.
+        # export of the (possibly large) engine state. A release before
+        # per-model names wrote this model's file as <sha>.kv: it serves.
+        legacy = os.path.join(store.dir, legacy_name(sha))
+        if existing_file(legacy, sess, text, store.discard, store.auth_key) == "same":
+            log.info("kv cache store reason=%s: %s already stored", reason, legacy_name(sha)[:12])
+            return legacy
         existing = existing_file(path, sess, text, store.discard, store.auth_key)
         if existing == "same":
             log.info("kv cache store reason=%s: %s already stored", reason, name[:12])

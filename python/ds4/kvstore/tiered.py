@@ -5,7 +5,7 @@
 * A remote candidate is streamed into a temp file of the directory, the
   whole verification pipeline runs on it (``check_name`` off: the temp
   name; then the text's SHA-1 must be the key's), and the store renames it
-  to ``<sha1>.kv`` under its lock and indexes it (the ``adopt`` hook); the
+  to its model's name (``<sha1>-<abi id>.kv``) under its lock and indexes it (the ``adopt`` hook); the
   ladder then loads it like any local file (:func:`ds4.recovery.load_first`).
 * A remote entry rejected for what it is (damaged or forged chunks, a
   manifest whose claims are not its file's header's, the pipeline's or the
