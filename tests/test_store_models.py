@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
 import models
 import pytest
 from cknames import stored_name
+from redis_servers import RedisNode
+from test_server import Server
 
 from ds4 import _core
 from ds4.checkpoint import open_checkpoint
+from ds4.cli.kvmodels import file_fingerprint, model_of
 from ds4.kvstore import is_checkpoint_name
 from ds4.kvstore.files import legacy_name
+
+#: each test starts several processes that load and probe a model: minutes
+#: on a machine that runs other jobs
+pytestmark = pytest.mark.timeout(900)
 
 #: a raw prompt of about 650 SmolLM2 tokens
 PROMPT = " ".join(
@@ -34,7 +43,7 @@ def twin(tmp_path_factory):
     return models.twin_model(str(tmp_path_factory.mktemp("twin")))
 
 
-def run(model: str, kv, prompt: str = PROMPT) -> dict:
+def run(model: str, kv, prompt: str = PROMPT, *extra: str) -> dict:
     p = subprocess.run(
         [
             sys.executable,
@@ -55,6 +64,7 @@ def run(model: str, kv, prompt: str = PROMPT) -> dict:
             "--ctx",
             "2048",
             "--json",
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -97,6 +107,26 @@ def test_two_models_keep_and_resume_their_own_checkpoint_of_one_text(twin, tmp_p
         for r in second["report"]["rejected"]:
             assert (r["path"], r["code"]) == (other["report"]["cold_saved"], "abi_mismatch"), r
     assert len(kv_files(kv)) == 2
+    # ds4 kv ls names each file's model and --model keeps one model's; kv
+    # prune --model removes that model's files and nothing else
+    a_name, b_name = (os.path.basename(r["report"]["cold_saved"]) for r in (a1, b1))
+    files = kv_cli("ls", kv)["files"]
+    assert {f["name"]: f["model"] for f in files} == {a_name: model_of(abi_a), b_name: model_of(abi_b)}
+    assert model_of(abi_a) == file_fingerprint(a_model) != file_fingerprint(twin) == model_of(abi_b)
+    assert [f["name"] for f in kv_cli("ls", kv, "--model", twin)["files"]] == [b_name]
+    assert kv_cli("prune", kv, "--model", twin, "--dry-run") == {"removed": [b_name], "errors": []}
+    assert kv_files(kv) == sorted([a_name, b_name])
+    assert kv_cli("prune", kv, "--model", twin) == {"removed": [b_name], "errors": []}
+    assert kv_files(kv) == [a_name]
+    assert run(a_model, kv)["report"]["rung"] == "disk"  # the index knows what went
+
+
+def kv_cli(*args) -> dict:
+    p = subprocess.run(
+        [sys.executable, "-m", "ds4", "kv", *map(str, args), "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
 
 
 def test_a_directory_of_the_earlier_layout_resumes_after_the_upgrade(twin, tmp_path):
@@ -122,3 +152,58 @@ def test_a_directory_of_the_earlier_layout_resumes_after_the_upgrade(twin, tmp_p
     assert b1["report"]["rung"] == "prefill" and b1["report"]["cold_saved"] not in (None, old)
     assert os.path.exists(old) and len(kv_files(kv)) == 2
     assert int.from_bytes(index.read_bytes()[8:12], "little") == 3  # rebuilt in today's version
+
+
+def test_the_redis_tier_keeps_each_models_checkpoint(twin, tmp_path):
+    """The same through the shared tier: A and B each upload their own
+    checkpoint of the text (keys per ABI); with the directory emptied, each
+    resumes its own from Redis (rung ``disk``, source ``remote``) with its
+    own cold run's tokens, downloaded under its own model's name."""
+    node = RedisNode(str(tmp_path / "redis")).start()
+    try:
+        a_model, kv = models.model_path("smollm2"), tmp_path / "kv"
+        remote = ("--kv-remote", node.url)
+        firsts = [run(m, kv, PROMPT, *remote) for m in (a_model, twin)]
+        assert all(f["report"]["rung"] == "prefill" and f["report"]["cold_saved"] for f in firsts)
+        names = sorted(os.path.basename(f["report"]["cold_saved"]) for f in firsts)
+        shutil.rmtree(kv)
+        for m, first in zip((a_model, twin), firsts, strict=True):
+            again = run(m, kv, PROMPT, *remote)
+            rep = again["report"]
+            assert rep["rung"] == "disk" and rep["source"] == "remote" and rep["reused_tokens"] > 0, rep
+            assert os.path.basename(rep["loaded_path"]) == os.path.basename(first["report"]["cold_saved"])
+            assert again["tokens"] == first["tokens"]
+        assert kv_files(kv) == names
+    finally:
+        node.stop()
+
+
+def _chat(srv, msgs):
+    r = srv.client().chat.completions.create(model=srv.model(), messages=msgs, max_tokens=GEN, temperature=0)
+    return r.choices[0].message.content, (r.model_extra or {}).get("ds4", {})
+
+
+def test_a_server_restarted_with_the_other_model_and_back_resumes_each_from_disk(twin, tmp_path):
+    """``ds4 serve`` on one directory, restarted A, B, A, B (a model swap, as
+    users of Ollama and LM Studio do): the second turn of each model resumes
+    from its own checkpoint on disk with its own first reply."""
+    kv = str(tmp_path / "kv")
+    msgs = [
+        {"role": "system", "content": "You keep the harbour log and answer from it. " * 40},
+        {"role": "user", "content": "What came in with the noon tide?"},
+    ]
+    replies: dict[str, str] = {}
+    for i, (name, model) in enumerate((("a", models.model_path("smollm2")), ("b", twin)) * 2):
+        srv = Server(str(tmp_path), f"{name}{i}", "--model", model, "--kv-disk-dir", kv, engine="llamacpp", ctx=2048)
+        srv.start(timeout=300)
+        try:
+            text, info = _chat(srv, msgs)
+        finally:
+            srv.stop(signal.SIGTERM)
+        if name in replies:
+            assert info["rung"] == "disk" and info["reused_tokens"] > 0, info
+            assert text == replies[name]
+        else:
+            assert info["rung"] == "prefill", info
+            replies[name] = text
+    assert len([f for f in os.listdir(kv) if is_checkpoint_name(f)]) >= 2

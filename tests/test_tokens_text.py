@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 import ds4
 from ds4.checkpoint import write_checkpoint
@@ -56,3 +58,25 @@ def test_tokens_that_render_the_text_load_and_one_changed_token_does_not(tmp_pat
     toks[3] = (toks[3] + 1) % 256  # another byte: same count, another text
     with pytest.raises(TokensTextMismatchError):
         ds4.Session(eng, ctx=1024).load_arrays({**arrays, "tokens": toks}, s.n_past, text=s.text_bytes())
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    st.lists(st.integers(0, 3), max_size=9000),
+    st.lists(st.integers(0, 3), max_size=9000),
+    st.integers(0, 9000),
+)
+def test_the_token_checks_common_prefix_is_the_cores(a, b, shared):
+    """``keytext.common_token_prefix`` (the ladder's token check, runs of
+    list slices) equals the core's element-by-element count, across run
+    boundaries, for lists, tuples and numpy arrays."""
+    import numpy as np
+
+    from ds4 import _core
+    from ds4.keytext import common_token_prefix
+
+    b = a[:shared] + b  # a long shared head, so runs of 4,096 are crossed
+    want = _core.common_token_prefix(a, b)
+    assert common_token_prefix(a, b) == want
+    assert common_token_prefix(a, tuple(b)) == want
+    assert common_token_prefix(a, np.array(b, dtype=np.int32)) == want

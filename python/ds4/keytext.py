@@ -43,6 +43,7 @@ __all__ = [
     "NAMESPACE_ID_RE",
     "KeyRenderer",
     "Prompt",
+    "common_token_prefix",
     "namespace_of",
     "parting",
     "plain_len",
@@ -265,3 +266,25 @@ def tokenize_prompt(engine: _Tokenizer, prompt: str) -> list[int]:
     if bos is not None and bos >= 0 and out[:1] != [bos]:
         out.insert(0, int(bos))
     return out
+
+
+#: list slices compared at once by :func:`common_token_prefix`
+_RUN = 4096
+
+
+def common_token_prefix(a: list[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share: runs of 4,096 compared as
+    list slices (C speed), then one run element by element. The ladder's
+    token check (``Session.common_prefix``) on every resumed turn: a few
+    microseconds per thousand tokens, none of them converted."""
+    b = b if isinstance(b, list) else list(b)
+    n = min(len(a), len(b))
+    i = 0
+    while i < n:
+        j = min(n, i + _RUN)
+        if a[i:j] != b[i:j]:
+            while a[i] == b[i]:
+                i += 1
+            return i
+        i = j
+    return n

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import _core
 from .checkpoint import TOKENS_TENSOR, check_tokens
 from .engine import Engine, EngineContext
 from .errors import (
@@ -37,7 +36,7 @@ from .errors import (
     PrefillCancelledError,
     TokensTextMismatchError,
 )
-from .keytext import KeyRenderer, preamble
+from .keytext import KeyRenderer, common_token_prefix, preamble
 from .snapshots import Snapshots, restore
 
 if TYPE_CHECKING:
@@ -328,7 +327,7 @@ class Session:
         """Common token prefix with the live state (0 when invalid)."""
         if not self._valid:
             return 0
-        return _core.common_token_prefix(self._tokens, [int(t) for t in tokens])
+        return common_token_prefix(self._tokens, tokens)
 
     def rewind(self, n_tokens: int) -> bool:
         """Keep the first ``n_tokens`` (1 <= n <= n_past) live tokens, the

@@ -73,10 +73,22 @@ SHARE_HELP = "each tenant's share of the budget, as ds4 serve --kv-tenant-share 
 VERIFY_HELP = "run the full verification (what a load would decide); else headers only, marked unverified"
 
 
+#: ``--model PATH`` of ``kv ls`` and ``kv prune``
+MODEL_HELP = "only the checkpoints of this GGUF file (the fingerprint their payload ABI records)"
+
+
 def _kv_ls(k: argparse.ArgumentParser) -> None:
     k.add_argument("dir", nargs="?", help="directory (not with --remote)")
     _config().add_remote_args(k)
     k.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    k.add_argument("--model", metavar="PATH", default=None, help=MODEL_HELP)
+    k.add_argument("--json", action="store_true")
+
+
+def _kv_prune(k: argparse.ArgumentParser) -> None:
+    k.add_argument("dir", help="directory")
+    k.add_argument("--model", metavar="PATH", required=True, help=MODEL_HELP)
+    k.add_argument("--dry-run", action="store_true", help="list what would go")
     k.add_argument("--json", action="store_true")
 
 
@@ -176,6 +188,7 @@ KV_ACTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "gc": ("remove corrupt and orphaned temp files; evict to a budget", _kv_gc),
     "lookup": ("the longest stored prefix of a prompt (exit 0 on a hit, 1 on a miss)", _kv_lookup),
     "rm": ("remove checkpoints", _kv_rm),
+    "prune": ("remove one model's checkpoints (--model PATH), nothing else", _kv_prune),
     "stats": ("totals by version, reason, ABI and tenant", _kv_stats),
     "push": ("upload a directory's checkpoints to the shared tier", _kv_push),
     "pull": ("download (and verify) the shared tier's checkpoints into a directory", _kv_pull),

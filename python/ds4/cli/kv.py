@@ -18,7 +18,6 @@ from ..keytext import plain_text
 from ..kvstore import (
     KVStore,
     StorePolicy,
-    is_regular,
     remove_orphaned_temp,
     scan_dir,
     temp_is_orphaned,
@@ -26,7 +25,9 @@ from ..kvstore import (
 )
 from . import plot
 from .kvinfo import READABLE, UNVERIFIED, Info, inspect_file, print_fields, public, resolve
-from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, printable, report_removed, table
+from .kvmodels import model_filter, model_label, model_of, of_model
+from .kvremove import kv_prune, kv_rm
+from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, printable, table
 
 __all__ = ["KV_COMMANDS", "inspect_file"]
 
@@ -47,6 +48,7 @@ def _ls_row(i: Info, now: float) -> list[str]:
         return [
             i["name"][:12],
             i["tenant"],
+            model_label(str(i.get("abi", ""))),
             f"v{i['version']}",
             i["reason"],
             str(i["tokens"]),
@@ -63,6 +65,7 @@ def _ls_row(i: Info, now: float) -> list[str]:
         "?",
         "?",
         "?",
+        "?",
         human_bytes(i.get("size", 0)),
         "?",
         "?",
@@ -75,11 +78,15 @@ def kv_ls(args: argparse.Namespace) -> int:
     d = args.dir
     if _not_a_dir(d):
         return EXIT_USAGE
+    fp = model_filter(args, "ds4 kv ls")
+    if fp is False:
+        return EXIT_USAGE
     cks, tmps, other = scan_dir(d)
     infos = [inspect_file(p, full=args.verify) for p in cks + other]
+    infos = of_model(infos, fp) if isinstance(fp, str) else infos
     infos.sort(key=lambda i: (-(i.get("last_used") or 0), i["name"]))
     if args.json:
-        files = [public(i) for i in infos]
+        files = [{**public(i), "model": model_of(str(i.get("abi", "")))} for i in infos]
         print(
             json.dumps(
                 {"dir": os.path.abspath(d), "files": files, "temp_files": [os.path.basename(t) for t in tmps]}, indent=1
@@ -89,7 +96,9 @@ def kv_ls(args: argparse.Namespace) -> int:
     now = time.time()
     rows = [_ls_row(i, now) for i in infos]
     table(
-        rows, ["NAME", "TENANT", "VER", "REASON", "TOKENS", "SIZE", "HITS", "LAST USED", "STATUS", "TEXT"], sys.stdout
+        rows,
+        ["NAME", "TENANT", "MODEL", "VER", "REASON", "TOKENS", "SIZE", "HITS", "LAST USED", "STATUS", "TEXT"],
+        sys.stdout,
     )
     total = sum(i.get("size", 0) for i in infos)
     print(f"{len(infos)} files, {human_bytes(total)}" + (f", {len(tmps)} temp files" if tmps else ""))
@@ -360,40 +369,6 @@ def kv_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def kv_rm(args: argparse.Namespace) -> int:
-    d = args.dir
-    if _not_a_dir(d):
-        return EXIT_USAGE
-    errors: list[str] = []
-    if args.all:
-        targets = scan_dir(d)[0]
-    elif not args.names:
-        print("ds4 kv rm: give checkpoint names (or unique prefixes), or --all", file=sys.stderr)
-        return EXIT_USAGE
-    else:
-        targets = []
-        for n in args.names:
-            p, why = resolve(d, n)
-            if p is None:
-                errors.append(str(why))
-            else:
-                targets.append(p)
-    store = KVStore(d, scan=False, trust_dir=True)  # an explicit removal in a named directory
-    removed = []
-    for p in targets:
-        if os.path.lexists(p) and not is_regular(p):
-            errors.append(f"{os.path.basename(p)}: not a regular file (ignored, never removed)")
-            continue
-        try:
-            if store.remove(p):
-                removed.append(os.path.basename(p))
-            else:
-                errors.append(f"{os.path.basename(p)}: already gone")
-        except ValueError as e:
-            errors.append(str(e))
-    return report_removed(args.json, removed, "errors", errors, "ds4 kv rm")
-
-
 def _counts(infos: list[Info], key: str) -> dict[str, int]:
     return {k: sum(1 for i in infos if str(i[key]) == k) for k in sorted({str(i[key]) for i in infos})}
 
@@ -485,4 +460,12 @@ def _print_stats(st: Info) -> None:
         print(NOT_VERIFIED)
 
 
-KV_COMMANDS = {"ls": kv_ls, "show": kv_show, "verify": kv_verify, "gc": kv_gc, "rm": kv_rm, "stats": kv_stats}
+KV_COMMANDS = {
+    "ls": kv_ls,
+    "show": kv_show,
+    "verify": kv_verify,
+    "gc": kv_gc,
+    "rm": kv_rm,
+    "prune": kv_prune,
+    "stats": kv_stats,
+}
