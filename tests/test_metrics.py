@@ -20,6 +20,7 @@ from starlette.testclient import TestClient
 from test_invalidation import flip_payload_byte
 
 import ds4
+from ds4.kvstore.entries import model_of
 from ds4.server.app import create_app
 from ds4.server.guard import Guard
 from ds4.server.metrics import LATENCY_BUCKETS
@@ -165,6 +166,12 @@ def _check_store(got: dict, h: dict, want: Expected, budget: int) -> None:
     assert got[("ds4_kv_index_heap_bytes", ())] > 0
     for tenant, u in kv["tenants"].items():
         assert got[("ds4_kv_tenant_bytes", (("tenant", tenant),))] == u["bytes"]
+    # one model here: its bytes, files and hits are the store's
+    [(model, m)] = kv["models"].items()
+    assert model == model_of(h["payload_abi"]) and len(model) == 16
+    assert got[("ds4_kv_model_bytes", (("model", model),))] == m["bytes"] == kv["bytes"]
+    assert got[("ds4_kv_model_checkpoints", (("model", model),))] == m["checkpoints"] == kv["files"]
+    assert got[("ds4_kv_model_hits", (("model", model),))] == m["hits"] >= 1
     assert got[("ds4_queue_depth", ())] == 0 and got[("ds4_worker_busy", ())] == 0
     assert got[("ds4_jobs_running", ())] == 0
 
@@ -223,13 +230,14 @@ def test_ui_data_operator_and_tenant_views(served):
     assert sum(b["turns"] for b in op["series"]) == 6
     assert op["budget_bytes"] == store.budget_bytes
     assert set(op["tenants_bytes"]) == {"alice", "bob"}
+    assert [m["bytes"] for m in op["models_bytes"].values()] == [op["kv"]["bytes"]]
     assert sum(r["checkpoints"] for r in op["checkpoints"]["by_reason"].values()) == op["kv"]["files"]
     assert "cold" in op["checkpoints"]["by_reason"]
     # bob's own: his two turns, nothing of alice's, none of the store's or the queue's figures
     bob = c.get("/ui/data", headers=_auth(KB)).json()
     assert bob["operator"] is False and bob["tenant"] == "bob"
     assert [t["protocol"] for t in bob["recent"]] == ["responses", "completions"]
-    assert not {"kv", "checkpoints", "tenants_bytes", "queued", "sessions"} & set(bob)
+    assert not {"kv", "checkpoints", "tenants_bytes", "models_bytes", "queued", "sessions"} & set(bob)
     assert all("tenant" not in t for t in bob["recent"])
     # no text in a turn's row: the divergence is its place only
     for t in op["recent"]:

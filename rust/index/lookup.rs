@@ -284,6 +284,25 @@ impl Index {
     pub fn total_bytes(&self) -> u64 {
         self.entries.values().map(|e| e.key.size).sum()
     }
+    /// Bytes, files and hits per payload ABI (each model's share of the
+    /// directory: `kv ls`, `/metrics`, `/ui`), sorted by ABI, in one pass
+    /// over the entries.
+    pub fn abi_usage(&self) -> Vec<(Arc<str>, u64, u64, u64)> {
+        let mut by: HashMap<&str, (u64, u64, u64)> = HashMap::new();
+        for e in self.entries.values() {
+            let u = by.entry(&e.abi).or_default();
+            u.0 += e.key.size;
+            u.1 += 1;
+            u.2 += u64::from(e.hits);
+        }
+        let mut out: Vec<(Arc<str>, u64, u64, u64)> = by
+            .into_iter()
+            .map(|(abi, (bytes, files, hits))| (Arc::from(abi), bytes, files, hits))
+            .collect();
+        out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
     /// Bytes and files per namespace (None: the default), sorted, in one
     /// pass over the entries: what the tenants' shares are counted from
     /// (the tenant of a namespace is Python's policy, `ds4.keytext`).

@@ -404,6 +404,12 @@ fn one_text_two_models_two_entries_the_query_picks_its_own() {
         lazy.sort();
         assert_eq!(lazy, want, "{abi}");
     }
+    // each model's bytes, files and hits
+    let usage = idx.abi_usage();
+    assert_eq!(usage.len(), 2);
+    assert_eq!((&*usage[0].0, usage[0].2), ("model/a", 2));
+    assert_eq!((&*usage[1].0, usage[1].2), ("model/b", 1));
+    assert_eq!(usage[0].1, a.key.size + old.key.size);
     // removing one model's file leaves the other's
     assert!(idx.remove(&a.id()));
     assert!(idx.get(&b.id()).is_some() && idx.get(&old.id()).is_some());

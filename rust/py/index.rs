@@ -305,6 +305,15 @@ impl PyStoreIndex {
             .collect())
     }
 
+    /// (ABI, bytes, files, hits) of the indexed files, per payload ABI.
+    fn abi_usage(&self) -> PyResult<Vec<(String, u64, u64, u64)>> {
+        let usage = self.lock()?.abi_usage();
+        Ok(usage
+            .into_iter()
+            .map(|(abi, b, n, h)| (abi.to_string(), b, n, h))
+            .collect())
+    }
+
     /// An estimate of the heap the index holds, in bytes.
     fn heap_bytes(&self) -> PyResult<usize> {
         Ok(self.lock()?.heap_bytes())

@@ -9,31 +9,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import re
 import sys
 
+from ..kvstore.entries import model_label, model_of
 from .kvinfo import READABLE, Info
 
 __all__ = ["file_fingerprint", "model_filter", "model_label", "model_of", "of_model"]
-
-_FP_RE = re.compile(r"(?:^| )model=sha256:([0-9a-f]{16})(?: |$)")
-_ARCH_RE = re.compile(r"(?:^| )arch=(\S+)")
-
-
-def model_of(abi: str) -> str | None:
-    """The model fingerprint a payload ABI records (16 hex digits), or None
-    (a v1 file, or an ABI of another engine)."""
-    m = _FP_RE.search(abi)
-    return m.group(1) if m else None
-
-
-def model_label(abi: str) -> str:
-    """``<arch> <fingerprint>`` for ``ds4 kv ls`` (``?`` where unknown)."""
-    fp = model_of(abi)
-    if fp is None:
-        return "?"
-    arch = _ARCH_RE.search(abi)
-    return f"{arch.group(1)} {fp[:12]}" if arch else fp[:12]
 
 
 def file_fingerprint(path: str) -> str:

@@ -65,6 +65,7 @@ from .entries import (
     LoadResult,
     Matches,
     NamedLoad,
+    model_usage,
     plan_eviction,
     tenant_usage,
 )
@@ -260,13 +261,9 @@ class KVStore:
     def summary(self) -> dict[str, object]:
         """The directory, its indexed files and bytes, and the counters
         (what a status page shows), from the index as it stands (its heap too)."""
-        out: dict[str, object] = {
-            "dir": self.dir,
-            "files": len(self.index.idx),
-            "bytes": self.total_bytes(),
-            **self.stats,
-        }
-        out.update(index_heap_bytes=self.index.idx.heap_bytes(), tenants=self.tenant_usage())
+        idx = self.index.idx  # each model's bytes, files and hits too (``models``: :func:`.entries.model_usage`)
+        out: dict[str, object] = {"dir": self.dir, "files": len(idx), "bytes": self.total_bytes(), **self.stats}
+        out.update(index_heap_bytes=idx.heap_bytes(), tenants=self.tenant_usage(), models=model_usage(idx.abi_usage()))
         if self.remote is not None:
             out["remote"] = self.remote.status()
         return out

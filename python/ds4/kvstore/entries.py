@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -31,6 +32,9 @@ __all__ = [
     "NamedLoad",
     "Rejection",
     "import_failure",
+    "model_label",
+    "model_of",
+    "model_usage",
     "plan_eviction",
     "tenant_usage",
 ]
@@ -342,4 +346,40 @@ def tenant_usage(held: Iterable[tuple[str | None, int, int]]) -> dict[str, dict[
         t = out.setdefault(tenant_of_namespace(ns) or ANONYMOUS, {"bytes": 0, "checkpoints": 0})
         t["bytes"] += size
         t["checkpoints"] += files
+    return dict(sorted(out.items()))
+
+
+_FP_RE = re.compile(r"(?:^| )model=sha256:([0-9a-f]{16})(?: |$)")
+_ARCH_RE = re.compile(r"(?:^| )arch=(\S+)")
+
+
+def model_of(abi: str) -> str | None:
+    """The model fingerprint a payload ABI records (``model=sha256:<16
+    hex>``: the GGUF file's SHA-256 for llama.cpp, the weights' for the
+    reference engine), or None (a v1 file, another engine's ABI)."""
+    m = _FP_RE.search(abi)
+    return m.group(1) if m else None
+
+
+def model_label(abi: str) -> str:
+    """``<arch> <fingerprint, 12 digits>`` (``?`` where the ABI names none)."""
+    fp = model_of(abi)
+    if fp is None:
+        return "?"
+    arch = _ARCH_RE.search(abi)
+    return f"{arch.group(1)} {fp[:12]}" if arch else fp[:12]
+
+
+def model_usage(held: Iterable[tuple[str, int, int, int]]) -> dict[str, dict[str, object]]:
+    """Bytes, checkpoints and hits per model, by fingerprint (``other``: an
+    ABI that names none), of (ABI, bytes, files, hits) tuples
+    (``StoreIndex.abi_usage``): one model's quantizations and layouts are
+    its files too only when their fingerprints agree, so each GGUF file is
+    one model here."""
+    out: dict[str, dict[str, object]] = {}
+    for abi, size, files, hits in held:
+        fp = model_of(abi) or "other"
+        m = out.setdefault(fp, {"label": model_label(abi), "bytes": 0, "checkpoints": 0, "hits": 0})
+        for k, v in (("bytes", size), ("checkpoints", files), ("hits", hits)):
+            m[k] = int(m[k]) + v  # type: ignore[call-overload]
     return dict(sorted(out.items()))

@@ -261,9 +261,22 @@ def _store(kv: dict[str, Any], budget: int) -> Iterator[Any]:
         tc.add_metric([tenant], u.get("checkpoints", 0))
     yield tb
     yield tc
+    yield from _models(kv.get("models", {}))
     remote = kv.get("remote")
     if remote is not None:
         yield from _remote(remote)
+
+
+def _models(by_model: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """Each model's bytes, checkpoints and hits on disk, by the weights
+    fingerprint its payload ABI records (``other``: an ABI naming none)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    for name, doc in (("bytes", "checkpoint bytes"), ("checkpoints", "checkpoints"), ("hits", "checkpoints' hits")):
+        fam = GaugeMetricFamily(f"ds4_kv_model_{name}", f"A model's {doc} on disk", labels=["model"])
+        for model, u in by_model.items():
+            fam.add_metric([model], u.get(name, 0))
+        yield fam
 
 
 def _remote(rt: dict[str, Any]) -> Iterator[Any]:

@@ -176,6 +176,7 @@ class Dashboard:
             out["kv"] = {k: kv.get(k, 0) for k in ("files", "bytes", "hits", "misses", "stores", "evictions")}
             out["budget_bytes"] = store.budget_bytes
             out["tenants_bytes"] = kv.get("tenants", {})
+            out["models_bytes"] = kv.get("models", {})
             out["checkpoints"] = await self._checkpoint_table()
             remote = kv.get("remote")
             if remote is not None:

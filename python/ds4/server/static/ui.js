@@ -66,6 +66,7 @@ function render(d) {
   if (d.operator) {
     checkpoints(d.checkpoints);
     tenants(d.tenants_bytes, d.budget_bytes);
+    bars("models", d.models_bytes, d.budget_bytes, (name, u) => [u.label + " (" + name + ")", ", " + u.hits + " hits"]);
     sessions(d.sessions);
   }
 }
@@ -168,10 +169,17 @@ function checkpoints(table) {
 }
 
 function tenants(byTenant, budget) {
-  const box = $("tenants");
-  box.replaceChildren();
   $("budget").textContent = budget ? "of a " + bytes(budget) + " budget" : "";
-  for (const [name, u] of Object.entries(byTenant || {})) {
+  bars("tenants", byTenant, budget, (name) => [name, ""]);
+}
+
+// one bar per name: its bytes against the budget; label(name, u) gives the
+// name shown and what follows the checkpoint count
+function bars(id, byName, budget, label) {
+  const box = $(id);
+  box.replaceChildren();
+  for (const [key, u] of Object.entries(byName || {})) {
+    const [name, more] = label(key, u);
     const row = document.createElement("div");
     row.className = "bar";
     const track = document.createElement("div");
@@ -180,7 +188,7 @@ function tenants(byTenant, budget) {
     fill.className = "fill";
     fill.style.width = budget ? Math.min(100, (100 * u.bytes) / budget).toFixed(2) + "%" : "0";
     track.append(fill);
-    row.append(text("span", name, "name"), track, text("span", bytes(u.bytes) + ", " + u.checkpoints + " checkpoints"));
+    row.append(text("span", name, "name"), track, text("span", bytes(u.bytes) + ", " + u.checkpoints + " checkpoints" + more));
     box.append(row);
   }
 }
