@@ -24,6 +24,7 @@ from ports import free_port
 
 import ds4
 from ds4.checkpoint import open_checkpoint
+from ds4.kvstore import is_checkpoint_name
 
 MIN_TOKENS = 32
 ALIGN = 64
@@ -173,7 +174,7 @@ def _conv(topic: str, n_words: int = 12) -> list:
 def _stored_texts(kv_dir):
     out = {}
     for name in os.listdir(kv_dir):
-        if name.endswith(".kv") and len(name) == 43:
+        if is_checkpoint_name(name):
             ck = open_checkpoint(os.path.join(kv_dir, name), load_payload=False)
             out[os.path.join(kv_dir, name)] = (ck.text, ck.reason_name, ck.tokens)
     return out
@@ -335,7 +336,7 @@ def test_corrupt_checkpoint_between_requests(warm, cold):
     r2 = c.chat.completions.create(model=model, messages=msgs2, max_tokens=10)
     x = _extra(r2)
     assert not os.path.exists(target), "the corrupt checkpoint was not removed"
-    assert [q.split(".")[0] for q in os.listdir(warm.quarantine)] == [os.path.basename(target)[:-3]]
+    assert [q.split(".")[0] for q in os.listdir(warm.quarantine)] == [os.path.basename(target)[: -len(".kv")]]
     assert os.listdir(warm.quarantine)[0].endswith(".payload_checksum")
     assert [(os.path.basename(j["path"]), j["code"]) for j in x["rejected"]] == [
         (os.path.basename(target), "payload_checksum")

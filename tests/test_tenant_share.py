@@ -178,13 +178,13 @@ def test_namespaces_round_trip_through_the_index_file(eng, tmp_path, monkeypatch
     assert again.stats["index_rebuilds"] == 0 and reads == []  # from the index file alone
     assert {e.name: e.namespace for e in again.entries()} == want
     raw = (tmp_path / INDEX_NAME).read_bytes()
-    for damaged in (raw[: len(raw) // 2], _seal_version(raw, 1)):  # torn; the previous version
+    for damaged in (raw[: len(raw) // 2], _seal_version(raw, 2)):  # torn; the previous version
         (tmp_path / INDEX_NAME).write_bytes(damaged)
         reads.clear()
         rebuilt = KVStore(tmp_path, min_tokens=1)
         assert rebuilt.stats["index_rebuilds"] == 1 and sorted(map(os.path.basename, reads)) == sorted(want)
         assert {e.name: e.namespace for e in rebuilt.entries()} == want
-        assert (tmp_path / INDEX_NAME).read_bytes()[8:12] == struct.pack("<I", 2)  # written again, current
+        assert (tmp_path / INDEX_NAME).read_bytes()[8:12] == struct.pack("<I", 3)  # written again, current
 
 
 # -- a store with real files ----------------------------------------------------------

@@ -367,11 +367,13 @@ class KVStore:
         self.counters["misses"] += 1
 
     def remote_longer(self, found: Candidates) -> list[RemoteEntry]:
-        """The remote candidates of ``found`` longer than every local one
-        (tried first; none without a shared tier)."""
+        """The remote candidates of ``found`` longer than every local one of
+        the session's model (tried first; none without a shared tier)."""
         if not found.remote or self._tiered is None:
             return []
-        return [r for r in found.remote if r.text_bytes > (found.entries[0].text_bytes if found.entries else -1)]
+        abi = found.remote[0].abi  # the session's: another model's local file of the text does not count
+        best = next((e.text_bytes for e in found.entries if e.abi == abi), -1)
+        return [r for r in found.remote if r.text_bytes > best]
 
     # -- the shared tier (kvstore/tiered.py) ----------------------------------
     def pull(self, r: RemoteEntry, report: RejectionLog | None = None) -> Entry | None:
