@@ -9,7 +9,10 @@
 //! one file each. New files are written in the second form. The 40 digits
 //! of the SHA-1 are read in either case; the tag only in lower case.
 
+use crate::error::{Error, Result};
+use crate::format::Header;
 use crate::hash::{self, Sha1Digest};
+use std::path::Path;
 
 /// The first 8 bytes of the SHA-1 of a payload ABI string.
 pub type ModelTag = [u8; 8];
@@ -72,6 +75,29 @@ impl FileId {
         }
         hex.extend_from_slice(b".kv");
         String::from_utf8(hex).unwrap_or_default()
+    }
+}
+
+/// `<40 hex>.kv` or `<40 hex>-<16 hex>.kv` -> what the name says
+/// ([`FileId`]).
+pub fn id_from_name(path: &Path) -> Result<FileId> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    FileId::parse(name).ok_or_else(|| Error::BadName {
+        name: name.to_owned(),
+    })
+}
+
+/// A per-model name's tag is the tag of the ABI the header records. A file
+/// under another model's name is `abi_mismatch` (incompatible: kept, never
+/// loaded), not corrupt: a release that tags names otherwise must not have
+/// its files deleted here.
+pub fn check_name_model(id: &FileId, header: &Header) -> Result<()> {
+    match id.model {
+        Some(t) if t != model_tag(&header.abi) => Err(Error::AbiMismatch {
+            found: header.abi.clone(),
+            expected: format!("the one its name's model tag {} names", hash::to_hex(&t)),
+        }),
+        _ => Ok(()),
     }
 }
 

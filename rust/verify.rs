@@ -21,7 +21,7 @@ use crate::format::{
     v1, v2, v3, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2, VERSION_V3,
 };
 use crate::hash::{self, Sha1Digest};
-use crate::name::{model_tag, FileId};
+use crate::name::{check_name_model, id_from_name};
 use crate::payload::{self, Damage, Lease, Storage};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -185,29 +185,6 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
         ck.dsv4 = v1::decode_dsv4(&head, ck.header.tokens).ok();
     }
     Ok(ck)
-}
-
-/// `<40 hex>.kv` or `<40 hex>-<16 hex>.kv` -> what the name says
-/// ([`FileId`]).
-pub fn id_from_name(path: &Path) -> Result<FileId> {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    FileId::parse(name).ok_or_else(|| Error::BadName {
-        name: name.to_owned(),
-    })
-}
-
-/// A per-model name's tag is the tag of the ABI the header records. A file
-/// under another model's name is `abi_mismatch` (incompatible: kept, never
-/// loaded), not corrupt: a release that tags names otherwise must not have
-/// its files deleted here.
-pub fn check_name_model(id: &FileId, header: &Header) -> Result<()> {
-    match id.model {
-        Some(t) if t != model_tag(&header.abi) => Err(Error::AbiMismatch {
-            found: header.abi.clone(),
-            expected: format!("the one its name's model tag {} names", hash::to_hex(&t)),
-        }),
-        _ => Ok(()),
-    }
 }
 
 /// Opens a file for reading without following a final symlink, and checks

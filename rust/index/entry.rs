@@ -134,13 +134,13 @@ pub fn namespace_of(text: &[u8]) -> Option<&str> {
 /// must equal the name, and a per-model name's tag the ABI's. Reads the text's first
 /// [`NS_READ`] bytes (its namespace) and last 8 bytes, never the whole text. The stat key is the opened file's.
 pub fn read_entry(path: &Path) -> Result<Entry> {
-    let id = verify::id_from_name(path)?;
+    let id = crate::name::id_from_name(path)?;
     let digest = id.digest;
     let case = case_of(path.file_name().and_then(|n| n.to_str()).unwrap_or(""));
     let (file, file_len) = verify::open_regular(path, false)?;
     let key = StatKey::of(&file.metadata()?);
     let h = verify::read_header(&file, file_len)?;
-    verify::check_name_model(&id, &h)?;
+    crate::name::check_name_model(&id, &h)?;
     if let Some(stored) = h.text_sha1 {
         if stored != digest {
             return Err(Error::NameMismatch {

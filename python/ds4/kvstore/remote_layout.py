@@ -20,12 +20,12 @@ the default namespace is ``shared``).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import re
 import urllib.parse
 from typing import Any
 
+from .. import _core
 from ..errors import RemoteManifestError
 
 __all__ = [
@@ -162,8 +162,9 @@ def _nonneg_int(d: dict[str, Any], key: str, limit: int = 2**62) -> int:
 
 def abi_id(abi: str) -> str:
     """The first 16 hex digits of the SHA-1 of a payload ABI: its keys' part,
-    and the model tag of a directory's per-model file names."""
-    return hashlib.sha1(abi.encode("utf-8")).hexdigest()[:16]
+    and the model tag of a directory's per-model file names (one function:
+    ``_core.model_tag``)."""
+    return _core.model_tag(abi)
 
 
 @dataclasses.dataclass(frozen=True)
