@@ -1,8 +1,10 @@
 """Issue 42 item 2: a save that does not happen says why.
 
 Each case makes the store decline (or fail) a real save and checks the
-reason ``KVStore.store_live_checked`` gives (while ``store_live_prefix``
-keeps its contract: None, or the ``OSError``)."""
+reason where a caller sees it: ``KVStore.store_live_checked`` (while
+``store_live_prefix`` keeps its contract: None, or the ``OSError``), and the
+``save_skipped`` of the report a turn returns (cold, evict, prompt and
+continued saves)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ import hashlib
 import os
 
 import pytest
-from kv_helpers import BASE, prefilled
+from kv_helpers import BASE, prefilled, toks
 
 import ds4
 from ds4.checkpoint import write_checkpoint
 from ds4.errors import InvalidSessionError, StoreFullError
 from ds4.kvstore import SaveSkip, save
 from ds4.kvstore.skips import SKIP_CODES
+from ds4.turn import Generator, GenParams
 
 
 def kv_files(d) -> list[str]:
@@ -130,3 +133,112 @@ def test_a_write_that_fails(eng, tmp_path, monkeypatch, err, code):
     got = st.store_live_checked(s, "cold")
     assert isinstance(got, SaveSkip) and (got.kind, got.code) == ("cold", code)
     assert os.strerror(err) in got.detail and str(tmp_path) not in got.detail  # no path
+
+
+# -- the report: the ladder's saves ------------------------------------------------
+
+UNRELATED = "Zebra stripes: nothing in common with anything stored here"
+
+
+def _cold_store(tmp_path, **kw):
+    kw.setdefault("min_tokens", 64)
+    kw.setdefault("boundary_trim_tokens", 32)
+    kw.setdefault("boundary_align_tokens", 64)
+    return ds4.KVStore(tmp_path, **kw)
+
+
+def test_a_cold_save_below_min_tokens_is_in_the_report(eng, tmp_path):
+    prompt = "short and sweet, forty tokens or so: under min"
+    n = len(toks(eng, prompt))
+    assert n < 64
+    rep = ds4.recover(ds4.Session(eng, ctx=512), _cold_store(tmp_path), prompt, cold_save=True)
+    assert rep.cold_saved is None and kv_files(tmp_path) == []
+    assert rep.save_skipped == [SaveSkip("cold", "below_min_tokens", f"{n} tokens < min 64")]
+    assert rep.as_dict()["save_skipped"] == [
+        {"kind": "cold", "code": "below_min_tokens", "detail": f"{n} tokens < min 64"}
+    ]
+    # long enough, but not once the boundary trim is taken off
+    prompt = BASE[:80]
+    n = len(toks(eng, prompt))
+    assert 64 <= n < 96
+    rep = ds4.recover(ds4.Session(eng, ctx=512), _cold_store(tmp_path), prompt, cold_save=True)
+    detail = f"{n} tokens less the 32-token boundary trim: {n - 32} < min 64"
+    assert rep.save_skipped == [SaveSkip("cold", "below_min_tokens", detail)]
+    # without cold_save, nothing was to be saved: nothing is reported
+    assert ds4.recover(ds4.Session(eng, ctx=512), _cold_store(tmp_path), prompt).save_skipped == []
+
+
+def test_a_cold_save_above_cold_max_tokens_is_in_the_report(eng, tmp_path):
+    prompt = BASE * 2
+    n = len(toks(eng, prompt))
+    st = _cold_store(tmp_path, cold_max_tokens=n - 1)
+    rep = ds4.recover(ds4.Session(eng, ctx=512), st, prompt, cold_save=True)
+    assert rep.save_skipped == [SaveSkip("cold", "above_cold_max_tokens", f"{n} tokens > cold max {n - 1}")]
+    # 0: cold saves are off, not declined
+    off = _cold_store(tmp_path, cold_max_tokens=0)
+    assert ds4.recover(ds4.Session(eng, ctx=512), off, prompt, cold_save=True).save_skipped == []
+
+
+def test_an_over_budget_cold_save_is_in_the_report(eng, tmp_path):
+    st = _cold_store(tmp_path, budget_mb=0.01, min_tokens=8, boundary_align_tokens=8)
+    rep = ds4.recover(ds4.Session(eng, ctx=512), st, BASE * 2, cold_save=True)
+    assert rep.rung == "prefill" and rep.cold_saved is None and kv_files(tmp_path) == []
+    assert [(k.kind, k.code) for k in rep.save_skipped] == [("cold", "over_budget")]
+
+
+def test_an_evict_save_of_a_name_held_by_another_model_is_in_the_report(eng, tmp_path):
+    live = prefilled(eng, BASE[:60], ctx=512)
+    path = _foreign(tmp_path, live)
+    st = ds4.KVStore(tmp_path, min_tokens=8)
+    rep = ds4.recover(live, st, UNRELATED)
+    assert rep.rung == "prefill" and rep.evict_saved is None
+    assert [(k.kind, k.code) for k in rep.save_skipped] == [("evict", "name_held_by_other_model")]
+    assert os.path.basename(path)[:12] in rep.save_skipped[0].detail
+    assert kv_files(tmp_path) == [os.path.basename(path)]
+
+
+def test_an_evict_save_below_min_tokens_is_reported_once(eng, tmp_path):
+    live = prefilled(eng, BASE[:20], ctx=512)
+    n = live.n_past
+    st = ds4.KVStore(tmp_path, min_tokens=n + 1)
+    rep = ds4.recover(live, st, UNRELATED)
+    assert rep.save_skipped == [SaveSkip("evict", "below_min_tokens", f"{n} tokens < min {n + 1}")]
+    # evict_save=False: the caller turned it off, nothing to report
+    live = prefilled(eng, BASE[:20], ctx=512)
+    assert ds4.recover(live, st, UNRELATED, evict_save=False).save_skipped == []
+
+
+def test_the_prompt_save_is_reported_as_prompt(eng, tmp_path):
+    """The whole prompt's save (written with reason ``continued``) is the
+    ``prompt`` kind, as ``prompt_saved`` and the metrics' ``prompt``."""
+    prompt = BASE[:40]
+    n = len(toks(eng, prompt))
+    st = ds4.KVStore(tmp_path, min_tokens=n + 1)
+    rep = ds4.recover(ds4.Session(eng, ctx=512), st, prompt, prompt_save=True)
+    assert rep.prompt_saved is None
+    assert rep.save_skipped == [SaveSkip("prompt", "below_min_tokens", f"{n} tokens < min {n + 1}")]
+
+
+# -- the report of a turn: the continued saves too ----------------------------------
+
+
+def test_a_turns_continued_saves_over_budget_are_in_its_report(eng, tmp_path):
+    st = ds4.KVStore(
+        tmp_path,
+        budget_mb=0.01,
+        min_tokens=8,
+        boundary_trim_tokens=4,
+        boundary_align_tokens=8,
+        continued_interval_tokens=16,
+    )
+    gen = Generator(eng, 512, st)
+    res = gen.generate(BASE * 2, GenParams(max_tokens=40))
+    kinds = [(k.kind, k.code) for k in res.report.save_skipped]
+    assert kinds[0] == ("cold", "over_budget")
+    assert kinds.count(("continued", "over_budget")) >= 2  # the prefill's frontiers and the generation's
+    assert set(kinds) == {("cold", "over_budget"), ("continued", "over_budget")}
+    assert kv_files(tmp_path) == [] and gen.counters["continued_saves"] == 0
+    # the next turn's report has its own skips only
+    res2 = gen.generate(BASE * 2 + res.text + " and more", GenParams(max_tokens=1))
+    assert res2.report.save_skipped is not res.report.save_skipped
+    assert len(res.report.save_skipped) == len(kinds)
