@@ -2,18 +2,24 @@
 
 Each case makes the store decline (or fail) a real save and checks the
 reason where a caller sees it: ``KVStore.store_live_checked`` (while
-``store_live_prefix`` keeps its contract: None, or the ``OSError``), and the
+``store_live_prefix`` keeps its contract: None, or the ``OSError``), the
 ``save_skipped`` of the report a turn returns (cold, evict, prompt and
-continued saves)."""
+continued saves), and through the server: the ``ds4`` block, ``/metrics``
+and ``/ui/data`` (a real ``ds4 serve`` on the reference engine, and one
+in process for a store over its budget)."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
 import os
+import time
 
+import httpx
 import pytest
 from kv_helpers import BASE, prefilled, toks
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
 
 import ds4
 from ds4.checkpoint import write_checkpoint
@@ -242,3 +248,85 @@ def test_a_turns_continued_saves_over_budget_are_in_its_report(eng, tmp_path):
     res2 = gen.generate(BASE * 2 + res.text + " and more", GenParams(max_tokens=1))
     assert res2.report.save_skipped is not res.report.save_skipped
     assert len(res.report.save_skipped) == len(kinds)
+
+
+# -- through the server ------------------------------------------------------------
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _skip_series(got: dict) -> dict[tuple[str, str], float]:
+    """``ds4_checkpoint_saves_skipped_total`` by (kind, code)."""
+    return {
+        (dict(labels)["kind"], dict(labels)["code"]): v
+        for (name, labels), v in got.items()
+        if name == "ds4_checkpoint_saves_skipped_total"
+    }
+
+
+def test_a_real_server_says_why_it_did_not_save(tmp_path):
+    """A real ``ds4 serve``: a short prompt's cold save and, when an
+    unrelated prompt replaces it, its evict save are below
+    ``--kv-cache-min-tokens``: the ``ds4`` block, ``/metrics`` and
+    ``/ui/data`` say so."""
+    from test_server import Server
+
+    srv = Server(str(tmp_path), "skips", "--kv-disk-dir", str(tmp_path / "kv"), "--kv-cache-min-tokens", "64").start()
+    try:
+        c = srv.client()
+        model = srv.model()
+        a = c.completions.create(model=model, prompt="Tides rise because", max_tokens=4)
+        n = a.usage.prompt_tokens
+        assert n < 64
+        info = a.model_extra["ds4"]
+        assert info["rung"] == "prefill" and info["cold_saved"] is None
+        cold = {"kind": "cold", "code": "below_min_tokens", "detail": f"{n} tokens < min 64"}
+        assert info["save_skipped"] == [cold], info
+        b = c.completions.create(model=model, prompt="Zebras run fast", max_tokens=2)
+        live = n + a.usage.completion_tokens  # the first turn's state, all but its last token evaluated
+        skipped = b.model_extra["ds4"]["save_skipped"]
+        assert [(k["kind"], k["code"]) for k in skipped] == [
+            ("evict", "below_min_tokens"),
+            ("cold", "below_min_tokens"),
+        ]
+        assert skipped[0]["detail"] in (f"{live} tokens < min 64", f"{live - 1} tokens < min 64")
+
+        got = _skip_series(_samples(httpx.get(srv.base + "/metrics", timeout=10).text))
+        assert got == {("cold", "below_min_tokens"): 2.0, ("evict", "below_min_tokens"): 1.0}
+
+        data = httpx.get(srv.base + "/ui/data", timeout=10).json()
+        assert [t["save_skipped"] for t in data["recent"]] == [skipped, [cold]]  # newest first
+        assert data["save_skipped"] == {"below_min_tokens": {"cold": 2, "evict": 1}}
+        assert "ui/ui.js" in httpx.get(srv.base + "/ui", timeout=10).text
+        assert "save skipped: " in httpx.get(srv.base + "/ui/ui.js", timeout=10).text
+    finally:
+        srv.stop()
+
+
+def test_an_over_budget_store_in_the_ds4_block_and_the_metrics(eng, tmp_path):
+    from ds4.server.app import create_app
+    from ds4.server.worker import Service
+
+    store = ds4.KVStore(tmp_path / "kv", budget_mb=0.01, min_tokens=8)
+    service = Service(Generator(eng, 512, store), "ds4-reference")
+    with TestClient(create_app(service), base_url="http://127.0.0.1") as c:
+        body = {"model": "m", "messages": [{"role": "user", "content": BASE}], "max_tokens": 2}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        skipped = r.json()["ds4"]["save_skipped"]
+        assert [(k["kind"], k["code"]) for k in skipped] == [("cold", "over_budget")]
+        assert "exceeds the budget of 0.0 MiB" in skipped[0]["detail"]
+        for _ in range(400):  # the worker's snapshot after the job
+            if not service.status["busy"]:
+                break
+            time.sleep(0.01)
+        got = _skip_series(_samples(c.get("/metrics").text))
+        assert got == {("cold", "over_budget"): 1.0}
+        assert c.get("/ui/data").json()["save_skipped"] == {"over_budget": {"cold": 1}}
+    assert kv_files(tmp_path / "kv") == []
