@@ -145,7 +145,7 @@ def replay(eng, budget_mb: float, arm: str, turn_s: float) -> dict[str, object]:
 
     def counting_write(*a, **kw):
         size = real_write(*a, **kw)
-        if size is not None:
+        if isinstance(size, int):  # not a SaveSkip (over the budget)
             written.append(size)
         return size
 

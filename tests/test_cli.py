@@ -64,6 +64,7 @@ def test_run_json_cold_then_from_disk(tmp_path):
     assert len(a["tokens"]) == a["usage"]["completion_tokens"] <= 12
     rep = a["report"]
     assert rep["rung"] == "prefill" and rep["reused_tokens"] == 0 and rep["cold_saved"]
+    assert rep["save_skipped"] == []  # every save it could make, it made
     assert os.path.exists(rep["cold_saved"])
     n_cold = open_checkpoint(rep["cold_saved"], load_payload=False).tokens
     assert n_cold % 64 == 0 and n_cold <= rep["prompt_tokens"] - 32
@@ -91,6 +92,21 @@ def test_run_json_cold_then_from_disk(tmp_path):
         "run", "-p", PROMPT, "--engine", "reference", "--max-tokens", 12, "--temperature", "1.5", "--seed", 7
     )
     assert s1["tokens"] == s2["tokens"] != a["tokens"]
+
+
+def test_run_json_says_why_a_save_did_not_happen(tmp_path):
+    """Issue 42: the report of ``ds4 run --json`` lists the saves the turn
+    did not make (a prompt under --kv-cache-min-tokens: no cold save)."""
+    kv = tmp_path / "kv"
+    out, _ = ds4_json(
+        "run", "-p", "Once upon a time", "--raw", "--engine", "reference", "--kv-disk-dir", kv,
+        "--kv-cache-min-tokens", 64, "--max-tokens", 2,
+    )  # fmt: skip
+    rep = out["report"]
+    n = rep["prompt_tokens"]
+    assert rep["cold_saved"] is None and n < 64
+    assert rep["save_skipped"] == [{"kind": "cold", "code": "below_min_tokens", "detail": f"{n} tokens < min 64"}]
+    assert not [f for f in os.listdir(kv) if f.endswith(".kv")]
 
 
 def test_run_json_schema(tmp_path):

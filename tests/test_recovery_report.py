@@ -22,6 +22,7 @@ from kv_helpers import toks
 import ds4
 from ds4 import _core, recovery
 from ds4.checkpoint import open_checkpoint, write_checkpoint
+from ds4.kvstore.skips import SaveSkip
 from ds4.recovery import RecoveryReport
 
 STEP = 0.25  # seconds per perf_counter call: every interval is 250 ms
@@ -98,6 +99,7 @@ def test_as_dict_spells_out_every_field():
         timings={"tokenize_ms": 1.5},
         evict_saved="/c/e.kv",
         cold_saved=None,
+        save_skipped=[SaveSkip("cold", "below_min_tokens", "40 tokens < min 64")],
         events=["one"],
         remote="up",
         divergence={"against": "live", "token": 3, "byte": 5, "cached": "ab", "prompt": "cd"},
@@ -118,6 +120,7 @@ def test_as_dict_spells_out_every_field():
         "evict_saved": "/c/e.kv",
         "cold_saved": None,
         "prompt_saved": None,
+        "save_skipped": [{"kind": "cold", "code": "below_min_tokens", "detail": "40 tokens < min 64"}],
         "events": ["one"],
         "remote": "up",
         "divergence": {"against": "live", "token": 3, "byte": 5, "cached": "ab", "prompt": "cd"},
@@ -127,6 +130,8 @@ def test_as_dict_spells_out_every_field():
     assert RecoveryReport().as_dict()["rejected"] == []
     assert RecoveryReport().as_dict()["token_check"] is None
     assert RecoveryReport().as_dict()["divergence"] is None
+    assert RecoveryReport().as_dict()["save_skipped"] == []
+    json.dumps(rep.as_dict())  # ds4 run --json prints it
 
 
 def test_event_formats_only_with_arguments():
@@ -170,6 +175,7 @@ def test_prefill_report_progress_and_frontiers(eng, clock):
         "evict_saved": None,
         "cold_saved": None,
         "prompt_saved": None,
+        "save_skipped": [],
         "events": [ladder_event("prefill", "full", 0, 41, 0, 5 * MS)],
         "remote": "",
         "divergence": None,  # a fresh session, no store: no candidate
@@ -277,6 +283,7 @@ def test_rewind_report(eng, clock, monkeypatch):
         "evict_saved": None,
         "cold_saved": None,
         "prompt_saved": None,
+        "save_skipped": [],
         "events": [f"ds4 ladder rung=rewrite reused={common} prompt={len(b)}"],
         "remote": "",
         # "shared prefix then branch " (26 bytes, one token each), then "one" / "two"

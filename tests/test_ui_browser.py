@@ -125,6 +125,10 @@ def test_page_shows_turns_and_redraws_its_chart(srv, browser, tmp_path):
     assert newest[2][3] == "prefill" and newest[1][3] in ("live", "rewrite", "disk")
     cached, prompt = (int(x) for x in newest[1][4].split(" / "))
     assert 0 < cached <= prompt  # the continuation resumed (from memory or its checkpoint)
+    # bob's prompt is under --kv-cache-min-tokens: its cold save skipped, and why
+    assert "cold save skipped: below_min_tokens (" in newest[0][7], newest[0]
+    assert " tokens < min 32)" in newest[0][7]
+    _until(browser, "the skips by code", lambda d: "below_min_tokens" in d.find_element(By.ID, "skips").text)
     points, _ = _until(browser, "the chart redrawn", lambda d: (c := _chart(d))[0] >= 1 and c[1] != pixels0 and c)
     assert points >= max(1, points0)
     # the checkpoint table is copied from the index at most every CHECKPOINTS_EVERY_S (5 s)
@@ -144,7 +148,9 @@ def test_tenant_key_sees_its_own_turns(srv, browser, tmp_path):
     alice = srv.client(KA)
     alice.completions.create(model=model, prompt="Alice asks about lighthouses", max_tokens=2)
     rows = _until(browser, "alice's turn", lambda d: (r := _rows(d)) and r[0][1] == "completions" and r)
-    assert all(len(r) == 6 for r in rows)  # no tenant column for a tenant
+    assert all(len(r) == 7 for r in rows)  # no tenant column for a tenant
+    assert "cold save skipped: below_min_tokens" in rows[0][6]  # her prompt too is under the minimum
+    assert not browser.find_element(By.ID, "skips").is_displayed()  # the operator's
     assert not browser.find_element(By.ID, "checkpoints").is_displayed()
     assert not browser.find_element(By.ID, "t-queued").is_displayed()
     _screenshot(browser, tmp_path / "ui-tenant.png")

@@ -35,13 +35,14 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from . import _core
 from .errors import InvalidSessionError, PromptError
 from .keytext import parting, plain_len, snippet, tokenize_prompt
-from .kvstore import Candidates, Entry, KVStore, LoadResult, Rejection, considered
+from .kvstore import Candidates, Entry, KVStore, LoadResult, considered
+from .kvstore.skips import cold_too_long, cold_too_short
 from .loading import load_first, load_shorter, try_load_text
+from .report import RecoveryReport
 from .session import Rewrite, Session
 
 log = logging.getLogger("ds4.recovery")
@@ -50,47 +51,6 @@ log = logging.getLogger("ds4.recovery")
 SNIPPET_BYTES = 32
 
 __all__ = ["RecoveryReport", "load_first", "recover", "switch_namespace", "try_load_text"]
-
-
-@dataclasses.dataclass
-class RecoveryReport:
-    rung: str = "prefill"
-    source: str = ""
-    reused_tokens: int = 0
-    prompt_tokens: int = 0
-    loaded_path: str | None = None
-    rejected: list[Rejection] = dataclasses.field(default_factory=list)
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
-    evict_saved: str | None = None
-    cold_saved: str | None = None
-    #: the whole prompt's checkpoint (``recover(prompt_save=...)``)
-    prompt_saved: str | None = None
-    events: list[str] = dataclasses.field(default_factory=list)
-    #: the shared tier's state when the store was asked (``up``,
-    #: ``degraded``, ``cooldown``, ``closed``); ``""``: no tier, or not asked
-    remote: str = ""
-    #: where the prompt left the best candidate it had (:meth:`_Ladder.divergence`):
-    #: ``{"against": "live"|"checkpoint", "token", "byte", "cached", "prompt"}``;
-    #: ``cached`` is ``""`` exactly when the prompt holds the whole candidate;
-    #: None when there was no candidate
-    divergence: dict[str, Any] | None = None
-    #: when the token check cut a text match (:meth:`_Ladder.token_check`):
-    #: ``{"against": "live"|"disk"|"remote", "kept": K, "of": M}``, the
-    #: state's first K tokens of M being the prompt's own; None: no cut
-    token_check: dict[str, Any] | None = None
-    #: the token count of the RAM snapshot the rewrite rung resumed from
-    #: (an engine that cannot rewind: :mod:`ds4.snapshots`); None: none
-    snapshot: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["rejected"] = [{"path": p, "stage": s, "code": c, "reason": r} for (p, s, c, r) in self.rejected]
-        return d
-
-    def _event(self, msg: str, *args: object) -> None:
-        text = msg % args if args else msg
-        self.events.append(text)
-        log.info(text)
 
 
 def switch_namespace(sess: Session, store: KVStore | None, namespace: str | None) -> str | None:
@@ -102,6 +62,8 @@ def switch_namespace(sess: Session, store: KVStore | None, namespace: str | None
     if sess.namespace == namespace:
         return None
     saved = None
+    # a save skipped here is only logged (by the store): the state is another
+    # namespace's, and the request's report is not the place for its figures
     if store is not None and sess.checkpoint_valid and sess.n_past >= store.min_tokens:
         try:
             saved = store.store_live_prefix(sess, "evict")
@@ -177,6 +139,7 @@ class _Ladder:
         except (UnicodeEncodeError, UnicodeDecodeError) as e:  # a lone surrogate, or bytes that are not UTF-8
             raise PromptError(f"the prompt is not valid UTF-8 text: {e.reason} at {e.start}") from None
         self.evict_save = evict_save
+        self.evict_tried = False  # see save_evict
         self.progress, self.frontier_every, self.on_frontier = progress, frontier_every, on_frontier
         self.tokens: list[int] = []
         self.prompt_b = b""  # the prompt's key text (in the session's namespace)
@@ -287,25 +250,28 @@ class _Ladder:
             cancel=self.cancel,
         )
 
+    def save(self, kind: str, reason: str | None = None) -> str | None:
+        """Store the live session as a ``kind`` save (written with ``reason``,
+        the kind by default; never raises): its path, or None with why in
+        the report's ``save_skipped``."""
+        assert self.store is not None
+        got = self.store.store_live_checked(self.sess, reason or kind)
+        if isinstance(got, str):
+            return got
+        self.rep.save_skipped.append(got if got.kind == kind else dataclasses.replace(got, kind=kind))
+        return None
+
     def save_prompt(self) -> None:
-        """Store the live session at the whole prompt (never raises)."""
-        store, sess = self.store, self.sess
-        if store is None or sess.n_past < store.min_tokens:
-            return
-        try:
-            self.rep.prompt_saved = store.store_live_prefix(sess, "continued")
-        except (OSError, InvalidSessionError) as e:
-            self.rep._event("ds4 prompt save failed: %s", e)
+        """Store the live session at the whole prompt (reason ``continued``)."""
+        if self.store is not None:
+            self.rep.prompt_saved = self.save("prompt", "continued")
 
     def save_evict(self) -> None:
-        """Store the live session before it is replaced (never raises)."""
-        store, sess = self.store, self.sess
-        if store is None or not self.evict_save or sess.n_past < store.min_tokens:
-            return
-        try:
-            self.rep.evict_saved = store.store_live_prefix(sess, "evict")
-        except (OSError, InvalidSessionError) as e:
-            self.rep._event("ds4 evict save failed: %s", e)
+        """Store the live session before it is replaced (once a run: a
+        rewind that failed after its save leaves the same state)."""
+        if self.store is not None and self.evict_save and not self.evict_tried:
+            self.evict_tried = True
+            self.rep.evict_saved = self.save("evict")
 
     # where the prompt left its best candidate ----------------------------------
     def divergence(self) -> None:
@@ -385,8 +351,7 @@ class _Ladder:
         if done is not None:
             return done
         # The live state is about to be replaced: save it first.
-        if self.rep.evict_saved is None:
-            self.save_evict()
+        self.save_evict()
         return None
 
     # 2. rewrite to the common prefix ------------------------------------------
@@ -470,13 +435,26 @@ class _Ladder:
     def prefill(self, cold_save: bool) -> RecoveryReport:
         sess, store, tokens = self.sess, self.store, self.tokens
         sess.invalidate("full prefill")
-        if store is not None and cold_save and len(tokens) <= store.cold_max_tokens:
-            # the key rendering: a marker typed as text is no anchor
-            cold_len = store.policy.cold_store_at(tokens, sess.key_renderer.piece)
+        if store is not None and cold_save and store.cold_max_tokens > 0:  # 0: no cold saves
+            cold_len = self.cold_len(store)
             if cold_len is not None:
                 self.sync(tokens[:cold_len], "prefill", 0)
-                try:
-                    self.rep.cold_saved = store.store_live_prefix(sess, "cold")
-                except OSError as e:
-                    self.rep._event("ds4 cold save failed: %s", e)
+                self.rep.cold_saved = self.save("cold")
         return self.finish("prefill", "full", tokens, 0)
+
+    def cold_len(self, store: KVStore) -> int | None:
+        """Where the cold save goes (:meth:`ds4.kvstore.StorePolicy.cold_store_at`,
+        on the key rendering: a marker typed as text is no anchor); None, with
+        why in the report, for a prompt too long or too short for one."""
+        pol, n = store.policy, len(self.tokens)
+        too_long = n > pol.cold_max_tokens
+        at = None if too_long else pol.cold_store_at(self.tokens, self.sess.key_renderer.piece)
+        if at is None:
+            skip = (
+                cold_too_long(n, pol.cold_max_tokens)
+                if too_long
+                else cold_too_short(n, pol.min_tokens, pol.boundary_trim_tokens)
+            )
+            log.info("kv cache %s", skip)
+            self.rep.save_skipped.append(skip)
+        return at

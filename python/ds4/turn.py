@@ -59,9 +59,9 @@ from typing import Any
 from .constrain import Constraint, Guide
 from .decoding import TextStream, make_picker, masked_picker
 from .engine import Engine
-from .errors import InvalidSessionError, PrefillCancelledError, PromptError, StoreError
+from .errors import PrefillCancelledError, PromptError
 from .keytext import tokenize_prompt
-from .kvstore import KVStore
+from .kvstore import KVStore, SaveSkip
 from .recovery import RecoveryReport, recover, switch_namespace
 from .session import Rewrite, Session
 
@@ -120,6 +120,9 @@ class Generator:
         self.store = store
         self._last_continued = 0
         self._turn_saves: list[str] = []  # the continued snapshots of the turn in progress
+        # the continued saves the turn in progress did not write, with why: its
+        # report's ``save_skipped`` once the ladder has made the report
+        self._turn_skips: list[SaveSkip] = []
         self._max_token_bytes: int | None = None
         eog = getattr(engine, "eog_token_ids", None)
         self.stop_ids = frozenset(int(t) for t in eog) if eog else frozenset({int(engine.eos_token_id)})
@@ -151,16 +154,14 @@ class Generator:
         return self.ctx * max(1, self._max_token_bytes)
 
     # -- saves -------------------------------------------------------------
-    def save(self, reason: str, supersedes: Collection[str] = ()) -> str | None:
-        """Store the live session (when valid and long enough); never raises.
+    def save(self, reason: str, supersedes: Collection[str] = ()) -> str | SaveSkip | None:
+        """Store the live session; never raises. Its path, why it was not
+        stored (:meth:`ds4.kvstore.KVStore.store_live_checked`: invalid,
+        too short, over budget, ...), or None without a store.
         ``supersedes``: see :meth:`ds4.kvstore.KVStore.store_live_prefix`."""
-        if self.store is None or not self.sess.checkpoint_valid or self.sess.n_past < self.store.min_tokens:
+        if self.store is None:
             return None
-        try:
-            return self.store.store_live_prefix(self.sess, reason, supersedes=supersedes)
-        except (StoreError, OSError, InvalidSessionError) as e:
-            log.warning("kv cache %s save failed: %s", reason, e)
-            return None
+        return self.store.store_live_checked(self.sess, reason, supersedes=supersedes)
 
     def shutdown_save(self) -> str | None:
         if self.store is None:
@@ -172,7 +173,8 @@ class Generator:
             log.info("live session too short to persist before shutdown tokens=%d", self.sess.n_past)
             return None
         log.info("persisting current KV cache before shutdown tokens=%d", self.sess.n_past)
-        return self.save("shutdown")
+        got = self.save("shutdown")  # a skip is logged by the store: no request to report it to
+        return got if isinstance(got, str) else None
 
     def _frontier(self, sess: Session) -> None:
         self._continued(sess.n_past)
@@ -182,10 +184,12 @@ class Generator:
         turn saved before it (``_turn_saves``: its prefill's and its
         generation's frontiers), never an earlier turn's, which an edited
         or regenerated turn resumes from."""
-        path = self.save("continued", self._turn_saves)
-        if path:
+        got = self.save("continued", self._turn_saves)
+        if isinstance(got, str):
             self.counters["continued_saves"] += 1
-            self._turn_saves.append(os.path.basename(path))
+            self._turn_saves.append(os.path.basename(got))
+        elif got is not None:
+            self._turn_skips.append(got)
         self._last_continued = n
 
     # -- the ladder ----------------------------------------------------------
@@ -196,6 +200,7 @@ class Generator:
         store = self.store
         saved: list[int] = []
         self._turn_saves = []  # a new turn: its own frontiers from here
+        self._turn_skips = []
 
         def on_frontier(sess: Session) -> None:
             assert store is not None
@@ -218,6 +223,10 @@ class Generator:
         if rep.rung not in ("live", "rewrite"):
             # another conversation now: ds4 resets its continued frontier
             self._last_continued = max(saved, default=0)
+        # the prefill's continued saves skipped, then the generation's (and a
+        # tool checkpoint's rebuild's, before the reply goes out) into the report
+        rep.save_skipped.extend(self._turn_skips)
+        self._turn_skips = rep.save_skipped
         return rep
 
     def _prepare_or_retry(
@@ -304,6 +313,7 @@ class Generator:
             log.warning("tool checkpoint rebuild source=%s left the live state off the canonical turn", source)
             return "failed"
         log.info("tool checkpoint rebuild done source=%s reused=%d tokens=%d", source, rep.reused_tokens, sess.n_past)
+        self._turn_skips.extend(rep.save_skipped)  # its prompt save's (an engine that cannot rewind)
         return source
 
     # -- a turn --------------------------------------------------------------
@@ -357,7 +367,9 @@ class Generator:
         boundary, the session valid there (the next turn extends it)."""
         self.counters["cancelled"] += 1
         log.info("prefill cancelled at %d of %d tokens; session valid", e.n_past, e.n_tokens)
-        rep = RecoveryReport(rung="cancelled", source="prefill-cancelled", prompt_tokens=e.n_tokens)
+        rep = RecoveryReport(
+            rung="cancelled", source="prefill-cancelled", prompt_tokens=e.n_tokens, save_skipped=self._turn_skips
+        )
         t = time.perf_counter() - t0
         return GenResult("", [], "cancelled", rep, e.n_tokens, 0, 0, t, 0.0, t)
 

@@ -56,12 +56,10 @@ def atomic_write_json(path: str, obj: object) -> None:
 def write_session(store: KVStore, sess: Session, reason: str) -> str:
     """Store the live session whatever its length (named and system-prompt
     checkpoints may be shorter than the store's ``min_tokens``)."""
-    path = store.store_live_prefix(sess, reason, min_tokens=1)
-    if path is None:
-        raise StoreError(
-            f"the store declined to save this session ({reason}): over budget or key held by another engine"
-        )
-    return path
+    got = store.store_live_checked(sess, reason, min_tokens=1)
+    if not isinstance(got, str):
+        raise StoreError(f"the store declined to save this session ({reason}): {got.code} ({got.detail})")
+    return got
 
 
 class ChatREPL:

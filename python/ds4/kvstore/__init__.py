@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -54,7 +55,6 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .. import _core
-from ..checkpoint import Checkpoint
 from ..errors import CheckpointError
 from ..errors import StoreError as StoreError  # what opening a store raises (re-exported)
 from .counters import Counted, Counters, merged
@@ -91,7 +91,8 @@ from .policy import StorePolicy
 from .records import RecordStore
 from .rejection import Refusal, Rejection, RejectionLog
 from .remove import evict_entries, is_regular, remove_exact
-from .save import CHATML_MARKERS, chat_anchor, store_live
+from .save import CHATML_MARKERS, adopt_download, chat_anchor, store_checked, store_live
+from .skips import SaveSkip
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -124,6 +125,7 @@ __all__ = [
     "Rejection",
     "RejectionLog",
     "RemoteTier",
+    "SaveSkip",
     "StorePolicy",
     "chat_anchor",
     "checkpoint_name",
@@ -212,7 +214,10 @@ class KVStore:
         if self.remote is not None:
             from .tiered import SharedTier
 
-            self._tiered = SharedTier(self.remote, self.dir, open_for=self._open_remote, adopt=self._adopt)
+            # a download is verified for a session (:mod:`.loads`), then renamed in (:mod:`.save`)
+            opener = functools.partial(open_for, self, check_name=False)
+            adopt = functools.partial(adopt_download, self)
+            self._tiered = SharedTier(self.remote, self.dir, open_for=opener, adopt=adopt)
         if scan:
             self.index.open()
             if self.total_bytes() > self.budget_bytes:
@@ -398,26 +403,6 @@ class KVStore:
             raise ValueError("this store has no remote tier")
         return self._tiered
 
-    def _open_remote(self, sess: Session, tmp: str, prompt: bytes) -> Checkpoint:
-        return open_for(self, sess, tmp, prompt, check_name=False)
-
-    def _adopt(self, tmp: str, name: str, ck: Checkpoint) -> Entry | None:
-        """Rename a verified download ``tmp`` to ``name`` under the lock,
-        index it and evict to the budget (it protected): its entry, or None
-        when a file took the name meanwhile or it did not index."""
-        final = os.path.join(self.dir, name)
-        with self.locked():
-            if os.path.lexists(final):
-                return None
-            os.rename(tmp, final)
-            _core.sync_dir(self.dir)
-            key = stat_key(os.lstat(final))
-            e = Entry.from_checkpoint(ck, final, key)
-            self.index.index_file(name, final, key)
-            self.evict_locked(protect=name)
-            self.index.persist()
-        return e if self.index.idx.get(name) is not None else None
-
     # -- store policy (:class:`StorePolicy`) ------------------------------------
     @property
     def budget_bytes(self) -> int:
@@ -448,8 +433,20 @@ class KVStore:
         (too short, over budget, key held by another engine's file).
         ``min_tokens`` overrides the store's minimum (named and system-prompt
         checkpoints may be short); a continued save prunes what it supersedes
-        of ``supersedes``, its prefill's earlier snapshots (:func:`.save.supersede`)."""
-        return store_live(self, sess, reason, min_tokens, supersedes)
+        of ``supersedes``, its prefill's earlier snapshots (:func:`.save.supersede`).
+        Why it declined: :meth:`store_live_checked`."""
+        got = store_live(self, sess, reason, min_tokens, supersedes)
+        return got if isinstance(got, str) else None
+
+    def store_live_checked(
+        self, sess: Session, reason: str = "cold", *, min_tokens: int | None = None, supersedes: Collection[str] = ()
+    ) -> str | SaveSkip:
+        """:meth:`store_live_prefix` that says why nothing was saved: the
+        path, or a :class:`.skips.SaveSkip` of kind ``reason`` whose code
+        (:data:`.skips.SKIP_CODES`) is the policy's refusal, a failed write
+        (``disk_full``, ``write_error``: no OSError is raised) or a session
+        without a valid state (``session_invalid``): :func:`.save.store_checked`."""
+        return store_checked(self, sess, reason, min_tokens, supersedes)
 
     # -- eviction --------------------------------------------------------------
     def evict(self) -> int:

@@ -1,6 +1,7 @@
-"""Writing a live session into the store's directory: the policy's checks
-(:func:`store_live`), the export, the budget estimate, and the durable
-write with its typed errors."""
+"""Writing into the store's directory: a live session (the policy's checks,
+:func:`store_live`: a save it declines says why, a :class:`.skips.SaveSkip`;
+the export, the budget estimate, and the durable write with its typed
+errors), and a verified download of the shared tier (:func:`adopt_download`)."""
 
 from __future__ import annotations
 
@@ -26,14 +27,33 @@ from ..errors import (
 from .entries import Entry, text_namespace
 from .files import NOT_REGULAR, StatKey, checkpoint_name, legacy_name, stat_key
 from .remove import evict_entries
+from .skips import (
+    BELOW_MIN_TOKENS,
+    ENGINE_CANNOT_LOAD,
+    NAME_HELD_BY_OTHER_MODEL,
+    OVER_BUDGET,
+    SaveSkip,
+    session_invalid,
+    write_failed,
+)
 
 if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
     from ..session import Session
     from . import KVStore
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["CHATML_MARKERS", "chat_anchor", "existing_file", "store_live", "supersede", "write_live"]
+__all__ = [
+    "CHATML_MARKERS",
+    "adopt_download",
+    "chat_anchor",
+    "existing_file",
+    "store_checked",
+    "store_live",
+    "supersede",
+    "write_live",
+]
 
 #: the user and assistant turn markers of the ChatML template both engines
 #: render (ds4's own template has its own User and Assistant marker tokens)
@@ -74,22 +94,18 @@ def write_live(
     *,
     codec: str = "none",
     level: int = 1,
-) -> int | None:
+) -> int | SaveSkip:
     """Export ``sess`` and write it durably to ``path`` under ``text`` (with
     a MAC when ``auth_key`` is given; its payload compressed when ``codec``
-    is ``"zstd"``: a v3 file); returns the file size, or None when
-    the estimate does not fit ``budget_bytes``. Disk full is
+    is ``"zstd"``: a v3 file); returns the file size, or an ``over_budget``
+    skip when the estimate does not fit ``budget_bytes``. Disk full is
     :class:`ds4.errors.StoreFullError`."""
     arrays = sess.export_arrays()
     est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
     if est + est // 100 > budget_bytes:
-        log.warning(
-            "kv cache store skipped reason=%s: estimated file size %.1f MiB exceeds budget %.1f MiB",
-            reason,
-            est / 2**20,
-            budget_bytes / 2**20,
-        )
-        return None
+        detail = f"estimated file size {est / 2**20:.1f} MiB exceeds the budget of {budget_bytes / 2**20:.1f} MiB"
+        log.warning("kv cache store skipped reason=%s: %s", reason, detail)
+        return SaveSkip(reason, OVER_BUDGET, detail)
     try:
         return write_checkpoint(
             path,
@@ -142,23 +158,27 @@ def existing_file(
     return "same" if ck.text == text else None
 
 
+def _skipped(reason: str, code: str, detail: str) -> SaveSkip:
+    log.info("kv cache store skipped reason=%s: %s (%s)", reason, code, detail)
+    return SaveSkip(reason, code, detail)
+
+
 def store_live(
     store: KVStore, sess: Session, reason: str, min_tokens: int | None, supersedes: Collection[str] = ()
-) -> str | None:
-    """See :meth:`ds4.kvstore.KVStore.store_live_prefix` (the store's lock,
-    index and eviction; this module's checks and write)."""
+) -> str | SaveSkip:
+    """See :meth:`ds4.kvstore.KVStore.store_live_checked` (the store's lock,
+    index and eviction; this module's checks and write): the path, or why
+    nothing was written (a write that fails raises)."""
     if not sess.checkpoint_valid:
         raise InvalidSessionError("cannot store a session without a valid checkpoint")
     if not getattr(sess.engine, "checkpoints_ok", True):
         # the engine's state did not survive its start-up round trip: a file
         # it could never load again is not written
-        log.info("kv cache store skipped reason=%s: this engine cannot load its own states", reason)
-        return None
+        return _skipped(reason, ENGINE_CANNOT_LOAD, "this engine cannot load its own states")
     n = sess.n_past
-    floor = store.min_tokens if min_tokens is None else min_tokens
-    if n < max(1, floor):
-        log.info("kv cache store skipped reason=%s: %d tokens < min %d", reason, n, floor)
-        return None
+    floor = max(1, store.min_tokens if min_tokens is None else min_tokens)
+    if n < floor:
+        return _skipped(reason, BELOW_MIN_TOKENS, f"{n} tokens < min {floor}")
     text = sess.key_bytes()
     sha = _core.sha1_hex(text)
     name = checkpoint_name(sha, sess.payload_abi)
@@ -177,18 +197,14 @@ def store_live(
             log.info("kv cache store reason=%s: %s already stored", reason, name[:12])
             return path
         if existing == "foreign":
-            log.info(
-                "kv cache store skipped reason=%s: key %s is held by another engine's file (kept)",
-                reason,
-                name[:12],
-            )
-            return None
+            detail = f"{name[:12]} is held by a file this engine cannot load, another model's (kept)"
+            return _skipped(reason, NAME_HELD_BY_OTHER_MODEL, detail)
         pol = store.policy
         size = write_live(
             path, sess, text, reason, store.budget_bytes, store.auth_key, codec=pol.codec, level=pol.codec_level
         )
-        if size is None:
-            return None
+        if isinstance(size, SaveSkip):
+            return size
         store.counters["stores"] += 1
         store.index.index_file(name, path, stat_key(os.lstat(path)))
         if reason == "continued" and supersedes and store.policy.supersede:
@@ -206,6 +222,24 @@ def store_live(
         store.evict_locked(protect=name)
         store.index.persist()
     return path
+
+
+def store_checked(
+    store: KVStore, sess: Session, reason: str, min_tokens: int | None, supersedes: Collection[str] = ()
+) -> str | SaveSkip:
+    """:func:`store_live` raising nothing for a save that did not happen: a
+    session without a valid state is a ``session_invalid`` skip, a write
+    that raised an OSError a ``disk_full`` or ``write_error`` one (logged).
+    The skip goes back to the caller only: the store keeps no last one
+    (the server's lanes share it)."""
+    try:
+        return store_live(store, sess, reason, min_tokens, supersedes)
+    except InvalidSessionError as e:
+        return session_invalid(reason, e)
+    except OSError as e:
+        skip = write_failed(reason, e)
+        log.warning("kv cache %s", skip)
+        return skip
 
 
 def supersede(store: KVStore, text: bytes, name: str, abi: str, among: Collection[str]) -> list[str]:
@@ -240,3 +274,22 @@ def supersede(store: KVStore, text: bytes, name: str, abi: str, among: Collectio
         _core.sync_dir(store.dir)
         store.index.stale()
     return removed
+
+
+def adopt_download(store: KVStore, tmp: str, name: str, ck: Checkpoint) -> Entry | None:
+    """Rename a verified download ``tmp`` to ``name`` under the store's lock,
+    index it and evict to the budget (it protected): its entry, or None
+    when a file took the name meanwhile or it did not index (the shared
+    tier's ``adopt`` hook, :mod:`.tiered`)."""
+    final = os.path.join(store.dir, name)
+    with store.locked():
+        if os.path.lexists(final):
+            return None
+        os.rename(tmp, final)
+        _core.sync_dir(store.dir)
+        key = stat_key(os.lstat(final))
+        e = Entry.from_checkpoint(ck, final, key)
+        store.index.index_file(name, final, key)
+        store.evict_locked(protect=name)
+        store.index.persist()
+    return e if store.index.idx.get(name) is not None else None

@@ -11,7 +11,9 @@ Two kinds of series:
   before the reply goes out; a few counter increments under
   ``prometheus_client``'s own short locks): requests and tokens by protocol
   and rung, failed requests by reason, TTFT and total latency histograms,
-  the checkpoints each turn loaded, saved and rejected (by stage and code).
+  the checkpoints each turn loaded, saved and rejected (by stage and code),
+  and the saves it did not make (by kind and code, with their counts by
+  code for the web page: :attr:`Metrics.skipped_by_code`).
   The same observation keeps the recent turns the web page shows
   (:class:`Turns`).
 * **Read at scrape time** (:class:`_Snapshot`, a custom collector) from what
@@ -106,6 +108,7 @@ class Turns:
                 "total_ms": round(res.total_s * 1000.0, 3),
                 "divergence": None if div is None else {k: div.get(k) for k in ("against", "token", "byte")},
                 "snapshot": rep.snapshot,
+                "save_skipped": [s.as_dict() for s in rep.save_skipped],
             }
         )
 
@@ -152,6 +155,14 @@ class Metrics:
         self.rejections = counter(
             "ds4_checkpoint_rejections", "Checkpoints a turn rejected, by stage and code", ["stage", "code"]
         )
+        self.skipped = counter(
+            "ds4_checkpoint_saves_skipped",
+            "Saves a turn did not make, by kind (cold, continued, evict, prompt) and code (ds4.kvstore.skips)",
+            ["kind", "code"],
+        )
+        #: the same counts, code -> kind -> saves skipped (the web page's): a
+        #: dict replaced whole by the worker thread, read without a lock
+        self.skipped_by_code: dict[str, dict[str, int]] = {}
         r.register(_Snapshot(service))
 
     def observer(self, protocol: str, tenant: str) -> Callable[[str, Any], None]:
@@ -187,6 +198,13 @@ class Metrics:
                 self.saves.labels(reason).inc()
         for rej in rep.rejected:
             self.rejections.labels(rej[1], rej[2]).inc()
+        if rep.save_skipped:
+            by_code = {code: dict(kinds) for code, kinds in self.skipped_by_code.items()}
+            for skip in rep.save_skipped:
+                self.skipped.labels(skip.kind, skip.code).inc()
+                kinds = by_code.setdefault(skip.code, {})
+                kinds[skip.kind] = kinds.get(skip.kind, 0) + 1
+            self.skipped_by_code = by_code
         self.turns.add(protocol, tenant, res)
 
     def exposition(self) -> tuple[bytes, str]:

@@ -14,8 +14,9 @@ JSON, ``GET /ui/data``.
   memory: never in the URL, never stored).
 * ``/ui/data``: what the page draws. The operator's: the hit rate and TTFT
   of the last minutes (bins), the recent turns (protocol, tenant, rung,
-  cached and prompt tokens, TTFT, the divergence point without its text),
-  the checkpoints by reason and age, the bytes by tenant against the
+  cached and prompt tokens, TTFT, the divergence point without its text,
+  the saves it did not make and why), the checkpoints by reason and age,
+  the saves skipped by code, the bytes by tenant against the
   budget, the queue, and the resident sessions (``--sessions`` above 1). A
   tenant's: the same chart and turns of its own requests only, nothing
   that moves with another tenant's traffic (as its ``/health``).
@@ -178,6 +179,8 @@ class Dashboard:
             out["tenants_bytes"] = kv.get("tenants", {})
             out["models_bytes"] = kv.get("models", {})
             out["checkpoints"] = await self._checkpoint_table()
+            # the saves the turns did not make since the server started: code -> kind -> count
+            out["save_skipped"] = self.metrics.skipped_by_code
             remote = kv.get("remote")
             if remote is not None:
                 out["remote"] = {k: remote.get(k) for k in ("state", "hits", "lookups", "queued")}

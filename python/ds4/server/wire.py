@@ -274,6 +274,8 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
         "evict_saved": shown_path(r.evict_saved, debug),
         "cold_saved": shown_path(r.cold_saved, debug),
         "prompt_saved": shown_path(r.prompt_saved, debug),
+        # every save of the turn that did not happen, with why (ds4.kvstore.skips)
+        "save_skipped": [{"kind": k.kind, "code": k.code, "detail": scrub(k.detail, debug)} for k in r.save_skipped],
         # where the prompt left the best candidate (ds4.recovery): the live
         # state or a checkpoint of the request's own namespace
         "divergence": r.divergence,

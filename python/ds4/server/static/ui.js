@@ -65,6 +65,7 @@ function render(d) {
   turns(d.recent, d.operator);
   if (d.operator) {
     checkpoints(d.checkpoints);
+    skips(d.save_skipped);
     tenants(d.tenants_bytes, d.budget_bytes);
     bars("models", d.models_bytes, d.budget_bytes, (name, u) => [u.label + " (" + name + ")", ", " + u.hits + " hits"]);
     sessions(d.sessions);
@@ -145,6 +146,31 @@ function turns(recent, operator) {
     tr.append(text("td", t.ttft_ms.toFixed(1)));
     const dv = t.divergence;
     tr.append(text("td", dv ? "token " + dv.token + ", byte " + dv.byte + " (" + dv.against + ")" : "-"));
+    const sk = t.save_skipped || [];
+    const said = sk.map((s) => s.kind + " save skipped: " + s.code + " (" + s.detail + ")");
+    tr.append(text("td", said.length ? said.join("; ") : "-", said.length ? "skipped" : ""));
+    body.append(tr);
+  }
+}
+
+// The saves the turns did not make, by code (then by kind), since the server started.
+function skips(byCode) {
+  const body = $("skips").tBodies[0];
+  body.replaceChildren();
+  const codes = Object.keys(byCode || {}).sort();
+  if (!codes.length) {
+    const tr = document.createElement("tr");
+    const td = text("td", "none");
+    td.colSpan = 3;
+    tr.append(td);
+    body.append(tr);
+    return;
+  }
+  for (const code of codes) {
+    const kinds = Object.entries(byCode[code]).sort();
+    const n = kinds.reduce((sum, kc) => sum + kc[1], 0);
+    const tr = document.createElement("tr");
+    tr.append(text("td", code), text("td", n), text("td", kinds.map((kc) => kc[0] + " " + kc[1]).join(", ")));
     body.append(tr);
   }
 }

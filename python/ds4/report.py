@@ -1,0 +1,68 @@
+"""The recovery report: what one run of the ladder (:mod:`ds4.recovery`)
+did, which rung served, what it reused, loaded, rejected and saved, where
+the time went, and the saves of its request that did not happen and why
+(``save_skipped``). The server's ``ds4`` block, ``/metrics`` and ``/ui``
+and ``ds4 run --json`` show it. Re-exported by :mod:`ds4.recovery`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from .kvstore import Rejection
+from .kvstore.skips import SaveSkip
+
+log = logging.getLogger("ds4.recovery")
+
+__all__ = ["RecoveryReport"]
+
+
+@dataclasses.dataclass
+class RecoveryReport:
+    """What one run of the ladder did (:func:`ds4.recovery.recover`), and the
+    saves of its request that did not happen (the turn driver adds its own:
+    :mod:`ds4.turn`). ``as_dict`` is its JSON form (``ds4 run --json``)."""
+
+    rung: str = "prefill"
+    source: str = ""
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+    loaded_path: str | None = None
+    rejected: list[Rejection] = dataclasses.field(default_factory=list)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    evict_saved: str | None = None
+    cold_saved: str | None = None
+    #: the whole prompt's checkpoint (``recover(prompt_save=...)``)
+    prompt_saved: str | None = None
+    #: every save this request could have written and did not, with why
+    #: (:class:`ds4.kvstore.skips.SaveSkip`: kind, code, detail), in the
+    #: order they were declined; empty when nothing was skipped
+    save_skipped: list[SaveSkip] = dataclasses.field(default_factory=list)
+    events: list[str] = dataclasses.field(default_factory=list)
+    #: the shared tier's state when the store was asked (``up``,
+    #: ``degraded``, ``cooldown``, ``closed``); ``""``: no tier, or not asked
+    remote: str = ""
+    #: where the prompt left the best candidate it had (:meth:`ds4.recovery._Ladder.divergence`):
+    #: ``{"against": "live"|"checkpoint", "token", "byte", "cached", "prompt"}``;
+    #: ``cached`` is ``""`` exactly when the prompt holds the whole candidate;
+    #: None when there was no candidate
+    divergence: dict[str, Any] | None = None
+    #: when the token check cut a text match (:meth:`ds4.recovery._Ladder.token_check`):
+    #: ``{"against": "live"|"disk"|"remote", "kept": K, "of": M}``, the
+    #: state's first K tokens of M being the prompt's own; None: no cut
+    token_check: dict[str, Any] | None = None
+    #: the token count of the RAM snapshot the rewrite rung resumed from
+    #: (an engine that cannot rewind: :mod:`ds4.snapshots`); None: none
+    snapshot: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rejected"] = [{"path": p, "stage": s, "code": c, "reason": r} for (p, s, c, r) in self.rejected]
+        d["save_skipped"] = [s.as_dict() for s in self.save_skipped]
+        return d
+
+    def _event(self, msg: str, *args: object) -> None:
+        text = msg % args if args else msg
+        self.events.append(text)
+        log.info(text)
