@@ -412,3 +412,33 @@ def test_real_sha1_collision_is_caught_by_the_byte_prefix_check(eng, tmp_path, w
     assert [(p, s, c) for (p, s, c, _r) in rep.rejected] == [(path, "text", "prefix_collision")], rep.rejected
     assert f"differ at {first_diff}" in rep.rejected[0][3], rep.rejected
     assert not sess.checkpoint_valid and store.stats["hits"] == 0 and store.stats["rejected"] == 1
+
+
+def test_eviction_ranks_every_models_files_by_one_score(eng, tmp_path):
+    # two models' checkpoints of the same three texts in one directory: the
+    # budget evicts by ds4's score alone, whichever model a file belongs to,
+    # in the order it would if every file were one model's
+    other = ds4.ReferenceEngine(seed=1)
+    assert other.payload_abi() != eng.payload_abi()
+    st = KVStore(tmp_path, budget_mb=100, min_tokens=8, fresh_guard_s=0)
+    texts = [f"conversation number {i} " * 12 for i in range(3)]
+    paths = {
+        (m, i): st.store_live_prefix(prefilled(e, t))
+        for i, t in enumerate(texts)
+        for m, e in (("a", eng), ("b", other))
+    }
+    assert len({os.path.basename(p) for p in paths.values()}) == 6
+    for key, n in ((("b", 0), 3), (("a", 1), 2), (("a", 2), 1)):
+        for _ in range(n):
+            _core.touch(paths[key], int(time.time()))
+    st.refresh(force=True)
+    size = max(os.path.getsize(p) for p in paths.values())
+    st.policy = dataclasses.replace(st.policy, budget_mb=int(size * 3.5) / 2**20)  # room for three files
+    as_one = [dataclasses.replace(e, abi="one model") for e in st.entries()]
+    expected = [e.name for e in st.plan_evict(as_one)]
+    assert st.evict_names() == expected
+    # the files nobody hit went, two of them B's and one A's
+    assert sorted(expected) == sorted(os.path.basename(paths[k]) for k in (("a", 0), ("b", 1), ("b", 2)))
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".kv")) == sorted(
+        os.path.basename(paths[k]) for k in (("b", 0), ("a", 1), ("a", 2))
+    )

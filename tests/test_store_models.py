@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import models
 import pytest
@@ -212,3 +214,130 @@ def test_a_server_restarted_with_the_other_model_and_back_resumes_each_from_disk
             assert info["rung"] == "prefill", info
             replies[name] = text
     assert len([f for f in os.listdir(kv) if is_checkpoint_name(f)]) >= 2
+
+
+def _conversation(model: str, c: int) -> list[dict]:
+    """Conversation ``c`` of ``model`` ("a" or "b"): a system prompt over the
+    store's minimum that carries the conversation's own marker."""
+    marker = f"LEDGER-{model.upper()}{c}-{(c * 7919) % 10007:05d}"
+    return [
+        {"role": "system", "content": f"You keep harbour ledger {marker}. " + "Answer from the tide log. " * 90},
+        {"role": "user", "content": f"Which ships are in ledger {marker}?"},
+    ]
+
+
+def _markers_in(text: bytes) -> set[str]:
+    return {m.decode() for m in re.findall(rb"LEDGER-[AB][0-3]-\d{5}", text)}
+
+
+def _files_by_model(kv) -> dict[str, tuple[str, set[str], bytes]]:
+    """Every checkpoint in ``kv`` (each verified whole): its model tag, the
+    markers its text holds, the text."""
+    out = {}
+    for f in kv_files(kv):
+        ck = open_checkpoint(os.path.join(kv, f))
+        out[f] = (_core.model_tag(ck.abi), _markers_in(ck.text), ck.text)
+    return out
+
+
+class _Pair:
+    """Two ``ds4 serve`` processes, one per model ("a", "b"), and the 4
+    conversations of each, which grow with each turn's reply."""
+
+    def __init__(self, tmp_path, paths: dict[str, str]):
+        self.tmp, self.paths = str(tmp_path), paths
+        self.convs = {(m, c): _conversation(m, c) for m in "ab" for c in range(4)}
+
+    def start(self, tag: str, kv_dir: str | None) -> dict[str, Server]:
+        servers = {}
+        for m in "ab":
+            extra = ("--kv-disk-dir", kv_dir) if kv_dir else ()
+            servers[m] = Server(self.tmp, f"{m}-{tag}", "--model", self.paths[m], *extra, engine="llamacpp", ctx=2048)
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda s: s.start(timeout=300), servers.values()))
+        return servers
+
+    @staticmethod
+    def stop(servers):
+        for s in servers.values():
+            # uvicorn re-raises the signal once it has shut down gracefully
+            assert s.stop(signal.SIGTERM) in (0, -signal.SIGTERM), s.text_log()[-2000:]
+
+    def turns(self, tag: str, kv_dir: str, first: int, count: int) -> list[dict]:
+        """``count`` turns of every conversation on a fresh pair of servers,
+        A's and B's turn of each conversation sent together; each reply is
+        appended with the next user message."""
+        servers, out = self.start(tag, kv_dir), []
+        try:
+            for n in range(first, first + count):
+                got = {}
+                with ThreadPoolExecutor(2) as ex:
+                    for c in range(4):
+                        futs = {m: ex.submit(_chat, servers[m], self.convs[m, c]) for m in "ab"}
+                        got.update({(m, c): f.result() for m, f in futs.items()})
+                for key, (text, _info) in got.items():
+                    self.convs[key] += [
+                        {"role": "assistant", "content": text},
+                        {"role": "user", "content": f"And at tide {n + 1}?"},
+                    ]
+                out.append(got)
+        finally:
+            self.stop(servers)
+        return out
+
+
+def _check_loads(kv, pair: _Pair, got: dict, tags: dict[str, str]) -> None:
+    """Every turn of ``got`` resumed from disk, from a file of its own model
+    (``tags``) that holds its own conversation only."""
+    files = _files_by_model(kv)
+    for key, (_t, info) in got.items():
+        assert info["rung"] == "disk" and info["reused_tokens"] > 0, (key, info)
+        tag, marks, _text = files[info["loaded_path"]]
+        assert tag == tags[key[0]], (key, info)
+        assert marks == _markers_in(pair.convs[key][0]["content"].encode()), (key, marks)
+
+
+def test_two_servers_of_two_models_on_one_directory_interleave_restart_and_resume(twin, tmp_path):
+    """Two ``ds4 serve`` processes, one per model, on one directory at once:
+    4 conversations each, their turns sent to both servers together (one live
+    session each, so every turn after a conversation's first resumes from its
+    own checkpoint on disk). Both are restarted: every conversation's next
+    turn resumes from disk with a cold prefill's reply, no file written
+    before the restart is lost, and each file and each load holds its own
+    model's conversation only (the markers planted in each)."""
+    kv = str(tmp_path / "kv")
+    pair = _Pair(tmp_path, {"a": models.model_path("smollm2"), "b": twin})
+    first, second = pair.turns("1", kv, 1, 2)
+    # nothing stored yet: a cold prefill (or a rewind to the template's
+    # first tokens, which the last conversation shares)
+    assert all(info["rung"] != "disk" and info["reused_tokens"] < 16 for _t, info in first.values()), first
+    files = _files_by_model(kv)
+    tags = {m: files[second[m, 0][1]["loaded_path"]][0] for m in "ab"}
+    assert len(set(tags.values())) == 2 and {t for t, _m, _x in files.values()} == set(tags.values())
+    _check_loads(kv, pair, second, tags)
+    for f, (tag, marks, _text) in files.items():
+        # one conversation per file, of the model whose tag names it
+        assert len(marks) == 1 and tags[next(iter(marks))[7].lower()] == tag, (f, marks)
+
+    (third,) = pair.turns("2", kv, 3, 1)
+    _check_loads(kv, pair, third, tags)
+    # no file lost: each one written before the restart is still there, or
+    # was superseded by its own model's later checkpoint of its conversation
+    after = _files_by_model(kv)
+    for f in set(files) - set(after):
+        tag, marks, text = files[f]
+        assert any(t == tag and m == marks and x.startswith(text) for t, m, x in after.values()), f
+
+    # a cold prefill of each turn's whole prompt, on servers with no store
+    # (one conversation after another, so nothing but the template's first
+    # tokens is shared with the live state)
+    cold = pair.start("cold", None)
+    try:
+        for n, got in ((2, second), (3, third)):
+            for key, msgs in pair.convs.items():
+                # turn n's prompt: the system prompt and n user messages
+                text, info = _chat(cold[key[0]], msgs[: 2 * n])
+                assert info["rung"] != "disk" and info["reused_tokens"] < 16, (key, info)
+                assert got[key][0] == text, (key, n, info)
+    finally:
+        pair.stop(cold)
