@@ -59,7 +59,7 @@ from typing import Any
 from .constrain import Constraint, Guide
 from .decoding import TextStream, make_picker, masked_picker
 from .engine import Engine
-from .errors import PrefillCancelledError, PromptError
+from .errors import ChatTemplateError, PrefillCancelledError, PromptError
 from .keytext import tokenize_prompt
 from .kvstore import KVStore, SaveSkip
 from .recovery import RecoveryReport, recover, switch_namespace
@@ -152,6 +152,17 @@ class Generator:
             eng = self.engine
             self._max_token_bytes = max(len(eng.token_bytes(t)) for t in range(int(eng.vocab_size)))
         return self.ctx * max(1, self._max_token_bytes)
+
+    def warm(self) -> None:
+        """Build what the first request after a start would otherwise wait
+        for: the chat template (compiled on first use) and a chat's key text
+        (the table fills per id as ids are seen)."""
+        eng = self.engine
+        try:
+            text = eng.render_chat([{"role": "user", "content": "warm-up"}])
+        except ChatTemplateError:  # no template: raw prompts only
+            text = "warm-up"
+        self.sess.key_renderer.render(tokenize_prompt(eng, text))
 
     # -- saves -------------------------------------------------------------
     def save(self, reason: str, supersedes: Collection[str] = ()) -> str | SaveSkip | None:

@@ -119,6 +119,18 @@ class _JobRun:
         self.watcher.cancel()
 
 
+async def _warm_streams() -> None:
+    """What a streamed reply uses first (anyio's task group and memory
+    streams, imported on first use): used once at start."""
+    import anyio
+
+    async with anyio.create_task_group():
+        pass
+    send, receive = anyio.create_memory_object_stream[bytes](1)
+    send.close()
+    receive.close()
+
+
 class _Routes:
     def __init__(
         self,
@@ -393,6 +405,12 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # uvicorn runs this before it binds the port: the first request
+        # finds everything it uses already built and imported
+        await asyncio.get_running_loop().run_in_executor(None, service.gen.warm)
+        await _warm_streams()
+        if r.metrics is not None:
+            r.metrics.exposition()
         yield  # "ready" is logged once the port is bound (serve_main)
         await asyncio.get_running_loop().run_in_executor(None, service.close)
         log.info("ds4 server stopped")
