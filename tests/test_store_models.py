@@ -259,9 +259,11 @@ class _Pair:
 
     @staticmethod
     def stop(servers):
-        for s in servers.values():
+        # every one stopped before any is judged: none left running
+        codes = {m: s.stop(signal.SIGTERM) for m, s in servers.items()}
+        for m, rc in codes.items():
             # uvicorn re-raises the signal once it has shut down gracefully
-            assert s.stop(signal.SIGTERM) in (0, -signal.SIGTERM), s.text_log()[-2000:]
+            assert rc in (0, -signal.SIGTERM), servers[m].text_log()[-2000:]
 
     def turns(self, tag: str, kv_dir: str, first: int, count: int) -> list[dict]:
         """``count`` turns of every conversation on a fresh pair of servers,

@@ -60,9 +60,12 @@ def engine_kind(kind: str = "auto", model: str | None = None) -> str:
     return "reference"
 
 
-def build_engine(kind: str = "auto", model: str | None = None, threads: int | None = None, **kwargs: Any) -> Engine:
+def build_engine(
+    kind: str = "auto", model: str | None = None, threads: int | None = None, exact: str | None = None, **kwargs: Any
+) -> Engine:
     """An engine of ``kind`` (see :func:`engine_kind`); ``kwargs`` go to its
-    constructor."""
+    constructor. ``exact`` (``--exact``) is the llama.cpp engine's mode; the
+    reference engine is bit-exact whatever the batch, and ignores it."""
     kind = engine_kind(kind, model)
     if kind == "reference":
         from .engines.reference import ReferenceEngine
@@ -76,6 +79,8 @@ def build_engine(kind: str = "auto", model: str | None = None, threads: int | No
         kwargs["model_path"] = model
     if threads is not None:
         kwargs["n_threads"] = threads
+    if exact is not None:
+        kwargs["exact"] = exact
     return LlamaCppEngine(**kwargs)
 
 
@@ -108,6 +113,15 @@ def add_engine_args(p: argparse.ArgumentParser, default_ctx: int = 4096) -> None
         default=None,
         metavar="N",
         help="engine threads (llamacpp; default: the physical cores, at most 4)",
+    )
+    g.add_argument(
+        "--exact",
+        choices=("strict", "canonical", "off"),
+        default="strict",
+        help="llamacpp: how a resumed session stays equal to a cold prefill. strict (default): every "
+        "batch padded to a size the kernels treat alike, decode steps too; canonical: decode steps "
+        "unpadded (llama.cpp's speed), the reply's positions prefilled again before its state is "
+        "reused, stored or copied; off: nothing padded, not exact (its states have their own ABI)",
     )
 
 

@@ -182,6 +182,10 @@ class _Ladder:
         self.prompt_b = sess.key_of(self.tokens)
         self.pre = len(sess.key_of(()))
         rep.timings["tokenize_ms"] = (time.perf_counter() - t0) * 1000
+        if not sess.canonical:
+            # the last reply's unpadded steps prefilled again before its state
+            # is compared, extended, rewound or saved: what this turn waited for
+            rep.timings["canonicalize_ms"] = sess.canonicalize()
         if sess.checkpoint_valid:
             done = self.live()
             if done is not None:

@@ -1,23 +1,16 @@
-"""Session: the live KV state of one conversation.
-
-ds4's session semantics, made strict (docs/DESIGN.md, "Session"):
-
-* ``checkpoint_valid`` means the engine state and ``logits`` describe exactly
-  ``tokens``. Only a valid session is extended or saved.
-* :meth:`Session.invalidate` is the one place validity is cleared; failed
-  prefills and decodes, failed loads and clear-history all go through it.
-* :meth:`Session.sync` extends a valid state when the new tokens extend it and
-  rebuilds from scratch otherwise.
-* :meth:`Session.rewrite_from_common` returns ``Rewrite.REBUILD_NEEDED`` and
-  leaves the session untouched when the engine cannot rewind.
-* Loads are transactional: the checkpoint is verified (Rust) and validated by
-  the engine before the live state changes.
+"""Session: the live KV state of one conversation, with ds4's semantics
+made strict (docs/DESIGN.md, "Session"): ``checkpoint_valid`` means the
+engine state and ``logits`` describe exactly ``tokens``; :meth:`Session.invalidate`
+is the one place validity is cleared; :meth:`Session.rewrite_from_common`
+leaves the session untouched when the engine cannot rewind (``REBUILD_NEEDED``);
+loads are verified and validated before the live state changes.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -124,6 +117,25 @@ class Session:
             self._namespace, self._preamble = namespace, pre
 
     @property
+    def canonical(self) -> bool:
+        """False while a reply's unpadded decode steps are in the state."""
+        return bool(getattr(self._ectx, "canonical", True))
+
+    def canonicalize(self) -> float:
+        """Make the state and logits a prefill's (the engine prefills a
+        reply's unpadded steps again: llama.cpp's canonical mode); the ms."""
+        if self.canonical or not self._valid:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            self._ectx.canonicalize()  # type: ignore[attr-defined]  # an engine with unpadded steps has it
+            self._logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
+        except Exception as e:
+            self.invalidate(f"canonicalize failed: {e}")
+            raise
+        return (time.perf_counter() - t0) * 1000
+
+    @property
     def key_renderer(self) -> KeyRenderer:
         return self._keys
 
@@ -164,15 +176,12 @@ class Session:
             close()
 
     def adopt_prefix(self, other: Session, n_tokens: int) -> bool:
-        """Take ``other``'s first ``n_tokens`` live tokens into this
-        session, in ``other``'s namespace, without a disk load: a pool's
-        resident starting on a prefix another resident holds (agents that
-        share a system prompt). The engine context copies them
-        (``copy_prefix``: a batched context's sequences can, as a cold
-        prefill would hold them); when it cannot, or ``other`` holds no
-        valid state that long, it returns False and this session is
-        unchanged. On success the old live state is gone: the caller takes
-        only an empty session this way (the pool: a free resident)."""
+        """Take ``other``'s first ``n_tokens`` live tokens (and namespace)
+        into this empty session without a disk load (a pool's free resident
+        starting on a prefix another holds), copied by the engine context
+        (``copy_prefix``, as a cold prefill would hold them). False, this
+        session unchanged, when it cannot or ``other`` holds no valid state
+        that long."""
         n = int(n_tokens)
         copy = getattr(self._ectx, "copy_prefix", None)
         if copy is None or other is self or not other._valid or not 1 <= n <= len(other._tokens) or n >= self.ctx:
@@ -213,9 +222,11 @@ class Session:
         if len(tokens) >= self.ctx:
             raise ContextOverflowError(len(tokens), self.ctx)
 
-    def _eval(self, toks: Sequence[int], progress: Progress | None = None) -> None:
+    def _eval(self, toks: Sequence[int], progress: Progress | None = None, *, step: bool = False) -> None:
         try:
-            logits = self._ectx.eval(toks, progress)
+            # a decode step: the engine's own (llama.cpp's canonical mode: unpadded)
+            step_fn = getattr(self._ectx, "eval_step", None) if step else None
+            logits = step_fn(toks[0]) if step_fn is not None else self._ectx.eval(toks, progress)
         except (ContextOverflowError, ValueError) as e:
             # Rejected before the engine touched its state: keep validity
             # only if the engine guarantees that; be strict and invalidate.
@@ -318,7 +329,7 @@ class Session:
             raise InvalidSessionError("cannot extend a session without a valid checkpoint")
         if len(self._tokens) + 1 >= self.ctx:
             raise ContextOverflowError(len(self._tokens) + 1, self.ctx)
-        self._eval([int(token)])
+        self._eval([int(token)], step=True)
         logits = self.logits
         assert logits is not None  # a valid session has logits
         return logits
@@ -330,14 +341,11 @@ class Session:
         return common_token_prefix(self._tokens, tokens)
 
     def rewind(self, n_tokens: int) -> bool:
-        """Keep the first ``n_tokens`` (1 <= n <= n_past) live tokens, the
-        engine's state and logits exactly those of a cold prefill of them.
-        False, the session untouched, when the engine cannot rewind there
-        (a recurrent memory, a windowed import, unknown ids) and no RAM
-        snapshot (:mod:`ds4.snapshots`) is at or before the cut (one is:
-        it is imported and the gap prefilled; ``last_snapshot`` says
-        where it was); on an engine
-        failure half-way the session is invalid and the error raised."""
+        """Keep the first ``n_tokens`` (1 <= n <= n_past) live tokens, state
+        and logits exactly a cold prefill's. False, the session untouched,
+        when the engine cannot rewind there and no RAM snapshot is at or
+        before the cut (one is: imported, the gap prefilled, ``last_snapshot``
+        says where); an engine failure half-way invalidates and raises."""
         n = int(n_tokens)
         if not self._valid or not 0 < n <= len(self._tokens):
             return False
@@ -400,6 +408,7 @@ class Session:
         """Named arrays for a checkpoint of the live state (valid only)."""
         if not self._valid or not self._tokens:
             raise InvalidSessionError("cannot save a session without a valid checkpoint")
+        self.canonicalize()  # what is stored or copied is a prefill's state
         arrays = dict(self._ectx.export_state())
         if TOKENS_TENSOR in arrays:
             raise EngineError(f"engine state uses the reserved tensor name {TOKENS_TENSOR!r}")
@@ -452,14 +461,11 @@ class Session:
         try:
             self.load_arrays(ck.load_arrays(), ck.tokens, text=bytes(ck.text))
         except CheckpointError:
-            # A map that lost its pages reads zeros: tokens that no longer
-            # render the text, or any other check, fail because of it. The
-            # truncation is then the cause, and is what is raised.
+            # a map that lost its pages reads zeros, which fail any check:
+            # then the truncation is the cause, and is what is raised
             self._check_intact(ck)
             raise
-        # The engine has read the mapped bytes: if another process
-        # truncated or rewrote the file meanwhile, what it read is not
-        # what was verified.
+        # what the engine read is what was verified (no truncation or rewrite meanwhile)
         self._check_intact(ck)
 
     def _check_intact(self, ck: Checkpoint) -> None:

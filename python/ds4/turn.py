@@ -456,7 +456,10 @@ class Generator:
         if store is None:
             return
         step, n = store.continued_step(), sess.n_past
-        if n >= store.min_tokens and n > self._last_continued and n // step > prev_n // step:
+        # not while the reply's unpadded steps are in the state: its export
+        # would re-prefill them and change the rest of this reply
+        crossed = n >= store.min_tokens and n > self._last_continued and n // step > prev_n // step
+        if crossed and sess.canonical:
             self._continued(n)
 
     def _after_stop(self, kept: list[int]) -> str | None:

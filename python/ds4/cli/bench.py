@@ -72,7 +72,7 @@ def bench_engine(args: argparse.Namespace) -> Engine:
     """The engine the session rows run on: the reference engine, or with
     ``--model`` (or ``--engine llamacpp``) llama.cpp."""
     kind = args.engine or ("llamacpp" if args.model else "reference")
-    return build_engine(kind, args.model, args.threads)
+    return build_engine(kind, args.model, args.threads, getattr(args, "exact", None))
 
 
 def _session_rows(args: argparse.Namespace, eng: Engine) -> list[Row]:

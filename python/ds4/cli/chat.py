@@ -408,7 +408,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"ds4 chat: {msg}", file=sys.stderr)
         return EXIT_USAGE
     store = make_store(args)
-    gen = Generator(build_engine(args.engine, args.model, args.threads), args.ctx, store)
+    gen = Generator(build_engine(args.engine, args.model, args.threads, getattr(args, "exact", None)), args.ctx, store)
     try:
         repl = ChatREPL(gen, args.system, args.max_tokens, temperature=args.temperature, seed=args.seed)
         return repl.loop()

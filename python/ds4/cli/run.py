@@ -31,7 +31,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"ds4 run: --json-schema {args.json_schema}: {e}", file=sys.stderr)
         return EXIT_USAGE
     store = make_store(args)
-    engine = build_engine(args.engine, args.model, args.threads)
+    engine = build_engine(args.engine, args.model, args.threads, getattr(args, "exact", None))
     gen = Generator(engine, args.ctx, store)
     if args.raw:
         prompt = text

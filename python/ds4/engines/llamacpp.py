@@ -86,11 +86,13 @@ from .llamacpp_state import StateLayout
 
 log = logging.getLogger("ds4.engines.llamacpp")
 
-__all__ = ["GGUF_NAME", "LlamaCppContext", "LlamaCppEngine", "default_model_path"]
+__all__ = ["EXACT_MODES", "GGUF_NAME", "LlamaCppContext", "LlamaCppEngine", "default_model_path"]
 
 #: bump when the meaning of the exported arrays changes
 PAYLOAD_LAYOUT = 2  # 2: llama_state is a sequence-0 state (llama_state_seq_get_data)
 DEFAULT_N_BATCH = 512
+#: ``--exact``: how a reply's decode steps keep a resumed session equal to a cold prefill
+EXACT_MODES = ("strict", "canonical", "off")
 
 _GGML_TYPE_F16 = 1
 #: the largest batch floor and multiple a probe may choose (a context's
@@ -112,7 +114,7 @@ class LlamaCppEngine:
         seed: int = 0,
         verbose: bool = False,
         n_batch: int = DEFAULT_N_BATCH,
-        exact: bool = True,
+        exact: bool | str = True,
     ):
         if model_path is None:
             model_path = default_model_path()
@@ -134,7 +136,17 @@ class LlamaCppEngine:
         self.n_batch = int(n_batch)
         #: a context's batch and cells have room for the pads of any policy the probe may choose
         self.batch_room = padded(max(self.n_batch, _MAX_FLOOR), _MAX_MULT)
-        self.exact = bool(exact)
+        mode = {True: "strict", False: "off"}.get(exact, exact) if isinstance(exact, bool) else exact
+        if mode not in EXACT_MODES:
+            raise ValueError(f"exact must be one of {', '.join(EXACT_MODES)} (or a bool), got {exact!r}")
+        #: "strict": every batch padded (decode steps too); "canonical":
+        #: prefills padded, decode steps unpadded and the reply's positions
+        #: prefilled again before its state is used (LlamaCppContext.canonicalize);
+        #: "off": nothing padded (llama.cpp's own behaviour, not exact: its
+        #: own payload ABI, never loaded by an exact engine)
+        self.exact_mode = mode
+        self.exact = mode != "off"
+        self.canonical = mode == "canonical"
         self.n_threads = int(n_threads) if n_threads else default_threads()
         self._closed = False
         self._contexts_alive = 0
@@ -270,6 +282,7 @@ class LlamaCppEngine:
             "copy": self.memory.copy,
             "batch": f"{self.batch_floor}x{self.batch_multiple}" + (" serial" if self.serial else ""),
             "exact": self.exact,
+            "exact_mode": self.exact_mode,
             "exact_verified": self.exact_verified,
             "checkpoints": self.checkpoints_ok,
             "batched_decode": self.exact and self.state_layout is not None and self.memory.copy,

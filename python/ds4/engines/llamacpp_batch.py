@@ -230,6 +230,8 @@ class SeqContext(LlamaCppContext):
         super().__init__(eng, shared.n_ctx, reuse=Idle(shared.n_ctx, shared.ctx, shared.mem, own))
         self.seq = seq
         self._shared = shared
+        # its decode steps are the batch's (padded on their own): none unpadded
+        self._canonical = False
 
     def _clear(self) -> None:
         # this sequence's cells only: the other streams are other residents'

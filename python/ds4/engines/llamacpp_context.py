@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -162,6 +163,12 @@ class LlamaCppContext:
         # it), so then the import's length, unless it fit in the window
         self._rewind_min = 0
         self._logits: np.ndarray | None = None
+        # canonical mode: decode steps go unpadded from here on (None: the
+        # state is canonical, what a prefill of its tokens gives)
+        self._canonical = bool(getattr(engine, "canonical", False))
+        self._dirty_from: int | None = None
+        #: milliseconds spent making states canonical, summed
+        self.canonicalize_ms = 0.0
         #: the sequence id this context's tokens are in (0; a batched
         #: context's, :mod:`~ds4.engines.llamacpp_batch`, is its stream's)
         self.seq = 0
@@ -200,6 +207,7 @@ class LlamaCppContext:
         self._known_from = 0
         self._rewind_min = 0
         self._logits = None
+        self._dirty_from = None
 
     def close(self) -> None:
         ctx, self._ctx = self._ctx, None
@@ -228,7 +236,7 @@ class LlamaCppContext:
     def _as_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         return as_token_array(tokens, self._engine.vocab_size, np.int32)
 
-    def _decode(self, toks: np.ndarray, pos0: int) -> None:
+    def _decode(self, toks: np.ndarray, pos0: int, pad: bool = True) -> None:
         """One llama_decode of 1..n_batch tokens, logits for the last one.
 
         In exact mode a batch shorter than the engine's floor, or not a
@@ -236,7 +244,7 @@ class LlamaCppContext:
         the next positions (causal attention: they cannot influence the real
         tokens), whose cells are removed right after."""
         n = int(toks.size)
-        m = max(self.batch_floor, padded(n, self.batch_multiple))
+        m = max(self.batch_floor, padded(n, self.batch_multiple)) if pad else n
         batch = self._batch
         if batch is None:
             raise EngineError("the context is closed")
@@ -257,6 +265,7 @@ class LlamaCppContext:
 
     def eval(self, tokens: Sequence[int], progress: Callable[[int, int], object] | None = None) -> np.ndarray:
         self._check_open()
+        self.canonicalize()  # what it extends is a prefill's state
         toks = self._as_tokens(tokens)
         n_past = self.n_past
         total = int(toks.size)
@@ -287,6 +296,55 @@ class LlamaCppContext:
             self._logits = self._read_logits()
         return int(chunk.size)
 
+    def eval_step(self, token: int) -> np.ndarray:
+        """One generated token. In canonical mode it is decoded unpadded
+        (llama.cpp's own one-token path) when a rewind to where the reply's
+        unpadded steps began is exact, and :meth:`canonicalize` prefills
+        them again before the state is extended, rewound or exported; else
+        it is :meth:`eval`."""
+        pos = self.n_past
+        if not self._canonical or (self._dirty_from is None and not self._rewindable(pos)):
+            return self.eval([token])
+        self._check_open()
+        toks = self._as_tokens([token])
+        if pos + 1 > self.n_ctx:
+            raise ContextOverflowError(pos + 1, self.n_ctx)
+        try:
+            self._decode(toks, pos, pad=False)
+            self._tokens.append(int(toks[0]))
+            self._logits = self._read_logits()
+        except EngineError:
+            self.reset()
+            raise
+        if self._dirty_from is None:
+            self._dirty_from = pos
+        return self._logits  # a new array each step, never changed in place: no copy
+
+    @property
+    def canonical(self) -> bool:
+        """True when the state is what a prefill of its tokens gives."""
+        return self._dirty_from is None
+
+    def canonicalize(self) -> None:
+        """Make the state canonical: drop the positions decoded unpadded and
+        prefill them again (padded, chunks aligned as a prefill's), so that
+        the state and logits equal a cold prefill's. The time goes to
+        ``canonicalize_ms``."""
+        d = self._dirty_from
+        if d is None:
+            return
+        t0 = time.perf_counter()
+        tail = self._tokens[d:]
+        self._dirty_from = None
+        try:
+            if not self._cut(d):
+                raise EngineError(f"llama.cpp could not drop the unpadded positions from {d}")
+        except EngineError:
+            self.reset()
+            raise
+        self.eval(tail)
+        self.canonicalize_ms += (time.perf_counter() - t0) * 1000
+
     def last_logits(self) -> np.ndarray:
         """Logits after the last evaluated token (a copy); used after truncate()."""
         if self._logits is None:
@@ -315,7 +373,13 @@ class LlamaCppContext:
             return True
         if not self._rewindable(n):
             return False
-        return self._cut(n)
+        d = self._dirty_from
+        if d is not None and n > d:
+            self.canonicalize()  # the kept part of the reply as a prefill has it
+        ok = self._cut(n)
+        if ok and d is not None and n <= d:
+            self._dirty_from = None  # every unpadded position went
+        return ok
 
     def _rewindable(self, n: int) -> bool:
         """Whether a cut at ``n`` (>= 1) is exact here: the kept last token's
@@ -350,6 +414,7 @@ class LlamaCppContext:
     # -- state -------------------------------------------------------------
     def export_state(self) -> dict[str, np.ndarray]:
         self._check_open()
+        self.canonicalize()  # a stored or copied state is a prefill's
         if self.n_past == 0 or self._logits is None:
             raise EngineError("nothing to export: the context is empty")
         lc = self._lc
@@ -401,6 +466,7 @@ class LlamaCppContext:
                 f"positions {pos_min}..{pos_max}, expected {first}..{n_tokens - 1})"
             )
         self._tokens = [-1] * n_tokens
+        self._dirty_from = None
         self._known_from = n_tokens
         short = layout is None or (layout.windowed and n_tokens > eng.n_swa)
         self._rewind_min = n_tokens if short else 0

@@ -34,7 +34,7 @@ def build_app(args: argparse.Namespace, guard: Guard) -> Starlette:
     """The app ``ds4 serve`` serves for ``args`` (already checked): the
     engine, the store, the generator, the pool and the worker
     (``app.state.service``). Tests build a replica in process with it."""
-    engine = build_engine(args.engine, args.model, args.threads)
+    engine = build_engine(args.engine, args.model, args.threads, getattr(args, "exact", None))
     if args.ctx > engine.max_ctx:
         log.warning("--ctx %d exceeds the model's %d; using %d", args.ctx, engine.max_ctx, engine.max_ctx)
     sessions, why = resolve_sessions(args.sessions, args.sessions_mem_mb, engine, min(args.ctx, engine.max_ctx))

@@ -284,6 +284,9 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
         "token_check": r.token_check,
         "snapshot": r.snapshot,
         "stop_action": res.stop_action,
+        # the wait for the last reply's decode steps to be prefilled again
+        # (llama.cpp's canonical mode) when this turn came before it was done
+        "canonicalize_ms": round(r.timings.get("canonicalize_ms", 0.0), 3),
         "ttft_ms": round(res.ttft_s * 1000, 3),
         "total_ms": round(res.total_s * 1000, 3),
     }

@@ -299,8 +299,23 @@ class Service:
             return
         try:
             self._serve_on(job, resident, prompt)
+            self._canonicalize(resident)
         finally:
             self.pool.release(resident)  # after the done hook: it may still extend the resident's state
+
+    @staticmethod
+    def _canonicalize(resident: Resident) -> None:
+        """The reply is sent: its unpadded decode steps are prefilled again
+        now (llama.cpp's canonical mode), while the client reads it or runs
+        its tools, not when its next turn comes (a job that arrives first
+        waits for this, queued behind it)."""
+        sess = resident.gen.sess
+        if sess.canonical:
+            return
+        try:
+            log.debug("session %d made canonical in %.1f ms", resident.index, sess.canonicalize())
+        except Exception:  # the session is invalid: the next turn rebuilds it
+            log.exception("canonicalizing session %d failed", resident.index)
 
     def _failed(self, job: Job, e: Exception) -> None:
         if isinstance(e, PromptError):

@@ -1,0 +1,210 @@
+"""``--exact canonical`` (issue 40): decode steps unpadded, as llama.cpp
+decodes them, and the reply's positions prefilled again before its state is
+extended, rewound, stored or copied. Every state that is reused is then
+bit for bit a cold prefill's, so a resumed session replies as a cold one;
+``off`` states have their own payload ABI and are never loaded by an exact
+engine. On SmolLM2 (batch policy 2x1) and Gemma 3 (8x4, a sliding window)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from models import model_path, text_tokens
+
+import ds4
+from ds4.engines.llamacpp import LlamaCppEngine
+from ds4.turn import Generator, GenParams
+
+pytestmark = pytest.mark.timeout(600)
+
+GEN = 24
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def engines(request):
+    """(canonical, strict) engines of one model."""
+    path = model_path(request.param)
+    return LlamaCppEngine(model_path=path, exact="canonical"), LlamaCppEngine(model_path=path, exact="strict")
+
+
+def greedy(s: ds4.Session, n: int = GEN) -> list[int]:
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(s.logits))
+        out.append(t)
+        s.eval_token(t)
+    return out
+
+
+def prefilled(eng, toks) -> ds4.Session:
+    s = ds4.Session(eng, ctx=1024)
+    s.sync(toks)
+    return s
+
+
+def same_state(a: ds4.Session, b: ds4.Session) -> bool:
+    x, y = a.export_arrays(), b.export_arrays()
+    return x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_a_replys_state_is_made_a_prefills(engines):
+    can, _ = engines
+    toks = text_tokens(can, 300)
+    s = prefilled(can, toks)
+    assert s.canonical
+    greedy(s)
+    assert not s.canonical  # the reply's steps went unpadded
+    fresh = prefilled(can, s.tokens)
+    assert same_state(s, fresh)  # the export made it a prefill's, bit for bit
+    assert s.canonical
+    np.testing.assert_array_equal(s.logits, fresh.logits)
+
+
+def test_canonical_steps_go_unpadded_and_strict_ones_padded(engines):
+    can, strict = engines
+    toks = text_tokens(can, 200)
+    pads = {}
+    for name, eng in (("canonical", can), ("strict", strict)):
+        s = prefilled(eng, toks)
+        ectx, decode, seen = s._ectx, s._ectx._decode, []
+
+        def spy(t, pos0, pad=True, decode=decode, seen=seen):
+            seen.append((int(t.size), pad))
+            decode(t, pos0, pad)
+
+        ectx._decode = spy
+        greedy(s, 8)
+        pads[name] = seen
+    assert pads["canonical"] == [(1, False)] * 8  # llama.cpp's own one-token step
+    assert pads["strict"] == [(1, True)] * 8  # padded to the engine's batch policy
+
+
+def test_a_resumed_session_replies_as_a_cold_one(engines):
+    can, _ = engines
+    p1 = text_tokens(can, 260)
+    a = prefilled(can, p1)
+    r1 = greedy(a)
+    user = can.tokenize(" Then the otters swam to the far bank and waited.")
+    p2 = p1 + r1 + user
+    cold = prefilled(can, p2)
+    want = greedy(cold)
+    # live: the session that decoded r1 is extended (canonicalized first)
+    a.sync(p2)
+    assert greedy(a) == want
+    # disk: a state stored after turn 1 (its export is canonical) loaded anew
+    b = prefilled(can, p1)
+    greedy(b)
+    arrays, n = b.export_arrays(), b.n_past
+    d = ds4.Session(can, ctx=1024)
+    d.load_arrays(arrays, n)
+    d.sync(p2)
+    assert greedy(d) == want
+
+
+@pytest.mark.parametrize("back", [3, GEN // 2, GEN + 5])
+def test_a_rewind_into_or_before_the_reply_is_a_prefills(engines, back):
+    can, _ = engines
+    p = text_tokens(can, 240)
+    s = prefilled(can, p)
+    greedy(s)
+    keep = s.n_past - back
+    assert s.rewind(keep)
+    fresh = prefilled(can, s.tokens)
+    np.testing.assert_array_equal(s.logits, fresh.logits)
+    assert same_state(s, fresh)
+
+
+def test_strict_and_canonical_states_are_one_abi(engines):
+    can, strict = engines
+    assert can.payload_abi() == strict.payload_abi()
+    p = text_tokens(can, 200)
+    s = prefilled(can, p)
+    greedy(s)
+    arrays, n, toks = s.export_arrays(), s.n_past, s.tokens
+    t = ds4.Session(strict, ctx=1024)
+    t.load_arrays(arrays, n)
+    assert same_state(t, prefilled(strict, toks))
+
+
+def test_a_turn_that_comes_first_waits_for_the_canonicalization_and_says_so(engines, tmp_path):
+    can, _ = engines
+    gen = Generator(can, 1024, ds4.KVStore(tmp_path, min_tokens=16))
+    msgs = [{"role": "user", "content": "Tell me about the tides in the harbour. " * 12}]
+    first = gen.generate(can.render_chat(msgs), GenParams(max_tokens=GEN))
+    assert not gen.sess.canonical  # nothing has canonicalized it yet
+    msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And at night?"}]
+    second = gen.generate(can.render_chat(msgs), GenParams(max_tokens=GEN))
+    assert second.report.timings["canonicalize_ms"] > 0
+    assert second.report.rung in ("live", "rewrite")
+    cold = Generator(can, 1024).generate(can.render_chat(msgs), GenParams(max_tokens=GEN))
+    assert cold.report.rung == "prefill" and "canonicalize_ms" not in cold.report.timings
+    assert second.tokens == cold.tokens
+
+
+def test_off_states_are_never_loaded_by_an_exact_engine(tmp_path):
+    path = model_path("smollm2")
+    off, exact = LlamaCppEngine(model_path=path, exact="off"), LlamaCppEngine(model_path=path, exact="canonical")
+    assert off.payload_abi() != exact.payload_abi()
+    prompt = off.render_chat([{"role": "user", "content": "The harbour master logs every ship. " * 20}])
+    st = ds4.KVStore(tmp_path, min_tokens=16)
+    s = ds4.Session(off, ctx=1024)
+    ds4.recover(s, st, prompt)
+    assert st.store_live_prefix(s, "continued")
+    e = ds4.Session(exact, ctx=1024)
+    rep = ds4.recover(e, st, prompt)
+    assert rep.rung == "prefill"
+    assert [code for _p, _s, code, _r in rep.rejected] == ["abi_mismatch"]
+
+
+def test_the_mode_is_a_flag_and_checked():
+    with pytest.raises(ValueError, match="strict, canonical, off"):
+        LlamaCppEngine(model_path=model_path("smollm2"), exact="fast")
+    from ds4.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--exact", "canonical"])
+    assert args.exact == "canonical"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--exact", "sometimes"])
+
+
+def _chat(srv, msgs):
+    r = srv.client().chat.completions.create(model=srv.model(), messages=msgs, max_tokens=GEN, temperature=0)
+    return r.choices[0].message.content, (r.model_extra or {}).get("ds4", {})
+
+
+def test_a_canonical_server_is_exact_live_and_from_disk(tmp_path):
+    """``ds4 serve --exact canonical``: the worker canonicalizes a reply
+    once it is sent, so the next turn waits for nothing (``canonicalize_ms``
+    0) and extends a prefill's state; the same turn after a restart resumes
+    from disk; both reply as a cold server does."""
+    import signal
+
+    from test_server import Server
+
+    msgs = [
+        {"role": "system", "content": "You keep the harbour's tide log and answer from it. " * 50},
+        {"role": "user", "content": "When is high water at the north berth?"},
+    ]
+    flags = ("--model", model_path("smollm2"), "--exact", "canonical")
+    kv = str(tmp_path / "kv")
+    srv = Server(str(tmp_path), "a", *flags, "--kv-disk-dir", kv, engine="llamacpp", ctx=2048).start(timeout=300)
+    try:
+        first, _ = _chat(srv, msgs)
+        msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "And at the south berth?"}]
+        live, info = _chat(srv, msgs)
+        assert info["rung"] == "live" and info["canonicalize_ms"] == 0, info
+    finally:
+        srv.stop(signal.SIGTERM)
+    srv = Server(str(tmp_path), "b", *flags, "--kv-disk-dir", kv, engine="llamacpp", ctx=2048).start(timeout=300)
+    try:
+        disk, info = _chat(srv, msgs)
+        assert info["rung"] == "disk" and info["reused_tokens"] > 0, info
+    finally:
+        srv.stop(signal.SIGTERM)
+    cold_srv = Server(str(tmp_path), "cold", *flags, engine="llamacpp", ctx=2048).start(timeout=300)
+    try:
+        cold, info = _chat(cold_srv, msgs)
+        assert info["rung"] == "prefill", info
+    finally:
+        cold_srv.stop(signal.SIGTERM)
+    assert live == disk == cold
