@@ -55,8 +55,13 @@ def plain_decode(llm, toks: list[int], gen: int) -> tuple[float, list[int]]:
     llm.eval(toks)
     out = []
     t0 = time.perf_counter()
+    import llama_cpp
+
+    n_vocab = llm.n_vocab()
     for _ in range(gen):
-        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        # the last logits as llama.cpp holds them (what Llama.eval copied into its scores)
+        last = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        t = int(np.argmax(np.ctypeslib.as_array(last, shape=(n_vocab,))))
         out.append(t)
         llm.eval([t])
     return time.perf_counter() - t0, out
