@@ -19,88 +19,41 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-import openai
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models
-from bench_server import free_port, system_prompt
+from bench_server import Server, system_prompt
 
 
-class Serve:
-    def __init__(self, model: str, kv: str, log_path: str, ctx: int):
-        self.port = free_port()
-        self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ds4",
-                "serve",
-                "--engine",
-                "llamacpp",
-                "--model",
-                model,
-                "--port",
-                str(self.port),
-                "--ctx",
-                str(ctx),
-                "--sessions",
-                "1",
-                "--kv-disk-dir",
-                kv,
-                "--log-level",
-                "warning",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited; see {log_path}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.02)
-        else:
-            raise SystemExit("server did not open its port")
-        self.client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=600
-        )
+def serve(model: str, kv: str, log_path: str, ctx: int) -> Server:
+    """``ds4 serve`` (llama.cpp, one live session) on ``kv``, taken as soon
+    as its port accepts a connection: nothing asked of it before."""
+    return Server("llamacpp", ["--model", model, "--kv-disk-dir", kv], log_path, ctx, ready="port")
 
-    def turn(self, messages: list[dict], max_tokens: int = 8) -> tuple[float, float, str, str | None]:
-        """(client TTFT s, server ttft_ms, reply, rung) of a streamed chat."""
-        t0 = time.perf_counter()
-        stream = self.client.chat.completions.create(
-            model="m",
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        ttft, parts, info = None, [], {}
-        for ch in stream:
-            if ch.choices and ch.choices[0].delta.content:
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                parts.append(ch.choices[0].delta.content)
-            info = (ch.model_extra or {}).get("ds4") or info
-        return ttft or float("nan"), float(info.get("ttft_ms", "nan")), "".join(parts), info.get("rung")
 
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
-        self.log.close()
+def turn(srv: Server, messages: list[dict], max_tokens: int = 8) -> tuple[float, float, str, str | None]:
+    """(client TTFT s, server ttft_ms, reply, rung) of a streamed chat."""
+    t0 = time.perf_counter()
+    stream = srv.client.chat.completions.create(
+        model="m",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    ttft, parts, info = None, [], {}
+    for ch in stream:
+        if ch.choices and ch.choices[0].delta.content:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            parts.append(ch.choices[0].delta.content)
+        info = (ch.model_extra or {}).get("ds4") or info
+    return ttft or float("nan"), float(info.get("ttft_ms", "nan")), "".join(parts), info.get("rung")
 
 
 def main() -> None:
@@ -111,24 +64,24 @@ def main() -> None:
     a = ap.parse_args()
     model = a.model if os.path.isfile(a.model) else models.model_path(a.model)
     tmp = tempfile.mkdtemp(prefix="ds4-restart-")
-    kv, log = os.path.join(tmp, "kv"), os.path.join(tmp, "serve.log")
+    kv = os.path.join(tmp, "kv")
     sysp = system_prompt(a.tokens * 4)
     convs = [
         [{"role": "system", "content": f"Desk {c}. {sysp}"}, {"role": "user", "content": f"Berth {c}: tide?"}]
         for c in range(2)
     ]
     try:
-        srv = Serve(model, kv, log, ctx=a.tokens + 1024)
+        srv = serve(model, kv, os.path.join(tmp, "cold.log"), ctx=a.tokens + 1024)
         for c in convs:
-            _, _, reply, _ = srv.turn(c)
+            _, _, reply, _ = turn(srv, c)
             c += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And tomorrow?"}]
         srv.stop()
         rows = {"first": ([], []), "second": ([], [])}
         for r in range(a.repeats):
-            srv = Serve(model, kv, log, ctx=a.tokens + 1024)
+            srv = serve(model, kv, os.path.join(tmp, f"restart-{r}.log"), ctx=a.tokens + 1024)
             try:
                 for slot, c in zip(("first", "second"), (convs[r % 2], convs[1 - r % 2]), strict=True):
-                    client_s, server_ms, _, rung = srv.turn(c)
+                    client_s, server_ms, _, rung = turn(srv, c)
                     if rung != "disk":
                         raise SystemExit(f"the {slot} request was served by {rung!r}, not from disk")
                     rows[slot][0].append(client_s * 1000)

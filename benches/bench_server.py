@@ -40,6 +40,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,13 @@ from ports import free_port
 
 
 class Server:
-    def __init__(self, engine: str, extra: list, log_path: str, ctx: int, keys: list[str] | None = None):
+    """A ``ds4 serve`` process, ready once ``/health`` answers, or with
+    ``ready="port"`` once its port accepts a connection (then nothing has
+    been asked of it yet: ``model`` is None)."""
+
+    def __init__(
+        self, engine: str, extra: list, log_path: str, ctx: int, keys: list[str] | None = None, ready: str = "health"
+    ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
@@ -84,13 +91,18 @@ class Server:
             if self.proc.poll() is not None:
                 raise SystemExit(f"server failed to start; see {log_path}")
             try:
+                if ready == "port":
+                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                    break
                 if httpx.get(self.base + "/health", headers=self._auth(keys), timeout=2).status_code == 200:
                     break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+            except (OSError, httpx.HTTPError):
+                time.sleep(0.02 if ready == "port" else 0.1)
         else:
-            raise SystemExit("server did not become healthy")
-        self.model = httpx.get(self.base + "/health", headers=self._auth(keys)).json()["model"]
+            raise SystemExit("server did not become ready")
+        self.model = (
+            None if ready == "port" else httpx.get(self.base + "/health", headers=self._auth(keys)).json()["model"]
+        )
         self.clients = [
             openai.OpenAI(base_url=self.base + "/v1", api_key=k, max_retries=0, timeout=600)
             for k in (keys or ["unused"])

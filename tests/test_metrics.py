@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from metric_samples import samples
 from starlette.testclient import TestClient
 from test_invalidation import flip_payload_byte
 
@@ -45,15 +45,6 @@ def _usage(protocol: str, body: dict) -> tuple[int, int, int]:
     if protocol == "responses":
         return u["input_tokens"], u["input_tokens_details"]["cached_tokens"], u["output_tokens"]
     return u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"]
-
-
-def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    """Every sample, keyed by (name, sorted labels)."""
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def _idle(service: Service) -> None:
@@ -183,7 +174,7 @@ def test_metrics_hold_exactly_what_the_replies_said(served):
     r = c.get("/metrics", headers=_auth(KOPS))
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
-    got = _samples(r.text)
+    got = samples(r.text)
 
     want = Expected(done)
     assert want.rejections, "the flipped checkpoint was never tried: the sequence tests nothing of rejections"
@@ -287,7 +278,7 @@ def test_keyless_server_shows_everyone_the_metrics(tmp_path):
     with TestClient(create_app(service), base_url="http://127.0.0.1") as c:
         body = {"model": "m", "prompt": "The quokka smiles at", "max_tokens": 2}
         assert c.post("/v1/completions", json=body).status_code == 200
-        got = _samples(c.get("/metrics").text)
+        got = samples(c.get("/metrics").text)
         assert got[("ds4_requests_total", (("protocol", "completions"), ("rung", "prefill")))] == 1
         assert ("ds4_kv_bytes", ()) not in got  # no store: no store series
         assert b'data-needs-key="false"' in c.get("/ui").content

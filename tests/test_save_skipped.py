@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 from kv_helpers import BASE, prefilled, toks
-from prometheus_client.parser import text_string_to_metric_families
+from metric_samples import samples
 from starlette.testclient import TestClient
 
 import ds4
@@ -270,14 +270,6 @@ def test_a_turns_continued_saves_over_budget_are_in_its_report(eng, tmp_path):
 # -- through the server ------------------------------------------------------------
 
 
-def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def _skip_series(got: dict) -> dict[tuple[str, str], float]:
     """``ds4_checkpoint_saves_skipped_total`` by (kind, code)."""
     return {
@@ -314,7 +306,7 @@ def test_a_real_server_says_why_it_did_not_save(tmp_path):
         ]
         assert skipped[0]["detail"] in (f"{live} tokens < min 64", f"{live - 1} tokens < min 64")
 
-        got = _skip_series(_samples(httpx.get(srv.base + "/metrics", timeout=10).text))
+        got = _skip_series(samples(httpx.get(srv.base + "/metrics", timeout=10).text))
         assert got == {("cold", "below_min_tokens"): 2.0, ("evict", "below_min_tokens"): 1.0}
 
         data = httpx.get(srv.base + "/ui/data", timeout=10).json()
@@ -343,7 +335,7 @@ def test_an_over_budget_store_in_the_ds4_block_and_the_metrics(eng, tmp_path):
             if not service.status["busy"]:
                 break
             time.sleep(0.01)
-        got = _skip_series(_samples(c.get("/metrics").text))
+        got = _skip_series(samples(c.get("/metrics").text))
         assert got == {("cold", "over_budget"): 1.0}
         assert c.get("/ui/data").json()["save_skipped"] == {"over_budget": {"cold": 1}}
     assert kv_files(tmp_path / "kv") == []

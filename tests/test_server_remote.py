@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from metric_samples import samples
 from redis_servers import RedisClusterNodes, RedisNode
 from test_server import CTX, KV_FLAGS, Server, _cached, _conv, _extra, cold_chat
 
@@ -44,11 +44,7 @@ def _remote_metrics(srv) -> None:
         if not srv.health()["busy"]:
             break
         time.sleep(0.05)
-    got = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for f in text_string_to_metric_families(httpx.get(srv.base + "/metrics", timeout=10).text)
-        for s in f.samples
-    }
+    got = samples(httpx.get(srv.base + "/metrics", timeout=10).text)
     assert [
         st for st in ("up", "degraded", "cooldown", "closed") if got[("ds4_kv_remote_state", (("state", st),))]
     ] == ["up"]
