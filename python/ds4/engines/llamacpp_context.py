@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -167,8 +166,6 @@ class LlamaCppContext:
         # state is canonical, what a prefill of its tokens gives)
         self._canonical = bool(getattr(engine, "canonical", False))
         self._dirty_from: int | None = None
-        #: milliseconds spent making states canonical, summed
-        self.canonicalize_ms = 0.0
         #: the sequence id this context's tokens are in (0; a batched
         #: context's, :mod:`~ds4.engines.llamacpp_batch`, is its stream's)
         self.seq = 0
@@ -328,12 +325,11 @@ class LlamaCppContext:
     def canonicalize(self) -> None:
         """Make the state canonical: drop the positions decoded unpadded and
         prefill them again (padded, chunks aligned as a prefill's), so that
-        the state and logits equal a cold prefill's. The time goes to
-        ``canonicalize_ms``."""
+        the state and logits equal a cold prefill's (:meth:`ds4.session.Session.canonicalize`
+        times it)."""
         d = self._dirty_from
         if d is None:
             return
-        t0 = time.perf_counter()
         tail = self._tokens[d:]
         self._dirty_from = None
         try:
@@ -343,7 +339,6 @@ class LlamaCppContext:
             self.reset()
             raise
         self.eval(tail)
-        self.canonicalize_ms += (time.perf_counter() - t0) * 1000
 
     def last_logits(self) -> np.ndarray:
         """Logits after the last evaluated token (a copy); used after truncate()."""
