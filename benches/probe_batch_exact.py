@@ -49,7 +49,7 @@ import sys
 import numpy as np
 
 from ds4.config import build_engine
-from ds4.engines.llamacpp_context import context_params, padded
+from ds4.engines.llamacpp_owner import context_params, padded
 from ds4.keytext import tokenize_prompt
 
 PROMPTS = [

@@ -72,7 +72,7 @@ from ..errors import EngineError, UnsupportedModelError
 from ..keytext import Prompt
 from .chat_template import chat_renderer
 from .llamacpp_batch import SharedContext, batched_exact
-from .llamacpp_context import Idle, LlamaCppContext, padded
+from .llamacpp_context import LlamaCppContext
 from .llamacpp_lib import (
     GGUF_NAME,
     default_model_path,
@@ -81,6 +81,7 @@ from .llamacpp_lib import (
     load_llama_cpp,
     model_fingerprint,
 )
+from .llamacpp_owner import Idle, padded
 from .llamacpp_probe import CANDIDATES, Memory, Probe, pads_needed, probe_engine
 from .llamacpp_state import StateLayout
 

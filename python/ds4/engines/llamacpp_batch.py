@@ -52,8 +52,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import EngineError
-from .llamacpp_context import Idle, LlamaCppContext, Owner, context_params, open_context, padded
+from .llamacpp_context import LlamaCppContext
 from .llamacpp_lib import Batch
+from .llamacpp_owner import Idle, Owner, context_params, open_context, padded
 from .llamacpp_state import restream
 
 __all__ = ["SeqContext", "SharedContext", "batched_exact"]

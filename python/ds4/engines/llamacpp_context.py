@@ -5,10 +5,9 @@ in exact mode (:mod:`ds4.engines.llamacpp`, "Determinism"), the exact
 rewind (:meth:`~LlamaCppContext.truncate`), and the state's export and
 import (checked by :mod:`~ds4.engines.llamacpp_state`).
 
-A context knows its engine only through :class:`Owner`: the model, the
-facts of its batches, and the engine's bookkeeping of the llama handles
-(a closed context's handles are kept by the engine for the next context of
-the same size, :class:`Idle`). So this module imports no engine, and the
+A context knows its engine only through
+:class:`~ds4.engines.llamacpp_owner.Owner`: the model, the facts of its
+batches, and the engine's bookkeeping of the llama handles. So this module imports no engine, and the
 start-up probe (:mod:`~ds4.engines.llamacpp_probe`), which measures on a
 context, stands below the engine too.
 """
@@ -18,119 +17,29 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
 from .llamacpp_lib import Batch
-from .llamacpp_state import StateLayout, check_payload, full_layout, walk_state
+from .llamacpp_owner import Idle, Owner, context_params, open_context, padded
+from .llamacpp_state import check_payload, full_layout, walk_state
 
-__all__ = ["Idle", "LlamaCppContext", "Owner", "context_params", "open_context", "padded"]
-
-_LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
-
-
-def padded(n: int, m: int) -> int:
-    """``n`` rounded up to a multiple of ``m``."""
-    return -(-n // m) * m
+__all__ = ["LlamaCppContext"]
 
 
-def context_params(engine: Owner, n_ctx: int, n_seq_max: int = 1) -> Any:
-    """The ``llama_context_params`` of every context the engine makes (of
-    ``n_ctx`` cells; ``n_seq_max`` sequences: one, but for
-    ``benches/probe_batch_exact.py``, which must use the same settings)."""
-    lc = engine.lc
-    cap = engine.batch_room
-    cparams = lc.llama_context_default_params()
-    cparams.n_ctx = n_ctx
-    cparams.n_batch = cap
-    # serial: llama.cpp evaluates every token on its own (a memory whose
-    # batches are exact at no size: every token then takes the one path)
-    cparams.n_ubatch = 1 if engine.serial else cap
-    cparams.n_seq_max = n_seq_max
-    # a recurrent memory drops the pad tokens of a batch by rolling back to a
-    # snapshot (only where the architecture keeps them: LFM2's, say)
-    cparams.n_rs_seq = engine.rollback_room
-    cparams.n_threads = engine.n_threads
-    cparams.n_threads_batch = engine.n_threads
-    cparams.flash_attn_type = _LLAMA_FLASH_ATTN_TYPE_DISABLED
-    cparams.type_k = engine.type_k
-    cparams.type_v = engine.type_v
-    cparams.swa_full = True  # SWA layers keep every position: rewind stays exact
-    cparams.embeddings = False
-    cparams.offload_kqv = False
-    cparams.no_perf = True
-    return cparams
+@dataclasses.dataclass(frozen=True)
+class _Mark:
+    """A sequence's state where its unpadded reply began (canonical mode, a
+    memory that cannot drop positions): the blob, the logits after it and
+    the context's bookkeeping then."""
 
-
-def open_context(engine: Owner, params: Any, cells: int, what: str) -> tuple[Any, Any]:
-    """A llama context of ``params`` with at least ``cells`` cells per
-    sequence, counted as opened by ``engine``, and its memory handle;
-    EngineError (``what``: the context asked for) when llama.cpp gives none."""
-    lc = engine.lc
-    ctx = lc.llama_init_from_model(engine.model, params)
-    if not ctx:
-        raise EngineError(f"llama.cpp could not create a context of {what}")
-    engine.context_opened()
-    if lc.llama_n_ctx_seq(ctx) < cells:  # pragma: no cover - llama only rounds up
-        lc.llama_free(ctx)
-        engine.context_freed()
-        raise EngineError("llama.cpp gave a smaller context than requested")
-    return ctx, lc.llama_get_memory(ctx)
-
-
-class Owner(Protocol):
-    """What a context needs of its engine (:class:`~ds4.engines.llamacpp.LlamaCppEngine`)."""
-
-    n_batch: int
-    #: the most tokens one decode is given: ``n_batch`` with room for the
-    #: pads of the strictest batch policy the probe may choose
-    batch_room: int
-    n_threads: int
-    exact: bool
-    batch_floor: int
-    batch_multiple: int
-    type_k: int
-    type_v: int
-    vocab_size: int
-    can_rewind: bool
-    #: the model's memory has a recurrent part (pure recurrent or hybrid)
-    recurrent: bool
-    #: snapshots a context asks for so a recurrent memory can drop pads
-    rollback_room: int
-    #: every token evaluated on its own (ubatches of one)
-    serial: bool
-    n_swa: int
-    state_layout: StateLayout | None
-
-    @property
-    def lc(self) -> Any:
-        """The ``llama_cpp`` module (its low-level API)."""
-
-    @property
-    def model(self) -> Any:
-        """The loaded ``llama_model``."""
-
-    def keep(self, idle: Idle) -> bool:
-        """Take a closing context's handles (False: the caller frees them)."""
-
-    def context_opened(self) -> None:
-        """A context made its own llama handles."""
-
-    def context_freed(self) -> None:
-        """A context freed its llama handles."""
-
-
-@dataclasses.dataclass
-class Idle:
-    """The llama handles of a closed context, kept by its engine."""
-
-    n_ctx: int
-    ctx: Any
-    mem: Any
-    batch: Batch
+    blob: np.ndarray
+    logits: np.ndarray | None
+    known_from: int
+    rewind_min: int
 
 
 class LlamaCppContext:
@@ -166,6 +75,9 @@ class LlamaCppContext:
         # state is canonical, what a prefill of its tokens gives)
         self._canonical = bool(getattr(engine, "canonical", False))
         self._dirty_from: int | None = None
+        # where the memory cannot drop the reply's positions (recurrent,
+        # hybrid, a windowed import): the state at the reply's start
+        self._mark: _Mark | None = None
         #: the sequence id this context's tokens are in (0; a batched
         #: context's, :mod:`~ds4.engines.llamacpp_batch`, is its stream's)
         self.seq = 0
@@ -205,6 +117,7 @@ class LlamaCppContext:
         self._rewind_min = 0
         self._logits = None
         self._dirty_from = None
+        self._mark = None
 
     def close(self) -> None:
         ctx, self._ctx = self._ctx, None
@@ -300,12 +213,15 @@ class LlamaCppContext:
         them again before the state is extended, rewound or exported; else
         it is :meth:`eval`."""
         pos = self.n_past
-        if not self._canonical or (self._dirty_from is None and not self._rewindable(pos)):
-            return self.eval([token])
+        if not self._canonical or max(self.batch_floor, padded(1, self.batch_multiple)) == 1:
+            return self.eval([token])  # a one-token batch is one the kernels treat as a prefill's
         self._check_open()
         toks = self._as_tokens([token])
         if pos + 1 > self.n_ctx:
             raise ContextOverflowError(pos + 1, self.n_ctx)
+        if self._dirty_from is None and not self._rewindable(pos) and pos > 0:
+            # the memory cannot drop the reply: keep the state at its start
+            self._mark = _Mark(self._get_blob(), self._logits, self._known_from, self._rewind_min)
         try:
             self._decode(toks, pos, pad=False)
             self._tokens.append(int(toks[0]))
@@ -331,14 +247,25 @@ class LlamaCppContext:
         if d is None:
             return
         tail = self._tokens[d:]
-        self._dirty_from = None
+        self._back_to(d)
+        self.eval(tail)
+
+    def _back_to(self, d: int) -> None:
+        """Drop the unpadded positions (from ``d``): cut them, or restore the
+        state the mark kept at ``d``. EngineError (the context reset) when
+        llama.cpp refuses."""
+        mark, self._mark, self._dirty_from = self._mark, None, None
         try:
-            if not self._cut(d):
-                raise EngineError(f"llama.cpp could not drop the unpadded positions from {d}")
+            if mark is None:
+                if not self._cut(d):
+                    raise EngineError(f"llama.cpp could not drop the unpadded positions from {d}")
+                return
+            self._set_blob(mark.blob, d)
         except EngineError:
             self.reset()
             raise
-        self.eval(tail)
+        del self._tokens[d:]
+        self._logits, self._known_from, self._rewind_min = mark.logits, mark.known_from, mark.rewind_min
 
     def last_logits(self) -> np.ndarray:
         """Logits after the last evaluated token (a copy); used after truncate()."""
@@ -366,9 +293,16 @@ class LlamaCppContext:
         if n == 0:
             self.reset()
             return True
+        d = self._dirty_from
+        if d is not None and self._mark is not None and n >= d:
+            # into the reply of a memory that cannot rewind: from its mark
+            tail = self._tokens[d:n]
+            self._back_to(d)
+            if tail:
+                self.eval(tail)
+            return True
         if not self._rewindable(n):
             return False
-        d = self._dirty_from
         if d is not None and n > d:
             self.canonicalize()  # the kept part of the reply as a prefill has it
         ok = self._cut(n)
@@ -412,6 +346,10 @@ class LlamaCppContext:
         self.canonicalize()  # a stored or copied state is a prefill's
         if self.n_past == 0 or self._logits is None:
             raise EngineError("nothing to export: the context is empty")
+        return {"llama_state": self._portable(self._get_blob()), "logits": self._logits.copy()}
+
+    def _get_blob(self) -> np.ndarray:
+        """The sequence's llama.cpp state, as this context writes it."""
         lc = self._lc
         size = int(lc.llama_state_seq_get_size(self._ctx, self.seq))
         if size <= 0:
@@ -421,9 +359,28 @@ class LlamaCppContext:
         n = int(lc.llama_state_seq_get_data(self._ctx, ptr, size, self.seq))
         if n <= 0 or n > size:
             raise EngineError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
-        if n < size:  # pragma: no cover - get_size is exact
-            buf = buf[:n].copy()
-        return {"llama_state": self._portable(buf), "logits": self._logits.copy()}
+        return buf[:n].copy() if n < size else buf
+
+    def _set_blob(self, blob: np.ndarray, n_tokens: int) -> None:
+        """Restore ``blob`` (this context's form) of ``n_tokens`` positions
+        into the emptied sequence: a sequence restore into an empty cache
+        puts position i in cell i and the head after the last cell, as a
+        cold prefill leaves them (llamacpp_state, "Exactness on import").
+        EngineStateError (the context not reset) when llama.cpp refuses it."""
+        lc = self._lc
+        self._clear()
+        ptr = ctypes.cast(ctypes.c_void_p(blob.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
+        n_read = int(lc.llama_state_seq_set_data(self._ctx, ptr, blob.size, self.seq))
+        pos_min = int(lc.llama_memory_seq_pos_min(self._mem, self.seq))
+        pos_max = int(lc.llama_memory_seq_pos_max(self._mem, self.seq))
+        # a recurrent memory holds one cell, at the last position (a hybrid's
+        # minimum is the larger of its two memories' minimums)
+        first = n_tokens - 1 if self._engine.recurrent else 0
+        if n_read != blob.size or pos_min != first or pos_max != n_tokens - 1:
+            raise EngineStateError(
+                f"llama.cpp rejected the state (read {n_read} of {blob.size} bytes, "
+                f"positions {pos_min}..{pos_max}, expected {first}..{n_tokens - 1})"
+            )
 
     def _portable(self, blob: np.ndarray) -> np.ndarray:
         """The exported blob as every context reads it (this one's: as is)."""
@@ -441,27 +398,14 @@ class LlamaCppContext:
         layout = eng.state_layout
         if layout is not None:
             blob = full_layout(blob, n_tokens, layout, walk_state(blob, n_tokens, layout))
-        blob = self._native(blob)
-        # -- hand it to llama.cpp: a sequence restore, into an empty cache,
-        # puts position i in cell i and the head after the last cell, as a
-        # cold prefill leaves them (llamacpp_state, "Exactness on import")
-        lc = self._lc
-        self._clear()
-        ptr = ctypes.cast(ctypes.c_void_p(blob.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
-        n_read = int(lc.llama_state_seq_set_data(self._ctx, ptr, blob.size, self.seq))
-        pos_min = int(lc.llama_memory_seq_pos_min(self._mem, self.seq))
-        pos_max = int(lc.llama_memory_seq_pos_max(self._mem, self.seq))
-        # a recurrent memory holds one cell, at the last position (a hybrid's
-        # minimum is the larger of its two memories' minimums)
-        first = n_tokens - 1 if eng.recurrent else 0
-        if n_read != blob.size or pos_min != first or pos_max != n_tokens - 1:
+        # -- hand it to llama.cpp
+        try:
+            self._set_blob(self._native(blob), n_tokens)
+        except EngineStateError:
             self.reset()
-            raise EngineStateError(
-                f"llama.cpp rejected the state (read {n_read} of {blob.size} bytes, "
-                f"positions {pos_min}..{pos_max}, expected {first}..{n_tokens - 1})"
-            )
+            raise
         self._tokens = [-1] * n_tokens
-        self._dirty_from = None
+        self._dirty_from = self._mark = None
         self._known_from = n_tokens
         short = layout is None or (layout.windowed and n_tokens > eng.n_swa)
         self._rewind_min = n_tokens if short else 0
