@@ -17,7 +17,14 @@ next ``P`` tokens (a tool result, the next user turn) in one
 Each sequence holds the same prompt of that many tokens; a measured round
 is ``--steps`` steps then a rewind to the prompt, best of ``--rounds``.
 The logits are not compared here (``tests/test_engine_llamacpp_batch.py``
-and ``benches/probe_batch_exact.py`` do that)."""
+and ``benches/probe_batch_exact.py`` do that).
+
+With ``--canonical`` a decode row also measures the other way a pool could
+serve K conversations under ``--exact canonical``: each resident decoding
+alone, unpadded (llama.cpp's one-token step), its reply prefilled again
+once (``canonicalize``, counted in the round): the time per token of that,
+and the batched step's time per conversation-token against it (above 1:
+the batched padded step is cheaper per token)."""
 
 from __future__ import annotations
 
@@ -67,7 +74,28 @@ def _row(
     return row
 
 
-def measure(eng: LlamaCppEngine, n: int, ks: list[int], steps: int, rounds: int) -> dict[str, float]:
+def _canonical_alone(can: LlamaCppEngine, toks: list[int], n_ctx: int, steps: int, rounds: int) -> float:
+    """ms per token of one context of ``can`` (``--exact canonical``)
+    decoding ``steps`` tokens unpadded, then canonicalizing them once."""
+    n = len(toks)
+    ctx = LlamaCppContext(can, n_ctx)
+    try:
+        ctx.eval(toks)
+
+        def run() -> None:
+            for _ in range(steps):
+                ctx.eval_step(100)
+            ctx.canonicalize()
+            ctx.truncate(n)
+
+        return _best(run, rounds) / steps * 1e3
+    finally:
+        ctx.close()
+
+
+def measure(
+    eng: LlamaCppEngine, n: int, ks: list[int], steps: int, rounds: int, can: LlamaCppEngine | None = None
+) -> dict[str, float]:
     toks = models.text_tokens(eng, n)
     n_ctx = n + steps + 8
     single = LlamaCppContext(eng, n_ctx)
@@ -76,6 +104,7 @@ def measure(eng: LlamaCppEngine, n: int, ks: list[int], steps: int, rounds: int)
         single.eval(toks)
         for c in shared.contexts:
             c.eval(toks)
+        row = {} if can is None else {"canonical_token_ms": _canonical_alone(can, toks, n_ctx, steps, rounds)}
 
         def alone() -> None:
             for _ in range(steps):
@@ -95,7 +124,11 @@ def measure(eng: LlamaCppEngine, n: int, ks: list[int], steps: int, rounds: int)
 
             return run
 
-        return _row(n, alone, batched, ks, rounds, steps)
+        row.update(_row(n, alone, batched, ks, rounds, steps))
+        if can is not None:
+            for k in ks:
+                row[f"k{k}_vs_canonical"] = k * row["canonical_token_ms"] / row[f"k{k}_step_ms"]
+        return row
     finally:
         single.close()
         for c in shared.contexts:
@@ -145,21 +178,33 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
+        "--canonical",
+        action="store_true",
+        help="also each resident alone, unpadded, its reply canonicalized once (--exact canonical)",
+    )
+    ap.add_argument(
         "--prefill", type=int, nargs="*", default=[], help="prefill pieces of these sizes, not decode steps"
     )
     args = ap.parse_args()
-    eng = LlamaCppEngine(model_path=args.model or models.model_path("smollm2"), n_threads=args.threads)
+    path = args.model or models.model_path("smollm2")
+    eng = LlamaCppEngine(model_path=path, n_threads=args.threads, exact="strict")
+    can = LlamaCppEngine(model_path=path, n_threads=args.threads, exact="canonical") if args.canonical else None
     for n in args.contexts:
         for piece in args.prefill or [0]:
             r = (
                 measure_prefill(eng, n, piece, args.k, args.rounds)
                 if piece
-                else measure(eng, n, args.k, args.steps, args.rounds)
+                else measure(eng, n, args.k, args.steps, args.rounds, can)
             )
             what = f"a {piece}-token piece" if piece else "single step"
             parts = [f"context {n}: {what} {r['single_step_ms']:.1f} ms"]
+            if "canonical_token_ms" in r:
+                parts.append(f"canonical alone {r['canonical_token_ms']:.1f} ms/token")
             for k in args.k:
-                parts.append(f"K={k} {r[f'k{k}_step_ms']:.1f} ms ({r[f'k{k}_per_token_ratio']:.2f}x per token)")
+                part = f"K={k} {r[f'k{k}_step_ms']:.1f} ms ({r[f'k{k}_per_token_ratio']:.2f}x per token"
+                if f"k{k}_vs_canonical" in r:
+                    part += f", {r[f'k{k}_vs_canonical']:.2f}x canonical alone"
+                parts.append(part + ")")
             print("; ".join(parts))
     return 0
 

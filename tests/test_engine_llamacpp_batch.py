@@ -63,7 +63,7 @@ def world(request):
 def test_the_engine_finds_its_batched_steps_exact(world):
     eng, _, _ = world
     assert B.batched_exact(eng, [list(range(11, 20)), list(range(40, 63)), list(range(70, 75))])
-    shared = eng.batched_contexts(3, N_CTX)
+    shared = eng.batched_contexts(3, N_CTX, always=True)  # exact; whether it pays is asked below
     assert isinstance(shared, B.SharedContext) and len(shared.contexts) == 3
     for c in shared.contexts:
         c.close()
@@ -353,11 +353,11 @@ def test_an_engine_whose_batches_differ_decodes_per_session(monkeypatch):
     eng = L.LlamaCppEngine(model_path=models.model_path("smollm2"))
     try:
         asked = []
-        monkeypatch.setattr(L, "batched_exact", lambda *a, **k: asked.append(a) or False)
+        monkeypatch.setattr(B, "batched_exact", lambda *a, **k: asked.append(a) or False)
         assert eng.batched_contexts(2, N_CTX) is None and len(asked) == 1
         assert eng.batched_contexts(3, N_CTX) is None and len(asked) == 1  # checked once
         monkeypatch.undo()
-        eng._batched_ok = None
+        eng.batched_ok = None
         shared = eng.batched_contexts(2, N_CTX)
         assert shared is not None
         for c in shared.contexts:
@@ -442,4 +442,24 @@ def test_a_prefix_is_copied_only_where_the_source_could_rewind_to_it():
     finally:
         single.close()
         for c in shared.contexts:
+            c.close()
+
+
+def test_canonical_mode_batches_only_where_a_padded_step_pays():
+    """Under ``--exact canonical`` a resident alone decodes unpadded, so the
+    pool batches (each sequence padded) only for a pad of one row: SmolLM2
+    (2 rows) yes, Gemma 3 (8 rows) no, unless asked to always (``--batch-decode
+    on``); in strict mode every step is padded anyway, and it batches."""
+    from ds4.engines.llamacpp import LlamaCppEngine
+
+    for name, pays in (("smollm2", True), ("gemma3", False)):
+        can = LlamaCppEngine(model_path=models.model_path(name), exact="canonical")
+        strict = LlamaCppEngine(model_path=models.model_path(name), exact="strict")
+        assert can.step_rows == strict.step_rows == {"smollm2": 2, "gemma3": 8}[name]
+        assert can.batch_pays is pays and strict.batch_pays
+        shared = can.batched_contexts(2, N_CTX)
+        assert (shared is not None) is pays
+        forced = shared or can.batched_contexts(2, N_CTX, always=True)
+        assert isinstance(forced, B.SharedContext)
+        for c in forced.contexts:
             c.close()

@@ -117,11 +117,12 @@ def add_engine_args(p: argparse.ArgumentParser, default_ctx: int = 4096) -> None
     g.add_argument(
         "--exact",
         choices=("strict", "canonical", "off"),
-        default="strict",
-        help="llamacpp: how a resumed session stays equal to a cold prefill. strict (default): every "
-        "batch padded to a size the kernels treat alike, decode steps too; canonical: decode steps "
-        "unpadded (llama.cpp's speed), the reply's positions prefilled again before its state is "
-        "reused, stored or copied; off: nothing padded, not exact (its states have their own ABI)",
+        default="canonical",
+        help="llamacpp: how a resumed session stays equal to a cold prefill. canonical (default): "
+        "prefills padded to a batch size the kernels treat alike, decode steps unpadded (llama.cpp's "
+        "speed), the reply's positions prefilled again before its state is reused, stored or copied; "
+        "strict: every batch padded, decode steps too; off: nothing padded, not exact (its states "
+        "have their own ABI)",
     )
 
 

@@ -65,11 +65,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch-decode",
-        choices=("auto", "off"),
+        choices=("auto", "on", "off"),
         default="auto",
         help="with --sessions > 1 on llama.cpp: the residents' decode steps in one llama_decode, where this "
-        "build gives bit-identical logits (auto, the default: checked at start; docs/DESIGN.md, "
-        "'Batched decode'); off: each resident decodes in its own context",
+        "build gives bit-identical logits (checked at start; docs/DESIGN.md, 'Batched decode'). auto (the "
+        "default): where it also pays (always with --exact strict; with canonical only for a decode pad of "
+        "one token: SmolLM2 yes, Gemma 3 no); on: wherever exact; off: each resident decodes in its own context",
     )
     p.add_argument(
         "--batch-prefill",

@@ -25,20 +25,24 @@ Determinism
     Batch sizes the kernels treat alike exist: at start-up the engine
     measures which (:mod:`~ds4.engines.llamacpp_probe`: at least 2 tokens
     for SmolLM2, at least 8 and a multiple of 4 for Gemma 3), and with
-    ``exact=True`` (the default) every batch is padded up to such a size with
+    an exact mode every batch of a prefill is padded up to such a size with
     throw-away copies of its last token at the next positions, removed right
-    after. Then the K/V cache and the logits are a pure function of the
-    tokens: ``eval(a + b)`` and ``eval(a); eval(b)`` are bit-identical for
+    after (``exact="strict"``, or ``True``: decode steps too;
+    ``"canonical"``, the default: decode steps go unpadded and the reply's
+    positions are prefilled again before its state is reused,
+    :meth:`LlamaCppContext.canonicalize`). Then the K/V cache and the
+    logits are a pure function of the tokens: ``eval(a + b)`` and ``eval(a); eval(b)`` are bit-identical for
     any split, a resume from any checkpoint (aligned or not, with generated
     tokens or not) equals a cold prefill bit for bit, and
     :meth:`LlamaCppContext.truncate` is exact. The thread count does not
     matter (measured with this build, on an AVX-512 CPU; other CPUs pick
     other kernels, so bit-identity is only claimed within a machine -- the
     payload ABI does not name the CPU). The price is a slower single-token
-    step (1.6x for SmolLM2's pad of one, 2.3x for Gemma's pad of seven:
-    ``benches/bench_pad.py``). ``exact=False`` uses the fast 1-token path; then a state that
-    went through a short batch may differ from a cold prefill in the last
-    bits.
+    step in strict mode (1.6x for SmolLM2's pad of one, 2.3x for Gemma's pad
+    of seven: ``benches/bench_pad.py``), a re-prefill of each reply in
+    canonical mode. ``exact=False`` (``"off"``) pads nothing and re-prefills
+    nothing; then a state that went through a short batch may differ from a
+    cold prefill in the last bits (its own payload ABI).
 
 Sliding-window models (Gemma 3)
     Contexts are made with ``swa_full``: the SWA layers' cache keeps every
@@ -71,7 +75,7 @@ from typing import Any
 from ..errors import EngineError, UnsupportedModelError
 from ..keytext import Prompt
 from .chat_template import chat_renderer
-from .llamacpp_batch import SharedContext, batched_exact
+from .llamacpp_batch import SharedContext, batch_pays, shared_context, step_rows
 from .llamacpp_context import LlamaCppContext
 from .llamacpp_lib import (
     GGUF_NAME,
@@ -115,7 +119,7 @@ class LlamaCppEngine:
         seed: int = 0,
         verbose: bool = False,
         n_batch: int = DEFAULT_N_BATCH,
-        exact: bool | str = True,
+        exact: bool | str = "canonical",
     ):
         if model_path is None:
             model_path = default_model_path()
@@ -427,38 +431,21 @@ class LlamaCppEngine:
         except Exception:
             pass
 
-    def batched_contexts(self, n_seq: int, n_ctx: int) -> SharedContext | None:
-        """One context of ``n_seq`` sequences of ``n_ctx`` tokens whose
-        decode steps are batched (:mod:`~ds4.engines.llamacpp_batch`; its
-        ``contexts``, one per session), or None where that
-        would not be exact: outside exact mode, without a learnt state
-        layout, or on a build whose batched steps differ from
-        single-session ones (checked once, here)."""
-        if not self.exact or self.state_layout is None or n_seq < 2:
-            return None
-        if not self.memory.copy:
-            # a recurrent memory: one sequence per call (its residents'
-            # states cannot be cut, copied or restreamed as a KV cache's)
-            return None
-        if self._batched_ok is None:
-            # two prompts a batch multiple apart past the floor (12 and 16
-            # tokens on Gemma 3): batched at their own lengths, not in this
-            # layout, llama.cpp runs the longer one's rest short and unpadded
-            f, m = self.batch_floor, self.batch_multiple
-            probe = [
-                list(range(11, 11 + f + m)),
-                list(range(40, 40 + f + 2 * m)),
-                list(range(70, 79)),
-                list(range(90, 113)),
-            ]
-            self._batched_ok = batched_exact(self, probe)
-            if not self._batched_ok:
-                log.warning("llama.cpp: batched decode is not bit-identical on this build; decoding per session")
-        if not self._batched_ok:
-            return None
-        return SharedContext(self, n_seq, n_ctx)
+    def batched_contexts(self, n_seq: int, n_ctx: int, *, always: bool = False) -> SharedContext | None:
+        """The pool's batched context, or None (:func:`~ds4.engines.llamacpp_batch.shared_context`)."""
+        return shared_context(self, n_seq, n_ctx, always=always)
 
-    _batched_ok: bool | None = None
+    #: whether this build's batched steps are exact (checked at the first
+    #: :meth:`batched_contexts`)
+    batched_ok: bool | None = None
+
+    @property
+    def step_rows(self) -> int:
+        return step_rows(self)
+
+    @property
+    def batch_pays(self) -> bool:
+        return batch_pays(self)
 
     # -- start-up probe ---------------------------------------------------
     def _apply_probe(self, p: Probe) -> None:

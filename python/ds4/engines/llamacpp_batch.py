@@ -46,8 +46,9 @@ Without a handover (one thread) a step runs at once, alone.
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -57,7 +58,79 @@ from .llamacpp_lib import Batch
 from .llamacpp_owner import Idle, Owner, context_params, open_context, padded
 from .llamacpp_state import restream
 
-__all__ = ["SeqContext", "SharedContext", "batched_exact"]
+log = logging.getLogger("ds4.engines.llamacpp")
+
+#: canonical mode batches the pool's decode steps up to this many rows per
+#: sequence (:func:`batch_pays`)
+_BATCH_PAYS_ROWS = 2
+
+
+class Pooled(Owner, Protocol):
+    """What the pool's choice of layout reads of its engine."""
+
+    #: decode steps unpadded, replies canonicalized (``--exact canonical``)
+    canonical: bool
+    #: whether this build's batched steps are exact (None: not checked yet)
+    batched_ok: bool | None
+
+
+def step_rows(engine: Owner) -> int:
+    """The rows of a padded decode step: one token padded to the batch policy."""
+    return max(engine.batch_floor, padded(1, engine.batch_multiple))
+
+
+def batch_pays(engine: Pooled) -> bool:
+    """Whether the pool's batched decode (each sequence padded to
+    :func:`step_rows`) is worth it: always in strict mode (every step is
+    padded anyway); in canonical mode, where a resident alone decodes
+    unpadded and canonicalizes after, only for a pad of at most one row
+    (measured, ``benches/bench_batch_step.py --canonical``: four residents
+    at 2 rows, SmolLM2, 1.13-1.43x the per-token rate of unpadded single
+    steps; at 8 rows, Gemma 3, 0.60-0.81x)."""
+    return not engine.canonical or step_rows(engine) <= _BATCH_PAYS_ROWS
+
+
+def shared_context(engine: Pooled, n_seq: int, n_ctx: int, *, always: bool = False) -> SharedContext | None:
+    """One context of ``n_seq`` sequences of ``n_ctx`` tokens whose decode
+    steps are batched (its ``contexts``, one per session), or None where
+    that would not be exact: outside exact mode, without a learnt state
+    layout, on a recurrent memory, or on a build whose batched steps differ
+    from single-session ones (checked once per engine, here). And, unless
+    ``always``, None where a batched step costs more than it saves
+    (:func:`batch_pays`)."""
+    if not engine.exact or engine.state_layout is None or n_seq < 2:
+        return None
+    if not (always or batch_pays(engine)):
+        log.info(
+            "batched decode: a step padded to %d rows costs more per token than each resident's "
+            "unpadded step and its canonicalization; each resident decodes on its own",
+            step_rows(engine),
+        )
+        return None
+    if engine.recurrent:
+        # one sequence per call (its residents' states cannot be cut,
+        # copied or restreamed as a KV cache's)
+        return None
+    if engine.batched_ok is None:
+        # two prompts a batch multiple apart past the floor (12 and 16
+        # tokens on Gemma 3): batched at their own lengths, not in this
+        # layout, llama.cpp runs the longer one's rest short and unpadded
+        f, m = engine.batch_floor, engine.batch_multiple
+        probe = [
+            list(range(11, 11 + f + m)),
+            list(range(40, 40 + f + 2 * m)),
+            list(range(70, 79)),
+            list(range(90, 113)),
+        ]
+        engine.batched_ok = batched_exact(engine, probe)
+        if not engine.batched_ok:
+            log.warning("llama.cpp: batched decode is not bit-identical on this build; decoding per session")
+    if not engine.batched_ok:
+        return None
+    return SharedContext(engine, n_seq, n_ctx)
+
+
+__all__ = ["SeqContext", "SharedContext", "batch_pays", "batched_exact", "shared_context", "step_rows"]
 
 
 class SharedContext:

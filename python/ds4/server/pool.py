@@ -120,6 +120,7 @@ class Pool:
         *,
         batched: bool = False,
         batch_prefill: bool = False,
+        batch_always: bool = False,
     ):
         if size < 1:
             raise ValueError(f"a pool needs at least one session, got {size}")
@@ -135,14 +136,15 @@ class Pool:
         #: each decodes in its own context
         self.shared: Any = None
         if batched and size > 1:
-            self._share(batch_prefill)
+            self._share(batch_prefill, batch_always)
 
-    def _share(self, batch_prefill: bool) -> None:
+    def _share(self, batch_prefill: bool, always: bool) -> None:
         """Put the residents on one context whose decode steps (and, with
         ``batch_prefill``, prefill pieces) are batched, where the engine has
-        one that is exact (else each keeps its own)."""
+        one that is exact and, unless ``always``, worth it (else each keeps
+        its own)."""
         make = getattr(self.residents[0].gen.engine, "batched_contexts", None)
-        shared = make(self.size, self.residents[0].gen.sess.ctx) if make is not None else None
+        shared = make(self.size, self.residents[0].gen.sess.ctx, always=always) if make is not None else None
         if shared is None:
             log.info("batched decode: not available on this engine; each resident decodes on its own")
             return

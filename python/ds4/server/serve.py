@@ -42,7 +42,13 @@ def build_app(args: argparse.Namespace, guard: Guard) -> Starlette:
         log.info("%s", why)
     gen = Generator(engine, args.ctx, make_store(args))
     gen.sess.snapshots.configure(args.ctx_checkpoints, args.ctx_checkpoints_mb, args.ctx_checkpoint_every)
-    pool = Pool(gen, sessions, batched=args.batch_decode == "auto", batch_prefill=args.batch_prefill == "on")
+    pool = Pool(
+        gen,
+        sessions,
+        batched=args.batch_decode != "off",
+        batch_prefill=args.batch_prefill == "on",
+        batch_always=args.batch_decode == "on",
+    )
     service = Service(gen, engine_model_id(engine), max_queue=args.max_queue, pool=pool)
     limits = BodyLimits(max_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.body_timeout)
     return create_app(
