@@ -378,4 +378,5 @@ def test_smollm2_schemas(smol):
         _ask(smol, "A JSON object with the keys name and age for a cat."),
         GenParams(max_tokens=80, constraint=Constraint.json_object()),
     )
-    assert res.finish_reason == "stop" and set(json.loads(res.text)) == {"name", "age"}, res.text
+    # an object (the constraint's promise) with the keys asked for (the model's; it may add more)
+    assert res.finish_reason == "stop" and {"name", "age"} <= set(json.loads(res.text)), res.text
