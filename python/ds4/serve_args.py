@@ -53,7 +53,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="resident live sessions, each its own engine context of --ctx tokens: a request goes to the one "
         "holding its prefix, and up to N requests run at once, taking turns token by token "
         "(docs/DESIGN.md, 'Session pool'); auto (the default): as many as fit in --sessions-mem-mb (at least 1, "
-        "at most 8); 1: one live session, every switch between conversations saved and resumed from disk",
+        "at most 8); 1: one resident, every switch between conversations saved and resumed from disk",
     )
     p.add_argument(
         "--sessions-mem-mb",

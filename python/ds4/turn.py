@@ -49,14 +49,12 @@ Failures
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable, Collection
-from typing import Any
 
-from .constrain import Constraint, Guide
+from .constrain import Guide
 from .decoding import TextStream, make_picker, masked_picker
 from .engine import Engine
 from .errors import ChatTemplateError, PrefillCancelledError, PromptError
@@ -64,50 +62,13 @@ from .keytext import tokenize_prompt
 from .kvstore import KVStore, SaveSkip
 from .recovery import RecoveryReport, recover, switch_namespace
 from .session import Rewrite, Session
+from .turn_io import GenParams, GenResult
 
 log = logging.getLogger("ds4.turn")
 
 __all__ = ["GenParams", "GenResult", "Generator", "TextStream", "make_picker", "masked_picker"]
 
 Progress = Callable[[int, int], None]
-
-
-@dataclasses.dataclass
-class GenParams:
-    max_tokens: int = 256
-    stop: tuple[str, ...] = ()
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
-    seed: int | None = None
-    constraint: Constraint | None = None
-    #: strings that end the turn once generated, kept in the text and the KV
-    #: state (a tool call's closing tag); finish_reason "stop"
-    stop_after: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass
-class GenResult:
-    text: str
-    tokens: list[int]
-    finish_reason: str  # "stop", "length" or "cancelled"
-    report: RecoveryReport
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    ttft_s: float
-    decode_s: float
-    total_s: float
-    stop_action: str | None = None  # None, "rewound" or "invalidated"
-    stop_sequence: str | None = None  # the stop sequence that ended the text, if one did
-
-    def usage(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
 
 
 class Generator:

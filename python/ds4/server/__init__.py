@@ -1,4 +1,4 @@
-"""``ds4 serve``: an OpenAI-compatible HTTP server over one live session.
+"""``ds4 serve``: an OpenAI-compatible HTTP server over a pool of live sessions (one with ``--sessions 1``).
 
 - :mod:`ds4.server.app`: the routes (Starlette);
 - :mod:`ds4.server.serve`: ``ds4 serve``'s command line and ``serve_main``;

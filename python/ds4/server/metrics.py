@@ -105,6 +105,7 @@ class Turns:
                 "completion": res.completion_tokens,
                 "finish": res.finish_reason,
                 "ttft_ms": round(res.ttft_s * 1000.0, 3),
+                "queue_ms": round(res.queue_s * 1000.0, 3),
                 "total_ms": round(res.total_s * 1000.0, 3),
                 "divergence": None if div is None else {k: div.get(k) for k in ("against", "token", "byte")},
                 "snapshot": rep.snapshot,
@@ -146,7 +147,10 @@ class Metrics:
         self.cached_tokens = counter("ds4_cached_tokens", "Prompt tokens resumed (live or a checkpoint)", by_rung)
         self.prefilled_tokens = counter("ds4_prefilled_tokens", "Prompt tokens prefilled (prompt - cached)", by_rung)
         self.completion_tokens = counter("ds4_completion_tokens", "Generated tokens of the turns", by_rung)
-        self.ttft = histogram("ds4_ttft_seconds", "Time to the first token (turns not cancelled)")
+        self.ttft = histogram(
+            "ds4_ttft_seconds", "Time to the first token from the request's arrival (turns not cancelled)"
+        )
+        self.queue = histogram("ds4_queue_seconds", "Time a request waited before its turn began (turns not cancelled)")
         self.latency = histogram("ds4_request_duration_seconds", "A turn's total time (turns not cancelled)")
         self.loads = counter("ds4_checkpoint_loads", "Checkpoints a turn loaded, by rung (disk, remote)", ["rung"])
         self.saves = counter(
@@ -190,6 +194,7 @@ class Metrics:
         self.completion_tokens.labels(protocol, rung).inc(res.completion_tokens)
         if res.finish_reason != "cancelled":
             self.ttft.labels(protocol, rung).observe(res.ttft_s)
+            self.queue.labels(protocol, rung).observe(res.queue_s)
             self.latency.labels(protocol, rung).observe(res.total_s)
         if rep.loaded_path is not None:
             self.loads.labels(rung).inc()
@@ -234,8 +239,7 @@ class _Snapshot:
         yield CounterMetricFamily(
             "ds4_worker_busy_seconds", "Seconds of jobs, summed over the lanes (--sessions)", value=s.busy_s
         )
-        sess = st.get("session", {})
-        yield GaugeMetricFamily("ds4_session_tokens", "Tokens the live session holds", value=sess.get("n_past", 0))
+        yield from _residents(st)
         counters = st.get("counters", {})
         for name in ("ladder_retries", "continued_saves", "stop_rewound", "stop_invalidated"):
             yield CounterMetricFamily(f"ds4_{name}", f"The server's {name} counter", value=counters.get(name, 0))
@@ -243,6 +247,28 @@ class _Snapshot:
         kv = st.get("kv")
         if kv is not None:
             yield from _store(kv, s.gen.store.budget_bytes if s.gen.store is not None else 0)
+
+
+def _residents(st: dict[str, Any]) -> Iterator[Any]:
+    """Per resident session (``--sessions``; index 0 alone with one): the
+    tokens it holds, whether they are a valid state and whether a lane is
+    serving it. No tenant: a label would name whose state each holds."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    views = st.get("sessions")
+    if views is None:  # one resident: the worker's own session
+        sess = st.get("session", {})
+        busy = bool(st.get("busy"))
+        views = [{"index": 0, "tokens": sess.get("n_past", 0), "valid": sess.get("valid", False), "busy": busy}]
+    fams = {
+        "tokens": GaugeMetricFamily("ds4_session_tokens", "Tokens a resident session holds", labels=["session"]),
+        "valid": GaugeMetricFamily("ds4_session_valid", "1 while a resident holds a valid state", labels=["session"]),
+        "busy": GaugeMetricFamily("ds4_session_busy", "1 while a lane serves a resident", labels=["session"]),
+    }
+    for v in views:
+        for key, fam in fams.items():
+            fam.add_metric([str(v["index"])], int(v.get(key) or 0))
+    yield from fams.values()
 
 
 def _tenants(by_tenant: dict[str, dict[str, int]]) -> Iterator[Any]:

@@ -98,7 +98,7 @@ class RequestParser:
     def _sampling(self, body: JSON) -> GenParams:
         n = opt_int(body, "n", 1)
         if n is not None and n != 1:
-            raise bad("only n=1 is supported (one live session)", "n", "unsupported_value")
+            raise bad("only n=1 is supported (one reply per request)", "n", "unsupported_value")
         best_of = opt_int(body, "best_of", 1)
         if best_of is not None and best_of != 1:
             raise bad("only best_of=1 is supported", "best_of", "unsupported_value")

@@ -287,7 +287,9 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
         # the wait for the last reply's decode steps to be prefilled again
         # (llama.cpp's canonical mode) when this turn came before it was done
         "canonicalize_ms": round(r.timings.get("canonicalize_ms", 0.0), 3),
+        # from the request's arrival; queue_ms the part it waited before its turn began
         "ttft_ms": round(res.ttft_s * 1000, 3),
+        "queue_ms": round(res.queue_s * 1000, 3),
         "total_ms": round(res.total_s * 1000, 3),
     }
 

@@ -107,6 +107,8 @@ class Job:
     hint: str | None = None  # the client's session hint (ds4.server.pool): which resident, never the rung
     id: int = dataclasses.field(default_factory=lambda: next(_ids), init=False)
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event, init=False)
+    #: when the request arrived (its TTFT counts from here, the queue included)
+    t_arrival: float = dataclasses.field(default_factory=time.perf_counter, init=False)
 
 
 _SHUTDOWN = object()
@@ -238,7 +240,7 @@ class Service:
         for t in self._lanes:
             t.join()
         with self.baton:
-            self.pool.shutdown_save()  # every valid resident (the one live session by default)
+            self.pool.shutdown_save()  # every valid resident (one by default: --sessions 1)
             if self.gen.store is not None:
                 self.gen.store.close()  # the shared tier's queued uploads, then its connections
             self.status = self._snapshot()
@@ -407,6 +409,7 @@ class Service:
             prefilled.set()
             job.post("start", self._named(rep, resident))
 
+        t_start = time.perf_counter()
         try:
             res = resident.gen.generate(
                 prompt,
@@ -420,6 +423,7 @@ class Service:
         finally:
             prefilled.set()
             self._prefills.pop(job.id, None)
+        res.queued(t_start - job.t_arrival)  # the queue, a sibling's prefill, the route: from arrival
         rung = res.report.rung
         self.levels = {**self.levels, rung: self.levels.get(rung, 0) + 1}
         resident.last_rung = rung

@@ -143,7 +143,9 @@ function turns(recent, operator) {
     if (operator) tr.append(text("td", t.tenant, "op"));
     const rung = t.snapshot == null ? t.rung : t.rung + " (snapshot " + t.snapshot + ")";
     tr.append(text("td", rung, "rung-" + t.rung), text("td", t.cached + " / " + t.prompt));
-    tr.append(text("td", t.ttft_ms.toFixed(1)));
+    // from the request's arrival; the part it waited before its turn began in brackets
+    const q = t.queue_ms || 0;
+    tr.append(text("td", t.ttft_ms.toFixed(1) + (q >= 1 ? " (queued " + q.toFixed(0) + ")" : "")));
     const dv = t.divergence;
     tr.append(text("td", dv ? "token " + dv.token + ", byte " + dv.byte + " (" + dv.against + ")" : "-"));
     const sk = t.save_skipped || [];
