@@ -440,6 +440,12 @@ class LlamaCppEngine:
     batched_ok: bool | None = None
 
     @property
+    def can_copy_prefix(self) -> bool:
+        """Whether a context copies a prefix of another's state from RAM
+        (``copy_prefix``): a memory that can cut its positions."""
+        return self.memory.copy
+
+    @property
     def step_rows(self) -> int:
         return step_rows(self)
 

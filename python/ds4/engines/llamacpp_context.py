@@ -335,9 +335,33 @@ class LlamaCppContext:
     def copy_prefix(self, other: object, n_tokens: int) -> bool:
         """Make this context hold ``other``'s first ``n_tokens`` positions,
         as a cold prefill of them would (a pool's resident taking another's
-        shared prefix without a disk load). Only sequences of one batched
-        context can (:class:`~ds4.engines.llamacpp_batch.SeqContext`); a
-        context of its own returns False, unchanged."""
+        shared prefix without a disk load): ``other``'s exported state
+        (canonical) imported here as a checkpoint's is, its ids told, then
+        cut at ``n_tokens`` as a rewind cuts. False, this context holding
+        nothing, when ``other`` is not a context of its own of the same
+        engine, or when the cut is not exact here: unknown ids, a memory
+        that cannot rewind short of its whole state, and a windowed state
+        longer than its window (an export holds only the window's cells of
+        those layers: Gemma 3 copies a prefix only of a state within its
+        window, or the whole state). Sequences of one batched context copy
+        every cell across streams instead
+        (:class:`~ds4.engines.llamacpp_batch.SeqContext`)."""
+        self._check_open()
+        n = int(n_tokens)
+        if type(other) is not type(self) or other is self or other._engine is not self._engine:
+            return False
+        assert isinstance(other, LlamaCppContext)
+        total = other.n_past
+        if not 1 <= n <= total or total > self.n_ctx or (n < total and not other._rewindable(n)):
+            return False
+        self.import_state(other.export_state(), total)  # canonical first; checked as a load is
+        if other._known_from == 0:
+            self.know_tokens(other._tokens)
+        if n == total:
+            return True
+        if self._rewindable(n) and self._cut(n):  # an engine error resets this context and is raised
+            return True
+        self.reset()
         return False
 
     # -- state -------------------------------------------------------------

@@ -15,20 +15,23 @@ lane is serving (``busy``), in this order:
    ``user``, Anthropic's ``metadata.user_id``) last served, when it is still
    in the request's namespace: a hint only picks, the ladder still decides
    the rung, so a wrong hint costs time, never correctness;
-4. a free (empty) resident;
-5. the resident of the request's namespace that shares the longest prefix
-   with the prompt when that prefix is this conversation's own: longer than
-   any other resident shares, and at least half of the resident's state (an
-   edited last turn, a reply the client echoed in other tokens): the
-   ladder's rewrite rung keeps that prefix (the tokens past it saved
-   first, reason ``evict``) or a longer one from disk;
+4. the idle resident of the request's namespace that shares the longest
+   prefix with the prompt (by tokens, at least :data:`MIN_SHARED` of them;
+   the least recently used among equals): when a free (empty) resident
+   exists and the engine can copy a prefix from RAM, the free one takes a
+   copy of it (``copied``: the holder keeps its own conversation live); else, when no free resident exists or
+   the prefix is at least as long as what the holder would lose past it,
+   the holder itself (``shared``: the ladder's rewrite rung keeps the
+   prefix, the tokens past it saved first, reason ``evict``). Prefill saved
+   against state lost, no other threshold;
+5. a free (empty) resident;
 6. the least recently used one: the ladder saves its state first (reason
    ``evict``, as one session's switch does), then reuses it.
 
 Tenants and cache salts never share a resident's state: only a resident
 whose ``sess.namespace`` is the request's can be a live hit or a hint's
 pick, and a resident taken over by another namespace is saved and switched
-(:func:`ds4.recovery.switch_namespace`). With one resident (the default)
+(:func:`ds4.recovery.switch_namespace`). With one resident (``--sessions 1``)
 :meth:`Pool.route` renders the job's prompt and returns it: today's server.
 """
 
@@ -58,6 +61,8 @@ __all__ = ["HINT_HEADER", "Pool", "Resident", "body_hint"]
 HINT_HEADER = "x-session-id"
 #: hints remembered (the oldest forgotten first)
 MAX_HINTS = 4096
+#: the fewest shared tokens rule 4 acts on (fewer: a chat template's preamble)
+MIN_SHARED = 16
 
 
 def body_hint(body: object) -> str | None:
@@ -85,11 +90,13 @@ class Resident:
     served: int = 0
     busy: bool = False  # a lane is serving a job on it
     #: why the last job was routed here: "only" (a pool of one), "continuation",
-    #: "live", "hint", "free", "shared" (rule 5) or "lru"
+    #: "live", "hint", "copied" or "shared" (rule 4), "free" or "lru"
     pick: str = "only"
     last_rung: str | None = None  # the cache level that served its last turn
     #: the resident its current turn copied its prefix from (a shared prefill), or None
     copied_from: int | None = None
+    #: routed as ``copied``: the resident and token count to copy before the turn
+    copy_source: tuple[Resident, int] | None = None
 
     def view(self) -> dict[str, Any]:
         """The operator's line for it (``/health``)."""
@@ -211,8 +218,10 @@ class Pool:
 
     def _choose(self, prompt: str, namespace: str | None, hint: str | None) -> tuple[Resident, str]:
         idle = self._idle()
+        for r in idle:
+            r.copy_source = None
         mine = [r for r in idle if r.gen.sess.namespace == namespace and r.gen.sess.checkpoint_valid]
-        best, partial = _longest_live(mine, prompt) if mine else (None, None)
+        best, shared = _longest_live(mine, prompt) if mine else (None, None)
         if best is not None:
             return best, "live"
         k = self._hints.get((namespace, hint)) if hint else None
@@ -220,10 +229,24 @@ class Pool:
             log.info("pool: hint picks session %d", k)
             return self.residents[k], "hint"
         free = [r for r in idle if not r.gen.sess.checkpoint_valid]
+        if shared is not None:
+            holder, n = shared
+            lost = holder.gen.sess.n_past - n
+            if free and _can_copy(free[0], holder):
+                to = min(free, key=lambda r: r.index)
+                to.copy_source = (holder, n)
+                log.info("pool: session %d takes a copy of session %d's %d shared tokens", to.index, holder.index, n)
+                return to, "copied"
+            if not free or n >= lost:
+                log.info(
+                    "pool: session %d shares this conversation's %d tokens (%d past them saved first)",
+                    holder.index,
+                    n,
+                    lost,
+                )
+                return holder, "shared"
         if free:
             return min(free, key=lambda r: r.index), "free"
-        if partial is not None:
-            return partial, "shared"
         lru = min(idle, key=lambda r: r.last_used)
         log.info("pool: session %d (least recently used, %d tokens) reused", lru.index, lru.gen.sess.n_past)
         return lru, "lru"
@@ -258,11 +281,20 @@ def _bind(work: Work, r: Resident) -> None:
         work.gen, work.live = r.gen, r.live
 
 
-def _longest_live(mine: list[Resident], prompt: str) -> tuple[Resident | None, Resident | None]:
+def _can_copy(to: Resident, holder: Resident) -> bool:
+    """Whether ``to``'s engine context can take a prefix of ``holder``'s
+    from RAM (``copy_prefix``: llama.cpp's contexts of one engine; the
+    reference engine's cannot)."""
+    eng = to.gen.engine
+    return eng is holder.gen.engine and bool(getattr(eng, "can_copy_prefix", False))
+
+
+def _longest_live(mine: list[Resident], prompt: str) -> tuple[Resident | None, tuple[Resident, int] | None]:
     """The resident whose whole live state ``prompt`` starts with (by
     tokens, or by key text as the live rung compares), the longest; and,
-    when there is none, the one whose shared prefix is this conversation's
-    own (rule 5 of the module docstring), or None."""
+    when there is none, the one sharing the longest prefix of tokens with
+    the prompt (at least :data:`MIN_SHARED`; the lowest index among equals)
+    and that count, or None."""
     sess0 = mine[0].gen.sess
     tokens = tokenize_prompt(sess0.engine, prompt)
     key = sess0.key_of(tokens)  # one namespace: one preamble
@@ -282,10 +314,7 @@ def _longest_live(mine: list[Resident], prompt: str) -> tuple[Resident | None, R
     if best is not None:
         log.info("pool: live prefix of session %d (%d tokens)", best.index, best_n)
         return best, None
-    shared.sort(key=lambda x: x[0], reverse=True)
-    if shared and shared[0][0] > 0 and (len(shared) == 1 or shared[0][0] > shared[1][0]):
-        n, r = shared[0]
-        if 2 * n >= len(r.gen.sess.tokens):
-            log.info("pool: session %d shares this conversation's %d tokens", r.index, n)
-            return None, r
-    return None, None
+    if not shared:
+        return None, None
+    n, r = max(shared, key=lambda x: (x[0], -x[1].last_used))  # among equals, the least recently used
+    return None, ((r, n) if n >= MIN_SHARED else None)

@@ -40,7 +40,7 @@ from ..keytext import tokenize_prompt
 from ..recovery import RecoveryReport
 from ..turn import Generator, GenParams, GenResult
 from .baton import Baton
-from .pool import Pool, Resident
+from .pool import MIN_SHARED, Pool, Resident
 from .tenants import ANONYMOUS
 from .work import TextPrompt, Work
 
@@ -390,14 +390,38 @@ class Service:
             return
         tokens = tokenize_prompt(mine.engine, prompt)
         n = theirs.common_prefix(tokens)
-        if 2 * n < len(tokens) or not mine.adopt_prefix(theirs, n):
+        if n < MIN_SHARED or not mine.adopt_prefix(theirs, n):
             return
         resident.copied_from = sibling.index
         log.info("job %d: session %d took %d tokens from session %d", job.id, resident.index, n, sibling.index)
 
+    @staticmethod
+    def _copy_routed(job: Job, resident: Resident) -> None:
+        """A job routed ``copied`` (:mod:`ds4.server.pool`, rule 4): the free
+        resident takes the prefix it shares with the holder's live state
+        from RAM before the ladder runs (rung ``live`` then); the holder
+        keeps its conversation. Where the copy fails the ladder goes on as
+        for any free resident."""
+        src, resident.copy_source = resident.copy_source, None
+        if src is None:
+            return
+        holder, n = src
+        mine = resident.gen.sess
+        if mine.checkpoint_valid or mine.n_past or holder.gen.sess.namespace != job.namespace:
+            return
+        try:
+            ok = mine.adopt_prefix(holder.gen.sess, n)
+        except Exception:  # the free resident is invalid: the ladder rebuilds it
+            log.exception("job %d: copying session %d's prefix failed", job.id, holder.index)
+            return
+        if ok:
+            resident.copied_from = holder.index
+            log.info("job %d: session %d took %d tokens from session %d", job.id, resident.index, n, holder.index)
+
     def _generate(self, job: Job, resident: Resident, prompt: str) -> GenResult:
         prefilled = threading.Event()
         resident.copied_from = None
+        self._copy_routed(job, resident)
         if self.pool.size > 1:  # one lane has no sibling to wait for, nor to be waited for
             pb = prompt.encode("utf-8", "surrogatepass")
             sibling = self._behind_sibling(job, resident, pb)
