@@ -242,10 +242,15 @@ class _Ladder:
     def sync(self, tokens: Sequence[int], rung: str, reused: int) -> None:
         """The session to ``tokens``, the prefill of what ``rung`` did not
         serve (``reused`` tokens); a ``progress`` with a ``serving(rung,
-        reused)`` method hears of both first (the CLI's bar shows them)."""
+        reused)`` method hears of both first (the CLI's bar shows them), one
+        with ``planned(n)`` of the ``n`` tokens to prefill (a server lane's
+        place in the baton's order)."""
         serving = getattr(self.progress, "serving", None)
         if callable(serving) and len(tokens) > reused:
             serving(rung, reused)
+        planned = getattr(self.progress, "planned", None)  # a server lane's: shortest prefill first
+        if callable(planned) and len(tokens) > reused:
+            planned(len(tokens) - reused)
         self.sess.sync(
             tokens,
             progress=self.progress,

@@ -19,11 +19,14 @@ lane is serving (``busy``), in this order:
    prefix with the prompt (by tokens, at least :data:`MIN_SHARED` of them;
    the least recently used among equals): when a free (empty) resident
    exists and the engine can copy a prefix from RAM, the free one takes a
-   copy of it (``copied``: the holder keeps its own conversation live); else, when no free resident exists or
-   the prefix is at least as long as what the holder would lose past it,
-   the holder itself (``shared``: the ladder's rewrite rung keeps the
-   prefix, the tokens past it saved first, reason ``evict``). Prefill saved
-   against state lost, no other threshold;
+   copy of it (``copied``: the holder keeps its own conversation live);
+   when no resident is empty, the holder itself (``shared``: a state is
+   lost anyway, and this one's prefix saves its prefill; the ladder's
+   rewrite rung keeps it, the tokens past it saved first, reason
+   ``evict``). An empty resident is never passed over for a holder that
+   cannot be copied: its live state (a tool loop's, a live-only
+   continuation's) would be lost for a prefill the disk may save.
+   Prefill saved against state lost, no other threshold;
 5. a free (empty) resident;
 6. the least recently used one: the ladder saves its state first (reason
    ``evict``, as one session's switch does), then reuses it.
@@ -237,7 +240,7 @@ class Pool:
                 to.copy_source = (holder, n)
                 log.info("pool: session %d takes a copy of session %d's %d shared tokens", to.index, holder.index, n)
                 return to, "copied"
-            if not free or n >= lost:
+            if not free:  # something is lost anyway: the share saves its prefill
                 log.info(
                     "pool: session %d shares this conversation's %d tokens (%d past them saved first)",
                     holder.index,

@@ -114,6 +114,23 @@ class Job:
 _SHUTDOWN = object()
 
 
+class _LaneProgress:
+    """A lane's prefill progress: logged (:class:`ProgressLog`) and told to
+    the baton, which lets the prefill nearest to its first token go first
+    (:mod:`ds4.server.baton`): its size before the first chunk
+    (``planned``), what is left after each."""
+
+    def __init__(self, label: str, baton: Baton, arrival: float):
+        self.log, self.baton, self.arrival = ProgressLog(label), baton, arrival
+
+    def planned(self, n: int) -> None:
+        self.baton.mark(n, self.arrival)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.log(done, total)
+        self.baton.mark(total - done if done < total else None, self.arrival)
+
+
 class ProgressLog:
     """Logs ds4-style prefill progress lines, at most one every ``every`` s."""
 
@@ -431,7 +448,10 @@ class Service:
 
         def on_start(rep: RecoveryReport) -> None:
             prefilled.set()
+            self.baton.mark(None)  # decoding: never held behind another's prefill for more than a chunk
             job.post("start", self._named(rep, resident))
+
+        progress = _LaneProgress(f"job {job.id}", self.baton, job.t_arrival)
 
         t_start = time.perf_counter()
         try:
@@ -442,9 +462,10 @@ class Service:
                 on_start=on_start,
                 on_text=lambda s: job.post("text", s),
                 cancel=self._turns(job),
-                progress=ProgressLog(f"job {job.id}"),
+                progress=progress,
             )
         finally:
+            self.baton.mark(None)
             prefilled.set()
             self._prefills.pop(job.id, None)
         res.queued(t_start - job.t_arrival)  # the queue, a sibling's prefill, the route: from arrival
