@@ -2,7 +2,8 @@
 real models: four conversations sent at once, two turns each. The
 residents' decode steps share llama_decode calls (``/health``'s
 ``batched`` counts steps of more than one sequence), and every reply is
-the one a cold single-session server gives (issue 22, item 3's
+the one a cold single-session server of the same decode layout gives
+(``--exact strict``: a batched step pads each sequence) (issue 22, item 3's
 condition), the second turns being live hits on their own residents. (``on``: under
 the default ``--exact canonical`` ``auto`` batches SmolLM2's steps and not
 Gemma 3's, whose 8-row pad costs more than it saves; ``on`` batches both.)"""
@@ -32,7 +33,10 @@ def _args(model):
 def servers(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"batch-{request.param}")
     flags = _args(request.param)
-    cold = Server(str(tmp), "cold", "--no-kv-cache", *flags, engine="llamacpp")
+    # the batched pool pads each sequence's step as --exact strict does (a
+    # batched row cannot drop its pads and stay exact: DESIGN.md, "Session
+    # pool"), so its replies are a cold strict single session's
+    cold = Server(str(tmp), "cold", "--no-kv-cache", "--exact", "strict", *flags, engine="llamacpp")
     pool = Server(
         str(tmp),
         "pool",

@@ -236,7 +236,7 @@ def _shown(r, own: list[str]) -> tuple:
     be B's own (in one of the ``own`` texts: its earlier guesses differ from
     this one, so they are compared as that, with its positions)."""
     d = dict((r.model_extra or {}).get("ds4") or {})
-    for k in ("ttft_ms", "total_ms"):
+    for k in ("ttft_ms", "queue_ms", "total_ms", "canonicalize_ms"):
         d.pop(k)
     for k in ("cold_saved", "evict_saved"):
         d[k] = d[k] is not None
