@@ -39,7 +39,9 @@ unpadded. Where no policy the memory can run is exact (Mamba-2 and Granite
 a cold prefill too, so every split is one computation; prefill is slower.
 
 Probes are cached per model file (path, size, mtime), batch size and thread
-count for the life of the process.
+count for the life of the process, and the batch policy (the costly part)
+on disk between processes, under a key naming everything it depends on
+(:mod:`~ds4.engines.llamacpp_policy_cache`).
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import EngineError, EngineStateError
+from . import llamacpp_policy_cache as policy_cache
 from .llamacpp_context import LlamaCppContext
+from .llamacpp_lib import model_fingerprint
 from .llamacpp_owner import Owner
 from .llamacpp_state import StateLayout, learn_layout, walk_state
 
@@ -158,30 +162,17 @@ def _probe(eng: Probed) -> Probe:
         layout, per_token = _layout(ctx, eng)
         toks = _tokens(eng)
         possible = [c for c in CANDIDATES if mem.can_pad(*c)] if eng.exact else [(1, 1)]
-        floor, mult = possible[-1]
-        verified = serial = False
-        for f, m in possible:
-            if _alike(ctx, toks, f, m):
-                floor, mult, verified = f, m, True
-                break
-        else:
-            # no batch size the memory can take is exact: every token alone
-            # (llama.cpp's ubatches of one) takes one path, in a cold prefill
-            # too, so every split is the same computation (slower prefill)
-            if eng.exact:
+        key = _policy_key(eng, mem)
+        kept = policy_cache.load(key, possible)
+        if kept is not None:  # measured at an earlier start, under the same key
+            floor, mult, verified, serial = kept
+            if serial:
                 ctx.close()
                 eng.serial = True
                 ctx = LlamaCppContext(eng, 256)
-                floor, mult = 1, 1
-                verified = serial = _alike(ctx, toks, 1, 1)
-            eng.serial = serial
-            if eng.exact and not serial:
-                log.warning(
-                    "llama.cpp engine: no batch policy its %s memory can run made %s's results independent of "
-                    "the batch split; resumed sessions may differ from a cold prefill in the last bits",
-                    mem.kind,
-                    os.path.basename(eng.model_path),
-                )
+        else:
+            ctx, (floor, mult, verified, serial) = _search(ctx, eng, mem, toks, possible)
+            policy_cache.store(key, (floor, mult, verified, serial))
         ctx.batch_floor, ctx.batch_multiple = floor, mult
         trip = layout is not None and _roundtrip(ctx, toks)
         if layout is not None and not trip:
@@ -193,6 +184,66 @@ def _probe(eng: Probed) -> Probe:
         return Probe(layout, per_token, floor, mult, verified, mem, trip, serial)
     finally:
         ctx.close()
+
+
+def _search(
+    ctx: LlamaCppContext, eng: Probed, mem: Memory, toks: list[int], possible: list[tuple[int, int]]
+) -> tuple[LlamaCppContext, policy_cache.Policy]:
+    """The cheapest policy of ``possible`` under which every split of
+    ``toks`` gives the whole's state and logits, else serial where that is
+    exact, else the strictest (unverified); and the context to go on with
+    (a serial engine's own)."""
+    floor, mult = possible[-1]
+    verified = serial = False
+    for f, m in possible:
+        if _alike(ctx, toks, f, m):
+            floor, mult, verified = f, m, True
+            break
+    else:
+        # no batch size the memory can take is exact: every token alone
+        # (llama.cpp's ubatches of one) takes one path, in a cold prefill
+        # too, so every split is the same computation (slower prefill)
+        if eng.exact:
+            ctx.close()
+            eng.serial = True
+            ctx = LlamaCppContext(eng, 256)
+            floor, mult = 1, 1
+            verified = serial = _alike(ctx, toks, 1, 1)
+        eng.serial = serial
+        if eng.exact and not serial:
+            log.warning(
+                "llama.cpp engine: no batch policy its %s memory can run made %s's results independent of "
+                "the batch split; resumed sessions may differ from a cold prefill in the last bits",
+                mem.kind,
+                os.path.basename(eng.model_path),
+            )
+    return ctx, (floor, mult, verified, serial)
+
+
+def _policy_key(eng: Probed, mem: Memory) -> dict[str, Any]:
+    """What the batch policy depends on (:mod:`~ds4.engines.llamacpp_policy_cache`)."""
+    lc = eng.lc
+    lib = getattr(getattr(getattr(lc, "llama_cpp", None), "_lib", None), "_name", None)
+    libs: list[list[object]] = []
+    if isinstance(lib, str) and os.path.isfile(lib):
+        d = os.path.dirname(lib)
+        for name in sorted(os.listdir(d)):
+            st = os.stat(os.path.join(d, name))
+            libs.append([name, st.st_size, st.st_mtime_ns])
+    return {
+        "probe": policy_cache.PROBE_VERSION,
+        "model": model_fingerprint(eng.model_path),
+        "llama_cpp": str(getattr(lc, "__version__", "")),
+        "libs": [os.path.realpath(lib) if isinstance(lib, str) else None, libs],
+        "system": bytes(lc.llama_print_system_info() or b"").decode("utf-8", "replace"),
+        "n_batch": eng.n_batch,
+        "n_threads": eng.n_threads,
+        "type_k": eng.type_k,
+        "type_v": eng.type_v,
+        "exact": eng.exact,
+        "memory": [mem.kind, mem.truncate, mem.rollback, mem.copy],
+        "candidates": [list(c) for c in CANDIDATES],
+    }
 
 
 def _roundtrip(ctx: LlamaCppContext, toks: list[int]) -> bool:
