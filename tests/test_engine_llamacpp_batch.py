@@ -350,6 +350,7 @@ def test_an_engine_whose_batches_differ_decodes_per_session(monkeypatch):
     first call) gets no shared context: the pool decodes per session."""
     import ds4.engines.llamacpp as L
 
+    monkeypatch.setenv("DS4_PROBE_CACHE", "off")  # the check runs, not a kept answer
     eng = L.LlamaCppEngine(model_path=models.model_path("smollm2"))
     try:
         asked = []

@@ -94,3 +94,20 @@ def test_the_cache_can_be_turned_off(cache, monkeypatch):
     _fresh("phi3")
     _fresh("phi3")
     assert not d.exists() and len(calls) >= 2
+
+
+def test_the_pools_batched_decode_check_is_kept_too(cache, monkeypatch):
+    """The pool's start-up check that batched steps are exact (seconds of
+    prefills and steps) runs once per key; its answer is read back."""
+    from ds4.engines import llamacpp_batch as B
+
+    checks: list[int] = []
+    real = B.batched_exact
+    monkeypatch.setattr(B, "batched_exact", lambda eng, prompts, **kw: checks.append(1) or real(eng, prompts, **kw))
+    for _ in range(2):
+        eng = _fresh("smollm2", exact="strict")
+        shared = eng.batched_contexts(2, 256)
+        assert isinstance(shared, B.SharedContext)
+        for c in shared.contexts:
+            c.close()
+    assert checks == [1]

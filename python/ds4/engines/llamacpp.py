@@ -203,6 +203,7 @@ class LlamaCppEngine:
         self._abi: str | None = None
         #: what a valid state looks like (None: not understood; see llamacpp_state)
         self.state_layout: StateLayout | None = None
+        self.probe_key: dict[str, Any] | None = None
         self.state_bytes_per_token = 0
         #: every llama_decode gets at least ``batch_floor`` tokens, a multiple
         #: of ``batch_multiple`` (exact mode; see "Determinism")
@@ -458,6 +459,8 @@ class LlamaCppEngine:
         """Take what :func:`~ds4.engines.llamacpp_probe.probe_engine` found."""
         self.state_layout = p.layout
         self.state_bytes_per_token = p.bytes_per_token
+        #: what the start-up checks' results depend on (their disk cache's key)
+        self.probe_key = p.key
         self.memory = p.memory
         self.checkpoints_ok = p.roundtrip
         self.serial = bool(self.exact and p.serial)

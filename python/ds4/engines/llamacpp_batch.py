@@ -53,6 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import EngineError
+from . import llamacpp_policy_cache as policy_cache
 from .llamacpp_context import LlamaCppContext
 from .llamacpp_lib import Batch
 from .llamacpp_owner import Idle, Owner, context_params, open_context, padded
@@ -122,7 +123,12 @@ def shared_context(engine: Pooled, n_seq: int, n_ctx: int, *, always: bool = Fal
             list(range(70, 79)),
             list(range(90, 113)),
         ]
-        engine.batched_ok = batched_exact(engine, probe)
+        base = getattr(engine, "probe_key", None)
+        key = None if base is None else {**base, "check": "batched_decode", "prompts": probe}
+        kept = None if key is None else policy_cache.load_flag(key)  # checked at an earlier start
+        engine.batched_ok = batched_exact(engine, probe) if kept is None else kept
+        if key is not None and kept is None:
+            policy_cache.store_flag(key, engine.batched_ok)
         if not engine.batched_ok:
             log.warning("llama.cpp: batched decode is not bit-identical on this build; decoding per session")
     if not engine.batched_ok:

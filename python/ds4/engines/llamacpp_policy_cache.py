@@ -1,4 +1,5 @@
-"""The start-up probe's batch policy, kept on disk between starts.
+"""The start-up probe's batch policy (and the pool's batched-decode check),
+kept on disk between starts.
 
 Finding the batch sizes a model's kernels treat alike
 (:mod:`~ds4.engines.llamacpp_probe`) evaluates a few hundred tokens under
@@ -35,7 +36,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PROBE_VERSION", "Policy", "cache_dir", "load", "store"]
+__all__ = ["PROBE_VERSION", "Policy", "cache_dir", "load", "load_flag", "store", "store_flag"]
 
 log = logging.getLogger("ds4.engines.llamacpp")
 
@@ -64,8 +65,8 @@ def _path(d: str, key: dict[str, Any]) -> str:
     return os.path.join(d, hashlib.sha256(text.encode()).hexdigest()[:32] + ".json")
 
 
-def load(key: dict[str, Any], candidates: Sequence[tuple[int, int]]) -> Policy | None:
-    """The policy stored under ``key``, or None (none, off, or not one to trust)."""
+def _read(key: dict[str, Any]) -> dict[str, Any] | None:
+    """The document stored under ``key``, or None (none, off, or not one to trust)."""
     d = cache_dir()
     if d is None:
         return None
@@ -83,6 +84,37 @@ def load(key: dict[str, Any], candidates: Sequence[tuple[int, int]]) -> Policy |
         return None
     if not isinstance(doc, dict) or doc.get("key") != json.loads(json.dumps(key)):
         return None
+    return doc
+
+
+def _write(key: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Keep ``fields`` under ``key``; a failure is logged, never raised."""
+    d = cache_dir()
+    if d is None:
+        return
+    tmp = None
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".probe-", dir=d)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, **fields}, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, _path(d, key))
+        tmp = None
+    except OSError as e:
+        log.info("llama.cpp engine: a start-up check's result is not kept (%s)", e)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def load(key: dict[str, Any], candidates: Sequence[tuple[int, int]]) -> Policy | None:
+    """The policy stored under ``key``, or None (none, off, or not one to trust)."""
+    doc = _read(key)
+    if doc is None:
+        return None
     floor, mult, verified, serial = (doc.get(k) for k in ("floor", "multiple", "verified", "serial"))
     if not (isinstance(verified, bool) and isinstance(serial, bool)):
         return None
@@ -92,25 +124,19 @@ def load(key: dict[str, Any], candidates: Sequence[tuple[int, int]]) -> Policy |
 
 
 def store(key: dict[str, Any], policy: Policy) -> None:
-    """Keep ``policy`` under ``key``; a failure is logged, never raised."""
-    d = cache_dir()
-    if d is None:
-        return
+    """Keep ``policy`` under ``key``."""
     floor, mult, verified, serial = policy
-    doc = {"key": key, "floor": floor, "multiple": mult, "verified": verified, "serial": serial}
-    tmp = None
-    try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".probe-", dir=d)
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, _path(d, key))
-        tmp = None
-    except OSError as e:
-        log.info("llama.cpp engine: the probe's result is not kept (%s)", e)
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    _write(key, {"floor": floor, "multiple": mult, "verified": verified, "serial": serial})
+
+
+def load_flag(key: dict[str, Any]) -> bool | None:
+    """A yes/no check's answer stored under ``key`` (the pool's batched
+    decode: :func:`~ds4.engines.llamacpp_batch.shared_context`), or None."""
+    doc = _read(key)
+    ok = None if doc is None else doc.get("ok")
+    return ok if isinstance(ok, bool) else None
+
+
+def store_flag(key: dict[str, Any], ok: bool) -> None:
+    """Keep a yes/no check's answer under ``key``."""
+    _write(key, {"ok": bool(ok)})

@@ -121,6 +121,9 @@ class Probe:
     roundtrip: bool = False
     #: exact only with every token evaluated alone (ubatches of one)
     serial: bool = False
+    #: what the policy depends on (the disk cache's key; other start-up
+    #: checks of this engine key their results by it too)
+    key: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
 
 
 _cache: dict[tuple[object, ...], Probe] = {}
@@ -181,7 +184,7 @@ def _probe(eng: Probed) -> Probe:
                 "its checkpoints are not saved",
                 os.path.basename(eng.model_path),
             )
-        return Probe(layout, per_token, floor, mult, verified, mem, trip, serial)
+        return Probe(layout, per_token, floor, mult, verified, mem, trip, serial, key)
     finally:
         ctx.close()
 
