@@ -59,7 +59,10 @@ def _flags(model):
 @pytest.fixture(scope="module", params=models.MODELS)
 def servers(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"route-{request.param}")
-    cold = Server(str(tmp), "cold", "--no-kv-cache", *_flags(request.param), engine="llamacpp").start(timeout=300)
+    # both pools batch their decode steps, each sequence padded as --exact strict does
+    cold = Server(
+        str(tmp), "cold", "--no-kv-cache", "--exact", "strict", *_flags(request.param), engine="llamacpp"
+    ).start(timeout=300)
     yield request.param, tmp, cold
     cold.stop()
 
