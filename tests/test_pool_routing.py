@@ -78,8 +78,10 @@ def _pool(tmp, name, n, model):
 
 
 def _ask(srv, cold, msgs):
-    r = srv.client().chat.completions.create(model=srv.model(), messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
-    ref = cold.client().chat.completions.create(model=cold.model(), messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
+    kw = {"messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 0}
+    with srv.client() as c, cold.client() as cc:  # closed: no socket left to the collector
+        r = c.chat.completions.create(model=srv.model(), **kw)
+        ref = cc.chat.completions.create(model=cold.model(), **kw)
     assert r.choices[0].message.content == ref.choices[0].message.content
     return r, r.choices[0].message.content
 

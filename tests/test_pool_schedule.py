@@ -81,7 +81,8 @@ def test_four_cold_prompts_together_get_their_first_tokens_one_after_another(tmp
         def ask(w: str) -> None:
             try:
                 prompt = f"{w}: " + " ".join(f"{w}{i}" for i in range(600))
-                r = srv.client().completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+                with srv.client() as c:
+                    r = c.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
                 out[w] = _extra(r)
             except Exception as e:  # pragma: no cover - reported below
                 errs.append(e)

@@ -18,7 +18,7 @@ from test_server import Server, _extra
 def test_a_request_that_waited_counts_its_wait_in_ttft(tmp_path):
     srv = Server(str(tmp_path), "q", "--sessions", "1", "--no-kv-cache").start()
     try:
-        c, model = srv.client(), srv.model()
+        c, model = srv.client(), srv.model()  # closed below
         first_started = threading.Event()
         done: dict[str, float] = {}
 
@@ -51,6 +51,7 @@ def test_a_request_that_waited_counts_its_wait_in_ttft(tmp_path):
         assert m[("ds4_ttft_seconds_sum", labels)] >= m[("ds4_queue_seconds_sum", labels)]
         recent = httpx.get(srv.base + "/ui/data", timeout=10).json()["recent"]
         assert max(t["queue_ms"] for t in recent) == info["queue_ms"]
+        c.close()
     finally:
         srv.stop()
 
@@ -60,7 +61,8 @@ def test_every_resident_has_its_own_gauges(tmp_path):
     (``session`` label, no tenant): the one that served holds the turn."""
     srv = Server(str(tmp_path), "g", "--sessions", "2", "--no-kv-cache").start()
     try:
-        r = srv.client().completions.create(model=srv.model(), prompt="Gauges " * 10, max_tokens=3, temperature=0)
+        with srv.client() as c:
+            r = c.completions.create(model=srv.model(), prompt="Gauges " * 10, max_tokens=3, temperature=0)
         m = samples(httpx.get(srv.base + "/metrics", timeout=10).text)
         tokens = {k: m[("ds4_session_tokens", (("session", k),))] for k in ("0", "1")}
         want = r.usage.prompt_tokens + r.usage.completion_tokens
