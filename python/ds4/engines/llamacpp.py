@@ -75,7 +75,7 @@ from typing import Any
 from ..errors import EngineError, UnsupportedModelError
 from ..keytext import Prompt
 from .chat_template import chat_renderer
-from .llamacpp_batch import SharedContext, batch_pays, shared_context, step_rows
+from .llamacpp_batch import SharedContext, batch_pays, shared_context
 from .llamacpp_context import LlamaCppContext
 from .llamacpp_lib import (
     GGUF_NAME,
@@ -85,7 +85,7 @@ from .llamacpp_lib import (
     load_llama_cpp,
     model_fingerprint,
 )
-from .llamacpp_owner import Idle, padded
+from .llamacpp_owner import Idle, padded, step_rows
 from .llamacpp_probe import CANDIDATES, Memory, Probe, pads_needed, probe_engine
 from .llamacpp_state import StateLayout
 
@@ -448,7 +448,7 @@ class LlamaCppEngine:
 
     @property
     def step_rows(self) -> int:
-        return step_rows(self)
+        return step_rows(self.batch_floor, self.batch_multiple)
 
     @property
     def batch_pays(self) -> bool:

@@ -56,7 +56,7 @@ from ..errors import EngineError
 from . import llamacpp_policy_cache as policy_cache
 from .llamacpp_context import LlamaCppContext
 from .llamacpp_lib import Batch
-from .llamacpp_owner import Idle, Owner, context_params, open_context, padded
+from .llamacpp_owner import Idle, Owner, context_params, open_context, padded, step_rows
 from .llamacpp_state import restream
 
 log = logging.getLogger("ds4.engines.llamacpp")
@@ -75,20 +75,15 @@ class Pooled(Owner, Protocol):
     batched_ok: bool | None
 
 
-def step_rows(engine: Owner) -> int:
-    """The rows of a padded decode step: one token padded to the batch policy."""
-    return max(engine.batch_floor, padded(1, engine.batch_multiple))
-
-
 def batch_pays(engine: Pooled) -> bool:
     """Whether the pool's batched decode (each sequence padded to
-    :func:`step_rows`) is worth it: always in strict mode (every step is
+    :func:`~ds4.engines.llamacpp_owner.step_rows`) is worth it: always in strict mode (every step is
     padded anyway); in canonical mode, where a resident alone decodes
     unpadded and canonicalizes after, only for a pad of at most one row
     (measured, ``benches/bench_batch_step.py --canonical``: four residents
     at 2 rows, SmolLM2, 1.13-1.43x the per-token rate of unpadded single
     steps; at 8 rows, Gemma 3, 0.60-0.81x)."""
-    return not engine.canonical or step_rows(engine) <= _BATCH_PAYS_ROWS
+    return not engine.canonical or step_rows(engine.batch_floor, engine.batch_multiple) <= _BATCH_PAYS_ROWS
 
 
 def shared_context(engine: Pooled, n_seq: int, n_ctx: int, *, always: bool = False) -> SharedContext | None:
@@ -105,7 +100,7 @@ def shared_context(engine: Pooled, n_seq: int, n_ctx: int, *, always: bool = Fal
         log.info(
             "batched decode: a step padded to %d rows costs more per token than each resident's "
             "unpadded step and its canonicalization; each resident decodes on its own",
-            step_rows(engine),
+            step_rows(engine.batch_floor, engine.batch_multiple),
         )
         return None
     if engine.recurrent:
@@ -136,7 +131,7 @@ def shared_context(engine: Pooled, n_seq: int, n_ctx: int, *, always: bool = Fal
     return SharedContext(engine, n_seq, n_ctx)
 
 
-__all__ = ["SeqContext", "SharedContext", "batch_pays", "batched_exact", "shared_context", "step_rows"]
+__all__ = ["SeqContext", "SharedContext", "batch_pays", "batched_exact", "shared_context"]
 
 
 class SharedContext:
@@ -150,7 +145,7 @@ class SharedContext:
         self._lc, self._engine = lc, engine
         self.n_seq, self.n_ctx = int(n_seq), int(n_ctx)
         cap = engine.batch_room
-        self.rows_per_seq = max(engine.batch_floor, padded(1, engine.batch_multiple))
+        self.rows_per_seq = step_rows(engine.batch_floor, engine.batch_multiple)
         if self.rows_per_seq * self.n_seq > cap:
             raise ValueError(f"{n_seq} sequences of {self.rows_per_seq} rows exceed the batch of {cap}")
         p = context_params(engine, (self.n_ctx + cap) * self.n_seq, n_seq_max=self.n_seq)

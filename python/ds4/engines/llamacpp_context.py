@@ -24,7 +24,7 @@ import numpy as np
 from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
 from .llamacpp_lib import Batch
-from .llamacpp_owner import Idle, Owner, context_params, open_context, padded
+from .llamacpp_owner import Idle, Owner, context_params, open_context, padded, step_rows
 from .llamacpp_state import check_payload, full_layout, walk_state
 
 __all__ = ["LlamaCppContext"]
@@ -213,7 +213,7 @@ class LlamaCppContext:
         them again before the state is extended, rewound or exported; else
         it is :meth:`eval`."""
         pos = self.n_past
-        if not self._canonical or max(self.batch_floor, padded(1, self.batch_multiple)) == 1:
+        if not self._canonical or step_rows(self.batch_floor, self.batch_multiple) == 1:
             return self.eval([token])  # a one-token batch is one the kernels treat as a prefill's
         self._check_open()
         toks = self._as_tokens([token])

@@ -16,7 +16,7 @@ from ..errors import EngineError
 from .llamacpp_lib import Batch
 from .llamacpp_state import StateLayout
 
-__all__ = ["Idle", "Owner", "context_params", "open_context", "padded"]
+__all__ = ["Idle", "Owner", "context_params", "open_context", "padded", "step_rows"]
 
 _LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
 
@@ -24,6 +24,13 @@ _LLAMA_FLASH_ATTN_TYPE_DISABLED = 0
 def padded(n: int, m: int) -> int:
     """``n`` rounded up to a multiple of ``m``."""
     return -(-n // m) * m
+
+
+def step_rows(floor: int, multiple: int) -> int:
+    """The rows of a padded decode step: one token padded to the batch
+    policy ``floor`` x ``multiple`` (1: a one-token step is a batch the
+    kernels treat as a prefill's)."""
+    return max(floor, padded(1, multiple))
 
 
 def context_params(engine: Owner, n_ctx: int, n_seq_max: int = 1) -> Any:
