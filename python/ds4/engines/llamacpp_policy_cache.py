@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -77,7 +78,8 @@ def _read(key: dict[str, Any]) -> dict[str, Any] | None:
         return None
     try:
         with os.fdopen(fd, "rb") as f:
-            if not os.path.isfile(path) or os.fstat(f.fileno()).st_size > _MAX_BYTES:
+            st = os.fstat(f.fileno())  # the file opened, not the path again
+            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_BYTES:
                 return None
             doc = json.loads(f.read(_MAX_BYTES))
     except (OSError, ValueError):
