@@ -6,10 +6,12 @@ then get their first tokens one after another, not all at the end."""
 
 from __future__ import annotations
 
+import re
 import statistics
 import threading
 
-from test_server import Server, _extra
+import pytest
+from test_server import KV_FLAGS, Server, _extra
 
 from ds4.server.baton import MAX_SKIPS, Baton
 
@@ -68,12 +70,18 @@ def test_a_holder_nearest_its_first_token_keeps_the_baton_but_yields_to_a_decode
     d.join()
 
 
-def test_four_cold_prompts_together_get_their_first_tokens_one_after_another(tmp_path):
+@pytest.mark.parametrize("store", ["no-store", "store"])
+def test_four_cold_prompts_together_get_their_first_tokens_one_after_another(tmp_path, store):
     """Round robin gave all four their first token at about the time of
     the last; shortest first gives the first one in about a quarter of it
     and lowers the mean. The ratios are of one run's own TTFTs (from
-    arrival: the ``ds4`` block's ``ttft_ms``)."""
-    srv = Server(str(tmp_path), "p4", "--sessions", "4", "--no-kv-cache", ctx=8192).start()
+    arrival: the ``ds4`` block's ``ttft_ms``). With a store, a full prefill
+    stops at its cold save and goes on with the prompt's last tokens: that
+    rest is what the lane has left, not the whole prompt again (marked so,
+    every cold prompt waited behind the other three's prefills), and the
+    reply's tokens are not held behind the next prefill's chunks."""
+    flags = ("--no-kv-cache",) if store == "no-store" else ("--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS)
+    srv = Server(str(tmp_path), "p4", "--sessions", "4", *flags, ctx=8192).start()
     try:
         model, out, errs = srv.model(), {}, []
         words = ("amber", "basalt", "cobalt", "dune")
@@ -81,8 +89,9 @@ def test_four_cold_prompts_together_get_their_first_tokens_one_after_another(tmp
         def ask(w: str) -> None:
             try:
                 prompt = f"{w}: " + " ".join(f"{w}{i}" for i in range(600))
-                with srv.client() as c:
-                    r = c.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+                msgs = [{"role": "user", "content": prompt}]
+                with srv.client() as c:  # a chat: its template's last turn follows the cold save
+                    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
                 out[w] = _extra(r)
             except Exception as e:  # pragma: no cover - reported below
                 errs.append(e)
@@ -97,5 +106,9 @@ def test_four_cold_prompts_together_get_their_first_tokens_one_after_another(tmp
         assert all(out[w]["rung"] == "prefill" for w in words), out
         assert ttft[0] <= 0.5 * ttft[-1], ttft  # the first did not wait for the slowest
         assert statistics.mean(ttft) <= 0.8 * ttft[-1], ttft
+        # the server's own order: each prefill ends (its ladder line) and its
+        # reply ends before the next prefill does, as one at a time
+        events = re.findall(r"ds4 ladder rung|request done", srv.text_log())
+        assert events == ["ds4 ladder rung", "request done"] * 4, events
     finally:
         srv.stop()

@@ -249,8 +249,13 @@ class _Ladder:
         if callable(serving) and len(tokens) > reused:
             serving(rung, reused)
         planned = getattr(self.progress, "planned", None)  # a server lane's: shortest prefill first
-        if callable(planned) and len(tokens) > reused:
-            planned(len(tokens) - reused)
+        if callable(planned):
+            # what is left: a full prefill's rest after its cold save extends
+            # the live state, it does not start over
+            live = self.sess.tokens if self.sess.checkpoint_valid else []
+            have = len(live) if list(tokens[: len(live)]) == live else 0
+            if len(tokens) > max(reused, have):
+                planned(len(tokens) - max(reused, have))
         self.sess.sync(
             tokens,
             progress=self.progress,
