@@ -175,7 +175,8 @@ class Service:
         self._by_tenant: dict[str, dict[str, int]] = {}
         #: which level of the cache served each turn (the rung: live, rewrite, disk, remote, prefill)
         self.levels: dict[str, int] = {}
-        self.baton = Baton()
+        # a prefill's last piece goes like a decode step (ds4.server.baton)
+        self.baton = Baton(join=self.pool.residents[0].gen.sess.prefill_chunk)
         self._running = 0  # jobs being served (under the baton)
         #: the prompts being prefilled, by job id: (namespace, prompt bytes,
         #: set once prefilled, the resident prefilling it)
