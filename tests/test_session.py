@@ -890,3 +890,42 @@ def test_checkpoint_without_its_core_says_which_attribute():
     with pytest.raises(AttributeError) as ei:
         _ = bare._core
     assert ei.value.args == ("_core",)
+
+
+class _Counting:
+    """An engine that counts the contexts it opens (otherwise ``inner``)."""
+
+    def __init__(self, inner):
+        self.inner, self.opened = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def new_context(self, n_ctx):
+        self.opened += 1
+        return self.inner.new_context(n_ctx)
+
+
+def test_a_lazy_session_opens_its_context_at_first_use_and_matches_an_eager_one(eng):
+    counting = _Counting(eng)
+    lazy = ds4.Session(counting, ctx=64, lazy=True)
+    assert counting.opened == 0 and not lazy.checkpoint_valid
+    eager = ds4.Session(eng, ctx=64)
+    for s in (lazy, eager):
+        s.sync(toks(eng, "a lazy context is opened when the first prompt comes"))
+    assert counting.opened == 1
+    assert lazy.tokens == eager.tokens
+    np.testing.assert_array_equal(lazy.logits, eager.logits)
+
+
+def test_a_pools_spare_residents_open_no_context_at_start(eng):
+    """The server answers sooner: resident 0's context is opened at start (a
+    context that does not fit fails there), the others' at first need."""
+    from ds4.server.pool import Pool
+    from ds4.turn import Generator
+
+    counting = _Counting(eng)
+    pool = Pool(Generator(counting, 64), 4)
+    assert pool.size == 4 and counting.opened == 1
+    pool.residents[3].gen.sess.sync(toks(eng, "the fourth resident's first prompt"))
+    assert counting.opened == 2

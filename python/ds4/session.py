@@ -51,14 +51,14 @@ class Rewrite(enum.Enum):
 class Session:
     """One conversation's tokens, engine KV state and next-token logits."""
 
-    def __init__(self, engine: Engine, ctx: int = 8192):
+    def __init__(self, engine: Engine, ctx: int = 8192, *, lazy: bool = False):
         if ctx <= 1:
             raise ValueError(f"ctx must be > 1, got {ctx}")
         if ctx > engine.max_ctx:
             raise ValueError(f"ctx {ctx} exceeds the engine's maximum {engine.max_ctx}")
         self.engine = engine
         self.ctx = ctx
-        self._ectx = engine.new_context(ctx)
+        self._ectx_open = None if lazy else engine.new_context(ctx)  # lazy: at first use (_ectx)
         self._tokens: list[int] = []
         self._logits: np.ndarray | None = None
         self._valid = False
@@ -73,6 +73,13 @@ class Session:
         self._snap_on = bool(getattr(engine, "rewind_limited", False))
         #: where the last rewind came from: a snapshot's token count, or None
         self.last_snapshot: int | None = None
+
+    @property
+    def _ectx(self) -> EngineContext:
+        """The engine context (a lazy session's opened at first use)."""
+        if self._ectx_open is None:
+            self._ectx_open = self.engine.new_context(self.ctx)
+        return self._ectx_open
 
     # -- state ---------------------------------------------------------------
     @property
@@ -143,7 +150,7 @@ class Session:
         """The key rendering of the first ``n`` live tokens (no namespace
         preamble): their bytes, special markers distinguished from text
         (:mod:`ds4.keytext`)."""
-        return self._render(self._tokens if n is None else self._tokens[:n])
+        return self._keys.render(self._tokens if n is None else self._tokens[:n])
 
     def key_bytes(self, n: int | None = None) -> bytes:
         """The key text of the first ``n`` live tokens: the namespace's
@@ -152,10 +159,7 @@ class Session:
 
     def key_of(self, tokens: Sequence[int]) -> bytes:
         """The key text ``tokens`` would have in this session's namespace."""
-        return self._preamble + self._render(tokens)
-
-    def _render(self, tokens: Sequence[int]) -> bytes:
-        return self._keys.render(tokens)
+        return self._preamble + self._keys.render(tokens)
 
     def argmax(self) -> int:
         if not self._valid or self._logits is None:
@@ -170,8 +174,8 @@ class Session:
             raise RuntimeError("a session adopts a context only while it is empty")
         if ectx.n_ctx != self.ctx:
             raise ValueError(f"the context holds {ectx.n_ctx} tokens, the session {self.ctx}")
-        old, self._ectx = self._ectx, ectx
-        close = getattr(old, "close", None)
+        old, self._ectx_open = self._ectx_open, ectx
+        close = getattr(old, "close", None)  # None: never opened
         if close is not None:
             close()
 
@@ -211,8 +215,8 @@ class Session:
         self._logits = None
         try:
             self._ectx.reset()
-        except Exception:  # a broken engine context: make a fresh one
-            self._ectx = self.engine.new_context(self.ctx)
+        except Exception:  # a broken engine context: a fresh one at next use
+            self._ectx_open = None
 
     # -- prefill / decode ----------------------------------------------------
     def check_prompt(self, tokens: Sequence[int]) -> None:
@@ -318,8 +322,7 @@ class Session:
                 on_frontier(self)
 
     def _snapshot(self, periodic: bool) -> None:
-        """Keep the live state in RAM (a turn boundary, or every
-        ``snapshots.every`` tokens) where the engine cannot always rewind."""
+        """Keep the live state in RAM where the engine cannot always rewind."""
         if self._snap_on and self.snapshots.enabled:
             self.snapshots.add(self._tokens, self._ectx.export_state(), periodic)
 
@@ -356,16 +359,14 @@ class Session:
             if self._ectx.truncate(n):
                 logits = np.asarray(self._ectx.last_logits(), dtype=np.float32)
             elif (snap := self.snapshots.best(self._tokens, n)) is not None and self._snap_on:
-                # the engine cannot drop the tail: the newest snapshot at or
-                # before the cut, and a prefill of the gap
+                # no cut: the newest snapshot at or before it, the gap prefilled
                 logits = restore(self._ectx, snap, self._tokens[:n])
                 self.last_snapshot = len(snap.tokens)
                 self.snapshots.counters["restored"] += 1
             else:
                 return False
         except Exception as e:
-            # The engine may have changed its state half-way: never leave it
-            # marked valid.
+            # the engine may have changed its state half-way: never left valid
             self.invalidate(f"rewind failed: {e}")
             raise
         del self._tokens[n:]

@@ -74,10 +74,10 @@ Progress = Callable[[int, int], None]
 class Generator:
     """The live session, the store and ds4's per-turn cache flow."""
 
-    def __init__(self, engine: Engine, ctx: int, store: KVStore | None = None):
+    def __init__(self, engine: Engine, ctx: int, store: KVStore | None = None, *, lazy: bool = False):
         ctx = min(int(ctx), int(engine.max_ctx))
         self.engine = engine
-        self.sess = Session(engine, ctx=ctx)
+        self.sess = Session(engine, ctx=ctx, lazy=lazy)  # lazy: its engine context opened at first use
         self.store = store
         self._last_continued = 0
         self._turn_saves: list[str] = []  # the continued snapshots of the turn in progress

@@ -136,7 +136,9 @@ class Pool:
             raise ValueError(f"a pool needs at least one session, got {size}")
         self.residents = [Resident(0, primary, live or LiveTools())]
         for k in range(1, size):
-            g = Generator(primary.engine, primary.ctx, primary.store)
+            # opened at first need (or never: a batched pool's residents adopt
+            # its one context): the server answers sooner after a start
+            g = Generator(primary.engine, primary.ctx, primary.store, lazy=True)
             g.counters = primary.counters  # one set of server-wide counters
             snaps = primary.sess.snapshots  # each resident keeps its own, under the same budget
             g.sess.snapshots.configure(snaps.count, snaps.max_bytes / 2**20, snaps.every)
