@@ -7,6 +7,9 @@ exposed them, against ``--sessions 1`` in the same run::
 * **subagents**: a main agent and three subagents sharing one system prompt
   of ``--system-tokens`` tokens; the main agent runs three turns, a
   subagent starts after each of them and runs two turns;
+* **subagents, own line**: the same, each subagent's system prompt the
+  main one's and a line of its own (no checkpoint on disk ends where they
+  part: what is not copied from RAM is prefilled);
 * **edit-and-retry**: a conversation whose client sends each turn twice,
   the second time with the last user message edited (a retry);
 * **four cold**: four different prompts of ``--system-tokens`` tokens sent
@@ -26,6 +29,7 @@ included)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -87,14 +91,17 @@ class Server:
         self.proc.wait(60)
 
 
-def subagents(srv: Server, system: str, out: list[tuple[dict, dict]]) -> None:
+def subagents(srv: Server, system: str, out: list[tuple[dict, dict]], own_line: bool = False) -> None:
     main = [{"role": "system", "content": system}, {"role": "user", "content": "Plan the week's berths."}]
     for turn in range(3):
         text, usage, x = srv.chat(main)
         out.append((usage, x))
         main += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Go on, step {turn}."}]
+        # own_line: a subagent's system prompt is the main one's and a line
+        # of its own, so no checkpoint on disk ends where the two part
+        sub_system = system + (f"\nYou are subagent {turn}: check one rule, report." if own_line else "")
         sub = [
-            {"role": "system", "content": system},
+            {"role": "system", "content": sub_system},
             {"role": "user", "content": f"Subtask {turn}: check rule {turn}."},
         ]
         for step in range(2):
@@ -124,7 +131,12 @@ def four_cold(srv: Server, system: str, out: list[tuple[dict, dict]]) -> None:
         t.join()
 
 
-WORKLOADS = {"subagents": subagents, "edit-and-retry": edit_and_retry, "four cold": four_cold}
+WORKLOADS = {
+    "subagents": subagents,
+    "subagents, own line": functools.partial(subagents, own_line=True),
+    "edit-and-retry": edit_and_retry,
+    "four cold": four_cold,
+}
 
 
 def main() -> int:

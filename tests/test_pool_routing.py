@@ -2,7 +2,9 @@
 shares a prefix with a resident holding another live conversation takes a
 RAM copy of that prefix into a free resident (rung ``live``, source
 ``session K, copied from session J``) instead of going to disk or
-prefilling, and the holder's own conversation stays live; with a free
+prefilling, and the holder's own conversation stays live (an edited last
+turn, a reply sent back stripped and instructor-style retries reuse a
+resident's prefix too); with a free
 resident, two conversations sharing a system prompt write no evict
 checkpoint. On SmolLM2 (a batched pool: sequences copy across streams) and
 Gemma 3 (under ``--exact canonical`` its residents decode alone: separate
@@ -117,6 +119,21 @@ def test_a_subagent_takes_a_copy_and_the_main_agent_stays_live(servers):
         x = _extra(r)
         assert _cached(r) >= 0.95 * _shared_tokens(model, main, edited), (x, _cached(r))
         assert not any(reason == "evict" for (_, reason, _) in _stored_texts(srv.kv_dir).values())
+        # a client that sends its last reply back stripped (its reasoning
+        # dropped, re-rendered), then instructor-style retries (the failed
+        # reply and the validation error appended each time): each reuses
+        # the prefix a resident holds (the three residents full now: an
+        # evict may be written), none prefills it again
+        prev, short = edited, text[: max(1, len(text) // 2)]
+        msgs = [*main[:-2], {"role": "assistant", "content": short}, {"role": "user", "content": "And the Brin?"}]
+        for k in range(3):
+            r, _ = _ask(srv, cold, msgs)
+            assert _cached(r) >= 0.95 * _shared_tokens(model, prev, msgs), (k, _extra(r), _cached(r))
+            bad = [
+                {"role": "assistant", "content": f"{{berth: {k}"},
+                {"role": "user", "content": "Fix the errors: bad JSON"},
+            ]
+            prev, msgs = msgs, [*msgs, *bad]
     finally:
         srv.stop()
 
