@@ -20,7 +20,7 @@ from ds4.engine import Engine, EngineContext
 from ds4.engines import llamacpp as L
 from ds4.engines.llamacpp import LlamaCppEngine
 from ds4.engines.llamacpp_lib import load_llama_cpp
-from ds4.errors import ContextOverflowError, EngineError, EngineStateError
+from ds4.errors import ContextOverflowError, EngineError, EngineStateError, ImportFailedError
 
 N_GEN = 32
 
@@ -548,6 +548,28 @@ def test_llama_itself_rejects_corrupt_headers_without_crashing(engine, checkpoin
     with pytest.raises(EngineStateError, match=re.escape(why)):
         ctx.import_state({"llama_state": blob, "logits": logits}, 299)
     assert ctx.n_past == 0
+    ctx.import_state({"llama_state": blob, "logits": logits}, 300)
+    assert ctx.n_past == 300
+    ctx.close()
+
+
+def test_a_state_that_walked_clean_but_llama_refuses_is_the_engines_limit_not_corruption(
+    engine, checkpoints, monkeypatch
+):
+    """The blob passed the learnt layout's walk (and its file's checksums
+    held): when llama.cpp still refuses it (a cache too small, a memory that
+    takes no such state), that is this engine's limit, ``import_failed``
+    (kept), never ``engine_rejected`` (corrupt, deleted). The context is
+    reset and still works."""
+    blob, logits = checkpoints[300]["llama_state"], checkpoints[300]["logits"]
+    ctx = engine.new_context(512)
+    ctx.eval([5, 6, 7])
+    monkeypatch.setattr(ctx._lc, "llama_state_seq_set_data", lambda *a: 0)
+    with pytest.raises(ImportFailedError, match="passed the layout check") as ei:
+        ctx.import_state({"llama_state": blob, "logits": logits}, 300)
+    assert ei.value.code == "import_failed" and not isinstance(ei.value, EngineStateError)
+    assert ctx.n_past == 0
+    monkeypatch.undo()
     ctx.import_state({"llama_state": blob, "logits": logits}, 300)
     assert ctx.n_past == 300
     ctx.close()

@@ -159,3 +159,28 @@ def test_token_checks_are_typed_and_shared_by_load_and_verify(tmp_path):
         ds4.Session(eng, ctx=s.n_past).load_arrays(arrays, s.n_past)
     with pytest.raises(EngineStateError, match="out of the vocabulary's range"):
         fresh.load_arrays({**arrays, "tokens": -np.ones(s.n_past, np.int32)}, s.n_past)
+
+
+def test_an_engine_that_cannot_take_a_verified_state_keeps_the_file(two, monkeypatch):
+    """A load the engine refuses for a limit of its own (here: memory runs
+    out while importing the longer state) proves nothing about the file:
+    ``import_failed``, kept, and the ladder goes on (it was ``engine_rejected``,
+    corrupt, and the file deleted)."""
+    eng, store, (short, long), prompt = two
+    ctx_type = type(eng.new_context(8))
+    real, limit = ctx_type.import_state, len(eng.tokenize(BASE, special=True))
+
+    def out_of_memory(self, arrays, n_tokens):
+        if n_tokens > limit:
+            raise MemoryError("cannot allocate the state")
+        return real(self, arrays, n_tokens)
+
+    monkeypatch.setattr(ctx_type, "import_state", out_of_memory)
+    sess = ds4.Session(eng, ctx=1024)
+    rep = ds4.recover(sess, store, prompt, evict_save=False)
+    assert rep.rung == "disk" and rep.loaded_path == short and sess.checkpoint_valid
+    assert _rejections(rep) == [(os.path.basename(long), "engine", "import_failed")]
+    assert os.path.exists(long)
+    got = load_named(store, sess, os.path.basename(long)[:40], prompt.encode())
+    assert got.status == "unusable" and got.error is not None and got.error.code == "import_failed"
+    assert not sess.checkpoint_valid and os.path.exists(long)

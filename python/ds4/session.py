@@ -25,6 +25,7 @@ from .errors import (
     EmptyPromptError,
     EngineError,
     EngineStateError,
+    ImportFailedError,
     InvalidSessionError,
     PrefillCancelledError,
     TokensTextMismatchError,
@@ -438,14 +439,13 @@ class Session:
         new_logits = np.array(state["logits"], dtype=np.float32)  # own copy
         try:
             self._ectx.import_state(state, n_tokens)
-        except EngineStateError:
-            # Engines validate before mutating; invalidate anyway so a
-            # misbehaving engine cannot leave foreign state marked valid.
+        except (EngineStateError, ImportFailedError):
+            # engines validate before mutating; invalidated anyway: never foreign state marked valid
             self.invalidate("engine rejected checkpoint")
             raise
-        except Exception as e:
+        except Exception as e:  # not proven corrupt (a limit of the engine): kept
             self.invalidate(f"engine failed loading checkpoint: {e}")
-            raise EngineStateError(f"engine failed to load the state: {e}") from e
+            raise ImportFailedError(f"engine failed to load the state: {e}") from e
         know = getattr(self._ectx, "know_tokens", None)
         if know is not None:
             know(new_tokens)  # verified against the text: a rewind may re-decode them

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import as_token_array
-from ..errors import ContextOverflowError, EngineError, EngineStateError
+from ..errors import ContextOverflowError, EngineError, EngineStateError, ImportFailedError
 from .llamacpp_lib import Batch
 from .llamacpp_owner import Idle, Owner, context_params, open_context, padded, step_rows
 from .llamacpp_state import check_payload, full_layout, walk_state
@@ -425,9 +425,15 @@ class LlamaCppContext:
         # -- hand it to llama.cpp
         try:
             self._set_blob(self._native(blob), n_tokens)
-        except EngineStateError:
+        except EngineStateError as e:
             self.reset()
-            raise
+            if layout is None:  # nothing checked it first: the blob's fault as far as is known
+                raise
+            # the blob walked clean against the learnt layout and its file's
+            # checksums held: a refusal is this engine's limit (a cache too
+            # small, a memory that takes no such state), never proof of
+            # corruption, so the file is kept
+            raise ImportFailedError(f"llama.cpp refused a state that passed the layout check: {e.reason}") from e
         self._tokens = [-1] * n_tokens
         self._dirty_from = self._mark = None
         self._known_from = n_tokens
