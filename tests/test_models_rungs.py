@@ -2,7 +2,9 @@
 rewrite, disk, remote (Redis) and a ``kill -9``'d process's checkpoints,
 with checkpoints taken during prefill (cold), after generation
 (continued), and at evict; each turn's greedy reply equals a cold
-single-session prefill's. Gemma 3's rewind limits and the ladder's honest
+single-session prefill's; a reply whose ids are not its text's own
+tokenization is cut by the token check on the live, disk and remote rungs.
+Gemma 3's rewind limits and the ladder's honest
 REBUILD_NEEDED are here too, with an engine double that cannot rewind
 (llama.cpp's recurrent memory refuses a partial ``seq_rm``)."""
 
@@ -19,6 +21,7 @@ from models import MODELS, engine, model_path
 from redis_servers import RedisNode
 
 import ds4
+from ds4.keytext import tokenize_prompt
 from ds4.kvstore.remote import RemoteTier
 from ds4.recovery import recover
 
@@ -293,3 +296,46 @@ def test_rewind_into_a_loaded_state(eng, tmp_path):
     else:
         assert rep.rung == "rewrite" and rep.reused_tokens > 300, rep.events
     assert loaded.generate(GEN) == cold_reply(eng, b)
+
+
+def _respelled(eng, text: str) -> list[int]:
+    """Ids that spell ``text`` byte for byte but are not its tokenization:
+    each character tokenized on its own (what a model may generate)."""
+    ids = [t for ch in text for t in eng.tokenize(ch)]
+    assert eng.detokenize(ids) == text and ids != eng.tokenize(text)
+    return ids
+
+
+@pytest.mark.parametrize("rung", ["live", "disk", "remote"])
+def test_a_reply_respelled_is_cut_by_the_token_check(eng, tmp_path, rung):
+    """A reply whose ids spell a whitespace run another way than its text
+    re-tokenizes is reused only up to the first id the prompt's own
+    tokenization does not have, on every rung; the next turn's reply is a
+    cold prefill's."""
+    p = story(eng, 20)
+    reply = "  Well,    the  river   was   cold.\n\n  "
+    s = ds4.Session(eng, ctx=CTX)
+    recover(s, None, p)
+    head, ids = s.tokens, _respelled(eng, reply)
+    s.sync(head + ids)
+    q = p + reply + "And then?"
+    kept = s.common_prefix(tokenize_prompt(eng, q))
+    assert 0 < kept < s.n_past
+    node = RedisNode(str(tmp_path / "r")).start() if rung == "remote" else None
+    st = store(tmp_path / "kv", **({"remote": RemoteTier(node.url)} if node else {}))
+    try:
+        if rung != "live":
+            assert st.store_live_prefix(s, "continued")
+            s = ds4.Session(eng, ctx=CTX)
+        if node is not None:
+            st.remote.flush(30)
+            st.close()
+            st = store(tmp_path / "empty", remote=RemoteTier(node.url))  # only Redis holds it
+        rep = recover(s, st, q, evict_save=False, prompt_save=False)
+        assert rep.token_check == {"against": rung, "kept": kept, "of": len(head) + len(ids)}, rep.token_check
+        assert rep.rung == ("rewrite" if rung == "live" else rung) and rep.reused_tokens == kept
+        assert s.generate(GEN) == cold_reply(eng, q)
+    finally:
+        st.close()
+        if node is not None:
+            node.stop()
