@@ -3,7 +3,8 @@ rewrite, disk, remote (Redis) and a ``kill -9``'d process's checkpoints,
 with checkpoints taken during prefill (cold), after generation
 (continued), and at evict; each turn's greedy reply equals a cold
 single-session prefill's; a reply whose ids are not its text's own
-tokenization is cut by the token check on the live, disk and remote rungs.
+tokenization is cut by the token check on the live, disk and remote rungs;
+a regenerated reply (the same prompt again) rewinds live or resumes from disk.
 Gemma 3's rewind limits and the ladder's honest
 REBUILD_NEEDED are here too, with an engine double that cannot rewind
 (llama.cpp's recurrent memory refuses a partial ``seq_rm``)."""
@@ -339,3 +340,22 @@ def test_a_reply_respelled_is_cut_by_the_token_check(eng, tmp_path, rung):
         st.close()
         if node is not None:
             node.stop()
+
+
+@pytest.mark.parametrize("rung", ["live", "disk"])
+def test_a_regenerated_reply_equals_cold(eng, tmp_path, rung):
+    """The same prompt sent again after its reply (a client's "regenerate"):
+    the live session rewinds to the prompt's end, a new process resumes from
+    the prompt's cold checkpoint (the continued one, prompt and reply, is not
+    a prefix of it); either way the reply is a cold prefill's."""
+    p = story(eng, 40, "What did the fox see?")
+    st = store(tmp_path / "kv")
+    s = ds4.Session(eng, ctx=CTX)
+    assert recover(s, st, p, cold_save=True).cold_saved
+    s.generate(GEN)
+    assert st.store_live_prefix(s, "continued")
+    if rung == "disk":
+        s = ds4.Session(eng, ctx=CTX)
+    rep = recover(s, st, p, evict_save=False, prompt_save=False)
+    assert rep.rung == ("rewrite" if rung == "live" else "disk") and rep.reused_tokens > 0, rep.rung
+    assert s.generate(GEN) == cold_reply(eng, p)
