@@ -40,7 +40,6 @@ pick, and a resident taken over by another namespace is saved and switched
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -51,6 +50,7 @@ from .. import _core
 from ..keytext import tokenize_prompt
 from ..turn import Generator
 from .conversation import AgentTurn, LiveTools
+from .hints import HintTable
 from .tenants import ANONYMOUS
 
 if TYPE_CHECKING:
@@ -62,8 +62,6 @@ __all__ = ["HINT_HEADER", "Pool", "Resident", "body_hint"]
 
 #: the request header that names a client's session (a routing hint)
 HINT_HEADER = "x-session-id"
-#: hints remembered (the oldest forgotten first)
-MAX_HINTS = 4096
 #: the fewest shared tokens rule 4 acts on (fewer: a chat template's preamble)
 MIN_SHARED = 16
 
@@ -143,7 +141,7 @@ class Pool:
             snaps = primary.sess.snapshots  # each resident keeps its own, under the same budget
             g.sess.snapshots.configure(snaps.count, snaps.max_bytes / 2**20, snaps.every)
             self.residents.append(Resident(k, g, LiveTools()))
-        self._hints: collections.OrderedDict[tuple[str | None, str], int] = collections.OrderedDict()
+        self.hints = HintTable()  # bounded: ds4.server.hints
         #: the residents' one batched context (``--batch-decode``), or None:
         #: each decodes in its own context
         self.shared: Any = None
@@ -229,7 +227,7 @@ class Pool:
         best, shared = _longest_live(mine, prompt) if mine else (None, None)
         if best is not None:
             return best, "live"
-        k = self._hints.get((namespace, hint)) if hint else None
+        k = self.hints.get(namespace, hint)
         if k is not None and not self.residents[k].busy and self.residents[k].gen.sess.namespace == namespace:
             log.info("pool: hint picks session %d", k)
             return self.residents[k], "hint"
@@ -261,10 +259,7 @@ class Pool:
         r.last_used = time.time()
         r.served += 1
         if hint and self.size > 1:
-            self._hints[(namespace, hint)] = r.index
-            self._hints.move_to_end((namespace, hint))
-            while len(self._hints) > MAX_HINTS:
-                self._hints.popitem(last=False)
+            self.hints.put(namespace, hint, r.index)
         return r
 
     def release(self, r: Resident) -> None:
