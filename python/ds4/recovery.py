@@ -252,8 +252,8 @@ class _Ladder:
         if callable(planned):
             # what is left: a full prefill's rest after its cold save extends
             # the live state, it does not start over
-            live = self.sess.tokens if self.sess.checkpoint_valid else []
-            have = len(live) if list(tokens[: len(live)]) == live else 0
+            n = self.sess.n_past  # 0 when invalid
+            have = n if self.sess.common_prefix(tokens) == n else 0
             if len(tokens) > max(reused, have):
                 planned(len(tokens) - max(reused, have))
         self.sess.sync(
