@@ -359,13 +359,17 @@ def kv_gc(args: argparse.Namespace) -> int:
     if bad is not None:
         print(f"ds4 kv gc: {bad}", file=sys.stderr)
         return EXIT_USAGE
-    cks, tmps, _ = scan_dir(args.dir)
-    before = _bytes_of(cks)
     gc = _Gc(args)
-    gc.corrupt(cks)
-    gc.temps(tmps)
-    gc.evict()
-    gc.report(before, _bytes_of(scan_dir(args.dir)[0]))
+    # the directory's lock for the whole run: a lock file that cannot be
+    # taken (a symlink, a FIFO) stops gc before anything changes, naming it
+    with gc.store.locked():
+        cks, tmps, _ = scan_dir(args.dir)
+        before = _bytes_of(cks)
+        gc.corrupt(cks)
+        gc.temps(tmps)
+        gc.evict()
+        after = _bytes_of(scan_dir(args.dir)[0])
+    gc.report(before, after)
     return EXIT_OK
 
 

@@ -191,7 +191,7 @@ class KVStore:
             remote = RemoteTier(remote, ttl_s=remote_ttl_s, namespace=ns)
         #: the shared tier (None: this directory only)
         self.remote = remote
-        self._lock = DirLock(self.dir)
+        self._lock = DirLock(self.dir, trust_dir)
         # small JSON records (stored Responses) in records/: at most 1 % of
         # the budget, and counted in it (eviction makes room for them)
         self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)

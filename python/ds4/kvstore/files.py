@@ -180,23 +180,35 @@ class DirLock:
     (the server's worker stores while a request thread deletes a record):
     a thread lock is taken before the ``flock`` and released after it."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, trust_dir: bool = False):
         self.path = os.path.join(directory, LOCK_NAME)
+        self.trust_dir = trust_dir
         self.fd = -1
         self.depth = 0
         self._thread_lock = threading.RLock()
 
     def _open(self) -> int:
         """The lock file, created without following a symlink, and refused
-        when it is anything but a regular file."""
+        when it is anything but a regular file, or (unless the directory is
+        trusted) one another user owns: each a :class:`StoreError` naming
+        the file."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         except OSError as e:
             why = "is a symlink" if e.errno == errno.ELOOP else e.strerror
             raise StoreError(e.errno, f"cannot open the lock file: {why} (remove it)", self.path) from e
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise StoreError(errno.EINVAL, "the lock file is not a regular file (remove it)", self.path)
+        if not self.trust_dir and st.st_uid != os.geteuid():
+            os.close(fd)
+            raise StoreError(
+                errno.EPERM,
+                f"the lock file is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): remove it, "
+                "or pass trust_dir=True (--kv-trust-dir) if you share the directory with its owner",
+                self.path,
+            )
         return fd
 
     @contextlib.contextmanager
