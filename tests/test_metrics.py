@@ -246,6 +246,18 @@ def test_page_files_load_without_a_key(served):
     assert c.post("/ui").status_code in (401, 405)  # only GET is open
 
 
+def test_the_page_its_data_and_metrics_can_never_be_framed(served):
+    c, _, _ = served
+    for path, key in (("/ui", None), ("/ui/ui.js", None), ("/ui/data", KOPS), ("/ui/data", KB), ("/metrics", KOPS)):
+        r = c.get(path, headers=_auth(key) if key else {})
+        assert r.status_code == 200, path
+        assert r.headers["x-frame-options"] == "DENY", path
+        assert "frame-ancestors 'none'" in r.headers["content-security-policy"], path
+        assert r.headers["x-content-type-options"] == "nosniff", path
+    r = c.get("/metrics", headers=_auth(KA))  # the tenant's refusal too
+    assert r.status_code == 403 and r.headers["x-frame-options"] == "DENY"
+
+
 def test_no_metrics_serves_neither(tmp_path):
     service = Service(Generator(ds4.ReferenceEngine(), 256), "ds4-reference")
     with TestClient(create_app(service, metrics=False), base_url="http://127.0.0.1") as c:

@@ -54,7 +54,18 @@ UI_PATHS = {
     "/ui/ui.css": ("ui.css", "text/css; charset=utf-8"),
 }
 #: the page's scripts, styles, images and requests come from this server only
-CSP = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:"
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+)
+#: on every response of the page, its data and /metrics: never framed
+#: (clickjacking), never sniffed into another type, never cached
+HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 #: checkpoint ages are counted below each of these (seconds), then above the last
 AGE_EDGES_S = (60, 600, 3600, 86400)
 #: the checkpoint table is copied from the index at most this often
@@ -70,7 +81,7 @@ def _forbidden() -> Response:
 
     body = http_error(403, "this endpoint is the operator's: use a key of an --admin-tenant")
     body["error"]["code"] = "operator_only"
-    return JSONResponse(body, status_code=403)
+    return JSONResponse(body, status_code=403, headers=HEADERS)
 
 
 def series(
@@ -132,24 +143,23 @@ class Dashboard:
         if not _operator(request):
             return _forbidden()
         body, ctype = self.metrics.exposition()
-        return Response(body, media_type=ctype)
+        return Response(body, media_type=ctype, headers=HEADERS)
 
     async def page(self, request: Request) -> Response:
         """The page's files (no key needed: they hold no data)."""
         from starlette.responses import Response
 
         body, ctype = self.files[request.url.path]
-        headers = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
-        return Response(body, media_type=ctype, headers=headers)
+        return Response(body, media_type=ctype, headers=HEADERS)
 
     async def data(self, request: Request) -> Response:
         """``GET /ui/data``: the operator's whole view, or a tenant's own."""
         from starlette.responses import JSONResponse
 
         if _operator(request):
-            return JSONResponse(await self._operator_data())
+            return JSONResponse(await self._operator_data(), headers=HEADERS)
         tenant = str(request.scope.get("state", {}).get("ds4_tenant", ANONYMOUS))
-        return JSONResponse(self._turns_data(tenant) | {"operator": False, "tenant": tenant})
+        return JSONResponse(self._turns_data(tenant) | {"operator": False, "tenant": tenant}, headers=HEADERS)
 
     def _turns_data(self, tenant: str | None) -> dict[str, Any]:
         now = time.time()
