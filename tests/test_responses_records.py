@@ -22,6 +22,8 @@ from agent_helpers import KV_FLAGS, RTOOLS, SYSTEM, ScriptedServer
 
 from ds4.kvstore.files import DirLock
 from ds4.kvstore.records import RecordStore
+from ds4.server.response_store import record_key
+from ds4.server.tenants import ANONYMOUS
 
 KA, KB = "sk-records-alice", "sk-records-bob"
 UNKNOWN = "resp_" + "0" * 32
@@ -79,8 +81,12 @@ def raw_error(srv, method, path, key, **kw):
     return r.status_code, r.json()
 
 
-def record_path(srv, rid):
-    return os.path.join(srv.records, f"response-{rid}.json")
+def record_path(srv, rid, legacy=False):
+    """Where ``srv`` keeps ``rid``'s record: under its owner's key (alice's
+    on the keyed servers, the anonymous tenant's on the open one), or under
+    the bare id (``legacy``: a record written before the owner's digest)."""
+    owner = "alice" if getattr(srv, "key", None) == KA else ANONYMOUS
+    return os.path.join(srv.records, f"response-{rid if legacy else record_key(rid, owner)}.json")
 
 
 def assert_unknown_to(srv, key, rid):
@@ -276,7 +282,7 @@ def test_corrupt_record_is_a_clean_not_found_and_is_removed(open_srv, kind):
             assert ei.value.code == "previous_response_not_found"
         assert not os.path.exists(path), "the corrupt record was kept"
         assert_unknown_to(srv, "unused", r.id)
-    assert f"record response-{r.id}.json unreadable" in srv.text_log()
+    assert f"record {os.path.basename(path)} unreadable" in srv.text_log()
     assert "unhandled error" not in srv.text_log() and srv.health()["counters"]["errors"] == 0
 
 
@@ -297,7 +303,7 @@ def test_records_of_the_first_format_belong_to_the_anonymous_tenant(open_srv, tm
     it is no tenant's."""
     rid = "resp_" + "1" * 32
     old = {"messages": [{"role": "user", "content": "Look up 9."}, {"role": "assistant", "content": "Nine."}]}
-    with open(record_path(open_srv, rid), "w", encoding="utf-8") as f:
+    with open(record_path(open_srv, rid, legacy=True), "w", encoding="utf-8") as f:
         json.dump(old, f)
     c = open_srv.client()
     r = create(c, "And 10?", previous_response_id=rid)
@@ -312,7 +318,7 @@ def test_records_of_the_first_format_belong_to_the_anonymous_tenant(open_srv, tm
     with pytest.raises(openai.NotFoundError):
         c.responses.input_items.list(rid)
     c.responses.delete(rid)
-    assert not os.path.exists(record_path(open_srv, rid))
+    assert not os.path.exists(record_path(open_srv, rid, legacy=True))
     # the same record under a server with keys: nobody's
     kv = tmp_path / "kv"
     os.makedirs(kv / "records")
@@ -323,7 +329,7 @@ def test_records_of_the_first_format_belong_to_the_anonymous_tenant(open_srv, tm
     try:
         for key in (KA, KB):
             assert_unknown_to(srv, key, rid)
-        assert os.path.exists(record_path(srv, rid))  # not corrupt: kept
+        assert os.path.exists(record_path(srv, rid, legacy=True))  # not corrupt: kept
     finally:
         srv.stop()
 
@@ -400,3 +406,42 @@ def test_record_store_delete_and_check(tmp_path):
     assert not os.path.exists(tmp_path / "records" / "response-resp_b.json") and rs.total_bytes() == 0
     with pytest.raises(ValueError):
         rs.delete("response", "../x")
+
+
+def test_another_tenants_id_costs_what_an_unknown_id_costs(tmp_path, monkeypatch):
+    """Constant time by construction: a record's name holds its owner's
+    digest, so bob's lookup of alice's id opens names that do not exist, as
+    for an unknown id: the same calls, each failing the same way, no byte
+    read (a timing difference was measurable when bob's lookup read alice's
+    record and compared owners)."""
+    from ds4.server.response_store import KIND, StoredResponses
+
+    rs = RecordStore(str(tmp_path), 1 << 16)
+    stored = StoredResponses(rs, "m")
+    rid = "resp_" + "a" * 32
+    rec = {
+        "owner": "alice",
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}],
+    }
+    assert rs.put(KIND, record_key(rid, "alice"), rec)
+    assert stored.lookup(rid, "alice") == rec
+    calls = []
+    real_open = os.open
+
+    def spy(path, *a, **kw):
+        try:
+            fd = real_open(path, *a, **kw)
+        except OSError as e:
+            calls.append((os.path.basename(str(path)).replace(rid, "ID").replace(UNKNOWN, "ID"), e.errno))
+            raise
+        calls.append((os.path.basename(str(path)).replace(rid, "ID").replace(UNKNOWN, "ID"), "opened"))
+        return fd
+
+    monkeypatch.setattr(os, "open", spy)
+    assert stored.lookup(rid, "bob") is None
+    theirs, calls[:] = list(calls), []
+    assert stored.lookup(UNKNOWN, "bob") is None
+    unknown = list(calls)
+    assert theirs == unknown
+    files = [c for c in theirs if c[0] != os.path.basename(rs.dir)]
+    assert len(files) == 2 and all(c[1] != "opened" for c in files)  # the owner's name, then the bare id: none exists

@@ -66,6 +66,7 @@ class RecordStore:
         (None when it does not exist and ``create`` is false). A link or a
         non-directory there raises :class:`StoreError`, logged once."""
         if create:
+            os.makedirs(os.path.dirname(self.dir), mode=0o700, exist_ok=True)  # the cache directory (a store's exists)
             with contextlib.suppress(FileExistsError):
                 os.mkdir(self.dir, 0o700)
         try:

@@ -38,14 +38,18 @@ Owners
     (:mod:`ds4.server.tenants`: the key's tenant, ``anonymous`` without
     keys). For any other tenant it does not exist: ``previous_response_id``
     gets the same 400 and every retrieval route the same 404, with the same
-    message, as an unknown id; the only work done beyond an unknown id's is
-    reading the record. The binding is to the tenant, not to ``cache_salt``:
+    message, as an unknown id, and the same work: a record is kept under
+    its id and a digest of its owner (:func:`record_key`), so another
+    tenant's lookup opens a name that does not exist, as an unknown id's
+    does (no time difference tells that the id exists). The binding is to the tenant, not to ``cache_salt``:
     OpenAI scopes stored responses to the project (the key), and a salt is a
     cache partition a client may vary per request (it is not an identity;
     its value is never stored). Records written before owners existed
     (no ``owner`` field) are the anonymous tenant's: a server without keys
     keeps continuing and deleting them (they have no response object to
     retrieve: 404), a server with keys treats them as another tenant's.
+    Records kept under the bare id (written before the owner's digest was
+    in the name) are still found, after the owner's name misses.
     A record that cannot be read or does not validate is a not-found and is
     removed (:meth:`ds4.kvstore.records.RecordStore.get`).
 """
@@ -53,6 +57,7 @@ Owners
 from __future__ import annotations
 
 import collections
+import hashlib
 import hmac
 import logging
 import threading
@@ -64,7 +69,7 @@ from .conversation import Conversation, Message, Outcome, ToolCall
 from .tenants import ANONYMOUS
 from .wire import JSON, ApiError, bad
 
-__all__ = ["MemoryRecords", "Records", "StoredResponses"]
+__all__ = ["MemoryRecords", "Records", "StoredResponses", "record_key"]
 
 log = logging.getLogger("ds4.server")
 
@@ -82,6 +87,14 @@ class Records(Protocol):
     def put(self, kind: str, key: str, data: Any) -> bool: ...
 
     def delete(self, kind: str, key: str) -> bool: ...
+
+
+def record_key(rid: str, tenant: str) -> str:
+    """The key the record of response ``rid`` is kept under for its owner
+    ``tenant``: the id, then 16 hex digits of a BLAKE2b digest of the
+    tenant's name (only letters, digits, ``_`` and ``-``: a record name)."""
+    owner = hashlib.blake2b(tenant.encode("utf-8"), digest_size=8, person=b"ds4 rec owner").hexdigest()
+    return f"{rid}-{owner}"
 
 
 class MemoryRecords:
@@ -347,22 +360,29 @@ class StoredResponses:
             "messages": [to_record(m, i) for m, i in zip(msgs, ids, strict=True)],
         }
         try:
-            self.records.put(KIND, req.rid, rec)
-        except OSError as e:  # the answer still goes out; previous_response_id to it will be unknown
+            self.records.put(KIND, record_key(req.rid, req.tenant), rec)
+        except (OSError, ValueError) as e:  # the answer still goes out; previous_response_id to it will be unknown
             log.warning("response %s not stored: %s", req.rid, e)
 
     def lookup(self, rid: str, tenant: str) -> JSON | None:
         """The record of ``rid`` when ``tenant`` owns it; None when there is
         none, it is unreadable (then removed) or another tenant's. A record
         of the first format (no owner) is the anonymous tenant's."""
-        try:
-            rec: JSON | None = self.records.get(KIND, rid, lambda d: _check_record(rid, d))
-        except ValueError:  # not a name a record can have
-            return None
-        if rec is None:
-            return None
-        owner = str(rec.get("owner", ANONYMOUS))
-        return rec if hmac.compare_digest(owner.encode(), tenant.encode()) else None
+        found = self._find(rid, tenant)
+        return None if found is None else found[0]
+
+    def _find(self, rid: str, tenant: str) -> tuple[JSON, str] | None:
+        """The record of ``rid`` that ``tenant`` owns and the key it is
+        kept under: the owner's (:func:`record_key`), then the bare id."""
+        for key in (record_key(rid, tenant), rid):
+            try:
+                rec: JSON | None = self.records.get(KIND, key, lambda d: _check_record(rid, d))
+            except ValueError:  # not a name a record can have
+                return None
+            if rec is not None:
+                owner = str(rec.get("owner", ANONYMOUS))
+                return (rec, key) if hmac.compare_digest(owner.encode(), tenant.encode()) else None
+        return None
 
     def _retrievable(self, rid: str, tenant: str) -> JSON:
         rec = self.lookup(rid, tenant)
@@ -411,10 +431,11 @@ class StoredResponses:
     def delete(self, rid: str, tenant: str) -> JSON:
         """``DELETE /v1/responses/{rid}``: the record removed (a
         ``previous_response_id`` naming it is then unknown)."""
-        if self.lookup(rid, tenant) is None:
+        found = self._find(rid, tenant)
+        if found is None:
             raise _not_found(rid)
         try:
-            removed = self.records.delete(KIND, rid)
+            removed = self.records.delete(KIND, found[1])
         except OSError as e:
             log.warning("response %s not deleted: %s", rid, e)
             raise ApiError(500, f"the response could not be deleted: {type(e).__name__}", "server_error") from None
