@@ -162,6 +162,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--keep-alive-timeout", type=int, default=5, metavar="S", help="close idle keep-alive connections (default 5 s)"
     )
+    g.add_argument(
+        "--shutdown-grace",
+        type=int,
+        default=30,
+        metavar="S",
+        help="on SIGTERM, running requests get S s to finish (default 30); one second before, each still running "
+        "gets a final error (a stream: its protocol's error event, then [DONE] on chat) and its job stops",
+    )
 
 
 def regex(s: str) -> str:

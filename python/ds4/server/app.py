@@ -13,7 +13,11 @@ A handler parses the request (its protocol's module over
 :mod:`ds4.server.wire`), submits a job to
 the one worker (:mod:`ds4.server.worker`) and relays its events. The job's
 cancel flag is set as soon as the client disconnects. On SIGTERM/SIGINT
-uvicorn drains the in-flight requests, then the lifespan hook closes the
+uvicorn drains the in-flight requests (``--shutdown-grace``, 30 s); one
+second before that grace runs out, every request still running gets its
+final event (:meth:`_Routes.end_open_runs`: a stream its protocol's error
+event and terminator, ``[DONE]`` on chat; a non-streamed request the 503 of
+``shutting_down``) and its job stops; then the lifespan hook closes the
 worker, which stores the live session.
 """
 
@@ -43,7 +47,7 @@ from .responses_reply import ResponsesWire
 from .tenants import ANONYMOUS, namespace_for
 from .volatile import SystemText
 from .wire import ApiError, ApiRequest, Wire, http_error
-from .worker import Job, Service
+from .worker import Job, Service, ShuttingDown
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -144,6 +148,7 @@ class _Routes:
         self.service = service
         self.debug = debug
         self.keepalive_s = SSE_KEEPALIVE_S
+        self.open_runs: set[_JobRun] = set()  # the requests being answered (end_open_runs)
         self.gen = service.gen
         self.live = service.pool.residents[0].live  # ds4's live tool state (the worker thread's), the first resident's
         self.limits = limits
@@ -293,9 +298,22 @@ class _Routes:
             run.stop()
             raise
 
+    def end_open_runs(self) -> int:
+        """The server is stopping and its grace is almost over: each request
+        still being answered gets a final ``shutting_down`` error (after
+        what its job already sent) and its job stops. Returns how many."""
+        runs = list(self.open_runs)
+        for run in runs:
+            run.job.cancel.set()
+            run.events.put_nowait(("error", ShuttingDown("the server is shutting down")))
+        if runs:
+            log.info("shutdown: %d running request(s) ended with a final error event", len(runs))
+        return len(runs)
+
     async def collect(self, run: _JobRun, reply: Any, wire: Wire) -> Response:
         from starlette.responses import JSONResponse
 
+        self.open_runs.add(run)
         try:
             while True:
                 k, v = await run.next()
@@ -305,6 +323,7 @@ class _Routes:
                 if k == "error":
                     return self.wire_err(wire, v, reply.req.param)
         finally:
+            self.open_runs.discard(run)
             run.watcher.cancel()
 
     async def stream(self, run: _JobRun, reply: Any) -> AsyncIterator[bytes]:
@@ -312,6 +331,7 @@ class _Routes:
         ``keepalive_s`` (``--sse-keepalive``) while nothing else is sent (a long prefill), the
         text, then the closing chunks; a failure after the headers is an
         error event."""
+        self.open_runs.add(run)
         try:
             for b in reply.opening():
                 yield b
@@ -337,6 +357,7 @@ class _Routes:
             if reply.terminator:
                 yield reply.terminator
         finally:
+            self.open_runs.discard(run)
             run.stop()  # a no-op when the job is done; stops it when the client left
 
     def model_obj(self, mid: str) -> dict[str, Any]:
@@ -443,4 +464,5 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.service = service
+    app.state.end_open_runs = r.end_open_runs  # serve_main: near the end of the shutdown grace
     return app

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -35,16 +36,33 @@ log = logging.getLogger("ds4.server")
 
 
 class ReadyServer(uvicorn.Server):
-    """``uvicorn.Server`` that logs ``ready_line`` once it listens."""
+    """``uvicorn.Server`` that logs ``ready_line`` once it listens; with
+    ``on_stop`` (seconds, callback), the first SIGTERM/SIGINT schedules the
+    callback that many seconds later on the server's loop (the requests
+    still running then get their final event before uvicorn's graceful
+    shutdown runs out and cuts them)."""
 
-    def __init__(self, config: uvicorn.Config, ready_line: str):
+    def __init__(
+        self, config: uvicorn.Config, ready_line: str, on_stop: tuple[float, Callable[[], object]] | None = None
+    ):
         super().__init__(config)
         self.ready_line = ready_line
+        self.on_stop = on_stop
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started:
             log.info("%s", self.ready_line)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first and self.on_stop is not None and self._loop is not None:
+            delay, fn = self.on_stop
+            loop = self._loop
+            loop.call_soon_threadsafe(loop.call_later, delay, fn)
 
 
 class _HeadDeadlineProtocol(H11Protocol):

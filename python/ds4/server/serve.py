@@ -119,7 +119,7 @@ def serve_main(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         lifespan="on",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=args.shutdown_grace,
         timeout_keep_alive=args.keep_alive_timeout,
         http=with_header_timeout(args.header_timeout),
         access_log=args.log_level == "debug",
@@ -128,6 +128,7 @@ def serve_main(args: argparse.Namespace) -> int:
         config,
         f"ds4 server ready on {args.host}:{args.port} model={service.model_id} engine={engine.name} ctx={gen.ctx} "
         f"{f'sessions={pool.size} ' if pool.size > 1 else ''}kv={gen.store.dir if gen.store else 'off'} keys={'on' if guard.needs_key else 'off'}",
+        on_stop=(max(0.0, args.shutdown_grace - 1.0), app.state.end_open_runs),
     )
     try:
         server.run()
