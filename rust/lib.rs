@@ -3,6 +3,7 @@
 //! and durable writes. Pure Rust: builds, tests, benches and fuzzes without
 //! Python. The `PyO3` glue lives in `py/` behind the `python` feature.
 
+pub mod decode;
 pub mod error;
 pub mod format;
 pub mod hash;

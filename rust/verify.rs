@@ -14,11 +14,12 @@
 //! that, and the metadata (bounded by [`MAX_META`](crate::format::MAX_META))
 //! once it is known to lie inside the file.
 
+use crate::decode::{self, MacCheck, RawBound, Stored};
 use crate::error::{Error, Result};
 use crate::format::bytes::le_u32;
 use crate::format::mac::{MacKey, MacState, MAC_BYTES};
 use crate::format::{
-    v1, v2, v3, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2, VERSION_V3,
+    v1, v2, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2, VERSION_V3,
 };
 use crate::hash::{self, Sha1Digest};
 use crate::name::{check_name_model, id_from_name};
@@ -56,6 +57,10 @@ pub struct VerifyOptions<'a> {
     /// incompatible (`mac_missing`, header stage); a full open computes it
     /// in the checksum's pass over the payload (`mac_mismatch`, corrupt).
     pub auth_key: Option<&'a MacKey>,
+    /// v3: refuse (`frame_table`) a file declaring more raw payload bytes
+    /// than a state of its token count can take ([`RawBound`]), before
+    /// anything is allocated. Without it only `v3::MAX_RATIO` bounds them.
+    pub max_raw: Option<RawBound>,
 }
 
 impl Default for VerifyOptions<'_> {
@@ -70,6 +75,7 @@ impl Default for VerifyOptions<'_> {
             verify_checksum: true,
             mmap: true,
             auth_key: None,
+            max_raw: None,
         }
     }
 }
@@ -398,36 +404,35 @@ fn load_payload(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Resu
     ck.check_intact()
 }
 
-/// Payload stage, v3: the stored (compressed) payload is copied and its
-/// checksum and MAC checked over the copy, before anything is decompressed
-/// (what is checked is what is decoded); then the frames are decompressed
-/// one by one into an aligned buffer, each checked against its raw length
-/// and xxh3-64 ([`v3::decode_frames`]); the copy of the stored bytes is
-/// dropped once the last frame is decoded. Never mapped: the engine reads
-/// the decompressed buffer.
+/// Payload stage, v3: the declared raw size against `o.max_raw`, then
+/// the frames decoded one at a time from the file into one buffer of the
+/// raw payload, the checksum and (first) the MAC over their stored bytes
+/// ([`decode::load`]: bounded memory, nothing decompressed before the MAC
+/// matches). Never mapped: the engine reads the decompressed buffer.
 fn load_compressed(file: &File, ck: &mut Checkpoint, o: &VerifyOptions<'_>) -> Result<()> {
-    let mut mac = match o.auth_key {
-        Some(key) => Some(start_mac(file, ck, key)?),
-        None => None,
-    };
-    let stored = Storage::copy(
-        file,
-        ck.header.payload_offset,
-        ck.header.payload_bytes,
-        ck.file_len,
-        o.verify_checksum.then_some(ck.header.payload_checksum),
-        mac.as_mut(),
-    )?;
-    if let Some(m) = mac {
-        let at = ck.header.payload_offset + ck.header.payload_bytes;
-        let tag = pread_vec(file, at, MAC_BYTES, ck.file_len)?;
-        if !m.matches(&tag) {
-            return Err(Error::MacMismatch);
-        }
+    if let Some(b) = &o.max_raw {
+        b.check(ck.header.raw_payload_bytes, ck.header.tokens)?;
     }
     let codec = ck.header.codec.as_ref().ok_or(Error::SizeOverflow)?;
-    let raw = v3::decode_frames(stored.bytes(), codec, ck.header.raw_payload_bytes)?;
-    drop(stored);
+    let src = Stored {
+        file,
+        offset: ck.header.payload_offset,
+        len: ck.header.payload_bytes,
+        file_len: ck.file_len,
+    };
+    let tag;
+    let mac = match o.auth_key {
+        Some(key) => {
+            tag = pread_vec(file, src.offset + src.len, MAC_BYTES, ck.file_len)?;
+            Some(MacCheck {
+                state: start_mac(file, ck, key)?,
+                tag: &tag,
+            })
+        }
+        None => None,
+    };
+    let checksum = o.verify_checksum.then_some(ck.header.payload_checksum);
+    let raw = decode::load(src, codec, ck.header.raw_payload_bytes, checksum, mac)?;
     ck.storage = Some(Arc::new(Storage::Heap(raw)));
     ck.payload_base = 0;
     Ok(())

@@ -209,10 +209,17 @@ def open_checkpoint(
     verify_checksum: bool = True,
     mmap: bool = True,
     auth_key: bytes | None = None,
+    max_raw_bytes: int | None = None,
+    state_bytes: tuple[int, int] | None = None,
 ) -> Checkpoint:
     """Run the verification pipeline on ``path``; raise a
     :class:`ds4.errors.CheckpointError` subclass at the first failure. With
-    ``auth_key``, the file must carry a valid MAC (docs/FORMAT.md §1.9)."""
+    ``auth_key``, the file must carry a valid MAC (docs/FORMAT.md §1.9).
+    A compressed (v3) file declaring more raw payload bytes than
+    ``max_raw_bytes``, or than ``fixed + per_token * tokens`` for
+    ``state_bytes=(fixed, per_token)`` (what the engine's state of that
+    many tokens can take), is refused (``frame_table``, corrupt) before
+    anything is allocated (docs/FORMAT.md §1.10)."""
     return Checkpoint(
         _core.open_checkpoint(
             os.fspath(path),
@@ -225,5 +232,7 @@ def open_checkpoint(
             verify_checksum=verify_checksum,
             mmap=mmap,
             auth_key=auth_key,
+            max_raw_bytes=max_raw_bytes,
+            state_bytes=state_bytes,
         )
     )

@@ -212,34 +212,44 @@ fn bad_frame(index: usize, reason: String) -> Error {
     Error::BadFrame { index, reason }
 }
 
-/// Decompresses the verified stored payload `stored` frame by frame into a
-/// 64-byte-aligned buffer of the raw payload. A frame that does not
-/// decompress, decompresses to another length than its table entry's, or
-/// whose raw bytes do not hash to the entry's xxh3-64 stops the decoding
-/// there with [`Error::BadFrame`]: nothing of the buffer is handed out.
-pub fn decode_frames(stored: &[u8], c: &Codec, raw_len: u64) -> Result<AlignedBuf> {
-    let mut out = AlignedBuf::zeroed(usize::try_from(raw_len).map_err(|_| Error::SizeOverflow)?)?;
-    let mut dctx = zstd::bulk::Decompressor::new()?;
-    let shuffled = c.filter == FILTER_SHUFFLE2;
-    let mut scratch = vec![0u8; if shuffled { c.span as usize } else { 0 }];
-    let (mut s, mut r) = (0usize, 0usize);
-    let dst_all = out.as_mut_slice();
-    for (i, f) in c.frames.iter().enumerate() {
-        let (ns, nr) = (s + f.stored as usize, r + f.raw as usize);
-        let src = stored.get(s..ns).ok_or(Error::SizeOverflow)?;
-        let dst = dst_all.get_mut(r..nr).ok_or(Error::SizeOverflow)?;
+/// Decompresses one frame at a time into its slice of the raw payload
+/// (what [`crate::decode`] and [`decode_frames`] share). A frame that does
+/// not decompress, decompresses to another length than its table entry's,
+/// or whose raw bytes do not hash to the entry's xxh3-64 is
+/// [`Error::BadFrame`]. Holds zstd's decompression context and, for
+/// `shuffle2`, one span of scratch.
+pub struct FrameDecoder {
+    dctx: zstd::bulk::Decompressor<'static>,
+    shuffled: bool,
+    scratch: Vec<u8>,
+}
+
+impl FrameDecoder {
+    pub fn new(c: &Codec) -> Result<Self> {
+        let shuffled = c.filter == FILTER_SHUFFLE2;
+        Ok(FrameDecoder {
+            dctx: zstd::bulk::Decompressor::new()?,
+            shuffled,
+            scratch: vec![0u8; if shuffled { c.span as usize } else { 0 }],
+        })
+    }
+
+    /// Frame `i` (`f`, its table entry), stored as `src`, into `dst`
+    /// (`f.raw` bytes long).
+    pub fn frame(&mut self, i: usize, f: &Frame, src: &[u8], dst: &mut [u8]) -> Result<()> {
         let zerr = |e: std::io::Error| bad_frame(i, format!("zstd cannot decompress it: {e}"));
-        let n = if shuffled {
-            let tmp = scratch
+        let n = if self.shuffled {
+            let tmp = self
+                .scratch
                 .get_mut(..f.raw as usize)
                 .ok_or(Error::SizeOverflow)?;
-            let n = dctx.decompress_to_buffer(src, tmp).map_err(zerr)?;
+            let n = self.dctx.decompress_to_buffer(src, tmp).map_err(zerr)?;
             if n == f.raw as usize {
                 unshuffle2(tmp, dst);
             }
             n
         } else {
-            dctx.decompress_to_buffer(src, dst).map_err(zerr)?
+            self.dctx.decompress_to_buffer(src, dst).map_err(zerr)?
         };
         if n != f.raw as usize {
             return Err(bad_frame(
@@ -257,6 +267,25 @@ pub fn decode_frames(stored: &[u8], c: &Codec, raw_len: u64) -> Result<AlignedBu
                 ),
             ));
         }
+        Ok(())
+    }
+}
+
+/// Decompresses the verified stored payload `stored` (in memory) frame by
+/// frame into a 64-byte-aligned buffer of the raw payload ([`FrameDecoder`]);
+/// the first frame that fails stops the decoding: nothing of the buffer is
+/// handed out. (A file is read by [`crate::decode::load`], which never
+/// holds more than one frame of its stored bytes.)
+pub fn decode_frames(stored: &[u8], c: &Codec, raw_len: u64) -> Result<AlignedBuf> {
+    let mut out = AlignedBuf::lazy(usize::try_from(raw_len).map_err(|_| Error::SizeOverflow)?)?;
+    let mut dec = FrameDecoder::new(c)?;
+    let (mut s, mut r) = (0usize, 0usize);
+    let dst_all = out.as_mut_slice();
+    for (i, f) in c.frames.iter().enumerate() {
+        let (ns, nr) = (s + f.stored as usize, r + f.raw as usize);
+        let src = stored.get(s..ns).ok_or(Error::SizeOverflow)?;
+        let dst = dst_all.get_mut(r..nr).ok_or(Error::SizeOverflow)?;
+        dec.frame(i, f, src, dst)?;
         (s, r) = (ns, nr);
     }
     Ok(out)

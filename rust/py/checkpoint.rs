@@ -3,6 +3,7 @@
 
 use super::buffer::{bytes_of, PayloadView};
 use super::errors::{to_pyerr, write_pyerr};
+use crate::decode::RawBound;
 use crate::format::mac::{self, MacKey};
 use crate::format::v3;
 use crate::format::writer_v3::{self, Compression};
@@ -109,7 +110,7 @@ fn compression(codec: &str, level: u8, filter: &str, span: u32) -> PyResult<Opti
 
 /// Runs the verification pipeline and returns an open checkpoint.
 #[pyfunction]
-#[pyo3(signature = (path, *, expected_abi=None, quant_bits=None, ctx=None, check_name=true, prompt=None, load_payload=true, verify_checksum=true, mmap=true, auth_key=None))]
+#[pyo3(signature = (path, *, expected_abi=None, quant_bits=None, ctx=None, check_name=true, prompt=None, load_payload=true, verify_checksum=true, mmap=true, auth_key=None, max_raw_bytes=None, state_bytes=None))]
 #[expect(
     clippy::too_many_arguments,
     clippy::fn_params_excessive_bools,
@@ -127,6 +128,8 @@ pub(super) fn open_checkpoint(
     verify_checksum: bool,
     mmap: bool,
     auth_key: Option<Vec<u8>>,
+    max_raw_bytes: Option<u64>,
+    state_bytes: Option<(u64, u64)>,
 ) -> PyResult<PyCheckpoint> {
     let key = auth_key.as_deref().map(mac_key).transpose()?;
     let prompt_b = prompt.as_ref().map(bytes_of).transpose()?;
@@ -140,12 +143,28 @@ pub(super) fn open_checkpoint(
         verify_checksum,
         mmap,
         auth_key: key.as_ref(),
+        max_raw: raw_bound(max_raw_bytes, state_bytes),
     };
     py.detach(|| verify::open(&path, &opts))
         .map(|ck| PyCheckpoint {
             inner: Arc::new(ck),
         })
         .map_err(|e| to_pyerr(py, e, Some(&path)))
+}
+
+/// The v3 raw-size bound of `open_checkpoint`'s `max_raw_bytes` (the
+/// most, whatever the token count) and `state_bytes` (`(fixed, per_token)`:
+/// a state of n tokens takes at most `fixed + per_token * n` bytes).
+fn raw_bound(most: Option<u64>, state: Option<(u64, u64)>) -> Option<RawBound> {
+    if most.is_none() && state.is_none() {
+        return None;
+    }
+    let (fixed, per_token) = state.unwrap_or((u64::MAX, 0));
+    Some(RawBound {
+        fixed,
+        per_token,
+        most: most.unwrap_or(u64::MAX),
+    })
 }
 
 /// A MAC key passed from Python: exactly 32 bytes (`derive_auth_key`'s output).
