@@ -22,10 +22,16 @@ Invariants every engine keeps (the Session relies on them):
 * ``payload_abi()`` names engine id, model fingerprint and payload layout
   version; two engines with the same ABI string can load each other's
   payloads.
+* Optionally, an engine says how large its exported state of n tokens can
+  be: ``state_bytes()`` returns ``(fixed, per_token)`` (at most
+  ``fixed + per_token * n`` bytes), or ``state_shapes(n)`` gives the float32
+  arrays' shapes. :func:`state_bound` reads either; a load refuses a
+  compressed checkpoint declaring more (docs/FORMAT.md §1.10).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -102,3 +108,38 @@ def as_token_array(tokens: Sequence[int], vocab_size: int, dtype=np.int32) -> np
     if int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
         raise ValueError(f"token id out of range [0, {vocab_size})")
     return arr.astype(dtype, copy=False)
+
+
+#: what a checkpoint payload may hold beyond its arrays' bytes: the
+#: format's alignment (64 bytes a tensor) with room to spare
+STATE_SLACK = 1 << 20
+
+
+def state_bound(engine: object) -> tuple[int, int] | None:
+    """``(fixed, per_token)``: a checkpoint payload of n tokens of
+    ``engine`` holds at most ``fixed + per_token * n`` raw bytes, from the
+    engine's ``state_bytes()`` or ``state_shapes(n)`` (float32 arrays whose
+    rows never grow faster than the tokens), plus the session's int32 token
+    array, with slack (:data:`STATE_SLACK`, and a sixteenth more a token);
+    None when the engine cannot say."""
+    try:
+        got = getattr(engine, "state_bytes", None)
+        shapes = getattr(engine, "state_shapes", None)
+        if callable(got):
+            b = got()
+            if b is None:
+                return None
+            fixed, per = int(b[0]), int(b[1])
+        elif callable(shapes):
+
+            def size(n: int) -> int:
+                return sum(4 * math.prod(s) for s in shapes(n).values())
+
+            fixed, per = size(0), size(1) - size(0)
+        else:
+            return None
+    except Exception:  # an engine that cannot say: the loader's ratio rule only
+        return None
+    if fixed < 0 or per < 0:
+        return None
+    return fixed + STATE_SLACK, per + per // 16 + 4

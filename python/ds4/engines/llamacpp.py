@@ -454,6 +454,15 @@ class LlamaCppEngine:
     def batch_pays(self) -> bool:
         return batch_pays(self)
 
+    def state_bytes(self) -> tuple[int, int] | None:
+        """``(fixed, per_token)``: a state of n tokens exports at most
+        ``fixed + per_token * n`` bytes (the blob's layout, then the
+        float32 logits); None before the layout is known."""
+        lay = self.state_layout
+        if lay is None:
+            return None
+        return lay.size(0) + 4 * self.vocab_size, sum(c.bytes_per_cell() for c in lay.caches)
+
     # -- start-up probe ---------------------------------------------------
     def _apply_probe(self, p: Probe) -> None:
         """Take what :func:`~ds4.engines.llamacpp_probe.probe_engine` found."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from .. import _core
 from ..checkpoint import Checkpoint, open_checkpoint
+from ..engine import state_bound
 from ..errors import CheckpointError, CorruptCheckpointError
 from .entries import Entry, LoadResult
 from .files import NOT_REGULAR, StatKey, stat_key
@@ -31,7 +32,13 @@ __all__ = ["hit", "open_for", "refuse", "version_of"]
 def open_for(store: KVStore, sess: Session, path: str, prompt: bytes, *, check_name: bool = True) -> Checkpoint:
     """Open ``path`` through the whole verification pipeline for a load
     into ``sess`` against ``prompt`` (this store's checks: quant, key,
-    checksum, mmap); raises what the pipeline raises."""
+    checksum, mmap); raises what the pipeline raises. A compressed file
+    declaring more raw bytes than the engine's state of its token count
+    takes (:func:`ds4.engine.state_bound`) is refused before anything is
+    allocated; one of the store's own files (``check_name``) also when it
+    declares more than the whole budget (a save over it is skipped: no
+    such file is this store's). A download (another replica's, whose
+    budget may be larger) is held to the engine's bound only."""
     return open_checkpoint(
         path,
         prompt=prompt,
@@ -42,6 +49,8 @@ def open_for(store: KVStore, sess: Session, path: str, prompt: bytes, *, check_n
         verify_checksum=store.policy.verify_checksum,
         mmap=store.policy.mmap,
         auth_key=store.auth_key,
+        state_bytes=state_bound(sess.engine),
+        max_raw_bytes=store.policy.budget_bytes if check_name else None,
     )
 
 

@@ -174,7 +174,10 @@ def fetch_chunks(c: Any, keys: KeyLayout, entry: RemoteEntry, fd: int) -> bool:
     """Pipelined batches of ``entry``'s chunks, each checked against its
     length and digest (:class:`RemoteChunkError`: missing, truncated or
     altered), handed to a writer thread: the file is written while the next
-    batch is on the wire."""
+    batch is on the wire. What a download holds is bounded by the manifest
+    (a chunk at most ``CHUNK_BYTES``: one batch of
+    :data:`FETCH_BATCH_BYTES` on the wire, a few chunks queued), whatever
+    the chunk keys hold."""
     n = len(entry.digests)
     batch = max(1, FETCH_BATCH_BYTES // entry.chunk_bytes)
     writer = FileWriter(fd)
@@ -182,9 +185,11 @@ def fetch_chunks(c: Any, keys: KeyLayout, entry: RemoteEntry, fd: int) -> bool:
         for start in range(0, n, batch):
             pipe = c.pipeline(transaction=False)
             for i in range(start, min(n, start + batch)):
-                pipe.get(keys.chunk(entry.sha, i))
+                # at most one byte more than the manifest says: a chunk key
+                # holding more costs no more memory than its manifest's size
+                pipe.getrange(keys.chunk(entry.sha, i), 0, entry.chunk_len(i))
             for i, raw in enumerate(pipe.execute(), start):
-                if raw is None:
+                if not raw:  # a missing key reads as empty (no chunk is)
                     raise RemoteChunkError(f"chunk {i} of {n} is missing")
                 if len(raw) != entry.chunk_len(i):
                     raise RemoteChunkError(f"chunk {i} holds {len(raw)} bytes, its manifest says {entry.chunk_len(i)}")

@@ -228,6 +228,8 @@ class RemoteEntry:
         chunks = d.get("chunks")
         if size == 0 or chunk_bytes == 0 or not isinstance(chunks, list):
             raise RemoteManifestError("manifest has no payload")
+        if chunk_bytes > CHUNK_BYTES:  # no writer makes them; a download holds a few
+            raise RemoteManifestError(f"manifest's chunks of {chunk_bytes} bytes (at most {CHUNK_BYTES})")
         if len(chunks) != -(-size // chunk_bytes) or not all(
             isinstance(c, str) and _DIGEST_RE.match(c) for c in chunks
         ):
