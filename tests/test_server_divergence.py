@@ -126,7 +126,7 @@ def test_every_protocol_carries_the_divergence(tmp_path):
 
 # -- tenants and salts -----------------------------------------------------------
 
-KA, KB = "sk-div-alice", "sk-div-bob"
+KA, KB, KOPS = "sk-div-alice", "sk-div-bob", "sk-div-ops"
 BOB_1 = "What is the weather like on the coast today, in a word?"
 #: longer than B's first turn, and sharing more with B's second
 SECRET = "Tell me about ALICE-SECRET-7731 and keep it private, between the two of us, please."
@@ -138,9 +138,9 @@ def keyed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("divergence-tenants")
     keys = tmp / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\n", encoding="utf-8")
-    srv = Server(
-        str(tmp), "tenants", "--api-key-file", str(keys), "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS, key=KA
-    ).start()
+    # every text a tenant may see (all): what is shown is still its namespace's only
+    flags = ["--api-key-file", str(keys), "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS, "--divergence-text", "all"]
+    srv = Server(str(tmp), "tenants", *flags, key=KA).start()
     yield srv
     srv.stop()
 
@@ -178,3 +178,57 @@ def test_divergence_never_shows_another_tenants_or_salts_text(keyed, mine, their
     # A sees her own stored text where her next (longer) turn leaves it
     d = _ask(keyed, theirs[0], SECRET.replace("7731", "0042") + " And tell me about the tides too.", theirs[1])
     assert d is not None and d["cached"].startswith("7731") and d["prompt"].startswith("0042")
+
+
+def _turn(c, user: str, hint: str | None = None) -> dict:
+    extra = {"prompt_cache_key": hint} if hint else None
+    r = c.chat.completions.create(
+        model="m",
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        max_tokens=4,
+        temperature=0,
+        extra_body=extra,
+    )
+    return _extra(r)["divergence"]
+
+
+OTHER = "Please explain the harbour timetable to me in one sentence, with the fares."
+
+
+def test_divergence_text_own_shows_another_conversations_bytes_to_nobody_but_the_operator(tmp_path):
+    """--divergence-text own (the default), two tenants' keys and an admin:
+    within one tenant, a turn that parts from another conversation's state
+    gets the offsets and its own prompt's bytes, never the stored side's
+    (``cached`` None); the same conversation (its routing hint) gets both
+    texts; the operator's key gets both texts whatever it parts from."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice:{KA}\nbob:{KB}\nops:{KOPS}\n", encoding="utf-8")
+    flags = ["--api-key-file", str(keys), "--admin-tenant", "ops", "--no-kv-cache"]
+    srv = Server(str(tmp_path), "own", *flags, key=KA).start()
+    try:
+        a = srv.client(KA)
+        _turn(a, USER, "conv-1")
+        d = _turn(a, OTHER, "conv-2")  # another conversation of alice's, same resident
+        assert d["against"] == "live" and d["cached"] is None and d["prompt"] and d["byte"] > 0, d
+        d = _turn(a, USER, "conv-2")  # conv-2 again: its own last turn is the live state
+        assert d["cached"] and d["prompt"] and d["cached"] != d["prompt"], d
+        d = _turn(a, OTHER)  # no hint: nothing says it is the same conversation
+        assert d["cached"] is None and d["prompt"], d
+        o = srv.client(KOPS)
+        _turn(o, USER)
+        d = _turn(o, OTHER)  # the operator's
+        assert d["cached"] and d["prompt"], d
+    finally:
+        srv.stop()
+
+
+def test_divergence_text_off_shows_offsets_only(tmp_path):
+    srv = Server(str(tmp_path), "off", "--no-kv-cache", "--divergence-text", "off").start()
+    try:
+        c = srv.client()
+        _turn(c, USER, "conv-1")
+        d = _turn(c, OTHER, "conv-1")
+        assert d["against"] == "live" and d["byte"] > 0 and d["token"] > 0
+        assert d["cached"] is None and d["prompt"] is None
+    finally:
+        srv.stop()

@@ -242,8 +242,8 @@ def _shown(r, own: list[str]) -> tuple:
         d[k] = d[k] is not None
     div = d["divergence"]
     if div is not None:
-        for k in ("cached", "prompt"):
-            assert any(div[k] in t for t in own), (k, div)
+        for k in ("cached", "prompt"):  # None: not shown (--divergence-text own: another conversation's)
+            assert div[k] is None or any(div[k] in t for t in own), (k, div)
         d["divergence"] = {**div, "cached": "own", "prompt": "own"}
     return r.usage.prompt_tokens_details.cached_tokens, tuple(sorted((k, repr(v)) for k, v in d.items()))
 

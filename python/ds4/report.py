@@ -15,7 +15,10 @@ from .kvstore.skips import SaveSkip
 
 log = logging.getLogger("ds4.recovery")
 
-__all__ = ["RecoveryReport"]
+__all__ = ["DIVERGENCE_TEXT", "RecoveryReport", "scoped_divergence"]
+
+#: what a client is shown of a divergence's texts (``ds4 serve --divergence-text``)
+DIVERGENCE_TEXT = ("off", "own", "all")
 
 
 @dataclasses.dataclass
@@ -46,7 +49,8 @@ class RecoveryReport:
     #: where the prompt left the best candidate it had (:meth:`ds4.recovery._Ladder.divergence`):
     #: ``{"against": "live"|"checkpoint", "token", "byte", "cached", "prompt"}``;
     #: ``cached`` is ``""`` exactly when the prompt holds the whole candidate;
-    #: None when there was no candidate
+    #: None when there was no candidate (a server shows a client the texts by
+    #: :func:`scoped_divergence`)
     divergence: dict[str, Any] | None = None
     #: when the token check cut a text match (:meth:`ds4.recovery._Ladder.token_check`):
     #: ``{"against": "live"|"disk"|"remote", "kept": K, "of": M}``, the
@@ -66,3 +70,19 @@ class RecoveryReport:
         text = msg % args if args else msg
         self.events.append(text)
         log.info(text)
+
+
+def scoped_divergence(d: dict[str, Any] | None, policy: str, own: bool) -> dict[str, Any] | None:
+    """The divergence ``d`` as a client may see it (``--divergence-text``):
+    ``all``, whole; ``own`` (the default), whole when ``own`` (the
+    operator's request, or a candidate of the requester's own conversation:
+    the live state of the last turn of the same namespace and routing
+    hint), else without the stored side's
+    text (``cached`` None: another conversation's bytes); ``off``, the
+    offsets only (``cached`` and ``prompt`` None). The offsets (``against``,
+    ``token``, ``byte``) are everyone's."""
+    if d is None or policy == "all" or (policy == "own" and own):
+        return d
+    if policy == "own":
+        return {**d, "cached": None}
+    return {**d, "cached": None, "prompt": None}

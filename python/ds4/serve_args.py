@@ -151,6 +151,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--debug", action="store_true", help="show absolute paths and error details in HTTP answers and /health"
     )
+    p.add_argument(
+        "--divergence-text",
+        choices=("off", "own", "all"),
+        default="own",
+        help="the texts of the ds4 block's divergence: 'own' (default) shows the stored side's 32 bytes to the "
+        "operator (an --admin-tenant key, or everyone without keys) and to a tenant only when they are its own "
+        "conversation (the live state of its last turn, same routing hint); 'all' to everyone; 'off' to nobody "
+        "(offsets only)",
+    )
     g = p.add_argument_group("request limits")
     g.add_argument("--max-body-mb", type=float, default=16, metavar="MB", help="largest request body (default 16 MiB)")
     g.add_argument(

@@ -94,7 +94,8 @@ class _JobRun:
         namespace = namespace_for(tenant, req.cache_salt)
         # a routing hint (ds4.server.pool): the header, else the body's (read_json put it in the scope)
         hint = request.headers.get(HINT_HEADER) or request.scope.get("state", {}).get("ds4_hint")
-        self.job = Job(req.work(), req.params, post, namespace, tenant, hint)
+        operator = bool(request.scope.get("state", {}).get("ds4_operator", False))
+        self.job = Job(req.work(), req.params, post, namespace, tenant, hint, operator)
         try:
             service.submit(self.job)
         except Exception as e:  # refused (queue full, shutting down): counted, then answered

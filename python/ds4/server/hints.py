@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import hashlib
 
-__all__ = ["DIGEST_BYTES", "MAX_HINTS", "MAX_HINT_BYTES", "MAX_PER_NAMESPACE", "HintTable"]
+__all__ = ["DIGEST_BYTES", "MAX_HINTS", "MAX_HINT_BYTES", "MAX_PER_NAMESPACE", "HintTable", "hint_digest"]
 
 #: a longer hint is ignored (a session id, a cache key or a user id is short)
 MAX_HINT_BYTES = 256
@@ -30,7 +30,11 @@ MAX_PER_NAMESPACE = 1024
 DIGEST_BYTES = 16
 
 
-def _digest(hint: str) -> bytes | None:
+def hint_digest(hint: str | None) -> bytes | None:
+    """What is kept of ``hint``: its 16-byte digest; None for no hint, an
+    empty one or one over :data:`MAX_HINT_BYTES`."""
+    if not hint:
+        return None
     b = hint.encode("utf-8", "surrogatepass")
     if not b or len(b) > MAX_HINT_BYTES:
         return None
@@ -46,14 +50,14 @@ class HintTable:
         self._count = 0
 
     def get(self, namespace: str | None, hint: str | None) -> int | None:
-        d = _digest(hint) if hint else None
+        d = hint_digest(hint)
         table = self._by_ns.get(namespace)
         return None if d is None or table is None else table.get(d)
 
     def put(self, namespace: str | None, hint: str | None, index: int) -> bool:
         """Remember that ``hint`` last went to resident ``index``; False when
         the hint is not kept (empty or too long)."""
-        d = _digest(hint) if hint else None
+        d = hint_digest(hint)
         if d is None:
             return False
         table = self._by_ns.setdefault(namespace, collections.OrderedDict())

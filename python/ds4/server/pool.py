@@ -98,6 +98,10 @@ class Resident:
     copied_from: int | None = None
     #: routed as ``copied``: the resident and token count to copy before the turn
     copy_source: tuple[Resident, int] | None = None
+    #: whose conversation the live state holds: (namespace, the hint's
+    #: digest) of the last turn served whole, None without a hint
+    #: (``--divergence-text own``)
+    owner: tuple[str | None, bytes] | None = None
 
     def view(self) -> dict[str, Any]:
         """The operator's line for it (``/health``)."""

@@ -50,6 +50,7 @@ def build_app(args: argparse.Namespace, guard: Guard) -> Starlette:
         batch_always=args.batch_decode == "on",
     )
     service = Service(gen, engine_model_id(engine), max_queue=args.max_queue, pool=pool)
+    service.divergence_text = args.divergence_text
     limits = BodyLimits(max_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.body_timeout)
     return create_app(
         service,

@@ -38,8 +38,10 @@ from .. import _core
 from ..errors import PromptError
 from ..keytext import tokenize_prompt
 from ..recovery import RecoveryReport
+from ..report import scoped_divergence
 from ..turn import Generator, GenParams, GenResult
 from .baton import Baton
+from .hints import hint_digest
 from .pool import MIN_SHARED, Pool, Resident
 from .tenants import ANONYMOUS
 from .work import TextPrompt, Work
@@ -105,6 +107,7 @@ class Job:
     namespace: str | None = None  # the tenant's cache namespace (ds4.server.tenants)
     tenant: str = ANONYMOUS  # whose job: its counters (Service.tenant_counters)
     hint: str | None = None  # the client's session hint (ds4.server.pool): which resident, never the rung
+    operator: bool = False  # the operator's request (an --admin-tenant key, or no keys): sees every text
     id: int = dataclasses.field(default_factory=lambda: next(_ids), init=False)
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event, init=False)
     #: when the request arrived (its TTFT counts from here, the queue included)
@@ -164,6 +167,8 @@ class Service:
         self.pool = pool if pool is not None else Pool(generator)
         self.model_id = model_id
         self.max_queue = max_queue
+        #: which divergence texts a client sees: "off", "own" or "all" (--divergence-text)
+        self.divergence_text = "own"
         self._q: queue.Queue[object] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -350,11 +355,17 @@ class Service:
         job.post("error", e)
 
     def _serve_on(self, job: Job, resident: Resident, prompt: str) -> None:
+        prev, resident.owner = resident.owner, None  # until this turn is served whole
         try:
             res = self._generate(job, resident, prompt)
         except Exception as e:
             self._failed(job, e)
             return
+        key = hint_digest(job.hint)
+        owner = None if key is None else (job.namespace, key)
+        own = job.operator or (prev is not None and prev == owner)
+        res.report.divergence = scoped_divergence(res.report.divergence, self.divergence_text, own)
+        resident.owner = owner
         gen = resident.gen
         self._count(job, "cancelled" if res.finish_reason == "cancelled" else None, res)
         if res.finish_reason == "cancelled":
