@@ -13,12 +13,20 @@ from typing import TYPE_CHECKING
 
 from .. import _core
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..engine import state_bound
 from ..errors import CheckpointError, CorruptCheckpointError
 from .entries import Entry, LoadResult
 from .files import NOT_REGULAR, StatKey, stat_key
 from .rejection import Refusal, Rejection, import_failure, rejection_of
 from .remove import remove_exact
+
+
+def _state_bound(engine: object) -> tuple[int, int] | None:
+    # ds4.engine imports numpy: only a load needs it (the kv commands that
+    # never load, e.g. kv lookup, stay light: tests/test_cli.py)
+    from ..engine import state_bound
+
+    return state_bound(engine)
+
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -49,7 +57,7 @@ def open_for(store: KVStore, sess: Session, path: str, prompt: bytes, *, check_n
         verify_checksum=store.policy.verify_checksum,
         mmap=store.policy.mmap,
         auth_key=store.auth_key,
-        state_bytes=state_bound(sess.engine),
+        state_bytes=_state_bound(sess.engine),
         max_raw_bytes=store.policy.budget_bytes if check_name else None,
     )
 
