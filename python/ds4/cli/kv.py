@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import stat
 import sys
@@ -27,7 +26,7 @@ from . import plot
 from .kvinfo import READABLE, UNVERIFIED, Info, inspect_file, print_fields, public, resolve
 from .kvmodels import model_filter, model_label, model_of, of_model
 from .kvremove import kv_prune, kv_rm
-from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, human_bytes, printable, table
+from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, escaped, human_bytes, json_text, printable, table
 
 __all__ = ["KV_COMMANDS", "inspect_file"]
 
@@ -70,7 +69,7 @@ def _ls_row(i: Info, now: float) -> list[str]:
         "?",
         "?",
         f"{i['status']}:{err['code']}",
-        printable(err["reason"])[:48],
+        err["reason"][:48],
     ]
 
 
@@ -87,11 +86,7 @@ def kv_ls(args: argparse.Namespace) -> int:
     infos.sort(key=lambda i: (-(i.get("last_used") or 0), i["name"]))
     if args.json:
         files = [{**public(i), "model": model_of(str(i.get("abi", "")))} for i in infos]
-        print(
-            json.dumps(
-                {"dir": os.path.abspath(d), "files": files, "temp_files": [os.path.basename(t) for t in tmps]}, indent=1
-            )
-        )
+        print(json_text({"dir": os.path.abspath(d), "files": files, "temp_files": [os.path.basename(t) for t in tmps]}))
         return EXIT_OK
     now = time.time()
     rows = [_ls_row(i, now) for i in infos]
@@ -134,7 +129,7 @@ def kv_show(args: argparse.Namespace) -> int:
         out = public(info)
         if text is not None:
             out["text"] = plain_text(text).decode("utf-8", "replace")
-        print(json.dumps(out, indent=1, ensure_ascii=False))
+        print(json_text(out))
         return status
     print_fields(info)
     if info["status"] == UNVERIFIED:
@@ -219,15 +214,16 @@ def kv_verify(args: argparse.Namespace) -> int:
             "ignored": len(ignored),
             "seconds": secs,
         }
-        print(json.dumps(out, indent=1))
+        print(json_text(out))
         return EXIT_FAIL if bad else EXIT_OK
-    for r in results:
+    for r in results:  # one line each: every text from the directory escaped
+        name = escaped(r["name"])
         if r["ok"]:
-            print(f"OK    {r['name']}  v{r['version']} tokens={r['tokens']} {human_bytes(r['size'] or 0)}")
+            print(f"OK    {name}  v{r['version']} tokens={r['tokens']} {human_bytes(r['size'] or 0)}")
         elif _ignored(r):
-            print(f"SKIP  {r['name']}  {r['reason']}")
+            print(f"SKIP  {name}  {escaped(r['reason'])}")
         else:
-            print(f"FAIL  {r['name']}  {r['status']} {r['stage']}/{r['code']}: {r['reason']}")
+            print(f"FAIL  {name}  {r['status']} {r['stage']}/{r['code']}: {escaped(r['reason'])}")
     print(f"{len(results) - len(bad) - len(ignored)} ok, {len(bad)} failed, {len(ignored)} ignored ({secs:.2f} s)")
     return EXIT_FAIL if bad else EXIT_OK
 
@@ -332,17 +328,17 @@ class _Gc:
             "bytes_after": after,
         }
         if args.json:
-            print(json.dumps(out, indent=1))
+            print(json_text(out))
             return
         verb = "would remove" if args.dry_run else "removed"
         for r in self.removed:
-            print(f"{verb} corrupt {r['name']}: {r['stage']}/{r['code']}: {r['reason']}")
+            print(f"{verb} corrupt {escaped(r['name'])}: {r['stage']}/{r['code']}: {escaped(r['reason'])}")
         for t in self.tmp_removed:
-            print(f"{verb} orphaned temp file {t}")
+            print(f"{verb} orphaned temp file {escaped(t)}")
         for n in self.evicted:
-            print(f"{'would evict' if args.dry_run else 'evicted'} {n}")
+            print(f"{'would evict' if args.dry_run else 'evicted'} {escaped(n)}")
         for k in self.kept:
-            print(f"kept {k['name']} ({k['status']}: {k['code']})")
+            print(f"kept {escaped(k['name'])} ({k['status']}: {k['code']})")
         print(
             f"{len(self.removed)} corrupt, {len(self.tmp_removed)} temp, {len(self.evicted)} evicted; "
             f"{human_bytes(before)} -> {human_bytes(after)}"
@@ -409,7 +405,7 @@ def kv_stats(args: argparse.Namespace) -> int:
     if args.tenant_share is not None:
         _shares(st, d, args)
     if args.json:
-        print(json.dumps(st, indent=1))
+        print(json_text(st))
     else:
         _print_stats(st)
     return plot.draw(args.plot, st, ok) if args.plot is not None else EXIT_OK
@@ -444,7 +440,7 @@ def _print_tenants(st: Info) -> None:
 
 
 def _print_stats(st: Info) -> None:
-    print(f"directory      {st['dir']}")
+    print(f"directory      {escaped(st['dir'])}")
     parts = [f"{st['ok']} ok"] + ([f"{st['unverified']} unverified"] if st["unverified"] else [])
     parts += [f"{n} {s}" for s, n in st["unusable"].items()]
     print(f"files          {st['files']} ({', '.join(parts)})")
@@ -452,9 +448,9 @@ def _print_stats(st: Info) -> None:
     print(f"tokens         {st['tokens']}")
     print(f"hits           {st['hits']}")
     print("versions       " + ", ".join(f"v{k}: {n}" for k, n in st["by_version"].items()))
-    print("reasons        " + ", ".join(f"{k}: {n}" for k, n in st["by_reason"].items()))
+    print("reasons        " + ", ".join(f"{escaped(k)}: {n}" for k, n in st["by_reason"].items()))
     for abi, n in st["by_abi"].items():
-        print(f"abi            {n} x {abi}")
+        print(f"abi            {n} x {escaped(abi)}")
     if st["newest_used"]:
         print(f"last used      {age(st['newest_used'])}")
     print(f"temp files     {st['temp_files']} ({human_bytes(st['temp_bytes'])})")

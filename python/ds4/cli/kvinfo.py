@@ -14,7 +14,7 @@ from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError
 from ..keytext import ANONYMOUS, namespace_of, plain_text, tenant_of_namespace
 from ..kvstore import NOT_REGULAR, Entry, scan_dir, stat_key
-from .term import age, human_bytes, preview, table
+from .term import age, escaped, human_bytes, preview, table
 
 __all__ = ["READABLE", "SHOW_KEYS", "UNVERIFIED", "Info", "inspect_file", "print_fields", "public", "resolve"]
 
@@ -172,10 +172,10 @@ def print_fields(info: Info) -> None:
             v = f"{v} ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(v))}, {age(v)})"
         elif k == "size":
             v = f"{v} ({human_bytes(v)})"
-        print(f"{k:16} {v}")
+        print(f"{k:16} {escaped(v)}")  # a name, an ABI string, a preview: the file's, escaped
     if info.get("error"):
         er = info["error"]
-        print(f"{'error':16} {er['stage']}/{er['code']}: {er['reason']}")
+        print(f"{'error':16} {er['stage']}/{er['code']}: {escaped(er['reason'])}")
     if info.get("dsv4"):
         print("DSV4 payload header:")
         for k, v in info["dsv4"].items():

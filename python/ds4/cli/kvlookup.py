@@ -11,12 +11,11 @@ server (``tests/test_cli.py`` holds it to that)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from ..kvstore import KVStore
-from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, escaped, json_text
 
 __all__ = ["kv_lookup"]
 
@@ -56,9 +55,11 @@ def kv_lookup(args: argparse.Namespace) -> int:
         "reason": best.reason if best else None,
     }
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json_text(out))
     elif best is None:
         print(f"miss: no stored prefix of the {len(prompt)}-byte prompt")
     else:
-        print(f"hit {best.name} tokens={best.tokens} text_bytes={best.text_bytes} reason={best.reason}")
+        print(
+            f"hit {escaped(best.name)} tokens={best.tokens} text_bytes={best.text_bytes} reason={escaped(best.reason)}"
+        )
     return EXIT_OK if best is not None else EXIT_FAIL

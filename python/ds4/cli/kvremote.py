@@ -20,7 +20,7 @@ from ..kvstore.rejection import RejectionLog
 
 if TYPE_CHECKING:  # the tier's client is imported by the commands that use it, not by the parser
     from ..kvstore.remote import RemoteEntry, RemoteTier
-from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, human_bytes, report_removed, table
+from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, escaped, human_bytes, json_text, report_removed, table
 
 __all__ = ["REMOTE_COMMANDS", "add_remote_args"]
 
@@ -70,7 +70,7 @@ def remote_ls(args: argparse.Namespace) -> int:
             "gone": len(found.gone),
             "damaged": [{"index": i, "member": m, "reason": r} for i, m, r in found.damaged],
         }
-        print(json.dumps(doc, indent=1))
+        print(json_text(doc))
         return EXIT_OK
     table([_row(e) for e in entries], ["NAME", "TOKENS", "TEXT", "SIZE", "CHUNKS", "ABI"], sys.stdout)
     print(
@@ -104,12 +104,12 @@ def remote_stats(args: argparse.Namespace) -> int:
         "by_abi": by_abi,
     }
     if args.json:
-        print(json.dumps(doc, indent=1))
+        print(json_text(doc))
     else:
-        print(f"remote {tier.url} namespace {tier.namespace}")
+        print(f"remote {tier.url} namespace {escaped(tier.namespace)}")
         print(f"{doc['files']} checkpoints, {human_bytes(total)}, {doc['gone']} gone, {doc['damaged']} damaged")
         for abi, d in sorted(by_abi.items()):
-            print(f"  {abi}: {d['files']} files, {human_bytes(d['bytes'])}, {d['tokens']} tokens")
+            print(f"  {escaped(abi)}: {d['files']} files, {human_bytes(d['bytes'])}, {d['tokens']} tokens")
     return EXIT_OK
 
 
@@ -137,10 +137,10 @@ def remote_verify(args: argparse.Namespace) -> int:
         tier.close()
     failed += [(m, "remote_manifest", r) for _, m, r in found.damaged]
     if args.json:
-        print(json.dumps({"ok": ok, "failed": [{"name": n, "code": c, "reason": r} for n, c, r in failed]}, indent=1))
+        print(json_text({"ok": ok, "failed": [{"name": n, "code": c, "reason": r} for n, c, r in failed]}))
     else:
         for n, c, r in failed:
-            print(f"{n[:12]}  {c}: {r}")
+            print(f"{escaped(n[:12])}  {c}: {escaped(r)}")
         print(f"{ok} verified, {len(failed)} failed")
     return EXIT_FAIL if failed else EXIT_OK
 
@@ -163,7 +163,7 @@ def remote_gc(args: argparse.Namespace) -> int:
         tier.close()
     doc = {"gone": len(found.gone), "damaged": len(found.damaged), "pruned": pruned, "deleted": deleted}
     if args.json:
-        print(json.dumps({**doc, "dry_run": args.dry_run}, indent=1))
+        print(json_text({**doc, "dry_run": args.dry_run}))
     else:
         verb = "would prune" if args.dry_run else "pruned"
         print(f"{verb} {len(found.gone)} index entries, {len(found.damaged)} damaged checkpoints")
@@ -223,7 +223,7 @@ def remote_pull(args: argparse.Namespace) -> int:
     finally:
         tier.close()
     if args.json:
-        print(json.dumps({"pulled": pulled, "failed": failed}, indent=1))
+        print(json_text({"pulled": pulled, "failed": failed}))
     else:
         print(f"{len(pulled)} pulled, {len(failed)} rejected")
     return EXIT_FAIL if failed else EXIT_OK
