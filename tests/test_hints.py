@@ -7,7 +7,7 @@ accounting, not the process's memory."""
 from __future__ import annotations
 
 from ds4.server.hints import DIGEST_BYTES, MAX_HINT_BYTES, MAX_HINTS, MAX_PER_NAMESPACE, HintTable
-from ds4.server.pool import Pool
+from ds4.server.pool import Pool, body_hint, usable_hint
 from ds4.turn import Generator
 
 
@@ -49,3 +49,33 @@ def test_the_pool_keeps_its_hints_in_the_bounded_table(eng):
     pool._used(r, "tenant-a", "my session")
     pool.release(r)
     assert pool.hints.stats()["hints"] == 1 and pool.hints.get("tenant-a", "my session") == 1
+
+
+def test_a_long_hint_is_dropped_where_it_is_read():
+    """An over-long hint never travels with the job (its 8 MiB string
+    held by the job, encoded by the lane: the server's RSS grew with every
+    such request); the bound counts UTF-8 bytes, not characters."""
+    big = "k" * (8 << 20)
+    assert body_hint({"prompt_cache_key": big}) is None
+    assert body_hint({"user": big}) is None and body_hint({"metadata": {"user_id": big}}) is None
+    assert body_hint({"prompt_cache_key": "s" * MAX_HINT_BYTES}) == "s" * MAX_HINT_BYTES
+    assert body_hint({"prompt_cache_key": "é" * (MAX_HINT_BYTES // 2 + 1)}) is None  # 258 bytes, 129 characters
+    assert usable_hint("é" * (MAX_HINT_BYTES // 2)) is not None
+    assert usable_hint(None) is None and usable_hint("") is None and usable_hint(42) is None
+
+
+def test_the_operators_health_counts_the_hints_kept(eng):
+    from starlette.testclient import TestClient
+
+    from ds4.server.app import create_app
+    from ds4.server.worker import Service
+
+    gen = Generator(eng, 256)
+    service = Service(gen, "m", pool=Pool(gen, 2))
+    with TestClient(create_app(service), base_url="http://127.0.0.1") as c:
+        for i, hint in enumerate(("conv-a", "conv-b", "x" * 4096)):
+            body = {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1}
+            r = c.post("/v1/chat/completions", json={**body, "prompt_cache_key": hint})
+            assert r.status_code == 200
+        h = c.get("/health").json()
+    assert h["hints"] == {"hints": 2, "namespaces": 1, "digest_bytes": 2 * DIGEST_BYTES}

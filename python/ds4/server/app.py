@@ -40,7 +40,7 @@ from .guard import Guard, GuardMiddleware
 from .health import operator_view, tenant_view
 from .metrics import Metrics, protocol_of
 from .openai import OpenAIWire, RequestParser
-from .pool import HINT_HEADER, body_hint
+from .pool import HINT_HEADER, body_hint, usable_hint
 from .response_store import MemoryRecords, StoredResponses
 from .responses import ResponsesParser
 from .responses_reply import ResponsesWire
@@ -93,7 +93,7 @@ class _JobRun:
 
         namespace = namespace_for(tenant, req.cache_salt)
         # a routing hint (ds4.server.pool): the header, else the body's (read_json put it in the scope)
-        hint = request.headers.get(HINT_HEADER) or request.scope.get("state", {}).get("ds4_hint")
+        hint = usable_hint(request.headers.get(HINT_HEADER)) or request.scope.get("state", {}).get("ds4_hint")
         operator = bool(request.scope.get("state", {}).get("ds4_operator", False))
         self.job = Job(req.work(), req.params, post, namespace, tenant, hint, operator)
         try:

@@ -10,7 +10,9 @@ Two views:
   tier's state and each tenant's bytes and checkpoints on disk
   (``kv.tenants``: from the in-memory index, in the worker's snapshot),
   each tenant's own counters (``tenants``), and with ``--sessions`` above 1
-  the resident sessions (``sessions``: index, tenant, tokens, last used).
+  the resident sessions (``sessions``: index, tenant, tokens, last used)
+  and the routing hints kept (``hints``: how many, in how many
+  namespaces, their digests' bytes).
 * **A tenant's** (any other key): liveness, the model, the engine, the
   payload ABI, and the tenant's own name and counters. Nothing in it moves
   with another tenant's traffic: the queue's length, ``busy``, the live

@@ -50,7 +50,7 @@ from .. import _core
 from ..keytext import tokenize_prompt
 from ..turn import Generator
 from .conversation import AgentTurn, LiveTools
-from .hints import HintTable
+from .hints import MAX_HINT_BYTES, HintTable
 from .tenants import ANONYMOUS
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds4.server")
 
-__all__ = ["HINT_HEADER", "Pool", "Resident", "body_hint"]
+__all__ = ["HINT_HEADER", "Pool", "Resident", "body_hint", "usable_hint"]
 
 #: the request header that names a client's session (a routing hint)
 HINT_HEADER = "x-session-id"
@@ -66,17 +66,27 @@ HINT_HEADER = "x-session-id"
 MIN_SHARED = 16
 
 
+def usable_hint(v: object) -> str | None:
+    """``v`` when it can be a routing hint: a string of 1 to
+    :data:`MAX_HINT_BYTES` UTF-8 bytes (checked without encoding a long
+    one); anything else None, so a long hint is dropped where it is read
+    and never travels with the job."""
+    if not isinstance(v, str) or not v or len(v) > MAX_HINT_BYTES:
+        return None
+    return v if len(v.encode("utf-8", "surrogatepass")) <= MAX_HINT_BYTES else None
+
+
 def body_hint(body: object) -> str | None:
     """A request body's routing hint: OpenAI's ``prompt_cache_key``, then
-    ``user``, then Anthropic's ``metadata.user_id`` (strings only)."""
+    ``user``, then Anthropic's ``metadata.user_id`` (strings of at most
+    :data:`MAX_HINT_BYTES` UTF-8 bytes; a longer one is no hint)."""
     if not isinstance(body, Mapping):
         return None
     for v in (body.get("prompt_cache_key"), body.get("user")):
         if isinstance(v, str) and v:
-            return v
+            return usable_hint(v)
     meta = body.get("metadata")
-    v = meta.get("user_id") if isinstance(meta, Mapping) else None
-    return v if isinstance(v, str) and v else None
+    return usable_hint(meta.get("user_id") if isinstance(meta, Mapping) else None)
 
 
 @dataclasses.dataclass(eq=False)

@@ -8,6 +8,8 @@ SIGINT (the lifespan hook then stores every valid resident session).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import logging
 import sys
 from typing import TYPE_CHECKING
@@ -27,7 +29,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds4.server")
 
-__all__ = ["build_app", "serve_main"]
+__all__ = ["MMAP_THRESHOLD", "build_app", "fix_mmap_threshold", "serve_main"]
+
+#: allocations of at least this many bytes get their own pages, returned at
+#: their free (glibc's M_MMAP_THRESHOLD, set once at start)
+MMAP_THRESHOLD = 4 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold for this process (False: not glibc).
+
+    glibc raises the threshold to the size of each mmapped block freed (up
+    to 32 MiB), so after the first large request body every later one is
+    carved from an arena, and a thread's arena keeps what it freed: 60
+    requests of 8 MiB each grew a server by 52 MiB (the bytes in a field it
+    ignores) to 202 MiB (in an over-long routing hint), none of it
+    referenced. A fixed threshold turns that adjustment off: a body, its
+    parsed strings and their copies of 4 MiB or more are mapped and
+    unmapped whole (bench: benches/bench_hint_rss.py, BENCHMARKS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+        return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(nbytes)) == 1)
+    except OSError:
+        return False
 
 
 def build_app(args: argparse.Namespace, guard: Guard) -> Starlette:
@@ -107,6 +134,7 @@ def serve_main(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
+    fix_mmap_threshold()
     try:
         app = build_app(args, guard)
     except SessionsDontFit as e:

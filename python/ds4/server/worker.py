@@ -212,6 +212,7 @@ class Service:
             st["kv"] = g.store.summary()
         if self.pool.size > 1:
             st["sessions"] = self.pool.views()
+            st["hints"] = self.pool.hints.stats()  # the routing hints kept (bounded: server/hints.py)
         if self.pool.shared is not None:
             st["batched"] = self.pool.shared.view()
         return st
