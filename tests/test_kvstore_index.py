@@ -20,7 +20,7 @@ from kv_helpers import BASE, prefilled
 import ds4
 from ds4 import _core, kvstore
 from ds4.kvstore import INDEX_NAME, KVStore
-from ds4.kvstore.files import INDEX_TMP_NAME, is_checkpoint_name, is_temp_name
+from ds4.kvstore.files import INDEX_TMP_NAME, is_checkpoint_name, is_temp_name, stat_key
 from ds4.recovery import try_load_text
 
 TEXTS = [BASE * 2, BASE * 3, "another conversation entirely " * 8]
@@ -156,17 +156,23 @@ def _another_process_changes(eng, d, with_lock):
 def test_a_stale_index_is_brought_up_to_date(eng, tmp_path, monkeypatch, cold, with_lock):
     _st, paths = _fill(eng, tmp_path)
     stale = (tmp_path / INDEX_NAME).read_bytes()
+    keys = {n: stat_key(os.stat(tmp_path / n)) for n in _ck_names(tmp_path)}  # what `stale` records
     added = _another_process_changes(eng, str(tmp_path), with_lock)
     for index_bytes in (None, stale):  # the index as the other process left it, and the old one
+        moved = set()
         if index_bytes is not None:
             (tmp_path / INDEX_NAME).write_bytes(index_bytes)
+            # the first pass's loads stamped their hits in place: the old
+            # index's records of those files are stale, and read again
+            moved = {n for n in _ck_names(tmp_path) if n in keys and stat_key(os.stat(tmp_path / n)) != keys[n]}
         reads = _reads(monkeypatch)
         again = _store(tmp_path)
         assert again.stats["index_rebuilds"] == 0
         names = {e.name for e in again.entries()}
         assert names == set(_ck_names(tmp_path)) == {os.path.basename(p) for p in (paths[0], paths[2], added)}
         # only what changed since the index was written is read
-        assert set(reads) <= {os.path.basename(paths[0]), os.path.basename(added)}
+        assert set(reads) <= {os.path.basename(paths[0]), os.path.basename(added)} | moved
+        assert again.stats["index_mismatches"] == 0  # stale, not lying
         _check_loads(eng, again, cold, {TEXTS[0]: paths[0], TEXTS[1]: paths[0], TEXTS[2]: paths[2]})
         monkeypatch.undo()
     assert _facts(_store(tmp_path)) == _facts(_store(tmp_path, scan=True))
@@ -287,16 +293,20 @@ def test_the_core_index_reports_its_size(tmp_path, write_ck):
 
 
 def test_a_file_damaged_in_place_behind_the_index_is_caught_at_its_load(eng, tmp_path, monkeypatch, cold):
-    """The index does not see a change under the same inode (the open reads
-    no header): the entry stays, and the load's own verification refuses
-    the file, removes it and falls back to the next stored prefix."""
+    """Damage inside the text under the same stat key (inode, size, and the
+    mtime put back) is not the open's to see (it checks each record's stat
+    key, the header's facts and the namespace preamble, not the text): the
+    entry stays, and the load's own verification refuses the file, removes
+    it and falls back to the next stored prefix."""
     _st, paths = _fill(eng, tmp_path)
     victim = paths[1]
     raw = bytearray(Path(victim).read_bytes())
     text = ds4.open_checkpoint(victim, load_payload=False).text
     raw[raw.index(text) + 5] ^= 0x02
+    before = os.stat(victim)
     with open(victim, "r+b") as f:  # in place: same inode
         f.write(raw)
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
     reads = _reads(monkeypatch)
     st = _store(tmp_path)
     assert reads == [] and os.path.basename(victim) in {e.name for e in st.entries()}

@@ -238,6 +238,7 @@ def test_two_nested_continued_go_the_cold_one_stays(eng, tmp_path):
         "scans",
         "index_rebuilds",
         "index_retries",
+        "index_mismatches",
     }
 
 

@@ -274,3 +274,99 @@ def test_ties_go_least_recently_used_then_first_written(share):
     assert [e.name for e in plan_eviction(lru, 0, NOW, tenant_share=share)] == ["used", "old", "new"]
     same_age = [tie("later", 100, mtime=200), tie("earlier", 100, mtime=1), tie("unstated", 100)]
     assert [e.name for e in plan_eviction(same_age, 0, NOW, tenant_share=share)] == ["unstated", "earlier", "later"]
+
+
+# -- a forged index file -------------------------------------------------------------
+RECORD = 112  # bytes of one index record (docs/FORMAT.md §6); its `ns` reference at 44
+
+
+def _namespace_table(raw):
+    """The index file's namespace strings, and where its records start."""
+    n, n_abi, n_ns = struct.unpack_from("<III", raw, 12)
+    at, strings = 56, []
+    for i in range(n_abi + n_ns):
+        (ln,) = struct.unpack_from("<I", raw, at)
+        if i >= n_abi:
+            strings.append(raw[at + 4 : at + 4 + ln].decode())
+        at += 4 + ln
+    assert len(raw) - 8 - at == n * RECORD
+    return strings, at
+
+
+def _reattribute(raw, frm, to):
+    """The index file with every record of namespace ``frm`` put under
+    ``to``, its checksum recomputed (what a forger who can write the file
+    can do)."""
+    strings, start = _namespace_table(raw)
+    body = bytearray(raw[:-8])
+    f, t = strings.index(frm), strings.index(to)
+    moved = 0
+    for r in range(start, len(body), RECORD):
+        if struct.unpack_from("<I", body, r + 44)[0] == f:
+            struct.pack_into("<I", body, r + 44, t)
+            moved += 1
+    return bytes(body) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(body))), moved
+
+
+def _namespaces(st):
+    return {e.name: e.namespace for e in st.entries()}
+
+
+def test_a_forged_index_cannot_move_bytes_between_tenants(eng, tmp_path, monkeypatch, caplog):
+    """``.ds4.index`` rewritten so that bob's files are alice's (checksum
+    recomputed): believed, bob's flood would be charged to alice and her
+    own files evicted first. The open checks every record against its file
+    (``StoreIndex.check_files``: the namespace the text's preamble names),
+    reads the liars again from their headers and writes the index again:
+    every namespace is its file's, the tenants' usage is a rebuild's, and an
+    eviction under ``tenant_share`` picks the victims the honest index does."""
+    d, honest = tmp_path / "kv", tmp_path / "honest"
+    st = KVStore(d, min_tokens=1)
+    mine = [st.store_live_prefix(_session(eng, "alice", f"alice keeps conversation {i} " * 4)) for i in range(2)]
+    theirs = [
+        st.store_live_prefix(_session(eng, "bob/salt-7", f"bob floods the cache, prompt {i} " * 6)) for i in range(8)
+    ]
+    truth = _namespaces(st)
+    assert sorted(set(truth.values())) == ["alice", "bob/salt-7"]
+    os.mkdir(honest)
+    for p in mine + theirs:  # the same files (mtimes kept), no index file: rebuilt from the headers
+        shutil.copy2(p, honest)
+    raw, moved = _reattribute((d / INDEX_NAME).read_bytes(), "bob/salt-7", "alice")
+    assert moved == len(theirs)
+    (d / INDEX_NAME).write_bytes(raw)
+    # what the forgery would do, believed: everything alice's, her files go first
+    forged_rows, _ = kvstore._core.StoreIndex.load(str(d / INDEX_NAME))
+    forged = [Entry.from_row(str(d), row) for row in forged_rows.entries()]
+    assert {e.namespace for e in forged} == {"alice"}
+    total = sum(e.size for e in forged)
+    limit = int(total * 0.6)
+    lie = {e.name for e in plan_eviction(forged, limit, NOW, tenant_share=0.5)}
+    plan = {e.name for e in plan_eviction(KVStore(honest, min_tokens=1).entries(), limit, NOW, tenant_share=0.5)}
+    assert lie & {os.path.basename(p) for p in mine} and not plan & {os.path.basename(p) for p in mine}
+    # a fresh store from the forged index
+    reads = []
+    real = kvstore.index_header
+    monkeypatch.setattr(kvstore, "index_header", lambda idx, p: reads.append(os.path.basename(p)) or real(idx, p))
+    with caplog.at_level("WARNING", logger="ds4.kvstore"):
+        opened = KVStore(d, min_tokens=1)
+    assert opened.stats["index_rebuilds"] == 0 and opened.stats["index_mismatches"] == len(theirs)
+    assert sorted(reads) == sorted(os.path.basename(p) for p in theirs)  # the liars alone, from their headers
+    [warning] = [r.getMessage() for r in caplog.records if "disagreed" in r.getMessage()]
+    assert f"disagreed with {len(theirs)} files (namespace {len(theirs)})" in warning
+    assert _namespaces(opened) == truth
+    rebuilt = KVStore(honest, min_tokens=1)
+    assert opened.tenant_usage() == rebuilt.tenant_usage()
+    assert {e.name for e in opened.plan_evict(opened.entries())} == set()  # within the budget
+    assert {e.name for e in plan_eviction(opened.entries(), limit, NOW, tenant_share=0.5)} == plan
+    # the index file was written again: the next open reads nothing and finds no liar
+    reads.clear()
+    again = KVStore(d, min_tokens=1)
+    assert reads == [] and again.stats["index_mismatches"] == 0 and _namespaces(again) == truth
+    # the eviction itself (a budget the files are over: evicted at the open, after the check)
+    (d / INDEX_NAME).write_bytes(raw)
+    budget_mb = limit / (1 << 20)
+    evicted = KVStore(d, min_tokens=1, budget_mb=budget_mb, tenant_share=0.5)
+    truly = KVStore(honest, min_tokens=1, budget_mb=budget_mb, tenant_share=0.5)
+    assert evicted.stats["evictions"] == truly.stats["evictions"] > 0
+    assert sorted(_namespaces(evicted)) == sorted(_namespaces(truly))
+    assert all(os.path.exists(p) for p in mine)  # alice within her share: untouched

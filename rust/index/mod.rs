@@ -17,6 +17,11 @@
 //! claim of the file's: the load pipeline verifies the whole text (and the
 //! name is its SHA-1), so a lying preamble cannot make a file load for
 //! another namespace's prompt; it can only misattribute its own bytes.
+//! An index read from its file is the index's own claim on top: an open
+//! checks every record against its file ([`Index::check_files`]: the stat
+//! key, the fixed header's facts, the ABI and the namespace preamble, one
+//! or two small reads a file), so a forged `.ds4.index` cannot move a
+//! file's bytes to another namespace past the open.
 //!
 //! Lookup ([`Index::lookup`]) keeps the entries' text lengths and tails in
 //! two arrays sorted by length: an entry is a candidate when its tail equals
@@ -30,11 +35,13 @@
 //! is asked for, from the state below it: the best match costs one pass
 //! whatever the number of stored prefixes.
 
+mod check;
 mod entry;
 mod file;
 mod lookup;
 mod prefixes;
 
+pub use check::*;
 pub use entry::*;
 pub use file::*;
 pub use lookup::*;

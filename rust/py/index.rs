@@ -158,6 +158,28 @@ impl PyStoreIndex {
         Ok((l.changed, l.others, l.gone))
     }
 
+    /// Every record whose file in `dir` disagrees with it, with how
+    /// (`changed`, `header`, `namespace`, `kept`, `unreadable`; see
+    /// `crate::index::check_entry`): one open, `fstat` and one or two small
+    /// `pread`s a file, on up to `threads` threads, the GIL released.
+    /// Changes nothing: the caller reads those names again.
+    #[pyo3(signature = (dir, *, threads=1))]
+    fn check_files(
+        &self,
+        py: Python<'_>,
+        dir: PathBuf,
+        threads: usize,
+    ) -> PyResult<Vec<(String, &'static str)>> {
+        let r = py.detach(|| match self.inner.lock() {
+            Ok(idx) => Ok(idx.check_files(&dir, threads)),
+            Err(_) => Err(crate::Error::BadMetadata(
+                "index poisoned by a panic".to_owned(),
+            )),
+        });
+        let v = r.map_err(|e| to_pyerr(py, e, Some(&dir)))?;
+        Ok(v.into_iter().map(|(n, d)| (n, d.as_str())).collect())
+    }
+
     /// Remembers a file kept but not indexed (another format's), by stat key.
     fn keep(&self, name: &str, key: PyKey) -> PyResult<()> {
         let d = digest_of(name)?;

@@ -4,8 +4,11 @@
 
 * Opening reads the index file and lists the directory once (names and
   inode numbers, no ``stat``); only the files that are new or were replaced
-  since it was written are read, from their headers. A missing, damaged or
-  foreign index file is rebuilt from the headers (a full rescan).
+  since it was written are read, from their headers. Every other record is
+  checked against its file (stat key, fixed header, ABI, namespace
+  preamble: one open and one or two small reads, in the core), and one that
+  disagrees is read from its header too. A missing, damaged or foreign
+  index file is rebuilt from the headers (a full rescan).
 * A running store rescans only when the directory's mtime changes, and
   re-reads only new or changed files; orphaned temp files are removed on
   the way.
@@ -59,6 +62,10 @@ __all__ = ["RETRY_S", "DirIndex"]
 #: again when its file does not change (seconds, on :attr:`DirIndex.clock`)
 RETRY_S = 30.0
 
+#: threads the open's check of the index file's records uses (each file:
+#: one open, one ``fstat``, one or two small reads)
+CHECK_THREADS = min(4, os.cpu_count() or 1)
+
 #: the store's hooks: read one file's header into the index; remove (or
 #: quarantine) a corrupt file judged at a stat key; try the directory's lock
 #: without waiting (yields whether it is held)
@@ -69,7 +76,8 @@ TryLock = Callable[[], contextlib.AbstractContextManager[bool]]
 
 class DirIndex:
     """One directory's index; its :attr:`counters` (``scans``,
-    ``index_rebuilds``, ``index_retries``: dropped names read again) are
+    ``index_rebuilds``, ``index_retries``: dropped names read again,
+    ``index_mismatches``: records the open found their files disagree with) are
     merged into the store's stats."""
 
     def __init__(
@@ -81,7 +89,7 @@ class DirIndex:
         try_lock: TryLock,
     ):
         self.dir = directory
-        self.counters = Counters("scans", "index_rebuilds", "index_retries")
+        self.counters = Counters("scans", "index_rebuilds", "index_retries", "index_mismatches")
         #: names dropped after a failure that may pass: name -> (the file's
         #: stat key then, or None, and when, on :attr:`clock`)
         self.dropped: dict[str, tuple[StatKey | None, float]] = {}
@@ -218,7 +226,9 @@ class DirIndex:
         """Open the store: read the index file and list the directory once
         (names and inode numbers, no ``stat``); only the files that are new
         or were replaced since the index was written are read, from their
-        headers. Without a usable index file, a full rescan rebuilds it."""
+        headers, and those whose file disagrees with their record
+        (:meth:`_check_records`). Without a usable index file, a full
+        rescan rebuilds it."""
         try:
             st = os.stat(self.dir)
         except OSError as e:
@@ -240,8 +250,31 @@ class DirIndex:
             known = idx.keys() if changed else {}
             for name in changed:
                 self._recheck(name, known.get(name))
+            self._check_records()
             self._dir_mtime = st.st_mtime_ns
         self.persist()
+
+    def _check_records(self) -> None:
+        """Every record the index file gave (and the listing did not send
+        to a header read) checked against its file (``check_files``: its
+        stat key, its fixed header's facts and ABI, the namespace its
+        text's preamble names; one open and one or two small reads a
+        file): one that disagrees is read again from its header, so a
+        forged index attributes no file to another tenant past the open.
+        A stale stat key (a hit the index file was not written after) is
+        read again silently; any other disagreement is counted
+        (``index_mismatches``) and warned of once."""
+        bad = self.idx.check_files(self.dir, threads=CHECK_THREADS)
+        lied: dict[str, int] = {}
+        for name, how in bad:
+            if how not in ("changed", "unreadable"):
+                lied[how] = lied.get(how, 0) + 1
+            self._recheck(name, None)
+        if lied:
+            n = sum(lied.values())
+            self.counters["index_mismatches"] += n
+            what = ", ".join(f"{k} {v}" for k, v in sorted(lied.items()))
+            log.warning("kv cache index file disagreed with %d files (%s): read again from their headers", n, what)
 
     def _read_index(self, st: os.stat_result) -> _core.StoreIndex | None:
         """The index file's contents, or None when it is missing, damaged
