@@ -231,10 +231,12 @@ class MessagesReply(ReasoningEvents):
             out += self._events(self.splitter.close([(c.name, c.arguments) for c in oc.calls]))
         out += self._stop_text()
         reason, seq = stop_reason(oc, res)
+        info = ds4_info(res, self.debug)  # the verdict, as the whole reply's; in usage too (clients log it)
         delta: JSON = {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": seq},
-            "usage": usage(res),
+            "usage": {**usage(res), "ds4": info},
+            "ds4": info,
         }
         out += [_sse("message_delta", delta), _sse("message_stop", {"type": "message_stop"})]
         return out

@@ -277,11 +277,13 @@ class _Routes:
         if req.stream:
             from starlette.responses import StreamingResponse
 
-            return StreamingResponse(
-                self.stream(run, reply),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            if first is not None and first[0] == "start":
+                # the prefill ended within STREAM_HOLD_S: the rung and the cached
+                # tokens are known before the first byte (else only the final event has them)
+                headers["x-ds4-rung"] = str(first[1].rung)
+                headers["x-ds4-cached-tokens"] = str(first[1].reused_tokens)
+            return StreamingResponse(self.stream(run, reply), media_type="text/event-stream", headers=headers)
         return await self.collect(run, reply, wire)
 
     @staticmethod

@@ -393,9 +393,10 @@ class Reply:
     def _chunk_obj(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _delta(self, d: JSON, finish: str | None = None) -> bytes:
+    def _delta(self, d: JSON, finish: str | None = None, extra: JSON | None = None) -> bytes:
         ch = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-        return sse({**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch]}, ensure_ascii=False)
+        o = {**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch], **(extra or {})}
+        return sse(o, ensure_ascii=False)
 
     def _call_id(self, k: int) -> str:
         agent = self.req.agent
@@ -423,7 +424,9 @@ class Reply:
         reasoning, content = self.req.agent.stream_reasoning(delta)
         return (self._delta({"reasoning_content": reasoning}) if reasoning else b""), content
 
-    def chunk(self, delta: str | None, finish: str | None = None, first: bool = False) -> bytes:
+    def chunk(
+        self, delta: str | None, finish: str | None = None, first: bool = False, extra: JSON | None = None
+    ) -> bytes:
         if self.chat:
             pre = b""
             if delta:
@@ -437,9 +440,9 @@ class Reply:
                 d["role"] = "assistant"
             if delta is not None:
                 d["content"] = delta
-            return pre + self._delta(d, finish)
+            return pre + self._delta(d, finish, extra)
         ch = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        o = {**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch]}
+        o = {**self._head(self._chunk_obj), "system_fingerprint": None, "choices": [ch], **(extra or {})}
         return sse(o, ensure_ascii=False)
 
     def opening(self) -> list[bytes]:
@@ -463,7 +466,8 @@ class Reply:
             if ev:
                 out.append(ev)
             finish = oc.finish_reason
-        out.append(self.chunk(None if self.chat else "", finish))
+        # the finish chunk carries the verdict (``ds4``), as the whole reply does
+        out.append(self.chunk(None if self.chat else "", finish, extra={"ds4": ds4_info(res, self.debug)}))
         if self.req.include_usage:
             o = {**self._head(self._chunk_obj), "choices": [], "usage": res.usage(), "ds4": ds4_info(res, self.debug)}
             out.append(sse(o))

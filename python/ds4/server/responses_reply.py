@@ -182,7 +182,9 @@ class ResponsesReply(ReasoningEvents):
             out.append(self._ev("response.output_item.done", output_index=k, item=call_item(c, "completed")))
             k += 1
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        out.append(self._ev(kind, response=self._response(status, output, res)))
+        # the final response object carries the verdict (``ds4``), as the whole reply does
+        final = {**self._response(status, output, res), "ds4": ds4_info(res, self.debug)}
+        out.append(self._ev(kind, response=final))
         return out
 
     def failed(self, e: BaseException) -> list[bytes]:
