@@ -282,8 +282,13 @@ class Pool:
 
     # -- shutdown --------------------------------------------------------------
     def shutdown_save(self) -> None:
-        """Store every valid resident (reason ``shutdown``); never raises."""
-        for r in self.residents:
+        """Store every valid resident (reason ``shutdown``), the least
+        recently used first; never raises. The last one stored is the
+        resident a request was routed to last: the store's eviction never
+        removes the file it has just written, so when the budget cannot
+        hold every resident's state, an older resident's save cannot evict
+        the most recent conversation's."""
+        for r in sorted(self.residents, key=lambda r: r.last_used):
             try:
                 r.gen.shutdown_save()
             except Exception:  # pragma: no cover - defensive

@@ -1,0 +1,149 @@
+"""Restart after interleaving: conversation A, then conversation B in the
+same ``ds4 serve`` process, SIGTERM, a new process on the same directory,
+then B's next turn (its history, the reply and a new user message). B comes
+back from the checkpoint the shutdown stored of it (rung ``disk``, every
+token of it reused), and A's next turn from the one stored of A (``evict``
+when B replaced it on one session, ``shutdown`` when it stayed resident on
+a pool). Both on ``--sessions 1`` and on pools of 2 and 4 residents, with B
+sharing A's system prompt or nothing with A; every reply equals a cold
+single-session server's.
+
+Resending B's exact request (or A's) after the restart is served from disk
+too, from the longest stored prefix of its prompt: a shutdown checkpoint
+holds the reply's tokens after the prompt, so it is no prefix of the same
+prompt sent again; the prompt's last continued or cold frontier is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from test_server import KV_FLAGS, SYSTEM, Server, _cached, _extra, _stored_texts, cold_chat
+
+#: a system prompt of a few hundred tokens (A's; B's too in the "shared" shape)
+LONG_SYSTEM = SYSTEM + " " + " ".join(f"r{i}." for i in range(40))
+#: B's own system prompt in the "distinct" shape: nothing in common with A's
+OTHER_SYSTEM = "You are a terse pirate. " + " ".join(f"l{i}." for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    srv = Server(str(tmp_path_factory.mktemp("cold")), "cold", "--no-kv-cache").start()
+    yield srv
+    srv.stop()
+
+
+def _conv(topic: str, system: str) -> list:
+    words = " ".join(f"{topic}{i}" for i in range(20))
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"Please explain {topic}; words: {words}."},
+    ]
+
+
+def _next(msgs: list, reply: str) -> list:
+    return [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": "Tell me more."}]
+
+
+def _server(tmp, name, kv, sessions):
+    return Server(str(tmp), name, "--sessions", str(sessions), "--kv-disk-dir", str(kv), *KV_FLAGS).start()
+
+
+def _ask(srv, msgs):
+    return srv.client().chat.completions.create(model=srv.model(), messages=msgs, max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("sessions", "shape"), [(1, "shared"), (1, "distinct"), (2, "shared"), (2, "distinct"), (4, "shared")]
+)
+def test_a_then_b_then_sigterm_resumes_b_from_its_shutdown_checkpoint(tmp_path, cold, sessions, shape):
+    a = _conv("harbours", LONG_SYSTEM)
+    b = _conv("rivers", LONG_SYSTEM if shape == "shared" else OTHER_SYSTEM)
+    kv = tmp_path / "kv"
+    srv = _server(tmp_path, "first", kv, sessions)
+    try:
+        ra, rb = _ask(srv, a), _ask(srv, b)
+    finally:
+        srv.stop()
+    # the replies are valid UTF-8, so the clients' echoes are byte-exact
+    ta, tb = ra.choices[0].message.content, rb.choices[0].message.content
+    assert "\ufffd" not in ta + tb, (ta, tb)
+    # what each process held when it stopped: the prompt and the reply's
+    # tokens but the last (never evaluated)
+    a_n = ra.usage.prompt_tokens + ra.usage.completion_tokens - 1
+    b_n = rb.usage.prompt_tokens + rb.usage.completion_tokens - 1
+    stored = _stored_texts(str(kv))
+    b_shut = [p for p, (_t, reason, n) in stored.items() if reason == "shutdown" and n == b_n]
+    a_reason = "evict" if sessions == 1 else "shutdown"  # B replaced A / A stayed resident
+    a_ck = [p for p, (_t, reason, n) in stored.items() if reason == a_reason and n == a_n]
+    assert len(b_shut) == 1 and len(a_ck) == 1, sorted(stored.values(), key=lambda v: v[2])
+
+    exact = tmp_path / "exact"
+    shutil.copytree(kv, exact / "kv")
+
+    # the restart on the same directory: B's next turn, then A's
+    srv2 = _server(tmp_path, "second", kv, sessions)
+    try:
+        b2, a2 = _next(b, tb), _next(a, ta)
+        rb2 = _ask(srv2, b2)
+        ra2 = _ask(srv2, a2)
+    finally:
+        srv2.stop()
+    for r, msgs, n, ck in ((rb2, b2, b_n, b_shut[0]), (ra2, a2, a_n, a_ck[0])):
+        x = _extra(r)
+        assert x["rung"] == "disk" and x["loaded_path"] == os.path.basename(ck), (shape, sessions, x)
+        assert x["reused_tokens"] == _cached(r) == n, (shape, sessions, x)
+        assert r.choices[0].message.content == cold_chat(cold, msgs, max_tokens=2).choices[0].message.content
+    log = srv2.text_log()
+    assert f"ds4 ladder rung=disk source=disk-text reused={b_n} prompt={rb2.usage.prompt_tokens}" in log, log
+
+    # B's exact request again (and A's) on another restart of the stopped
+    # directory: from disk, the longest stored prefix of the prompt
+    srv3 = _server(exact, "third", exact / "kv", sessions)
+    try:
+        rb3 = _ask(srv3, b)
+        ra3 = _ask(srv3, a)
+    finally:
+        srv3.stop()
+    for r, before in ((rb3, rb), (ra3, ra)):
+        x = _extra(r)
+        assert x["rung"] == "disk" and 0 < x["reused_tokens"] < r.usage.prompt_tokens, (shape, sessions, x)
+        assert r.choices[0].message.content == before.choices[0].message.content
+
+
+def test_a_tight_budget_keeps_the_last_conversation_of_a_pool_across_a_restart(tmp_path, cold):
+    """A on session 0, X on session 1, then B takes session 0 (A is saved,
+    ``evict``); SIGTERM under a budget that holds one resident's
+    ``shutdown`` save beside A's: the pool stores X (least recently used)
+    first and B last, so B's file is the one the budget keeps (stored in
+    index order, X's save evicted B's and B's next turn was a prefill)."""
+    a = _conv("harbours", LONG_SYSTEM)
+    b = _conv("rivers", OTHER_SYSTEM)
+    x = _conv("forests", "Be kind. " + " ".join(f"k{i}." for i in range(40)))
+    kv = tmp_path / "kv"
+    budget = ("--kv-disk-space-mb", "0.8")  # the reference engine's files here: 0.2-0.35 MiB
+    srv = Server(str(tmp_path), "first", "--sessions", "2", "--kv-disk-dir", str(kv), *KV_FLAGS, *budget).start()
+    try:
+        _ask(srv, a), _ask(srv, x)
+        rb = _ask(srv, b)
+        assert [s["index"] for s in srv.health()["sessions"] if s["tokens"] == rb.usage.prompt_tokens + 1] == [0]
+    finally:
+        srv.stop()
+    tb = rb.choices[0].message.content
+    assert "\ufffd" not in tb, tb
+    b_n = rb.usage.prompt_tokens + rb.usage.completion_tokens - 1
+    stored = _stored_texts(str(kv))
+    b_shut = [p for p, (_t, reason, n) in stored.items() if reason == "shutdown" and n == b_n]
+    assert len(b_shut) == 1, sorted(stored.values(), key=lambda v: v[2])
+    srv2 = Server(str(tmp_path), "second", "--sessions", "2", "--kv-disk-dir", str(kv), *KV_FLAGS, *budget).start()
+    try:
+        b2 = _next(b, tb)
+        rb2 = _ask(srv2, b2)
+    finally:
+        srv2.stop()
+    xb = _extra(rb2)
+    assert xb["rung"] == "disk" and xb["loaded_path"] == os.path.basename(b_shut[0]), xb
+    assert xb["reused_tokens"] == b_n
+    assert rb2.choices[0].message.content == cold_chat(cold, b2, max_tokens=2).choices[0].message.content
