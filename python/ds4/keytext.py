@@ -39,6 +39,7 @@ from . import _core
 
 __all__ = [
     "ANONYMOUS",
+    "BUILTIN_TRANSIENT",
     "DEFAULT_NAMESPACE",
     "NAMESPACE_ID_RE",
     "KeyRenderer",
@@ -52,6 +53,7 @@ __all__ = [
     "snippet",
     "tenant_of_namespace",
     "tokenize_prompt",
+    "transient_span",
     "unescape",
 ]
 
@@ -133,6 +135,35 @@ def snippet(key_text: bytes, at: int, n: int) -> str:
             break
         j -= 1
     return chunk[:j].decode("utf-8", "replace")
+
+
+#: the per-turn spans known clients inject into their messages (Claude
+#: Code's reminders; Cline's and Roo Code's environment details): what
+#: ``ds4 serve --prompt-transient-builtin`` takes out, and what a
+#: divergence names when a miss falls in one (:func:`transient_span`)
+BUILTIN_TRANSIENT = (
+    r"<system-reminder>.*?</system-reminder>",
+    r"<environment_details>.*?</environment_details>",
+)
+# in a key text, a "<" that could open a marker's text is escaped (FF "<")
+_SPANS = tuple(
+    re.compile(rb"\s*(?:" + p.encode().replace(b"<", b"\xff?<") + rb")", re.DOTALL) for p in BUILTIN_TRANSIENT
+)
+_TAG = re.compile(rb"<[A-Za-z_][\w-]*>")
+
+
+def transient_span(key_text: bytes, at: int) -> str | None:
+    """The opening tag of the known client span (:data:`BUILTIN_TRANSIENT`,
+    with the white space before it) that holds byte ``at`` of ``key_text``;
+    None when no such span does."""
+    for p in _SPANS:
+        for m in p.finditer(key_text):
+            if m.start() > at:
+                break
+            if at < m.end():
+                tag = _TAG.search(m.group(0))
+                return tag.group(0).decode("ascii") if tag else None
+    return None
 
 
 def parting(a: bytes, b: bytes, at: int, start: int) -> int:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 from . import _core
 from .errors import InvalidSessionError, PromptError
-from .keytext import parting, plain_len, snippet, tokenize_prompt
+from .keytext import parting, plain_len, snippet, tokenize_prompt, transient_span
 from .kvstore import Candidates, Entry, KVStore, LoadResult, considered
 from .kvstore.skips import cold_too_long, cold_too_short
 from .loading import load_first, load_shorter, try_load_text
@@ -339,6 +339,10 @@ class _Ladder:
             "cached": "" if whole or cached is None else snippet(cached, at, SNIPPET_BYTES),
             "prompt": snippet(prompt, at, SNIPPET_BYTES),
         }
+        if not whole:  # a miss inside a known client's per-turn span is named (--prompt-transient-builtin)
+            span = (transient_span(cached, at) if cached is not None else None) or transient_span(prompt, at)
+            if span is not None:
+                d["span"] = span
         rep.divergence = d
         if not whole:
             log.info(

@@ -141,6 +141,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="drop: the lines are removed; tail: they become a system turn after the last message, in their "
         "order (default drop)",
     )
+    g.add_argument(
+        "--prompt-transient",
+        action="append",
+        default=[],
+        type=regex,
+        metavar="REGEX",
+        help="spans of user and tool messages this matches (re.DOTALL; repeatable), with the white space around "
+        "them, are taken out before rendering (--prompt-transient-mode): per-turn text agents inject",
+    )
+    g.add_argument(
+        "--prompt-transient-builtin",
+        action="store_true",
+        help="add the known clients' spans: <system-reminder>...</system-reminder> (Claude Code), "
+        "<environment_details>...</environment_details> (Cline, Roo Code)",
+    )
+    g.add_argument(
+        "--prompt-transient-mode",
+        choices=VOLATILE_MODES,
+        default="tail",
+        help="tail (default): the current request's own spans go into a system turn after the last message (the "
+        "model sees them), older messages' are dropped; drop: every span is removed",
+    )
     p.add_argument(
         "--sse-keepalive",
         type=float,

@@ -183,7 +183,8 @@ class Conversation:
         in ``drop`` mode or when no line matched)."""
         out, tail = turns(self.messages), None
         if self.volatile is not None:
-            out, tail = self.volatile.split(out)
+            msgs, spans = self.volatile.strip_messages(self.messages)  # transient spans, before the convention
+            out, tail = self.volatile.split(turns(msgs), spans)
         if self.tools_active:
             block = conv_tools.tools_block([t.schema() for t in self.tools], self.parallel_tool_calls)
             if out and out[0]["role"] == "system":
@@ -386,6 +387,8 @@ class AgentTurn:
             log.info("%s live continuation lost: the live state moved since the calls", self.label)
             return None
         log.info("%s live continuation match=tool-output-ids ids=%d", self.label, len(ids))
+        if self.conv.volatile is not None:  # their transient spans go to the tail turn, as in a full rendering
+            tail = self.conv.volatile.strip_messages(tail)[0]
         return [*live.messages, *turns(tail)]
 
     def done(self, res: GenResult) -> None:

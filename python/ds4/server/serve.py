@@ -21,7 +21,7 @@ from .body import BodyLimits
 from .guard import Guard, guard_from_args
 from .pool import Pool
 from .sizing import SessionsDontFit, resolve_sessions
-from .volatile import SystemText
+from .volatile import BUILTIN_TRANSIENT, SystemText
 from .worker import Service
 
 if TYPE_CHECKING:
@@ -87,7 +87,13 @@ def build_app(args: argparse.Namespace, guard: Guard) -> Starlette:
         limits=limits,
         debug=args.debug,
         sse_keepalive_s=args.sse_keepalive,
-        volatile=SystemText(args.keep_billing_header, args.prompt_volatile, args.prompt_volatile_mode),
+        volatile=SystemText(
+            args.keep_billing_header,
+            args.prompt_volatile,
+            args.prompt_volatile_mode,
+            transient=[*args.prompt_transient, *(BUILTIN_TRANSIENT if args.prompt_transient_builtin else ())],
+            transient_mode=args.prompt_transient_mode,
+        ),
         metrics=not args.no_metrics and _metrics_available(),
     )
 

@@ -31,20 +31,48 @@ Volatile lines (``--prompt-volatile REGEX``, repeatable)
     never the tail turn, so the next request, which renders its own tail
     turn after its own last message, extends it.
 
+Transient spans (``--prompt-transient REGEX``, repeatable;
+``--prompt-transient-builtin`` adds :data:`BUILTIN_TRANSIENT`)
+    Agents inject per-turn text *into* user and tool messages (Claude
+    Code's ``<system-reminder>`` blocks, Cline's and Roo's
+    ``<environment_details>``) and drop it from older messages on the next
+    request, so the history no longer starts with what was prefilled. Each
+    match (``re.search`` with ``re.DOTALL``) in a user or tool turn's text
+    is taken out with the white space around it (a span between two texts
+    leaves one blank line, at either end nothing). ``tail`` (the default
+    mode): the spans of the turns after the last assistant turn (the
+    current request's own) go, in their order, into the tail system turn
+    after the last message, with the volatile lines, so the model still
+    sees the current ones; older turns' spans are dropped. ``drop``: every
+    span is removed. The trade-off: the model never sees older spans, and
+    the current ones after the conversation rather than in their message.
+
 These rules are a function of the request alone (a replayed history and a
 ``previous_response_id`` chain render the same).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
 from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar, cast
 
+from ..keytext import BUILTIN_TRANSIENT
 from ..serve_args import VOLATILE_MODES as MODES
 
-__all__ = ["BILLING", "MODES", "SystemText"]
+__all__ = ["BILLING", "BUILTIN_TRANSIENT", "MODES", "SystemText"]
+
+
+class _Message(Protocol):
+    role: str
+    content: str
+
+
+M = TypeVar("M", bound=_Message)
+
 
 log = logging.getLogger("ds4.server")
 
@@ -61,12 +89,22 @@ def _field(v: str) -> str:
 class SystemText:
     """What ``ds4 serve`` takes out of the system text of a request."""
 
-    def __init__(self, keep_billing_header: bool = False, patterns: Sequence[str] = (), mode: str = "drop"):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    def __init__(
+        self,
+        keep_billing_header: bool = False,
+        patterns: Sequence[str] = (),
+        mode: str = "drop",
+        transient: Sequence[str] = (),
+        transient_mode: str = "tail",
+    ):
+        if mode not in MODES or transient_mode not in MODES:
+            raise ValueError(f"modes are {', '.join(MODES)}, not {mode!r} or {transient_mode!r}")
         self.keep_billing_header = keep_billing_header
         self.patterns = tuple(re.compile(p) for p in patterns)  # re.error for a bad one
         self.mode = mode
+        #: spans taken out of user and tool turns (module docstring)
+        self.transient = tuple(re.compile(r"\s*(?:" + p + r")\s*", re.DOTALL) for p in transient)
+        self.transient_mode = transient_mode
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # parsers run on the loop's pool, renders on the worker
 
@@ -106,6 +144,41 @@ class SystemText:
             (moved if any(p.search(line) for p in self.patterns) else kept).append(line)
         return ("\n".join(kept), moved) if moved else (text, [])
 
+    def spans(self, text: str) -> tuple[str, list[str]]:
+        """(``text`` without its transient spans, those spans stripped)."""
+        if not self.transient:
+            return text, []
+        found: list[str] = []
+
+        def cut(m: re.Match[str]) -> str:
+            found.append(m.group(0).strip())
+            inner = m.start() > 0 and m.end() < len(m.string)
+            return "\n\n" if inner else ""
+
+        for p in self.transient:
+            text = p.sub(cut, text)
+        return text, found
+
+    def strip_messages(self, messages: Sequence[M]) -> tuple[list[M], list[str]]:
+        """(``messages`` with the transient spans out of every user and tool
+        message's content, the spans of those after the last assistant
+        message): before the chat convention renders them, so a message
+        reads as its client sends it once the span is dropped."""
+        if not self.transient:
+            return list(messages), []
+        last_reply = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+        out: list[M] = []
+        current: list[str] = []
+        for i, m in enumerate(messages):
+            if m.role not in ("user", "tool"):
+                out.append(m)
+                continue
+            text, cut = self.spans(m.content)
+            if i > last_reply:
+                current += cut
+            out.append(cast(M, dataclasses.replace(cast(Any, m), content=text)) if cut else m)
+        return out, current
+
     def render(self, turns: Sequence[dict[str, str]]) -> list[dict[str, str]]:
         """Engine chat turns as rendered: each system turn without its
         volatile lines (one that held only those disappears); in ``tail``
@@ -113,10 +186,14 @@ class SystemText:
         out, tail = self.split(turns)
         return [*out, tail] if tail is not None else out
 
-    def split(self, turns: Sequence[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, str] | None]:
+    def split(
+        self, turns: Sequence[dict[str, str]], spans: Sequence[str] = ()
+    ) -> tuple[list[dict[str, str]], dict[str, str] | None]:
         """(the turns without their volatile lines, the ``tail`` mode's
-        system turn of those lines or None): :meth:`render` in two parts,
-        so that a turn's canonical checkpoint can leave the tail out."""
+        system turn of those lines, and in ``tail`` transient mode of the
+        current ``spans`` (:meth:`strip_messages`), or None): :meth:`render`
+        in two parts, so that a turn's canonical checkpoint can leave the
+        tail out."""
         out: list[dict[str, str]] = []
         tail: list[str] = []
         for t in turns:
@@ -129,6 +206,8 @@ class SystemText:
                 out.append(t)
             elif text.strip("\n"):
                 out.append({**t, "content": text})
-        if tail and self.mode == "tail":
-            return out, {"role": "system", "content": "\n".join(tail)}
+        parts = ["\n".join(tail)] if tail and self.mode == "tail" else []
+        parts += list(spans) if self.transient_mode == "tail" else []
+        if parts:
+            return out, {"role": "system", "content": "\n\n".join(parts)}
         return out, None
