@@ -138,6 +138,12 @@ def main() -> int:
     ap.add_argument("--cold", default="2,last", help="turns (1-based, 'last') replayed cold; '' for none")
     ap.add_argument("--no-reminder", action="store_true", help="tool results alone (live continuations)")
     ap.add_argument(
+        "--transient",
+        action="store_true",
+        help="the reminder changes every turn and older ones are dropped from the history (Claude Code's way)",
+    )
+    ap.add_argument("--transient-builtin", action="store_true", help="both servers run with --prompt-transient-builtin")
+    ap.add_argument(
         "--volatile-mode",
         default="drop",
         choices=("drop", "tail", "off"),
@@ -153,6 +159,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="ds4-bench-cc-")
     res: dict = {}
     volatile = [] if a.volatile_mode == "off" else [*VOLATILE, "--prompt-volatile-mode", a.volatile_mode]
+    volatile += ["--prompt-transient-builtin"] if a.transient_builtin else []
     try:
         for label, extra in (("ds4", ["--kv-disk-dir", os.path.join(tmp, "kv")]), ("no-kv", ["--no-kv-cache"])):
             srv = Server(a.engine, [*extra, *volatile], os.path.join(tmp, f"{label}.log"), ctx, a.threads)
@@ -163,7 +170,7 @@ def main() -> int:
                           f" ttft {row['ds4']['ttft_ms']:.0f} ms {row['stop_reason']}", file=sys.stderr, flush=True)  # fmt: skip
 
                 res[label] = cc_loop.loop(
-                    srv.base, turns, a.form, size=a.size, reminder=not a.no_reminder,
+                    srv.base, turns, a.form, size=a.size, reminder=not a.no_reminder, transient=a.transient,
                     max_tokens=max_tokens, tool_choice=choice, on_turn=show,
                 )  # fmt: skip
                 if label == "no-kv":
@@ -179,7 +186,8 @@ def main() -> int:
             json.dump(strip, f, indent=1)
     print(
         f"engine={a.engine} turns={turns} form={a.form} size={a.size} max_tokens={max_tokens} ctx={ctx}"
-        f" reminder={not a.no_reminder} volatile={a.volatile_mode} tool_choice={choice} threads={a.threads}"
+        f" reminder={not a.no_reminder} transient={a.transient} builtin={a.transient_builtin}"
+        f" volatile={a.volatile_mode} tool_choice={choice} threads={a.threads}"
     )
     return 0
 

@@ -229,6 +229,21 @@ def send(c, body: dict, turn: int) -> dict:
     }
 
 
+def _without_old_reminders(msgs: list[dict]) -> list[dict]:
+    """The history with the reminder blocks of every message but the last
+    dropped (what Claude Code sends: a reminder lives one request)."""
+    out = [
+        {
+            **m,
+            "content": [
+                b for b in m["content"] if not (b["type"] == "text" and b["text"].startswith("<system-reminder>"))
+            ],
+        }
+        for m in msgs[:-1]
+    ]
+    return [*out, msgs[-1]]
+
+
 def loop(
     base: str,
     turns: int,
@@ -236,6 +251,7 @@ def loop(
     *,
     size: int = 3000,
     reminder: bool = True,
+    transient: bool = False,
     max_tokens: int = 300,
     tool_choice: dict | None = None,
     timeout: float = 600,
@@ -244,7 +260,9 @@ def loop(
     """``turns`` requests of a Claude Code tool loop against ``base`` with
     the official ``anthropic`` client, a new ``cch`` and a new date line
     each; one row per request (:func:`send`, plus ``body``: exactly what
-    was sent, ``header``: its billing line)."""
+    was sent, ``header``: its billing line). With ``transient`` the
+    reminder names its turn (it changes every turn) and the older ones are
+    dropped from the history, as Claude Code drops them."""
     msgs: list[dict] = [{"role": "user", "content": [{"type": "text", "text": TASK}]}]
     rows: list[dict] = []
     extra = {} if tool_choice is None else {"tool_choice": tool_choice}
@@ -258,7 +276,7 @@ def loop(
                 "model": "claude-code-loop",  # any name (the SDK warns on deprecated real ones)
                 "max_tokens": max_tokens,
                 "system": system(form, turn, size, hdr),
-                "messages": copy.deepcopy(msgs),
+                "messages": copy.deepcopy(_without_old_reminders(msgs) if transient else msgs),
                 "tools": TOOLS,
                 **extra,
             }
@@ -274,7 +292,8 @@ def loop(
                 if b["type"] == "tool_use"
             ]
             if results:
-                text = [{"type": "text", "text": REMINDER}] if reminder else []
+                note = REMINDER.replace("recently", f"recently (turn {turn + 1})") if transient else REMINDER
+                text = [{"type": "text", "text": note}] if reminder else []
                 msgs.append({"role": "user", "content": results + text})
             else:  # the model answered in text: the user goes on
                 msgs.append({"role": "user", "content": [{"type": "text", "text": "Go on."}]})

@@ -2,8 +2,8 @@
 text into their messages (Claude Code's ``<system-reminder>`` blocks,
 Cline's ``<environment_details>``) and drop it from older messages on the
 next request. ``--prompt-transient-builtin`` takes the known clients' spans
-out before rendering (``tail``, the default: the current request's own
-spans after the last message, where the model still sees them); every
+out before rendering (``drop``, the default, or ``tail``: the current
+request's own spans after the last message, where the model sees them); every
 turn from the second is then a live hit that prefills at most 5 % of its
 prompt. Without it the history no longer starts with what was prefilled,
 and the divergence names the span. The official ``anthropic`` and
@@ -40,9 +40,15 @@ def plain(tmp_path_factory):
     yield from _server(tmp_path_factory, "plain")
 
 
-@pytest.fixture(scope="module")
-def builtin(tmp_path_factory):
-    yield from _server(tmp_path_factory, "builtin", "--prompt-transient-builtin")
+@pytest.fixture(scope="module", params=["drop", "tail"])
+def builtin(tmp_path_factory, request):
+    yield from _server(
+        tmp_path_factory,
+        f"builtin-{request.param}",
+        "--prompt-transient-builtin",
+        "--prompt-transient-mode",
+        request.param,
+    )
 
 
 def reminder(k: int) -> str:
@@ -154,7 +160,7 @@ def test_without_the_builtins_the_divergence_names_the_span(plain):
 
 
 def test_the_spans_leave_with_their_white_space_and_the_current_ones_go_to_the_tail():
-    st = SystemText(transient=BUILTIN_TRANSIENT)
+    st = SystemText(transient=BUILTIN_TRANSIENT, transient_mode="tail")
     msgs = [
         Message("system", "S"),
         Message("user", f"{reminder(1)}\nFirst.\n\n{env(1)}"),
@@ -168,6 +174,6 @@ def test_the_spans_leave_with_their_white_space_and_the_current_ones_go_to_the_t
     assert out[3].tool_call_id == "c1" and msgs[1].content.startswith("<system-reminder>")  # a copy
     stable, tail = st.split(turns(out), spans)
     assert tail == {"role": "system", "content": f"{reminder(2)}\n\n{env(2)}"}
-    drop = SystemText(transient=BUILTIN_TRANSIENT, transient_mode="drop")
+    drop = SystemText(transient=BUILTIN_TRANSIENT)  # drop: the default
     assert drop.split(turns(drop.strip_messages(msgs)[0]), spans) == (stable, None)
     assert SystemText().strip_messages(msgs) == (msgs, [])  # off by default

@@ -159,9 +159,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prompt-transient-mode",
         choices=VOLATILE_MODES,
-        default="tail",
-        help="tail (default): the current request's own spans go into a system turn after the last message (the "
-        "model sees them), older messages' are dropped; drop: every span is removed",
+        default="drop",
+        help="drop (default): every span is removed; tail: the current request's own spans go into a system turn "
+        "after the last message (the model sees them; the chat template must accept a system turn there, Gemma's "
+        "does not), older messages' are dropped",
     )
     p.add_argument(
         "--sse-keepalive",

@@ -39,13 +39,15 @@ Transient spans (``--prompt-transient REGEX``, repeatable;
     request, so the history no longer starts with what was prefilled. Each
     match (``re.search`` with ``re.DOTALL``) in a user or tool turn's text
     is taken out with the white space around it (a span between two texts
-    leaves one blank line, at either end nothing). ``tail`` (the default
-    mode): the spans of the turns after the last assistant turn (the
-    current request's own) go, in their order, into the tail system turn
-    after the last message, with the volatile lines, so the model still
-    sees the current ones; older turns' spans are dropped. ``drop``: every
-    span is removed. The trade-off: the model never sees older spans, and
-    the current ones after the conversation rather than in their message.
+    leaves one blank line, at either end nothing). ``drop`` (the default
+    mode): every span is removed. ``tail``: the spans of the messages after
+    the last assistant message (the current request's own) go, in their
+    order, into the tail system turn after the last message, with the
+    volatile lines, so the model still sees the current ones; older
+    messages' spans are dropped (the chat template must accept a system
+    turn there: Gemma's refuses one). The trade-off: the model never sees
+    older spans, and in ``tail`` the current ones after the conversation
+    rather than in their message.
 
 These rules are a function of the request alone (a replayed history and a
 ``previous_response_id`` chain render the same).
@@ -95,7 +97,7 @@ class SystemText:
         patterns: Sequence[str] = (),
         mode: str = "drop",
         transient: Sequence[str] = (),
-        transient_mode: str = "tail",
+        transient_mode: str = "drop",
     ):
         if mode not in MODES or transient_mode not in MODES:
             raise ValueError(f"modes are {', '.join(MODES)}, not {mode!r} or {transient_mode!r}")
