@@ -6,7 +6,10 @@ token of it reused), and A's next turn from the one stored of A (``evict``
 when B replaced it on one session, ``shutdown`` when it stayed resident on
 a pool). Both on ``--sessions 1`` and on pools of 2 and 4 residents, with B
 sharing A's system prompt or nothing with A; every reply equals a cold
-single-session server's.
+single-session server's. The same over llama.cpp (SmolLM2: A's reply ends
+at the model's end-of-turn token), one session. On a pool under a budget
+too small for every resident's save, the conversation served last is the
+one stored last, so it is kept.
 
 Resending B's exact request (or A's) after the restart is served from disk
 too, from the longest stored prefix of its prompt: a shutdown checkpoint
@@ -147,3 +150,48 @@ def test_a_tight_budget_keeps_the_last_conversation_of_a_pool_across_a_restart(t
     assert xb["rung"] == "disk" and xb["loaded_path"] == os.path.basename(b_shut[0]), xb
     assert xb["reused_tokens"] == b_n
     assert rb2.choices[0].message.content == cold_chat(cold, b2, max_tokens=2).choices[0].message.content
+
+
+def test_the_sequence_on_a_real_model_whose_first_reply_ends_at_its_end_token(tmp_path):
+    """The same sequence over llama.cpp (SmolLM2, as CI installs it), one
+    session: A's reply ends at the model's end-of-turn token, B's at the
+    length limit; B's next turn resumes from B's shutdown checkpoint and
+    A's from its evict one, every token of each reused, and both replies
+    equal a cold server's."""
+    import llama_cpp  # noqa: F401  (CI installs it; this test must not be skipped)
+
+    system = "You are a helpful geography assistant. Answer in one short sentence. " * 3
+    a = [{"role": "system", "content": system}, {"role": "user", "content": "What is the capital of France?"}]
+    b = [{"role": "system", "content": system}, {"role": "user", "content": "Describe a harbour at dawn."}]
+    kv = tmp_path / "kv"
+    llama = ("--threads", "2")
+
+    def serve(name, *flags):
+        return Server(str(tmp_path), name, *flags, *llama, engine="llamacpp").start()
+
+    srv = serve("first", "--kv-disk-dir", str(kv), *KV_FLAGS)
+    try:
+        c, model = srv.client(), srv.model()
+        ra = c.chat.completions.create(model=model, messages=a, max_tokens=48)
+        rb = c.chat.completions.create(model=model, messages=b, max_tokens=24)
+    finally:
+        srv.stop()
+    assert ra.choices[0].finish_reason == "stop" and rb.choices[0].finish_reason == "length"
+    stored = _stored_texts(str(kv))
+    ck = {reason: (p, n) for p, (_t, reason, n) in stored.items() if reason in ("shutdown", "evict")}
+    assert len(ck) == 2, stored
+    a2, b2 = _next(a, ra.choices[0].message.content), _next(b, rb.choices[0].message.content)
+    srv2 = serve("second", "--kv-disk-dir", str(kv), *KV_FLAGS)
+    cold = serve("cold", "--no-kv-cache")
+    try:
+        for msgs, reason in ((b2, "shutdown"), (a2, "evict")):
+            r = srv2.client().chat.completions.create(model=model, messages=msgs, max_tokens=8)
+            x = _extra(r)
+            assert x["rung"] == "disk" and x["loaded_path"] == os.path.basename(ck[reason][0]), (reason, x)
+            assert x["reused_tokens"] == ck[reason][1], (reason, x)
+            cold.client().completions.create(model=model, prompt="Hello", max_tokens=1)  # its live session replaced
+            ref = cold.client().chat.completions.create(model=model, messages=msgs, max_tokens=8)
+            assert _cached(ref) == 0 and r.choices[0].message.content == ref.choices[0].message.content
+    finally:
+        srv2.stop()
+        cold.stop()
