@@ -14,8 +14,15 @@ import json
 
 import anthropic
 import httpx
+import jiter
 import pytest
 from agent_helpers import RTOOLS, SYSTEM, TOOLS, warm_server
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds4.server import tool_stream as TS
+from ds4.server import tools as T
+from ds4.server.tool_cut import partial_object
 
 warm = pytest.fixture(scope="module", name="warm")(warm_server)
 
@@ -127,3 +134,132 @@ def test_responses_stream_carries_the_verdict(warm):
     assert done.type == "response.completed"
     _agree(done.response.model_extra["ds4"], whole.model_extra["ds4"])
     assert final.output_text == whole.output_text == "No tool needed."
+
+
+# -- a call cut by max_tokens ----------------------------------------------------
+#: ESCAPED's reply is a call of note whose "text" argument grows; the cut is
+#: inside that string, after the call was announced (its name complete)
+CUT = len('<tool_call>[{"name":"note","arguments":{"text":"caf\\u00e9 ')
+CUT_ARGS = '{"text": "café '
+
+
+def test_chat_a_call_cut_by_max_tokens_ends_the_same_streamed_and_not(warm):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "ESCAPED note, cut"}]
+    whole = chat_plain(warm, msgs, max_tokens=CUT).choices[0]
+    # (the SDK's stream helper refuses a length finish: the chunks are accumulated here)
+    with warm.client() as c:
+        chunks = list(c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=CUT, stream=True))
+    text, calls, finish = "", {}, None
+    for ch in chunks:
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                if tc.id is not None:
+                    calls[tc.index] = [tc.function.name, ""]
+                calls[tc.index][1] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert whole.finish_reason == finish == "length"
+    assert (whole.message.content or "") == text == ""  # no text: the block is the call
+    shape = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert shape == [tuple(calls[k]) for k in sorted(calls)] == [("note", CUT_ARGS)]
+
+
+def test_anthropic_a_call_cut_by_max_tokens_ends_the_same_streamed_and_not(warm):
+    msgs = [{"role": "user", "content": "ESCAPED note, cut"}]
+    with aclient(warm) as c:
+        whole = c.messages.create(**_aargs(msgs, max_tokens=CUT))
+    events, final = anthropic_stream(warm, msgs, max_tokens=CUT)
+    assert whole.stop_reason == final.stop_reason == "max_tokens"
+    blocks = [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in whole.content]
+    assert blocks == [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in final.content]
+    assert blocks == [("tool_use", "note", {})]
+    parts = [
+        e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
+    assert "".join(parts) == CUT_ARGS
+    assert not [e for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    args=st.dictionaries(
+        st.text(max_size=4),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+            lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids, max_size=3),
+            max_leaves=6,
+        ),
+        max_size=4,
+    ),
+    data=st.data(),
+)
+def test_a_cut_calls_input_is_what_the_anthropic_sdk_parses_from_its_fragments(args, data):
+    """The whole reply's ``input`` of a cut call is the SDK's partial parse
+    (jiter's) of the streamed fragments."""
+    whole = T.dump_json(args)
+    text = whole[: data.draw(st.integers(1, len(whole)))]
+    sp = TS.StreamSplitter(frozenset({"f"}))
+    sp.feed('<tool_call>[{"name": "f", "arguments": ' + text)
+    ((_, _, streamed),) = sp.cut()
+    assert whole.startswith(streamed)
+    assert partial_object(streamed) == jiter.from_json(streamed.encode(), partial_mode=True)
+
+
+def test_responses_a_call_cut_by_max_tokens_ends_the_same_streamed_and_not(warm):
+    """Responses keeps what the model generated (the stored response, its
+    retrieval and ``previous_response_id`` hold it): an ``incomplete``
+    response whose message is the text, streamed or not; a stream that had
+    announced the call ends its item ``incomplete`` and sends the text."""
+    with warm.client() as c:
+        whole = c.responses.create(**_rargs("ESCAPED note, cut", max_output_tokens=CUT))
+    # (the SDK's stream helper wants response.completed: the events are read here)
+    with warm.client() as c:
+        events = list(c.responses.create(**_rargs("ESCAPED note, cut", max_output_tokens=CUT), stream=True))
+    assert events[-1].type == "response.incomplete"
+    final = events[-1].response
+    assert whole.status == final.status == "incomplete"
+    assert whole.incomplete_details == final.incomplete_details
+    shape = [(o.type, o.status, o.content[0].text) for o in whole.output]
+    assert shape == [(o.type, o.status, o.content[0].text) for o in final.output]
+    assert [t for _, _, t in shape] == [whole.output_text] and whole.output_text.startswith("<tool_call>")
+    done = {e.item.type: e.item for e in events if e.type == "response.output_item.done"}
+    assert sorted((i.type, i.status) for i in done.values()) == [
+        ("function_call", "incomplete"),
+        ("message", "completed"),
+    ]
+    assert done["function_call"].arguments == CUT_ARGS and done["message"].content[0].text == whole.output_text
+    assert not [e for e in events if e.type == "response.function_call_arguments.done"]
+
+
+@pytest.mark.parametrize("ask", ["ESCAPED note", "PREFACE look up 5.", "TWO calls"])
+def test_responses_streams_a_calls_arguments_as_they_are_generated(warm, ask):
+    with warm.client() as c:
+        whole = c.responses.create(**_rargs(ask))
+    events, final = responses_stream(warm, ask)
+    calls = [o for o in whole.output if o.type == "function_call"]
+    assert calls and [o.type for o in final.output] == [o.type for o in whole.output]
+    for o in calls:
+        added = next(
+            e
+            for e in events
+            if e.type == "response.output_item.added"
+            and e.item.type == "function_call"
+            and e.item.name == o.name
+            and e.output_index == whole.output.index(o)
+        )
+        deltas = [
+            e.delta
+            for e in events
+            if e.type == "response.function_call_arguments.delta" and e.output_index == added.output_index
+        ]
+        assert len(deltas) > 1, deltas
+        assert "".join(deltas) == o.arguments
+        done = next(
+            e
+            for e in events
+            if e.type == "response.function_call_arguments.done" and e.output_index == added.output_index
+        )
+        assert done.arguments == o.arguments
+    assert [(o.type, getattr(o, "name", None), getattr(o, "arguments", None)) for o in final.output] == [
+        (o.type, getattr(o, "name", None), getattr(o, "arguments", None)) for o in whole.output
+    ]

@@ -27,6 +27,7 @@ import uuid
 
 from ..turn import GenResult
 from .conversation import Outcome, new_call_id
+from .tool_cut import cut_reply, partial_object
 from .tool_stream import StreamEvent
 from .wire import JSON, ApiError, ApiRequest, ReasoningEvents, Wire, ds4_info, exception_to_api, sse
 
@@ -124,12 +125,32 @@ class MessagesReply(ReasoningEvents):
         content: list[JSON] = []
         if oc.reasoning is not None:
             content.append({"type": "thinking", "thinking": oc.reasoning, "signature": signature(oc.reasoning)})
+        cut = self._cut(oc)
+        if cut is not None:  # the tool_use blocks its stream announced, the last one incomplete
+            if cut[0]:
+                content.append({"type": "text", "text": cut[0]})
+            content += [
+                {"type": "tool_use", "id": self._call_id(k), "name": name, "input": partial_object(args)}
+                for k, name, args in cut[1]
+            ]
+            return {**self._message(content, res), "ds4": ds4_info(res, self.debug)}
         if oc.content or (not oc.calls and oc.reasoning is None):
             content.append({"type": "text", "text": oc.content})
         content += [
             {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in oc.calls
         ]
         return {**self._message(content, res), "ds4": ds4_info(res, self.debug)}
+
+    def _cut(self, oc: Outcome) -> tuple[str, list[tuple[int, str, str]]] | None:
+        """A reply cut by ``max_tokens`` inside a call its stream announced
+        (:func:`ds4.server.tool_cut.cut_reply`), else None."""
+        if oc.calls or oc.finish_reason != "length" or self.req.conv is None:
+            return None
+        return cut_reply(self.req.conv.splitter(), oc.content)
+
+    def _call_id(self, k: int) -> str:
+        agent = self.req.agent
+        return agent.call_id(k) if agent is not None else new_call_id("toolu_")
 
     # -- the stream ------------------------------------------------------------
     def opening(self) -> list[bytes]:
@@ -165,9 +186,7 @@ class MessagesReply(ReasoningEvents):
                 out += self._text(e.text)
             elif e.kind == "start":
                 out += self._stop_text()
-                agent = self.req.agent
-                cid = agent.call_id(e.index) if agent is not None else new_call_id("toolu_")
-                block = {"type": "tool_use", "id": cid, "name": e.text, "input": {}}
+                block = {"type": "tool_use", "id": self._call_id(e.index), "name": e.text, "input": {}}
                 start = {"type": "content_block_start", "index": self.index, "content_block": block}
                 out.append(_sse("content_block_start", start))
             elif e.kind == "args":
@@ -228,7 +247,8 @@ class MessagesReply(ReasoningEvents):
             else:
                 out += self._text(content)
         if self.splitter is not None:
-            out += self._events(self.splitter.close([(c.name, c.arguments) for c in oc.calls]))
+            calls = [(c.name, c.arguments) for c in oc.calls]
+            out += self._events(self.splitter.close(calls, length=oc.finish_reason == "length"))
         out += self._stop_text()
         reason, seq = stop_reason(oc, res)
         info = ds4_info(res, self.debug)  # the verdict, as the whole reply's; in usage too (clients log it)

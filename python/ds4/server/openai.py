@@ -19,6 +19,7 @@ from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall, new_call_id
 from .fields import is_int
 from .formats import response_format
+from .tool_cut import cut_reply
 from .tool_stream import StreamEvent, StreamSplitter
 from .volatile import SystemText
 from .wire import (
@@ -376,6 +377,12 @@ class Reply:
                     {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                     for c in oc.calls
                 ]
+            elif (cut := self._cut(oc)) is not None:  # the calls its stream announced, the last one incomplete
+                msg["content"] = cut[0] or None
+                msg["tool_calls"] = [
+                    {"id": self._call_id(k), "type": "function", "function": {"name": name, "arguments": args}}
+                    for k, name, args in cut[1]
+                ]
             choice: JSON = {"index": 0, "message": msg, "logprobs": None, "finish_reason": oc.finish_reason}
             obj = "chat.completion"
         else:
@@ -388,6 +395,13 @@ class Reply:
             "usage": res.usage(),
             "ds4": ds4_info(res, self.debug),
         }
+
+    def _cut(self, oc: Outcome) -> tuple[str, list[tuple[int, str, str]]] | None:
+        """A reply cut by ``max_tokens`` inside a call its stream announced
+        (:func:`ds4.server.tool_cut.cut_reply`), else None."""
+        if oc.calls or oc.finish_reason != "length" or self.req.conv is None:
+            return None
+        return cut_reply(self.req.conv.splitter(), oc.content)
 
     @property
     def _chunk_obj(self) -> str:
@@ -462,7 +476,8 @@ class Reply:
                 out.append(self._delta({"content": content}))
         if self.chat and self.splitter is not None:
             oc = self._outcome(res)
-            ev = self._events(self.splitter.close([(c.name, c.arguments) for c in oc.calls]))
+            calls = [(c.name, c.arguments) for c in oc.calls]
+            ev = self._events(self.splitter.close(calls, length=oc.finish_reason == "length"))
             if ev:
                 out.append(ev)
             finish = oc.finish_reason

@@ -20,10 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..turn import GenResult
-from .conversation import Outcome
+from .conversation import Outcome, new_call_id
 from .response_store import (
     StoredResponses,
-    call_item,
     message_item,
     output_items,
     reasoning_id,
@@ -34,6 +33,7 @@ from .response_store import (
     usage_of,
 )
 from .responses import ResponsesRequest
+from .tool_stream import StreamEvent
 from .wire import JSON, ApiRequest, ReasoningEvents, Wire, ds4_info, exception_to_api, sse
 
 __all__ = ["ResponsesReply", "ResponsesWire"]
@@ -55,6 +55,10 @@ class ResponsesReply(ReasoningEvents):
         self.reasoning: str | None = None  # the reasoning item's text so far (None: no item)
         self.reasoning_done = False
         self.msg_index = 0  # the message's output index (1 after a reasoning item)
+        self.n_out = 0  # output items added so far
+        self.msg_text = ""  # the message's text so far
+        self.msg_done = False
+        self.live: dict[int, list[Any]] = {}  # call k: [output index, call id, name, arguments so far]
 
     def _ev(self, kind: str, **data: Any) -> bytes:
         d = {"type": kind, "sequence_number": self.seq, **data}
@@ -72,9 +76,19 @@ class ResponsesReply(ReasoningEvents):
         usage = usage_of(res) if res is not None else None
         return response_object(response_head(self.req, self.model), status, output, usage, self.req.store)
 
+    def _call_id(self, k: int) -> str:
+        agent = self.req.agent
+        return agent.call_id(k) if agent is not None else new_call_id("call_")
+
     def _final(self, res: GenResult) -> tuple[str, list[JSON], Outcome]:
         oc = self._outcome(res)
         return status_of(oc), output_items(self.msg_id, oc.content, oc.calls, oc.reasoning), oc
+
+    @staticmethod
+    def _call(cid: str, name: str, args: str, status: str) -> JSON:
+        return {"id": "fc_" + cid, "type": "function_call", "status": status, "call_id": cid, "name": name} | {
+            "arguments": args
+        }
 
     def complete(self, res: GenResult) -> JSON:
         status, output, _ = self._final(res)
@@ -89,6 +103,7 @@ class ResponsesReply(ReasoningEvents):
         if self.msg_open:
             return []
         self.msg_open = True
+        self.msg_index, self.n_out = self.n_out, self.n_out + 1
         part = {"type": "output_text", "text": "", "annotations": []}
         return [
             self._ev("response.output_item.added", output_index=self.msg_index, item=self._msg_item("", "in_progress")),
@@ -104,7 +119,10 @@ class ResponsesReply(ReasoningEvents):
     def _delta(self, text: str) -> list[bytes]:
         if not text:
             return []
+        if self.msg_done:  # text after announced calls (a block that failed): a second message
+            self.msg_id, self.msg_open, self.msg_done, self.msg_text = self.msg_id + "_2", False, False, ""
         out = self._open_message()
+        self.msg_text += text
         ids = {"item_id": self.msg_id, "output_index": self.msg_index, "content_index": 0}
         out.append(self._ev("response.output_text.delta", **ids, delta=text))
         return out
@@ -117,7 +135,7 @@ class ResponsesReply(ReasoningEvents):
         rid = reasoning_id(self.msg_id)
         ids = {"item_id": rid, "output_index": 0, "summary_index": 0}
         if self.reasoning is None:
-            self.reasoning, self.msg_index = "", 1
+            self.reasoning, self.msg_index, self.n_out = "", 1, 1
             out.append(
                 self._ev("response.output_item.added", output_index=0, item=reasoning_item(rid, "", "in_progress"))
             )
@@ -139,10 +157,50 @@ class ResponsesReply(ReasoningEvents):
             self._ev("response.output_item.done", output_index=0, item=reasoning_item(rid, text)),
         ]
 
+    def _close_message(self) -> list[bytes]:
+        """The message's done events (once), with the text it streamed."""
+        if not self.msg_open or self.msg_done:
+            return []
+        self.msg_done = True
+        k, text = self.msg_index, self.msg_text
+        ids = {"item_id": self.msg_id, "output_index": k, "content_index": 0}
+        part = {"type": "output_text", "text": text, "annotations": []}
+        return [
+            self._ev("response.output_text.done", **ids, text=text),
+            self._ev("response.content_part.done", **ids, part=part),
+            self._ev("response.output_item.done", output_index=k, item=self._msg_item(text, "completed")),
+        ]
+
+    def _events(self, events: list[StreamEvent]) -> list[bytes]:
+        """The splitter's events: text in the message, each call an item
+        added once its name is known (the message done before it), its
+        arguments as ``response.function_call_arguments.delta`` events as
+        they are generated; the calls' done events come at the end."""
+        out: list[bytes] = []
+        for e in events:
+            if e.kind == "text":
+                out += self._delta(e.text)
+            elif e.kind == "start":
+                out += self._close_message()
+                cid = self._call_id(e.index)
+                self.live[e.index] = [self.n_out, cid, e.text, ""]
+                item = self._call(cid, e.text, "", "in_progress")
+                out.append(self._ev("response.output_item.added", output_index=self.n_out, item=item))
+                self.n_out += 1
+            elif e.kind == "args":
+                c = self.live[e.index]
+                c[3] += e.text
+                out.append(
+                    self._ev(
+                        "response.function_call_arguments.delta", item_id="fc_" + c[1], output_index=c[0], delta=e.text
+                    )
+                )
+        return out
+
     def chunk(self, text: str) -> bytes:
         pre, text = self._split(text)
         if self.splitter is not None:
-            text = self.splitter.push(text)
+            return b"".join(pre + self._events(self.splitter.feed(text)))
         return b"".join(pre + self._delta(text))
 
     def closing(self, res: GenResult) -> list[bytes]:
@@ -152,38 +210,26 @@ class ResponsesReply(ReasoningEvents):
         out += pre
         if content is not None:
             if content and self.splitter is not None:
-                content = self.splitter.push(content)
-            out += self._delta(content)
+                out += self._events(self.splitter.feed(content))
+            else:
+                out += self._delta(content)
         if self.splitter is not None:
-            _, rest = self.splitter.finish()
-            out += self._delta(rest if oc.calls else self.splitter.buf[self.splitter.shown :])
-        if not oc.calls:
+            calls = [(c.name, c.arguments) for c in oc.calls]
+            # a call cut by max_tokens ends as the stored response holds it: an
+            # incomplete item, then the text (the response object's message)
+            out += self._events(self.splitter.close(calls))
+        if not self.live:
             out += self._open_message()  # an empty answer is still a message
-        k = self.msg_index
-        if self.msg_open:
-            text = oc.content
-            ids = {"item_id": self.msg_id, "output_index": k, "content_index": 0}
-            part = {"type": "output_text", "text": text, "annotations": []}
-            out.append(self._ev("response.output_text.done", **ids, text=text))
-            out.append(self._ev("response.content_part.done", **ids, part=part))
-            out.append(self._ev("response.output_item.done", output_index=k, item=self._msg_item(text, "completed")))
-            k += 1
-        for c in oc.calls:
-            item_id = "fc_" + c.id
-            out.append(self._ev("response.output_item.added", output_index=k, item=call_item(c, "in_progress")))
-            out.append(
-                self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=k, delta=c.arguments)
-            )
-            out.append(
-                self._ev(
-                    "response.function_call_arguments.done", item_id=item_id, output_index=k, arguments=c.arguments
-                )
-            )
-            out.append(self._ev("response.output_item.done", output_index=k, item=call_item(c, "completed")))
-            k += 1
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        out += self._close_message()
+        done = "completed" if oc.calls else "incomplete"  # calls that did not parse: cut, or a failed block
+        for _, (idx, cid, name, args) in sorted(self.live.items()):
+            ids = {"item_id": "fc_" + cid, "output_index": idx}
+            if oc.calls:
+                out.append(self._ev("response.function_call_arguments.done", **ids, arguments=args))
+            out.append(self._ev("response.output_item.done", output_index=idx, item=self._call(cid, name, args, done)))
         # the final response object carries the verdict (``ds4``), as the whole reply does
         final = {**self._response(status, output, res), "ds4": ds4_info(res, self.debug)}
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
         out.append(self._ev(kind, response=final))
         return out
 

@@ -385,7 +385,10 @@ class StreamSplitter:
     they are (they cannot be taken back) and the text not yet shown follows
     as visible text, so the stream's text is the whole reply, as the
     non-stream reply's content is; the finish reason is then the turn's
-    (``stop``/``length``), never ``tool_calls``.
+    (``stop``/``length``), never ``tool_calls``. Except a block cut by
+    ``max_tokens`` inside an announced call (``close([], length=True)``,
+    :meth:`cut`): its calls end and nothing follows, as in the whole reply
+    (:func:`ds4.server.tool_cut.cut_reply`); the finish is ``length``.
 
     ``push(piece)`` is ``feed`` reduced to its text (a block held until it
     closes), ``finish()`` the final :class:`ParsedReply` and the text still
@@ -451,11 +454,19 @@ class StreamSplitter:
             return rep, rep.content[self.shown :] if len(rep.content) > self.shown else ""
         return rep, self.buf[self.shown :]
 
-    def close(self, calls: Sequence[tuple[str, str]]) -> list[StreamEvent]:
-        """The stream's last events, given the turn's calls (see the class
-        docstring)."""
+    def cut(self) -> list[tuple[int, str, str]]:
+        """``(index, name, arguments so far)`` of the calls announced in a block
+        still valid and open when the text ended (a ``max_tokens`` cut)."""
+        open_block = self.block_at is not None and not self.closed and not self.block.dead
+        return [(k, c.name or "", c.text) for k, c in sorted(self.block.calls.items()) if c.started and open_block]
+
+    def close(self, calls: Sequence[tuple[str, str]], length: bool = False) -> list[StreamEvent]:
+        """The stream's last events, given the turn's calls and whether it
+        ended at ``max_tokens`` (``length``; see the class docstring)."""
         out = []
         live = self.block.calls
+        if not calls and length and self.cut():
+            return [StreamEvent("end", "", k) for k, c in sorted(live.items()) if c.started and not c.ended]
         if not calls:
             out += [StreamEvent("end", "", k) for k, c in sorted(live.items()) if c.started and not c.ended]
             if self.buf[self.shown :]:
