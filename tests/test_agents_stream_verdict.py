@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from ds4.server import tool_stream as TS
 from ds4.server import tools as T
-from ds4.server.tool_cut import partial_object
+from ds4.server.tool_cut import cut_reply, partial_object
 
 warm = pytest.fixture(scope="module", name="warm")(warm_server)
 
@@ -163,6 +163,10 @@ def test_chat_a_call_cut_by_max_tokens_ends_the_same_streamed_and_not(warm):
     shape = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
     assert shape == [tuple(calls[k]) for k in sorted(calls)] == [("note", CUT_ARGS)]
 
+    # the cut call sent back (its arguments do not parse) is history, not a failure
+    back = [*msgs, whole.message.model_dump(exclude_none=True), {"role": "user", "content": "TALK again"}]
+    assert chat_plain(warm, back).choices[0].message.content == "No tool needed."
+
 
 def test_anthropic_a_call_cut_by_max_tokens_ends_the_same_streamed_and_not(warm):
     msgs = [{"role": "user", "content": "ESCAPED note, cut"}]
@@ -263,3 +267,37 @@ def test_responses_streams_a_calls_arguments_as_they_are_generated(warm, ask):
     assert [(o.type, getattr(o, "name", None), getattr(o, "arguments", None)) for o in final.output] == [
         (o.type, getattr(o, "name", None), getattr(o, "arguments", None)) for o in whole.output
     ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.sampled_from(["f", "g"]), st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4))
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    data=st.data(),
+)
+def test_a_stream_cut_inside_an_announced_call_is_what_the_whole_reply_holds(calls, data):
+    """Cut anywhere, in any pieces: when a call was announced, the stream's
+    text is the text before the block, its calls are the whole reply's
+    (:func:`cut_reply`), each ended once; else the stream is the text."""
+    full = "Hm.\n" + T.render_calls(calls)
+    text = full[: data.draw(st.integers(0, len(full) - 1))]
+    sp = TS.StreamSplitter(frozenset({"f", "g"}))
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(text)), max_size=6))))
+    events = [e for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True) for e in sp.feed(text[a:b])]
+    events += sp.close([], length=True)
+    streamed = "".join(e.text for e in events if e.kind == "text")
+    got = cut_reply(TS.StreamSplitter(frozenset({"f", "g"})), text)
+    if got is None:
+        assert streamed == text and not [e for e in events if e.kind == "start"]
+        return
+    pre, cut = got
+    assert streamed == pre == "Hm."
+    names = {e.index: e.text for e in events if e.kind == "start"}
+    args = {k: "".join(e.text for e in events if e.kind == "args" and e.index == k) for k in names}
+    assert [(k, names[k], args[k]) for k in sorted(names)] == cut
+    assert sorted(e.index for e in events if e.kind == "end") == sorted(names)
