@@ -13,6 +13,15 @@ Reasoning
     events, then the message at output index 1. A reply cut inside its
     reasoning is an ``incomplete`` response with the reasoning item and an
     empty message. ``reasoning_tokens`` stays 0 (not counted apart).
+
+Calls
+    With tools the text goes through the convention's splitter
+    (:class:`ds4.server.tool_stream.StreamSplitter`), as chat's and
+    Anthropic's: the message item is done before the first call, each call
+    a ``function_call`` item added once its name is known, its arguments
+    ``response.function_call_arguments.delta`` events as they are
+    generated, its ``.done`` events at the finish. The final event's
+    response object is the whole reply's, with the ``ds4`` block.
 """
 
 from __future__ import annotations
