@@ -155,6 +155,7 @@ def _check_store(got: dict, h: dict, want: Expected, budget: int) -> None:
     assert got[("ds4_kv_evictions_total", (("reason", "corrupt"),))] == kv["removed_corrupt"] == 1
     assert got[("ds4_kv_budget_bytes", ())] == budget
     assert got[("ds4_kv_index_heap_bytes", ())] > 0
+    assert got[("ds4_kv_index_mismatches_total", ())] == kv["index_mismatches"] == 0  # an honest index
     for tenant, u in kv["tenants"].items():
         assert got[("ds4_kv_tenant_bytes", (("tenant", tenant),))] == u["bytes"]
     # one model here: its bytes, files and hits are the store's

@@ -292,7 +292,7 @@ def _store(kv: dict[str, Any], budget: int) -> Iterator[Any]:
     yield GaugeMetricFamily(
         "ds4_kv_index_heap_bytes", "Memory the store's index holds (an estimate)", value=kv.get("index_heap_bytes", 0)
     )
-    for name in ("hits", "misses", "stores", "rejected", "scans", "index_rebuilds"):
+    for name in ("hits", "misses", "stores", "rejected", "scans", "index_rebuilds", "index_mismatches"):
         yield CounterMetricFamily(f"ds4_kv_{name}", f"The store's {name} counter", value=kv.get(name, 0))
     ev = CounterMetricFamily("ds4_kv_evictions", "Checkpoints removed, by reason", labels=["reason"])
     for reason, key in _EVICTIONS.items():
