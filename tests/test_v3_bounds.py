@@ -119,7 +119,7 @@ CHILD = textwrap.dedent(
     from ds4 import _core
     from ds4.checkpoint import open_checkpoint
     from ds4.engine import state_bound
-    from ds4.errors import CheckpointError
+    from ds4.errors import CheckpointError, CorruptCheckpointError
     args = json.loads(sys.argv[1])
     key = _core.derive_auth_key(args["key"].encode()) if args["key"] else None
     eng = ds4.ReferenceEngine()
@@ -144,7 +144,7 @@ CHILD = textwrap.dedent(
             out["sha256"] = hashlib.sha256(ck.payload_buffer()).hexdigest()
             out["raw"] = ck.raw_payload_bytes
         except CheckpointError as e:
-            out["error"] = [type(e).__name__, e.code, e.kind, str(e)]
+            out["error"] = [type(e).__name__, e.code, e.kind, str(e), isinstance(e, CorruptCheckpointError)]
     out["grew"] = hwm() - before
     print(json.dumps(out))
     """
@@ -171,8 +171,8 @@ def state_limit() -> int:
 
 def assert_refused(out: dict, code: str) -> None:
     assert "error" in out, out
-    name, got, kind, _msg = out["error"]
-    assert (name, got, kind) == ("CorruptCheckpointError", code, "corrupt"), out
+    _name, got, kind, _msg, corrupt = out["error"]
+    assert (corrupt, got, kind) == (True, code, "corrupt"), out  # FrameTableError, a CorruptCheckpointError
     assert out["grew"] < state_limit() + FRAME + SLACK, out
 
 
