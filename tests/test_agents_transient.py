@@ -72,10 +72,11 @@ def _strip_reminders(msgs: list[dict]) -> list[dict]:
     return out
 
 
-def cc_loop(srv, turns: int = 6) -> list[dict]:
+def cc_loop(srv, turns: int = 6, beside: bool = False) -> list[dict]:
     """A Claude-Code-shaped tool loop: a fresh reminder in every user
     message and tool result, the older ones dropped. Each turn's ds4 block
-    and usage."""
+    and usage. ``beside``: the reminder as a text block after the tool
+    results (Claude Code's shape), not inside a result's content."""
     history: list[dict] = []
     pending = {
         "role": "user",
@@ -90,19 +91,18 @@ def cc_loop(srv, turns: int = 6) -> list[dict]:
             out.append({**r.model_extra["ds4"], "prompt": u.cache_read_input_tokens + u.cache_creation_input_tokens})
             history = [*msgs, {"role": "assistant", "content": echoed(r.content)}]
             if r.stop_reason == "tool_use":
+                inside = [] if beside else [{"type": "text", "text": reminder(k + 1)}]
                 blocks = [
                     {
                         "type": "tool_result",
                         "tool_use_id": b.id,
-                        "content": [
-                            {"type": "text", "text": f"value of n={b.input['n']} is 42"},
-                            {"type": "text", "text": reminder(k + 1)},
-                        ],
+                        "content": [{"type": "text", "text": f"value of n={b.input['n']} is 42"}, *inside],
                     }
                     for b in r.content
                     if b.type == "tool_use"
                 ]
-                pending = {"role": "user", "content": blocks}
+                after = [{"type": "text", "text": reminder(k + 1)}] if beside else []
+                pending = {"role": "user", "content": blocks + after}
             else:
                 text = [{"type": "text", "text": reminder(k + 1)}, {"type": "text", "text": f"And {k}?"}]
                 pending = {"role": "user", "content": text}
@@ -135,8 +135,9 @@ def cline_loop(srv, turns: int = 5) -> list[dict]:
     return out
 
 
-def test_claude_code_reminders_are_live_hits_with_the_builtins(builtin):
-    turns = cc_loop(builtin)
+@pytest.mark.parametrize("beside", [False, True], ids=["in-result", "beside-results"])
+def test_claude_code_reminders_are_live_hits_with_the_builtins(builtin, beside):
+    turns = cc_loop(builtin, beside=beside)
     for k, t in enumerate(turns[1:], 1):
         assert t["rung"] == "live", (k, t)
         assert t["prompt"] - t["reused_tokens"] <= 0.05 * t["prompt"], (k, t)

@@ -165,7 +165,10 @@ class SystemText:
         """(``messages`` with the transient spans out of every user and tool
         message's content, the spans of those after the last assistant
         message): before the chat convention renders them, so a message
-        reads as its client sends it once the span is dropped."""
+        reads as its client sends it once the span is dropped; a user
+        message left empty goes (Claude Code sends a reminder as a text
+        block beside tool results, a user message of its own here, and
+        drops the block, so the message, from older requests)."""
         if not self.transient:
             return list(messages), []
         last_reply = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
@@ -178,6 +181,8 @@ class SystemText:
             text, cut = self.spans(m.content)
             if i > last_reply:
                 current += cut
+            if cut and m.role == "user" and not text.strip() and not getattr(m, "tool_calls", None):
+                continue  # a message that held only spans (Claude Code's reminder block): the client drops it whole
             out.append(cast(M, dataclasses.replace(cast(Any, m), content=text)) if cut else m)
         return out, current
 
