@@ -11,52 +11,10 @@ use ds4::decode::RawBound;
 use ds4::format::mac::derive_key;
 use ds4::format::writer_v3::{write_compressed, Compression};
 use ds4::{open, Class, Dtype, TensorSrc, VerifyOptions, WriteMeta};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+#[path = "common/peak_alloc.rs"]
+mod peak_alloc;
+use peak_alloc::peak_alloc;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-// ---- a global allocator that records the largest allocation of one thread ----
-
-struct Tracking;
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-thread_local! {
-    static TRACK: Cell<bool> = const { Cell::new(false) };
-}
-fn note(size: usize) {
-    if TRACK.try_with(Cell::get).unwrap_or(false) {
-        PEAK.fetch_max(size, Ordering::Relaxed);
-    }
-}
-// SAFETY: forwards every call to `System` unchanged; only records sizes.
-unsafe impl GlobalAlloc for Tracking {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        note(l.size());
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        note(l.size());
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        note(new);
-        unsafe { System.realloc(p, l, new) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) }
-    }
-}
-#[global_allocator]
-static A: Tracking = Tracking;
-
-/// The largest single allocation made by this thread while running `f`.
-fn peak_alloc<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    PEAK.store(0, Ordering::Relaxed);
-    TRACK.with(|t| t.set(true));
-    let r = f();
-    TRACK.with(|t| t.set(false));
-    (r, PEAK.load(Ordering::Relaxed))
-}
 
 const TOKENS: u32 = 3;
 
