@@ -20,6 +20,7 @@ import pytest
 from agent_helpers import SYSTEM, TOOLS, warm_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_agents_anthropic import ATOOLS
 
 from ds4.server import tool_stream as TS
 from ds4.server import tools as T
@@ -203,15 +204,6 @@ def test_the_scanner_is_as_strict_as_json_loads():
 
 # -- servers -------------------------------------------------------------------
 warm = pytest.fixture(scope="module", name="warm")(warm_server)
-
-ATOOLS = [
-    {
-        "name": t["function"]["name"],
-        "description": t["function"]["description"],
-        "input_schema": t["function"]["parameters"],
-    }
-    for t in TOOLS
-]
 
 
 def chat_stream(srv, msgs, **kw):

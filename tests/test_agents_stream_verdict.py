@@ -19,6 +19,7 @@ import pytest
 from agent_helpers import RTOOLS, SYSTEM, TOOLS, warm_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_agents_anthropic import ATOOLS
 
 from ds4.server import tool_stream as TS
 from ds4.server import tools as T
@@ -26,14 +27,6 @@ from ds4.server.tool_cut import cut_reply, partial_object
 
 warm = pytest.fixture(scope="module", name="warm")(warm_server)
 
-ATOOLS = [
-    {
-        "name": t["function"]["name"],
-        "description": t["function"]["description"],
-        "input_schema": t["function"]["parameters"],
-    }
-    for t in TOOLS
-]
 KEYS = ("rung", "reused_tokens", "divergence")
 
 

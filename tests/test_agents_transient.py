@@ -14,25 +14,17 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from agent_helpers import KV_FLAGS, ScriptedServer
 from cc_loop import echoed
 from test_agents_anthropic import ATOOLS
+from test_agents_volatile import _server
 
 from ds4.server.conversation import Message, turns
 from ds4.server.volatile import BUILTIN_TRANSIENT, SystemText
 
-CTX = 16384
 #: a long system text, as an agent's is
 SYSTEM = "You are an agent. Use the tools to answer.\n" + "\n".join(
     f"rule-{i}: be exact and brief." for i in range(150)
 )
-
-
-def _server(tmp_path_factory, name, *flags):
-    tmp = tmp_path_factory.mktemp(name)
-    srv = ScriptedServer(tmp, name, "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS, *flags, ctx=CTX).start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -145,8 +145,10 @@ def keyed(tmp_path_factory):
     srv.stop()
 
 
-def _ask(srv, key: str, user: str, salt: str | None = None) -> dict:
-    extra = {"cache_salt": salt} if salt else None
+def _ask(srv, key: str | None, user: str, salt: str | None = None, hint: str | None = None) -> dict:
+    """One chat turn (the system text, ``user``) with ``key``, a
+    ``cache_salt`` and a ``prompt_cache_key`` when given: its divergence."""
+    extra = {**({"cache_salt": salt} if salt else {}), **({"prompt_cache_key": hint} if hint else {})} or None
     with srv.client(key) as c:
         r = c.chat.completions.create(
             model="m",
@@ -180,18 +182,6 @@ def test_divergence_never_shows_another_tenants_or_salts_text(keyed, mine, their
     assert d is not None and d["cached"].startswith("7731") and d["prompt"].startswith("0042")
 
 
-def _turn(c, user: str, hint: str | None = None) -> dict:
-    extra = {"prompt_cache_key": hint} if hint else None
-    r = c.chat.completions.create(
-        model="m",
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-        max_tokens=4,
-        temperature=0,
-        extra_body=extra,
-    )
-    return _extra(r)["divergence"]
-
-
 OTHER = "Please explain the harbour timetable to me in one sentence, with the fares."
 
 
@@ -206,17 +196,15 @@ def test_divergence_text_own_shows_another_conversations_bytes_to_nobody_but_the
     flags = ["--api-key-file", str(keys), "--admin-tenant", "ops", "--no-kv-cache"]
     srv = Server(str(tmp_path), "own", *flags, key=KA).start()
     try:
-        a = srv.client(KA)
-        _turn(a, USER, "conv-1")
-        d = _turn(a, OTHER, "conv-2")  # another conversation of alice's, same resident
+        _ask(srv, KA, USER, hint="conv-1")
+        d = _ask(srv, KA, OTHER, hint="conv-2")  # another conversation of alice's, same resident
         assert d["against"] == "live" and d["cached"] is None and d["prompt"] and d["byte"] > 0, d
-        d = _turn(a, USER, "conv-2")  # conv-2 again: its own last turn is the live state
+        d = _ask(srv, KA, USER, hint="conv-2")  # conv-2 again: its own last turn is the live state
         assert d["cached"] and d["prompt"] and d["cached"] != d["prompt"], d
-        d = _turn(a, OTHER)  # no hint: nothing says it is the same conversation
+        d = _ask(srv, KA, OTHER)  # no hint: nothing says it is the same conversation
         assert d["cached"] is None and d["prompt"], d
-        o = srv.client(KOPS)
-        _turn(o, USER)
-        d = _turn(o, OTHER)  # the operator's
+        _ask(srv, KOPS, USER)
+        d = _ask(srv, KOPS, OTHER)  # the operator's
         assert d["cached"] and d["prompt"], d
     finally:
         srv.stop()
@@ -225,9 +213,8 @@ def test_divergence_text_own_shows_another_conversations_bytes_to_nobody_but_the
 def test_divergence_text_off_shows_offsets_only(tmp_path):
     srv = Server(str(tmp_path), "off", "--no-kv-cache", "--divergence-text", "off").start()
     try:
-        c = srv.client()
-        _turn(c, USER, "conv-1")
-        d = _turn(c, OTHER, "conv-1")
+        _ask(srv, None, USER, hint="conv-1")
+        d = _ask(srv, None, OTHER, hint="conv-1")
         assert d["against"] == "live" and d["byte"] > 0 and d["token"] > 0
         assert d["cached"] is None and d["prompt"] is None
     finally:
