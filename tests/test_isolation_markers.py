@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 
 import httpx
@@ -30,6 +29,7 @@ import pytest
 from metric_samples import samples
 from redis_servers import RedisNode
 from test_server import KV_FLAGS, Server, _cached, _extra
+from together import at_once
 
 import ds4
 
@@ -111,25 +111,14 @@ def _pool(tmp, name, url, faults):
 def _turn(srv, convs, k):
     """Turn ``k`` of every conversation, all in flight at once: each
     conversation's messages and reply."""
-    out: dict[int, tuple[list, object]] = {}
-    errs: list[BaseException] = []
     model = srv.model()
 
     def ask(i):
-        try:
-            msgs = [*convs[i], {"role": "user", "content": TURNS[k].format(ticket=TICKETS[i])}]
-            r = srv.client().chat.completions.create(model=model, messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
-            out[i] = (msgs, r)
-        except BaseException as e:  # reported below
-            errs.append(e)
+        msgs = [*convs[i], {"role": "user", "content": TURNS[k].format(ticket=TICKETS[i])}]
+        r = srv.client().chat.completions.create(model=model, messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
+        return msgs, r
 
-    ts = [threading.Thread(target=ask, args=(i,)) for i in convs]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(600)
-    assert not errs, errs
-    return out
+    return at_once(ask, convs)
 
 
 def _idle(srv):

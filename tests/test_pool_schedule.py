@@ -12,6 +12,7 @@ import threading
 
 import pytest
 from test_server import KV_FLAGS, Server, _extra
+from together import at_once
 
 from ds4.server.baton import MAX_SKIPS, Baton
 
@@ -134,25 +135,17 @@ def test_four_cold_prompts_together_get_their_first_tokens_one_after_another(tmp
     flags = ("--no-kv-cache",) if store == "no-store" else ("--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS)
     srv = Server(str(tmp_path), "p4", "--sessions", "4", *flags, ctx=8192).start()
     try:
-        model, out, errs = srv.model(), {}, []
+        model = srv.model()
         words = ("amber", "basalt", "cobalt", "dune")
 
-        def ask(w: str) -> None:
-            try:
-                prompt = f"{w}: " + " ".join(f"{w}{i}" for i in range(600))
-                msgs = [{"role": "user", "content": prompt}]
-                with srv.client() as c:  # a chat: its template's last turn follows the cold save
-                    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
-                out[w] = _extra(r)
-            except Exception as e:  # pragma: no cover - reported below
-                errs.append(e)
+        def ask(w: str) -> dict:
+            prompt = f"{w}: " + " ".join(f"{w}{i}" for i in range(600))
+            msgs = [{"role": "user", "content": prompt}]
+            with srv.client() as c:  # a chat: its template's last turn follows the cold save
+                r = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+            return _extra(r)
 
-        ts = [threading.Thread(target=ask, args=(w,)) for w in words]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(300)
-        assert not errs, errs
+        out = at_once(ask, words, 300)
         ttft = sorted(out[w]["ttft_ms"] for w in words)
         assert all(out[w]["rung"] == "prefill" for w in words), out
         assert ttft[0] <= 0.5 * ttft[-1], ttft  # the first did not wait for the slowest

@@ -11,11 +11,11 @@ Gemma 3's, whose 8-row pad costs more than it saves; ``on`` batches both.)"""
 from __future__ import annotations
 
 import re
-import threading
 
 import models
 import pytest
 from test_server import KV_FLAGS, Server, _extra
+from together import at_once
 
 TOPICS = ("apples", "rivers", "the moon", "bicycles")
 MAX_TOKENS = 12
@@ -63,23 +63,11 @@ def servers(request, tmp_path_factory):
 
 def _all_at_once(srv, convs):
     """One request per conversation, all in flight together."""
-    out: dict[str, object] = {}
-    errs: list[BaseException] = []
     model = srv.model()
-
-    def ask(topic):
-        try:
-            out[topic] = srv.client().chat.completions.create(model=model, messages=convs[topic], max_tokens=MAX_TOKENS)
-        except BaseException as e:  # reported below
-            errs.append(e)
-
-    ts = [threading.Thread(target=ask, args=(t,)) for t in convs]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(600)
-    assert not errs, errs
-    return out
+    return at_once(
+        lambda topic: srv.client().chat.completions.create(model=model, messages=convs[topic], max_tokens=MAX_TOKENS),
+        convs,
+    )
 
 
 def test_four_conversations_batched_equal_a_cold_single_session_server(servers):

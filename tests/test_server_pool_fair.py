@@ -23,6 +23,7 @@ import pytest
 from agent_helpers import ScriptedServer
 from test_server import _cached, _extra, cold_chat
 from test_server_pool import TOPICS, _long_conv, _pool_server
+from together import at_once
 
 from ds4.server.baton import Baton
 
@@ -165,18 +166,12 @@ def test_a_client_leaving_stops_only_its_own_session_which_stays_valid(pool4):
 
 def _at_once(srv, convs: dict[str, list], max_tokens: int) -> dict[str, object]:
     """One request per conversation, all sent at once; their responses."""
-    got: dict[str, object] = {}
-
-    def ask(t: str) -> None:
-        got[t] = srv.client().chat.completions.create(model=srv.model(), messages=convs[t], max_tokens=max_tokens)
-
-    threads = [threading.Thread(target=ask, args=(t,)) for t in convs]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(240)
-    assert sorted(got) == sorted(convs), "a request did not answer"
-    return got
+    model = srv.model()
+    return at_once(
+        lambda t: srv.client().chat.completions.create(model=model, messages=convs[t], max_tokens=max_tokens),
+        convs,
+        240,
+    )
 
 
 def test_concurrent_conversations_are_exact_and_live_on_the_reference_model(tmp_path):
