@@ -2,7 +2,8 @@
 //! of the file, made under a read [`Lease`] in a slot of the SIGBUS table,
 //! or a 64-byte-aligned heap buffer filled with `pread` and checksummed as
 //! it is filled (where a lease or a slot cannot be had, or mapping is
-//! unsafe). All `unsafe` for mapping is here.
+//! unsafe). All `unsafe` for mapping is here and in its two submodules:
+//! `aligned` (the heap buffer) and `sigbus` (the guard of mapped pages).
 //!
 //! ## SIGBUS
 //! If another process truncates a file while we have it mapped, touching a
@@ -18,117 +19,16 @@
 
 use crate::error::{Error, Result};
 use crate::format::mac::MacState;
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::sync::Mutex;
 use xxhash_rust::xxh3::Xxh3;
 
-/// A 64-byte-aligned heap buffer of zeros: from the global allocator
-/// ([`AlignedBuf::zeroed`], for a buffer about to be filled whole), or,
-/// from [`MAP_ABOVE`] bytes, an anonymous private map whose pages are
-/// committed only when first written ([`AlignedBuf::lazy`]: a buffer sized
-/// from a header costs only what is written into it). (The global
-/// allocator's zeroed allocation at an alignment above 16 allocates, then
-/// writes every byte with zero, committing the whole buffer.)
-pub struct AlignedBuf {
-    ptr: *mut u8,
-    len: usize,
-    mapped: bool,
-}
+mod aligned;
+pub mod sigbus;
 
-/// From this many bytes an [`AlignedBuf::lazy`] is an anonymous map.
-pub const MAP_ABOVE: usize = 1 << 20;
-
-// SAFETY: AlignedBuf uniquely owns its allocation, like a Vec<u8>.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: shared access is read-only.
-unsafe impl Sync for AlignedBuf {}
-
-impl AlignedBuf {
-    pub(crate) fn zeroed(len: usize) -> Result<AlignedBuf> {
-        Self::alloc(len, false)
-    }
-
-    /// Zeros committed lazily: page by page as they are written (from
-    /// [`MAP_ABOVE`] bytes).
-    pub(crate) fn lazy(len: usize) -> Result<AlignedBuf> {
-        Self::alloc(len, true)
-    }
-
-    fn alloc(len: usize, lazy: bool) -> Result<AlignedBuf> {
-        let oom = || {
-            Error::Io(std::io::Error::new(
-                std::io::ErrorKind::OutOfMemory,
-                "cannot allocate payload buffer",
-            ))
-        };
-        if len == 0 {
-            // A dangling but 64-aligned pointer, so empty views stay aligned.
-            return Ok(AlignedBuf {
-                ptr: std::ptr::without_provenance_mut(64),
-                len: 0,
-                mapped: false,
-            });
-        }
-        if lazy && len >= MAP_ABOVE {
-            // SAFETY: a fresh private anonymous mapping of `len` bytes (no
-            // file, no fixed address): zero-filled pages, ours alone.
-            let ptr = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            if ptr == libc::MAP_FAILED {
-                return Err(oom());
-            }
-            return Ok(AlignedBuf {
-                ptr: ptr.cast::<u8>(),
-                len,
-                mapped: true,
-            });
-        }
-        let layout = Layout::from_size_align(len, 64).map_err(|_| Error::SizeOverflow)?;
-        // SAFETY: layout has non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(oom());
-        }
-        Ok(AlignedBuf {
-            ptr,
-            len,
-            mapped: false,
-        })
-    }
-    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: ptr is valid for len initialised (zeroed) bytes, or dangling with len 0.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-    fn as_slice(&self) -> &[u8] {
-        // SAFETY: as above.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        if self.mapped {
-            // SAFETY: mapped in `zeroed` with exactly this address and length.
-            unsafe {
-                libc::munmap(self.ptr.cast::<libc::c_void>(), self.len);
-            }
-        } else if self.len > 0 {
-            // SAFETY: allocated in `zeroed` with exactly this layout.
-            unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, 64)) }
-        }
-    }
-}
+pub use aligned::{AlignedBuf, MAP_ABOVE};
 
 pub enum Storage {
     /// A guarded, leased map of the whole file (see [`Lease`]).
@@ -144,7 +44,7 @@ impl std::fmt::Debug for Storage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Storage::Mmap { map, .. } => write!(f, "Storage::Mmap({} bytes)", map.len()),
-            Storage::Heap(b) => write!(f, "Storage::Heap({} bytes)", b.len),
+            Storage::Heap(b) => write!(f, "Storage::Heap({} bytes)", b.as_slice().len()),
         }
     }
 }
@@ -470,146 +370,6 @@ fn boottime_ns() -> Option<u128> {
         return None;
     }
     Some(u128::try_from(ts.tv_sec).ok()? * 1_000_000_000 + u128::try_from(ts.tv_nsec).ok()?)
-}
-
-pub mod sigbus {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    use std::sync::Once;
-
-    /// Number of maps guarded at once; past that, payloads are copied.
-    pub const SLOTS: usize = 1024;
-    // Who owns each slot; then (start, len) of its map, start == 0 until published.
-    static CLAIMED: [AtomicBool; SLOTS] = [const { AtomicBool::new(false) }; SLOTS];
-    static START: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
-    static LEN: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
-    static FAULTED: [AtomicBool; SLOTS] = [const { AtomicBool::new(false) }; SLOTS];
-    static INSTALLED: Once = Once::new();
-    static mut PREV: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::uninit();
-    static PREV_SET: AtomicBool = AtomicBool::new(false);
-
-    pub fn install() {
-        INSTALLED.call_once(|| {
-            // SAFETY: installing a process-wide handler with sigaction; the
-            // handler only touches atomics and makes async-signal-safe
-            // syscalls (mmap, sigaction). PREV is written once, before the
-            // handler can run.
-            unsafe {
-                let mut sa: libc::sigaction = std::mem::zeroed();
-                sa.sa_sigaction = handler as *const () as usize;
-                sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-                libc::sigemptyset(&raw mut sa.sa_mask);
-                let mut prev: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(libc::SIGBUS, &raw const sa, &raw mut prev) == 0 {
-                    (*std::ptr::addr_of_mut!(PREV)).write(prev);
-                    PREV_SET.store(true, Ordering::SeqCst);
-                }
-            }
-        });
-    }
-
-    /// A slot of the table, claimed by one map. Claiming is one
-    /// compare-and-swap on the slot's own flag, so two threads never share
-    /// a slot; the map's range is published (start last) once it is known,
-    /// and the slot is freed when this is dropped.
-    pub struct Slot(usize);
-
-    impl Slot {
-        /// A free slot, or None when all are taken.
-        pub fn claim() -> Option<Slot> {
-            (0..SLOTS).find_map(|i| {
-                CLAIMED[i]
-                    .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-                    .then(|| {
-                        FAULTED[i].store(false, Ordering::SeqCst);
-                        Slot(i)
-                    })
-            })
-        }
-
-        /// Makes the guard cover `[start, start + len)`.
-        pub fn publish(&self, start: usize, len: usize) {
-            LEN[self.0].store(len, Ordering::SeqCst);
-            START[self.0].store(start, Ordering::SeqCst);
-        }
-
-        pub fn faulted(&self) -> bool {
-            FAULTED[self.0].load(Ordering::SeqCst)
-        }
-
-        /// Which slot of the table this is.
-        pub fn index(&self) -> usize {
-            self.0
-        }
-    }
-
-    impl Drop for Slot {
-        fn drop(&mut self) {
-            START[self.0].store(0, Ordering::SeqCst);
-            LEN[self.0].store(0, Ordering::SeqCst);
-            CLAIMED[self.0].store(false, Ordering::Release);
-        }
-    }
-
-    /// How many slots are claimed now (tests and diagnostics).
-    pub fn claimed() -> usize {
-        CLAIMED.iter().filter(|c| c.load(Ordering::Relaxed)).count()
-    }
-
-    extern "C" fn handler(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-        // SAFETY: called by the kernel with a valid siginfo for SIGBUS.
-        let addr = unsafe { (*info).si_addr() } as usize;
-        for i in 0..SLOTS {
-            let s = START[i].load(Ordering::SeqCst);
-            if s != 0 && addr >= s && addr < s + LEN[i].load(Ordering::SeqCst) {
-                // SAFETY: sysconf takes no pointers.
-                let sys_page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-                let page = usize::try_from(sys_page).map_or(4096, |p| p.max(4096));
-                let p = addr & !(page - 1);
-                // SAFETY: replaces exactly one page inside our own private,
-                // read-only mapping with an anonymous zero page.
-                let r = unsafe {
-                    libc::mmap(
-                        p as *mut libc::c_void,
-                        page,
-                        libc::PROT_READ,
-                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-                        -1,
-                        0,
-                    )
-                };
-                if r != libc::MAP_FAILED {
-                    FAULTED[i].store(true, Ordering::SeqCst);
-                    return;
-                }
-                break;
-            }
-        }
-        // Not ours: behave as if we had never been installed.
-        // SAFETY: PREV was written before the handler was installed.
-        unsafe {
-            if PREV_SET.load(Ordering::SeqCst) {
-                let prev = (*std::ptr::addr_of!(PREV)).assume_init_ref();
-                let h = prev.sa_sigaction;
-                if h == libc::SIG_DFL || h == libc::SIG_IGN {
-                    libc::sigaction(libc::SIGBUS, prev, std::ptr::null_mut());
-                    return; // the fault repeats and takes the default action
-                }
-                if prev.sa_flags & libc::SA_SIGINFO != 0 {
-                    let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
-                        std::mem::transmute(h);
-                    f(sig, info, ctx);
-                } else {
-                    let f: extern "C" fn(libc::c_int) = std::mem::transmute(h);
-                    f(sig);
-                }
-            } else {
-                let mut dfl: libc::sigaction = std::mem::zeroed();
-                dfl.sa_sigaction = libc::SIG_DFL;
-                libc::sigaction(libc::SIGBUS, &raw const dfl, std::ptr::null_mut());
-            }
-        }
-    }
 }
 
 /// `len` as a buffer size, once `offset + len` is known to lie within a file
