@@ -10,6 +10,7 @@ pub mod hash;
 pub mod index;
 pub mod name;
 pub mod payload;
+pub mod touch;
 pub mod verify;
 
 #[cfg(feature = "python")]

@@ -16,18 +16,17 @@
 
 use crate::decode::{self, MacCheck, RawBound, Stored};
 use crate::error::{Error, Result};
-use crate::format::bytes::le_u32;
 use crate::format::mac::{MacKey, MacState, MAC_BYTES};
-use crate::format::{
-    v1, v2, Header, HITS_OFFSET, LAST_USED_OFFSET, V2_FIXED, VERSION_V1, VERSION_V2, VERSION_V3,
-};
+use crate::format::{v1, v2, Header, V2_FIXED, VERSION_V1, VERSION_V2, VERSION_V3};
 use crate::hash::{self, Sha1Digest};
 use crate::name::{check_name_model, id_from_name};
 use crate::payload::{self, Damage, Lease, Storage};
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+pub use crate::touch::{touch, FileLock, TOUCH_WAIT_MS};
 
 /// What [`open`] checks beyond the file itself, and how it loads the payload.
 #[derive(Debug, Clone)]
@@ -224,7 +223,7 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, u64)> {
     Ok((file, md.len()))
 }
 
-fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8>> {
+pub(crate) fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8>> {
     // Callers have checked offset+len <= file_len; re-checked before allocating.
     let mut v = vec![0u8; payload::checked_range(offset, len, file_len)?];
     payload::read_exact_at(file, &mut v, offset, file_len)?;
@@ -482,84 +481,4 @@ fn check_payload_hashes(ck: &Checkpoint, checksum: bool, mac: Option<&mut MacSta
         });
     }
     Ok(())
-}
-
-/// Records a hit: `hits += 1`, `last_used = now`, under an exclusive `flock`
-/// so concurrent hits from several processes are never lost. Only the
-/// mutable fields are written; they are outside the header checksum.
-///
-/// A file another load holds a read lease on cannot be opened for writing
-/// until that load gives it back (milliseconds): the open is retried for up
-/// to [`TOUCH_WAIT_MS`], then the hit is given up (`Io`, `EWOULDBLOCK`).
-pub fn touch(path: &Path, now: u64) -> Result<u32> {
-    let (file, file_len) = open_for_touch(path)?;
-    let lock = FileLock::exclusive(&file)?;
-    let head = pread_vec(&file, 0, file_len.min(40), file_len)?;
-    let v = v2::sniff(&head, file_len)?;
-    if v != VERSION_V1 && v != VERSION_V2 && v != VERSION_V3 {
-        return Err(Error::UnsupportedVersion { found: v });
-    }
-    if file_len < 40 {
-        return Err(Error::TooShort {
-            need: 40,
-            have: file_len,
-        });
-    }
-    let hits = le_u32(&head, HITS_OFFSET).saturating_add(1);
-    file.write_all_at(&hits.to_le_bytes(), HITS_OFFSET as u64)?;
-    file.write_all_at(&now.to_le_bytes(), LAST_USED_OFFSET as u64)?;
-    drop(lock);
-    Ok(hits)
-}
-
-/// How long [`touch`] waits for a lease on the file to be given back.
-pub const TOUCH_WAIT_MS: u64 = 2000;
-
-fn open_for_touch(path: &Path) -> Result<(File, u64)> {
-    let mut waited = 0;
-    let mut step = 1;
-    loop {
-        match open_regular(path, true) {
-            Err(Error::Io(e))
-                if e.raw_os_error() == Some(libc::EWOULDBLOCK) && waited < TOUCH_WAIT_MS =>
-            {
-                std::thread::sleep(std::time::Duration::from_millis(step));
-                waited += step;
-                step = (step * 2).min(50);
-            }
-            r => return r,
-        }
-    }
-}
-
-/// An advisory `flock` held until dropped.
-pub struct FileLock<'a> {
-    file: &'a File,
-}
-
-impl<'a> FileLock<'a> {
-    pub fn exclusive(file: &'a File) -> Result<Self> {
-        use std::os::unix::io::AsRawFd;
-        loop {
-            // SAFETY: flock on a valid, open descriptor; no memory is passed.
-            let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-            if r == 0 {
-                return Ok(FileLock { file });
-            }
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(Error::Io(e));
-            }
-        }
-    }
-}
-
-impl Drop for FileLock<'_> {
-    fn drop(&mut self) {
-        use std::os::unix::io::AsRawFd;
-        // SAFETY: as above.
-        unsafe {
-            libc::flock(self.file.as_raw_fd(), libc::LOCK_UN);
-        }
-    }
 }
