@@ -102,3 +102,41 @@ def test_recurrent_models_served_exactly(name, cold, tmp_path):
         assert text == cold(convos[1])
     finally:
         srv2.stop()
+
+
+@pytest.mark.parametrize("name", RECURRENT, scope="module")
+def test_an_evicted_residents_edited_turn_resumes_from_disk(name, cold, tmp_path):
+    """A recurrent resident evicted from the pool (``--sessions 2``, a third
+    conversation) loses its RAM snapshots; its turn-boundary states are on
+    disk (each prefill's prompt, reason ``continued``), so its edited last
+    user turn resumes from the previous turn's prompt there, as the live
+    snapshot would have, and equals cold."""
+    kv = str(tmp_path / "kv")
+    srv = Server(
+        str(tmp_path),
+        "a",
+        "--model",
+        model_path(name),
+        "--kv-disk-dir",
+        kv,
+        "--sessions",
+        "2",
+        engine="llamacpp",
+        ctx=CTX,
+    )
+    srv.start(timeout=300)
+    try:
+        first = convo(0)
+        r = srv.client().chat.completions.create(model=srv.model(), messages=first, max_tokens=MAX, temperature=0)
+        text, turn1 = r.choices[0].message.content, r.usage.prompt_tokens
+        msgs = [*first, {"role": "assistant", "content": text}, {"role": "user", "content": "And then? (0)"}]
+        text, info = chat(srv, msgs)
+        assert info["rung"] == "live", info
+        for k in (1, 2):  # the second fills the free resident, the third evicts conversation 0's
+            chat(srv, convo(k))
+        edited = [*msgs[:-1], {"role": "user", "content": "No, tell me about the heron instead."}]
+        text, info = chat(srv, edited)
+        assert info["rung"] == "disk" and info["reused_tokens"] == turn1, (info, srv.text_log()[-3000:])
+        assert text == cold(edited)
+    finally:
+        srv.stop()
