@@ -13,7 +13,9 @@ reply, a second user turn), measured in the same run, medians of R:
 * **snapshot bytes**: what one turn-boundary snapshot of the session holds.
 
 TTFT here is the ladder's ``total_ms`` (tokenization, lookup, load,
-prefill: the first token follows from the logits).
+prefill: the first token follows from the logits). Cold and disk run with
+the engine's span tokenizations forgotten (``SpanTokens.clear``: a fresh
+process's), the edit with those of the turns before it (a live session's).
 
     python benches/bench_arch.py [--models mamba2 lfm2 granitehybrid qwen3 phi3] [--tokens 2000 8000] [--repeats 3]
 """
@@ -29,6 +31,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import ds4
+from ds4.keytext import span_tokens
 
 
 def chat(eng, n: int, second: str) -> tuple[str, str]:
@@ -56,11 +59,16 @@ def one(eng, n: int, repeats: int) -> dict[str, float]:
         s = ds4.Session(eng, ctx=ctx)
         ds4.recover(s, st, p1)
         st.store_live_prefix(s, "continued")
+        spans = span_tokens(eng)
         for _ in range(repeats):
+            if spans is not None:
+                spans.clear()
             c = ds4.Session(eng, ctx=ctx)
             c.snapshots.configure(0, 0, 0)
             cold.append(ds4.recover(c, None, p2).timings["total_ms"])
             del c
+            if spans is not None:
+                spans.clear()
             r = ds4.Session(eng, ctx=ctx)
             rep = ds4.recover(r, st, p2, evict_save=False, prompt_save=False)
             assert rep.rung == "disk", rep.events

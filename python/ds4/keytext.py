@@ -30,8 +30,11 @@ template's own markers (special) and which are text (tokenized as text).
 
 from __future__ import annotations
 
+import array
 import re
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -44,6 +47,7 @@ __all__ = [
     "NAMESPACE_ID_RE",
     "KeyRenderer",
     "Prompt",
+    "SpanTokens",
     "common_token_prefix",
     "namespace_of",
     "parting",
@@ -51,6 +55,7 @@ __all__ = [
     "plain_text",
     "preamble",
     "snippet",
+    "span_tokens",
     "tenant_of_namespace",
     "tokenize_prompt",
     "transient_span",
@@ -145,24 +150,39 @@ BUILTIN_TRANSIENT = (
     r"<system-reminder>.*?</system-reminder>",
     r"<environment_details>.*?</environment_details>",
 )
-# in a key text, a "<" that could open a marker's text is escaped (FF "<")
+# in a key text, a "<" that could open a marker's text is escaped (FF "<"):
+# each span as (its opening tag, its pattern matched from that tag's "<")
 _SPANS = tuple(
-    re.compile(rb"\s*(?:" + p.encode().replace(b"<", b"\xff?<") + rb")", re.DOTALL) for p in BUILTIN_TRANSIENT
+    (
+        re.match(r"<[A-Za-z_][\w-]*>", p).group(0).encode(),  # type: ignore[union-attr]
+        re.compile(p.encode().replace(b"<", b"\xff?<"), re.DOTALL),
+    )
+    for p in BUILTIN_TRANSIENT
 )
-_TAG = re.compile(rb"<[A-Za-z_][\w-]*>")
+_WHITE = b" \t\n\r\x0b\x0c"
 
 
 def transient_span(key_text: bytes, at: int) -> str | None:
     """The opening tag of the known client span (:data:`BUILTIN_TRANSIENT`,
     with the white space before it) that holds byte ``at`` of ``key_text``;
-    None when no such span does."""
-    for p in _SPANS:
-        for m in p.finditer(key_text):
-            if m.start() > at:
+    None when no such span does. Found by the tag's bytes, then its pattern
+    from there: a divergence on every missed turn, so no regular expression
+    scans the whole text."""
+    for tag, pattern in _SPANS:
+        i = key_text.find(tag)
+        while i >= 0:
+            m = pattern.match(key_text, i)
+            if m is None:
+                i = key_text.find(tag, i + 1)
+                continue
+            start = i - 1 if i > 0 and key_text[i - 1] == ESC else i
+            while start > 0 and key_text[start - 1] in _WHITE:
+                start -= 1
+            if start > at:
                 break
             if at < m.end():
-                tag = _TAG.search(m.group(0))
-                return tag.group(0).decode("ascii") if tag else None
+                return tag.decode("ascii")
+            i = key_text.find(tag, m.end())
     return None
 
 
@@ -293,16 +313,95 @@ class Prompt(str):
         return cls([(text, False)])
 
 
+class SpanTokens:
+    """The tokenizations of one engine's long prompt spans, the least
+    recently used forgotten past ``max_chars`` of span text in all.
+
+    A chat's every turn renders its whole history again, and each message
+    is a span tokenized on its own (:func:`tokenize_prompt`), so without
+    this a turn's tokenization grows with the conversation (about 3 µs a
+    token with llama.cpp's BPE: 0.2 s a turn at 64k tokens) though only its
+    last messages are new. A span's tokens are a function of its text and
+    whether markers are parsed, so a hit is exactly what the tokenizer
+    returns. Spans shorter than ``min_chars`` are not kept (a marker, a
+    short message: cheaper to tokenize than to look up). Thread-safe (a
+    server's lanes tokenize at once); ids are kept as 32-bit arrays."""
+
+    def __init__(self, min_chars: int = 256, max_chars: int = 4 << 20):
+        self.min_chars, self.max_chars = int(min_chars), int(max_chars)
+        self._items: OrderedDict[tuple[str, bool], array.array[int]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        #: counters: spans served from here, and spans tokenized and kept
+        self.hits = self.misses = 0
+
+    @property
+    def chars(self) -> int:
+        """The span text held, in characters (at most ``max_chars``)."""
+        return self._chars
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        """Forget every span (a benchmark's fresh process)."""
+        with self._lock:
+            self._items.clear()
+            self._chars = 0
+
+    def tokens(self, engine: _Tokenizer, text: str, special: bool) -> list[int]:
+        """``engine.tokenize(text, special=special)``, from memory when kept."""
+        if len(text) < self.min_chars or len(text) > self.max_chars:
+            return engine.tokenize(text, special=special)
+        key = (text, special)
+        with self._lock:
+            got = self._items.get(key)
+            if got is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return got.tolist()
+        ids = engine.tokenize(text, special=special)
+        kept = array.array("i", ids)
+        with self._lock:
+            if key not in self._items:
+                self._items[key] = kept
+                self._chars += len(text)
+                self.misses += 1
+                while self._chars > self.max_chars:
+                    (old, _sp), _ = self._items.popitem(last=False)
+                    self._chars -= len(old)
+        return ids
+
+
+_SPAN_TOKENS: weakref.WeakKeyDictionary[_Tokenizer, SpanTokens] = weakref.WeakKeyDictionary()
+_SPAN_LOCK = threading.Lock()
+
+
+def span_tokens(engine: _Tokenizer) -> SpanTokens | None:
+    """``engine``'s :class:`SpanTokens` (made at first use); None for an
+    engine that cannot be weakly referenced (its spans are not kept)."""
+    with _SPAN_LOCK:
+        try:
+            got = _SPAN_TOKENS.get(engine)
+            if got is None:
+                got = _SPAN_TOKENS[engine] = SpanTokens()
+        except TypeError:
+            return None
+        return got
+
+
 def tokenize_prompt(engine: _Tokenizer, prompt: str) -> list[int]:
     """Tokens of ``prompt``: a :class:`Prompt` span by span (markers special,
-    text as text); a plain ``str`` with special markers parsed (a trusted
-    caller's own rendering, as before). An engine whose model adds a BOS
+    text as text; long spans through the engine's :class:`SpanTokens`); a
+    plain ``str`` with special markers parsed (a trusted caller's own
+    rendering, as before). An engine whose model adds a BOS
     token (``add_bos``, e.g. Gemma; not SmolLM2) gets it first, once: a
     rendering that starts with it (a template's ``<bos>``) is left alone."""
     if isinstance(prompt, Prompt):
         out: list[int] = []
+        cache = span_tokens(engine)
         for text, special in prompt.segments:
-            out += engine.tokenize(text, special=special)
+            out += engine.tokenize(text, special=special) if cache is None else cache.tokens(engine, text, special)
     else:
         out = engine.tokenize(prompt, special=True)
     bos = getattr(engine, "bos_token_id", None) if getattr(engine, "add_bos", False) else None
