@@ -32,7 +32,8 @@ Baselines, in the same run:
 Reported: per turn, the prompt, the tokens prefilled (prompt - cache read)
 and time to first token (the server's ``ds4.ttft_ms``) of each; then for
 turns 2.. the median and max of prefilled / prompt, the median of ds4's
-TTFT / no-kv's, and ds4's TTFT against the cold ones::
+TTFT / no-kv's, ds4's TTFT against the cold ones, and the longest span of a
+turn's prefill that an earlier turn prefilled too (by token position)::
 
     python benches/bench_agents_cc.py --engine llamacpp
     python benches/bench_agents_cc.py --engine reference
@@ -87,6 +88,18 @@ def pref(x: dict) -> int:
     return x["prompt"] - x["cache_read"]
 
 
+def twice_prefilled(rows: list[dict]) -> list[int]:
+    """For each turn from the second, the most tokens of its prefilled span
+    ``[cache_read, prompt)`` that one earlier turn prefilled too (by token
+    position: each prompt extends the last one's history)."""
+    spans = [(x["cache_read"], x["prompt"]) for x in rows]
+    return [
+        max((max(0, min(b, bj) - max(a, aj)) for aj, bj in spans[:i]), default=0)
+        for i, (a, b) in enumerate(spans)
+        if i > 0
+    ]
+
+
 def report(res: dict, a: argparse.Namespace) -> list[str]:
     d, n, cold = res["ds4"], res["no-kv"], res["cold"]
     out = [
@@ -119,6 +132,8 @@ def report(res: dict, a: argparse.Namespace) -> list[str]:
             f"ds4 ttft / cold ttft of the same request, turns {[i + 1 for i in sorted(cold) if i > 0]}:"
             f" median {statistics.median(vs):.2%} max {max(vs):.2%}"
         )
+    twice = twice_prefilled(d)
+    out.append(f"ds4 longest span prefilled twice: {max(twice, default=0)} tokens (turns 2..: {twice})")
     same = [i + 1 for i in later if reply(d[i]) != reply(n[i])]
     same += [i + 1 for i in cold if reply(d[i]) != reply(cold[i])]
     out.append("replies: ds4 = no-kv = cold" if not same else f"replies DIFFER at turns {sorted(set(same))}")

@@ -161,6 +161,15 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         help="continued save interval, rounded up to the alignment (default 10000)",
     )
     g.add_argument(
+        "--kv-frontier-tokens",
+        type=int,
+        default=StorePolicy.frontier_tokens,
+        metavar="N",
+        help="a turn boundary more than N tokens prefilled past the conversation's last checkpoint is stored "
+        "before the live state holding it goes, and at once when the same span is prefilled again after the "
+        "same checkpoint (a reload loop); 0: never (default 512)",
+    )
+    g.add_argument(
         "--kv-cache-boundary-trim-tokens", type=int, default=32, metavar="N", help="cold save tail trim (default 32)"
     )
     g.add_argument(
@@ -284,6 +293,8 @@ def check_kv_args(args: argparse.Namespace) -> str | None:
         return "--kv-cache-cold-max-tokens must be 0 or >= --kv-cache-min-tokens"
     if args.kv_cache_continued_interval_tokens < 1:
         return "--kv-cache-continued-interval-tokens must be >= 1"
+    if getattr(args, "kv_frontier_tokens", 0) < 0:
+        return "--kv-frontier-tokens must be >= 0"
     if args.kv_cache_boundary_trim_tokens < 0 or args.kv_cache_boundary_align_tokens < 0:
         return "boundary trim and align must be >= 0"
     if args.kv_disk_space_mb <= 0:
@@ -362,6 +373,7 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         min_tokens=args.kv_cache_min_tokens,
         cold_max_tokens=args.kv_cache_cold_max_tokens,
         continued_interval_tokens=args.kv_cache_continued_interval_tokens,
+        frontier_tokens=getattr(args, "kv_frontier_tokens", StorePolicy.frontier_tokens),
         boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
         boundary_align_tokens=args.kv_cache_boundary_align_tokens,
         reject_different_quant=args.kv_cache_reject_different_quant,

@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from . import _core
+from . import _core, frontier
 from .errors import InvalidSessionError, PromptError
 from .keytext import parting, plain_len, snippet, tokenize_prompt, transient_span
 from .kvstore import Candidates, Entry, KVStore, LoadResult, considered
@@ -69,6 +69,7 @@ def switch_namespace(sess: Session, store: KVStore | None, namespace: str | None
             saved = store.store_live_prefix(sess, "evict")
         except (OSError, InvalidSessionError) as e:
             log.warning("ds4 evict save before a namespace switch failed: %s", e)
+        frontier.store(sess, store)  # its last turn boundary too, when not on disk
     sess.set_namespace(namespace)
     return saved
 
@@ -109,6 +110,7 @@ def recover(
     rep = ladder.run(cold_save)
     if prompt_save and store is not None and rep.prompt_tokens > rep.reused_tokens:
         ladder.save_prompt()
+    frontier.after_turn(sess, store, rep, ladder.tokens)
     return rep
 
 
@@ -280,12 +282,16 @@ class _Ladder:
         if self.store is not None:
             self.rep.prompt_saved = self.save("prompt", "continued")
 
-    def save_evict(self) -> None:
+    def save_evict(self, keep: int = 0) -> None:
         """Store the live session before it is replaced (once a run: a
-        rewind that failed after its save leaves the same state)."""
+        rewind that failed after its save leaves the same state), then its
+        pending frontier when past the ``keep`` tokens a rewind keeps
+        (:func:`ds4.frontier.store`)."""
         if self.store is not None and self.evict_save and not self.evict_tried:
             self.evict_tried = True
             self.rep.evict_saved = self.save("evict")
+        if self.store is not None and self.evict_save:  # again after a rewind that kept it and then failed
+            frontier.store(self.sess, self.store, self.rep, keep=keep)
 
     # where the prompt left its best candidate ----------------------------------
     def divergence(self) -> None:
@@ -394,7 +400,7 @@ class _Ladder:
             # A rewind discards the live tokens past `common`: save them
             # first, as ds4 does before any live state is replaced (ds4
             # cannot rewind, so for it this case is a plain miss).
-            self.save_evict()
+            self.save_evict(keep=common)
         t = time.perf_counter()
         r = sess.rewrite_from_common(tokens)
         rep.timings["rewrite_ms"] = (time.perf_counter() - t) * 1000

@@ -38,6 +38,14 @@ class RecoveryReport:
     cold_saved: str | None = None
     #: the whole prompt's checkpoint (``recover(prompt_save=...)``)
     prompt_saved: str | None = None
+    #: the turn boundary stored so that no span is prefilled twice
+    #: (:mod:`ds4.frontier`: before the live state holding it went, or at
+    #: once on a reload loop); None: none this run
+    frontier_saved: str | None = None
+    #: a reload loop seen (:mod:`ds4.frontier`): the same checkpoint loaded
+    #: and the same span prefilled after it as on an earlier turn:
+    #: ``{"checkpoint", "depth", "span", "times"}``; None: none
+    reload: dict[str, Any] | None = None
     #: every save this request could have written and did not, with why
     #: (:class:`ds4.kvstore.skips.SaveSkip`: kind, code, detail), in the
     #: order they were declined; empty when nothing was skipped

@@ -54,6 +54,7 @@ import os
 import time
 from collections.abc import Callable, Collection
 
+from . import frontier
 from .constrain import Guide
 from .decoding import TextStream, make_picker, masked_picker
 from .engine import Engine
@@ -146,6 +147,7 @@ class Generator:
             return None
         log.info("persisting current KV cache before shutdown tokens=%d", self.sess.n_past)
         got = self.save("shutdown")  # a skip is logged by the store: no request to report it to
+        frontier.store(self.sess, self.store)  # the last turn's prompt too, when not on disk (an exact resend)
         return got if isinstance(got, str) else None
 
     def _frontier(self, sess: Session) -> None:

@@ -49,6 +49,7 @@ pub const REASONS: &[&str] = &[
     "agent-system",
     "agent-session",
     "named",
+    "frontier",
 ];
 
 pub fn reason_name(r: u8) -> &'static str {

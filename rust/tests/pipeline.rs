@@ -148,11 +148,12 @@ fn reason_names() {
         "agent-system",
         "agent-session",
         "named",
+        "frontier",
     ];
     for (r, name) in names.iter().enumerate() {
         assert_eq!(reason_name(u8::try_from(r).unwrap()), *name, "reason {r}");
     }
-    for r in [8u8, 9, 100, 255] {
+    for r in [9u8, 10, 100, 255] {
         assert_eq!(reason_name(r), "unknown", "reason {r}");
     }
 }

@@ -51,6 +51,11 @@ class StorePolicy:
     #: that it supersedes (ds4 PR #175; False: every snapshot stays, ds4's
     #: store before it, the "before" arm of ``benches/bench_store_replay.py``)
     supersede: bool = True
+    #: a turn boundary more than this many tokens prefilled past the
+    #: conversation's last state on disk is stored before the live state
+    #: holding it goes, and at once on a reload loop (:mod:`ds4.frontier`;
+    #: 0: never)
+    frontier_tokens: int = 512
     #: the payload codec of the checkpoints written: "none" (v2, loaded
     #: zero-copy) or "zstd" (v3: 1 MiB frames, shuffle2 then zstd at
     #: ``codec_level``; BENCHMARKS.md §14 for why "none" is the default)
@@ -66,6 +71,8 @@ class StorePolicy:
             raise ValueError(f"tenant_share must be in (0, 1], not {self.tenant_share!r}")
         if not self.explicit_weight >= 1.0:
             raise ValueError(f"explicit_weight must be >= 1, not {self.explicit_weight!r}")
+        if self.frontier_tokens < 0:
+            raise ValueError(f"frontier_tokens must be >= 0, not {self.frontier_tokens!r}")
         if not self.fresh_guard_s >= 0.0:
             raise ValueError(f"fresh_guard_s must be >= 0, not {self.fresh_guard_s!r}")
         object.__setattr__(self, "quarantine_dir", os.fspath(self.quarantine_dir) if self.quarantine_dir else None)

@@ -38,8 +38,10 @@ import json
 
 from ..errors import ConstraintError
 from ..turn import GenParams
+from .cache_diagnostics import diagnosis
 from .conversation import Conversation, Message, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import int_from, num_in, utf8_len
+from .tenants import ANONYMOUS
 from .volatile import SystemText
 from .wire import JSON, ApiError, ApiRequest, MakeAgent, bad, cache_salt_of
 
@@ -242,7 +244,9 @@ class MessagesParser:
             raise _bad(f"prompt is too long: {n} bytes cannot fit the context")
         return conv
 
-    def messages(self, raw: object) -> ApiRequest:
+    def messages(self, raw: object, tenant: str = ANONYMOUS) -> ApiRequest:
+        """The parsed request of a body from ``tenant`` (the owner of the
+        replies its ``diagnostics.previous_message_id`` may name)."""
         conv = self.conversation(raw)
         assert isinstance(raw, dict)
         try:
@@ -253,4 +257,14 @@ class MessagesParser:
         if not isinstance(stream, bool):
             raise _bad("stream: must be a boolean")
         agent = self.make_agent(conv, id_prefix="toolu_", label="anthropic") if self.make_agent is not None else None
-        return ApiRequest(params, stream, True, conv=conv, agent=agent, cache_salt=cache_salt_of(raw))
+        salt = cache_salt_of(raw)
+        diag = None
+        if "diagnostics" in raw and raw["diagnostics"] is not None:  # the cache-diagnosis beta
+            d = raw["diagnostics"]
+            if not isinstance(d, dict):
+                raise _bad("diagnostics: must be an object")
+            prev = d.get("previous_message_id")
+            if prev is not None and not isinstance(prev, str):
+                raise _bad("diagnostics.previous_message_id: must be a string or null")
+            diag = diagnosis(conv, tenant, prev, salt)
+        return ApiRequest(params, stream, True, conv=conv, agent=agent, cache_salt=salt, diagnosis=diag)

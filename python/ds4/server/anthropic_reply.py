@@ -25,7 +25,9 @@ import hashlib
 import json
 import uuid
 
+from ..recovery import RecoveryReport
 from ..turn import GenResult
+from .cache_diagnostics import CacheDiagnostics
 from .conversation import Outcome, new_call_id
 from .tool_cut import cut_reply, partial_object
 from .tool_stream import StreamEvent
@@ -91,15 +93,32 @@ class MessagesReply(ReasoningEvents):
 
     terminator = b""
 
-    def __init__(self, req: ApiRequest, model: str, debug: bool):
+    def __init__(self, req: ApiRequest, model: str, debug: bool, diagnostics: CacheDiagnostics | None = None):
         self.req, self.model, self.debug = req, model, debug
         self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.diagnostics = diagnostics
+        self.cached: int | None = None  # the turn's cached tokens, once known before the first byte
         conv = req.conv
         self.splitter = conv.splitter() if conv is not None else None
         self.text_open = False
         self.index = 0  # the index of the block open or next (thinking, text, then each call)
         self.thinking: str | None = None  # the thinking block's text so far (None: no block)
         self.think_done = False  # the thinking block is closed
+
+    def started(self, report: RecoveryReport) -> None:
+        """The ladder's verdict, known before the stream's first event."""
+        self.cached = report.reused_tokens
+
+    def _diagnostics(self, res: GenResult | None) -> JSON:
+        """The ``diagnostics`` key of a reply that asked for it (none otherwise)."""
+        d = self.req.diagnosis
+        if d is None or self.diagnostics is None:
+            return {}
+        if res is not None:  # the whole turn: remembered for the next request's comparison
+            answer = self.diagnostics.answer(d, res.cached_tokens)
+            self.diagnostics.record(d, self.id, res.prompt_tokens)
+            return {"diagnostics": answer}
+        return {"diagnostics": self.diagnostics.answer(d, self.cached)}
 
     def _outcome(self, res: GenResult) -> Outcome:
         oc = self.req.agent.outcome if self.req.agent is not None else None
@@ -118,6 +137,7 @@ class MessagesReply(ReasoningEvents):
             "stop_reason": reason,
             "stop_sequence": seq,
             "usage": usage(res),
+            **self._diagnostics(res),
         }
 
     def complete(self, res: GenResult) -> JSON:
@@ -257,6 +277,7 @@ class MessagesReply(ReasoningEvents):
             "delta": {"stop_reason": reason, "stop_sequence": seq},
             "usage": {**usage(res), "ds4": info},
             "ds4": info,
+            **self._diagnostics(res),  # the whole answer (message_start's may have been pending)
         }
         out += [_sse("message_delta", delta), _sse("message_stop", {"type": "message_stop"})]
         return out
@@ -267,8 +288,13 @@ class MessagesReply(ReasoningEvents):
 
 
 class AnthropicWire(Wire):
+    def __init__(self, model: str, debug: bool = False):
+        super().__init__(model, debug)
+        #: the requests of the replies that asked for cache diagnostics
+        self.diagnostics = CacheDiagnostics()
+
     def reply(self, req: ApiRequest) -> MessagesReply:
-        return MessagesReply(req, self.model, self.debug)
+        return MessagesReply(req, self.model, self.debug, self.diagnostics)
 
     def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
         api = e if isinstance(e, ApiError) else exception_to_api(e, param, self.debug)

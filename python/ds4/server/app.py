@@ -212,7 +212,7 @@ class _Routes:
     async def messages(self, request: Request) -> Response:
         """Anthropic Messages (ds4.server.anthropic)."""
         try:
-            req = self.messages_parser.messages(await self.read_json(request))
+            req = self.messages_parser.messages(await self.read_json(request), tenant_of_request(request))
         except ApiError as e:
             return self.wire_err(self.anthropic, e)
         return await self.run(request, req, self.anthropic)
@@ -274,6 +274,8 @@ class _Routes:
             run.watcher.cancel()
             return self.wire_err(wire, first[1], req.param)
         reply = wire.reply(req)
+        if first is not None and first[0] == "start" and hasattr(reply, "started"):
+            reply.started(first[1])  # the verdict before the first byte (Anthropic's diagnostics)
         if req.stream:
             from starlette.responses import StreamingResponse
 

@@ -198,7 +198,8 @@ class Metrics:
             self.latency.labels(protocol, rung).observe(res.total_s)
         if rep.loaded_path is not None:
             self.loads.labels(rung).inc()
-        for reason, saved in (("cold", rep.cold_saved), ("evict", rep.evict_saved), ("prompt", rep.prompt_saved)):
+        saves = ("cold", rep.cold_saved), ("evict", rep.evict_saved), ("prompt", rep.prompt_saved)
+        for reason, saved in (*saves, ("frontier", rep.frontier_saved)):
             if saved is not None:
                 self.saves.labels(reason).inc()
         for rej in rep.rejected:

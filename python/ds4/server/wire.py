@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from ..errors import ContextOverflowError, EmptyPromptError, EngineError, PromptError
 from ..turn import GenParams, GenResult
+from .cache_diagnostics import Diagnosis
 from .conversation import AgentTurn, Conversation, LiveStateGone
 from .fields import is_int, is_num, utf8_len
 from .worker import Cancelled, QueueFull, ShuttingDown, TextPrompt, Work
@@ -157,6 +158,7 @@ class ApiRequest:
         agent: AgentTurn | None = None,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        diagnosis: Diagnosis | None = None,
     ):
         self.params = params
         self.stream = stream
@@ -167,6 +169,8 @@ class ApiRequest:
         self.agent = agent
         self.prompt = prompt  # a completion's prompt text
         self.cache_salt = cache_salt  # vLLM's field: its own cache namespace (ds4.server.tenants)
+        # Anthropic's cache diagnostics asked for (ds4.server.cache_diagnostics)
+        self.diagnosis = diagnosis
 
     @property
     def kind(self) -> str:
@@ -274,6 +278,10 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
         "evict_saved": shown_path(r.evict_saved, debug),
         "cold_saved": shown_path(r.cold_saved, debug),
         "prompt_saved": shown_path(r.prompt_saved, debug),
+        # the turn boundary stored so no span is prefilled twice, and a
+        # reload loop seen (the same checkpoint, the same span after it): ds4.frontier
+        "frontier_saved": shown_path(r.frontier_saved, debug),
+        "reload": r.reload,
         # every save of the turn that did not happen, with why (ds4.kvstore.skips)
         "save_skipped": [{"kind": k.kind, "code": k.code, "detail": scrub(k.detail, debug)} for k in r.save_skipped],
         # where the prompt left the best candidate (ds4.recovery): the live
