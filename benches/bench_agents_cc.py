@@ -38,6 +38,7 @@ turn's prefill that an earlier turn prefilled too (by token position)::
     python benches/bench_agents_cc.py --engine llamacpp
     python benches/bench_agents_cc.py --engine reference
     python benches/bench_agents_cc.py --engine llamacpp --quick   # 6 turns
+    python benches/bench_agents_cc.py --engine llamacpp --model gemma3 --quick --transient --transient-builtin
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ class Server(bench_agents.Server):
     """bench_agents' server: the reference engine runs tests/cc_serve.py's
     script (a call on every request), llama.cpp gets ``--threads``."""
 
-    def __init__(self, engine: str, extra: list[str], log_path: str, ctx: int, threads: int):
+    def __init__(self, engine: str, extra: list[str], log_path: str, ctx: int, threads: int, model: str | None = None):
         if engine == "reference":
             cmd = cc_loop.serve_command()
         else:
             cmd = [sys.executable, "-m", "ds4", "serve", "--engine", engine, "--threads", str(threads)]
+            if model is not None:
+                cmd += ["--model", model]
         super().__init__(engine, extra, log_path, ctx, cmd)
 
 
@@ -150,6 +153,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, help="default 64 (llamacpp), 300 (reference: a token a byte)")
     ap.add_argument("--ctx", type=int, help="default 8192 (llamacpp), 32768 (reference)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", help="a GGUF for --engine llamacpp (gemma3: the assembled Gemma 3 270M)")
     ap.add_argument("--cold", default="2,last", help="turns (1-based, 'last') replayed cold; '' for none")
     ap.add_argument("--no-reminder", action="store_true", help="tool results alone (live continuations)")
     ap.add_argument(
@@ -166,6 +170,11 @@ def main() -> int:
     )
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
+    model = a.model
+    if model == "gemma3":
+        import models
+
+        model = models.gemma_path()
     turns = 6 if a.quick else a.turns
     max_tokens = a.max_tokens or (64 if a.engine == "llamacpp" else 300)
     ctx = a.ctx or (8192 if a.engine == "llamacpp" else 32768)
@@ -177,7 +186,7 @@ def main() -> int:
     volatile += ["--prompt-transient-builtin"] if a.transient_builtin else []
     try:
         for label, extra in (("ds4", ["--kv-disk-dir", os.path.join(tmp, "kv")]), ("no-kv", ["--no-kv-cache"])):
-            srv = Server(a.engine, [*extra, *volatile], os.path.join(tmp, f"{label}.log"), ctx, a.threads)
+            srv = Server(a.engine, [*extra, *volatile], os.path.join(tmp, f"{label}.log"), ctx, a.threads, model)
             try:
 
                 def show(t: int, row: dict, label: str = label) -> None:
@@ -200,7 +209,7 @@ def main() -> int:
             strip = {k: [{c: v for c, v in x.items() if c != "body"} for x in (rows.values() if isinstance(rows, dict) else rows)] for k, rows in res.items()}  # fmt: skip
             json.dump(strip, f, indent=1)
     print(
-        f"engine={a.engine} turns={turns} form={a.form} size={a.size} max_tokens={max_tokens} ctx={ctx}"
+        f"engine={a.engine} model={a.model or 'default'} turns={turns} form={a.form} size={a.size} max_tokens={max_tokens} ctx={ctx}"
         f" reminder={not a.no_reminder} transient={a.transient} builtin={a.transient_builtin}"
         f" volatile={a.volatile_mode} tool_choice={choice} threads={a.threads}"
     )

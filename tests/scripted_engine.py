@@ -67,7 +67,9 @@ QWEN3_LIKE = (
     "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 
@@ -175,12 +177,12 @@ class ScriptedEngine(ReferenceEngine):
     def payload_abi(self) -> str:
         return super().payload_abi() + "+scripted"
 
-    def render_chat(self, messages, add_generation_prompt=True):
+    def render_chat(self, messages, add_generation_prompt=True, template_kwargs=None):
         if self.chat_template is None:
-            return super().render_chat(messages, add_generation_prompt)
+            return super().render_chat(messages, add_generation_prompt, template_kwargs)
         if self._renderer is None:
             self._renderer = TemplateRenderer(self.chat_template, markers=marker_texts(self))
-        return self._renderer.render(messages, add_generation_prompt)
+        return self._renderer.render(messages, add_generation_prompt, template_kwargs)
 
     def new_context(self, n_ctx: int) -> ScriptedContext:
         return ScriptedContext(self, n_ctx)

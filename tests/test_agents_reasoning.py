@@ -60,7 +60,7 @@ def test_next_turn_prefix_ends_where_the_assistant_turn_does():
     from ds4.server.conversation import next_turn_prefix
 
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]
-    gemma = next_turn_prefix(SimpleNamespace(render_chat=render_gemma), msgs)
+    gemma = next_turn_prefix(SimpleNamespace(render_chat=lambda m, g=True, kw=None: render_gemma(m, g)), msgs)
     assert str(gemma) == "<bos><start_of_turn>user\nq<end_of_turn>\n<start_of_turn>model\na<end_of_turn>\n"
     qwen = next_turn_prefix(ScriptedEngine(template=QWEN3_LIKE), msgs)
     assert str(qwen) == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"

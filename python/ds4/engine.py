@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -79,11 +79,18 @@ class Engine(Protocol):
 
     def new_context(self, n_ctx: int) -> EngineContext: ...
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """The chat as text; engines return a :class:`ds4.keytext.Prompt`
         (a ``str``) whose marker spans are special and contents text. An
         engine may list its special tokens in ``special_token_ids`` (the
-        key text escapes their lead bytes in other tokens)."""
+        key text escapes their lead bytes in other tokens).
+        ``template_kwargs``: more variables for a chat template that reads
+        them (``enable_thinking``); a format with no template ignores them."""
 
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         """Tokens of ``text``; ``special=True`` parses chat markers as special tokens."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..keytext import Prompt
 
@@ -35,8 +36,13 @@ class ByteTokenizer:
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")")
         self._token_bytes = [bytes([i]) for i in range(256)] + [s.encode("utf-8") for s in specials]
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
-        """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt:
+        """ChatML (a fixed format: ``template_kwargs`` ignored): ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
         then ``<|im_start|>assistant\\n`` when ``add_generation_prompt``. The
         markers are special spans, roles and contents text
         (:class:`ds4.keytext.Prompt`). An assistant turn with a non-empty

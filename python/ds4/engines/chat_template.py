@@ -82,7 +82,12 @@ __all__ = [
 
 
 class ChatRenderer(Protocol):
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt: ...
+    def render(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt: ...
 
 
 # -- markers -------------------------------------------------------------------
@@ -223,14 +228,19 @@ class TemplateRenderer:
         messages: Sequence[Mapping[str, str]],
         add_generation_prompt: bool = True,
         now: datetime | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The template's output as one string (what Jinja2ChatFormatter
-        renders), markers and contents alike."""
+        renders), markers and contents alike. ``template_kwargs``: more
+        variables for the template (``enable_thinking``); never one of its
+        own inputs."""
         import jinja2
 
         when = now or datetime.now()
+        extra = dict(template_kwargs or {})
         try:
             out = self._template.render(
+                **extra,
                 messages=list(messages),
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -244,12 +254,19 @@ class TemplateRenderer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+        except TypeError as e:  # a variable named like one of the template's own inputs
+            raise ChatTemplateError(f"the chat template's variables: {e}") from None
         return str(out)
 
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt:
         msgs = _messages(messages, self.splitter)
         now = datetime.now()  # one clock for both renderings (strftime_now)
-        plain = self.render_text(msgs, add_generation_prompt, now)
+        plain = self.render_text(msgs, add_generation_prompt, now, template_kwargs)
         nonce = secrets.token_hex(8)
         if nonce in plain:  # pragma: no cover - 64 random bits
             raise ChatTemplateSegmentsError("the sentinel nonce occurs in the rendering")
@@ -263,7 +280,7 @@ class TemplateRenderer:
                     texts.append(m[f])
                     w[f] = f"{_OPEN}{nonce}.{k}.o{_CLOSE}{m[f]}{_OPEN}{nonce}.{k}.c{_CLOSE}"
             wrapped.append(w)
-        marked = self.render_text(wrapped, add_generation_prompt, now)
+        marked = self.render_text(wrapped, add_generation_prompt, now, template_kwargs)
         pieces = _pieces(marked, nonce)
         if any(i >= 0 and text != texts[i] for text, i in pieces):
             raise ChatTemplateSegmentsError("the template transforms a message's content")
@@ -371,7 +388,13 @@ class _Builtin:
     def __init__(self, fn: Callable[[Sequence[Mapping[str, str]], bool], Prompt]):
         self.fn = fn
 
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt:
+        """A built-in format: it reads no template variable (``template_kwargs`` ignored)."""
         return self.fn(messages, add_generation_prompt)
 
 

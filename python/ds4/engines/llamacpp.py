@@ -295,12 +295,19 @@ class LlamaCppEngine:
         }
 
     # -- text --------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> Prompt:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt:
         """The chat rendered with the GGUF's own ``tokenizer.chat_template``
-        (Jinja2), else the built-in format of its architecture (Gemma), else
+        (Jinja2, with ``template_kwargs`` as more of its variables:
+        ``enable_thinking``), else the built-in format of its architecture
+        (Gemma, which reads no variable), else
         :class:`~ds4.errors.NoChatTemplateError` (see
         :mod:`ds4.engines.chat_template`): markers special, contents text."""
-        return chat_renderer(self).render(messages, add_generation_prompt)
+        return chat_renderer(self).render(messages, add_generation_prompt, template_kwargs)
 
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         """Tokens of ``text``, never with an added BOS: this is the span

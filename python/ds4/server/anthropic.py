@@ -42,6 +42,7 @@ from .cache_diagnostics import diagnosis
 from .conversation import Conversation, Message, Tool, ToolCall, issued_call_id, results_without_calls
 from .fields import int_from, num_in, utf8_len
 from .tenants import ANONYMOUS
+from .thinking import anthropic_kwargs
 from .volatile import SystemText
 from .wire import JSON, ApiError, ApiRequest, MakeAgent, bad, cache_salt_of
 
@@ -235,7 +236,11 @@ class MessagesParser:
                     f"messages: a tool_result answers tool_use_id {cid!r}, which no earlier tool_use block "
                     "has and this server never issued; send the tool_use with its result"
                 )
-        conv = Conversation(msgs, tools, choice, parallel, volatile=self.volatile, live_only=bool(missing))
+        mt = raw.get("max_tokens")
+        kw = anthropic_kwargs(raw, mt if isinstance(mt, int) and not isinstance(mt, bool) else None)
+        conv = Conversation(
+            msgs, tools, choice, parallel, volatile=self.volatile, live_only=bool(missing), template_kwargs=kw
+        )
         n = sum(
             len(m.content.encode()) + len((m.reasoning or "").encode()) + sum(len(c.arguments) for c in m.tool_calls)
             for m in conv.messages

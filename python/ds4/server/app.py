@@ -256,7 +256,8 @@ class _Routes:
         eng = self.gen.engine
 
         def count() -> int:
-            return len(tokenize_prompt(eng, eng.render_chat(conv.engine_messages())))  # as the turn tokenizes it
+            msgs = conv.engine_messages()
+            return len(tokenize_prompt(eng, eng.render_chat(msgs, template_kwargs=conv.template_kwargs)))  # as a turn
 
         return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
 

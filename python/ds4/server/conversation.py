@@ -154,6 +154,8 @@ class Conversation:
     volatile: SystemText | None = None
     #: tool results whose calls are not in the history: only the live tool state can serve it
     live_only: bool = False
+    #: more variables for the chat template: the thinking switches (ds4.server.thinking)
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def tools_active(self) -> bool:
@@ -350,7 +352,7 @@ class AgentTurn:
         self.messages, self.tailed = msgs, tail is not None
         if tail is not None:
             msgs = [*msgs, tail]
-        prompt = engine.render_chat(msgs)
+        prompt = engine.render_chat(msgs, template_kwargs=self.conv.template_kwargs)
         self.opened = prompt.rstrip().endswith(THINK_OPEN)
         return prompt
 
@@ -429,7 +431,7 @@ class AgentTurn:
         if reasoning is not None:
             turn["reasoning_content"] = reasoning
         try:
-            text = next_turn_prefix(gen.engine, [*self.messages, turn])
+            text = next_turn_prefix(gen.engine, [*self.messages, turn], self.conv.template_kwargs)
             if text is None:
                 return
             gen.canonicalize(text)
@@ -443,7 +445,7 @@ class AgentTurn:
         if reasoning:
             msg["reasoning_content"] = reasoning
         msgs = [*self.messages, msg]
-        text = gen.engine.render_chat(msgs, add_generation_prompt=False)
+        text = gen.engine.render_chat(msgs, add_generation_prompt=False, template_kwargs=self.conv.template_kwargs)
         try:
             outcome = gen.canonicalize(text)
         except Exception as e:  # the reply stands; the next turn recovers as usual
@@ -457,7 +459,9 @@ class AgentTurn:
 _PROBES = ("a", "b")
 
 
-def next_turn_prefix(engine: Engine, messages: list[dict[str, str]]) -> Prompt | None:
+def next_turn_prefix(
+    engine: Engine, messages: list[dict[str, str]], kw: Mapping[str, Any] | None = None
+) -> Prompt | None:
     """What every next request after ``messages`` (its last an assistant
     turn) starts with: the rendering of ``messages`` and a user turn, cut
     where two different user turns first part, then back before the next
@@ -467,7 +471,7 @@ def next_turn_prefix(engine: Engine, messages: list[dict[str, str]]) -> Prompt |
     chat with the assistant turn last would keep it). A template with no
     marker after the reply keeps the next turn's opening text. None when
     nothing is left."""
-    a, b = (engine.render_chat([*messages, {"role": "user", "content": p}], False) for p in _PROBES)
+    a, b = (engine.render_chat([*messages, {"role": "user", "content": p}], False, kw) for p in _PROBES)
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -483,7 +487,7 @@ def next_turn_prefix(engine: Engine, messages: list[dict[str, str]]) -> Prompt |
         segs.append((text, special))
         at += len(text)
     last = max((i for i, (_, sp) in enumerate(segs) if sp), default=-1)
-    prompt_len = len(engine.render_chat(messages[:-1], True))  # where the reply starts
+    prompt_len = len(engine.render_chat(messages[:-1], True, kw))  # where the reply starts
     if last > 0 and sum(len(t) for t, _ in segs[:last]) > prompt_len:  # a marker after the reply: its turn's end
         segs = segs[:last]
     return Prompt(segs) if segs else None

@@ -19,6 +19,7 @@ from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall, new_call_id
 from .fields import is_int
 from .formats import response_format
+from .thinking import openai_kwargs
 from .tool_cut import cut_reply
 from .tool_stream import StreamEvent, StreamSplitter
 from .volatile import SystemText
@@ -293,7 +294,9 @@ class RequestParser:
         salt = cache_salt_of(body)
         # every chat is an agent turn: its reply's reasoning is split off, and
         # a reasoning turn is canonicalized like a tool turn (ds4.server.conversation)
-        conv = Conversation(out, tools, choice, parallel is not False, volatile=self.volatile)
+        conv = Conversation(
+            out, tools, choice, parallel is not False, volatile=self.volatile, template_kwargs=openai_kwargs(body)
+        )
         try:
             params = conv.gen_params(params)
         except ConstraintError as e:

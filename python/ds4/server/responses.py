@@ -52,6 +52,7 @@ from .response_store import (
     from_record,
 )
 from .tenants import ANONYMOUS
+from .thinking import openai_kwargs
 from .volatile import SystemText
 from .wire import JSON, ApiError, ApiRequest, MakeAgent, bad, cache_salt_of, str_field
 
@@ -281,7 +282,15 @@ class ResponsesParser:
             if instructions is not None:
                 msgs.insert(0, Message("system", instructions))
         tools, choice, parallel = self._tools(raw)
-        conv = Conversation(msgs, tools, choice, parallel, volatile=self.volatile, live_only=bool(missing))
+        conv = Conversation(
+            msgs,
+            tools,
+            choice,
+            parallel,
+            volatile=self.volatile,
+            live_only=bool(missing),
+            template_kwargs=openai_kwargs(raw, "reasoning"),
+        )
         n = sum(
             len(m.content.encode()) + len((m.reasoning or "").encode()) + sum(len(c.arguments) for c in m.tool_calls)
             for m in msgs
