@@ -145,3 +145,22 @@ def test_the_guard_remembers_a_bounded_number_of_loads():
     n = len(frontier._LOADS)
     del st, seen
     assert len(frontier._LOADS) == n - 1  # dropped with its store (a weak key)
+
+
+@pytest.mark.parametrize("limit", [LIMIT, 0])
+def test_a_resend_after_a_restart_loads_the_prompts_own_state(smollm2, tmp_path, limit):
+    """The shutdown save holds the reply after the prompt; with the guard the
+    prompt's end is stored beside it, so the same request sent again after a
+    restart resumes from its whole prompt and answers as before."""
+    c = Convo(3)
+    prompt = c.prompt(smollm2)
+    gen = Generator(smollm2, CTX, ds4.KVStore(str(tmp_path), min_tokens=64, frontier_tokens=limit))
+    first = gen.generate(prompt, GEN)
+    assert first.report.rung == "prefill" and gen.shutdown_save() is not None
+    again = Generator(smollm2, CTX, ds4.KVStore(str(tmp_path), min_tokens=64, frontier_tokens=limit))
+    res = again.generate(prompt, GEN)
+    assert res.text == first.text and res.report.rung == "disk"
+    if limit:
+        assert res.report.reused_tokens == res.report.prompt_tokens
+    else:  # the system prompt's cold checkpoint: the task prefilled again
+        assert res.report.reused_tokens < res.report.prompt_tokens - LIMIT
