@@ -204,6 +204,30 @@ def test_gemma_roles_must_alternate_as_the_official_template_says(conv):
     assert isinstance(e.value, PromptError)  # a client's request: 400, nothing touched
 
 
+def test_gemma_takes_a_tool_turn_where_a_user_turn_belongs():
+    """Where the official template refuses (a tool turn after a model turn),
+    the tool results are the user turn, the text sent beside them joined to
+    it; the rendering of a turn is a prefix of the next turn's."""
+    T = {"role": "tool", "content": " <tool_response>\n42\n</tool_response> "}
+    conv = [S("Sys."), U("call it"), A("<tool_call>[]</tool_call>"), T, U(" and say why ")]
+    official = TemplateRenderer(GEMMA3_TEMPLATE, bos_token="<bos>", markers=GEMMA_MARKERS)
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        official.render(conv)
+    p = render_gemma(conv)
+    assert str(p) == (
+        "<bos><start_of_turn>user\nSys.\n\ncall it<end_of_turn>\n"
+        "<start_of_turn>model\n<tool_call>[]</tool_call><end_of_turn>\n"
+        "<start_of_turn>user\n<tool_response>\n42\n</tool_response>\n\nand say why<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    assert str(render_gemma(conv[:-1])) == str(p).replace("\n\nand say why", "")  # the results alone
+    nxt = render_gemma([*conv, A("It is 42."), T], False)
+    assert str(nxt).startswith(str(render_gemma(conv, False)))
+    # two user turns in a row without a tool turn are still refused, as the template does
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        render_gemma([U("a"), A("b"), U("c"), U("d")])
+
+
 def test_gemma_gguf_uses_the_builtin(gemma):
     assert gemma.arch == "gemma3" and gemma.chat_template is None and gemma.add_bos
     conv = [S("Be brief."), U("Hi there"), A("Hello."), U("Bye")]

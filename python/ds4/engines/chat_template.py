@@ -365,12 +365,20 @@ def render_gemma(messages: Sequence[Mapping[str, str]], add_generation_prompt: b
     user, assistant, ... after it (the template's own refusal, here a
     :class:`~ds4.errors.ChatTemplateError`). The generation prompt is
     ``<start_of_turn>model\\n``. Markers are special spans, roles and
-    contents text."""
+    contents text.
+
+    One extension, only where the official template refuses: Gemma has no
+    tool turn after a model turn (a ``tool`` turn is accepted only where a
+    model turn would be), so a ``tool`` turn where a user turn belongs is
+    rendered as that user turn, and a user turn right after it (the text an
+    agent sends beside its tool results) is joined to it after a blank
+    line: an agent's tool loop renders instead of being refused."""
     msgs = _messages(messages, _GEMMA_MARKERS)
     prefix = ""
     if msgs and msgs[0]["role"] == "system":
         prefix = msgs[0]["content"] + "\n\n"
         msgs = msgs[1:]
+    msgs = _gemma_tool_turns(msgs)
     out: list[tuple[str, bool]] = [("<bos>", True)]
     for i, m in enumerate(msgs):
         role = m["role"]
@@ -382,6 +390,25 @@ def render_gemma(messages: Sequence[Mapping[str, str]], add_generation_prompt: b
     if add_generation_prompt:
         out += [("<start_of_turn>", True), ("model\n", False)]
     return Prompt(out)
+
+
+def _gemma_tool_turns(msgs: list[dict[str, str]]) -> list[dict[str, str]]:
+    """:func:`render_gemma`'s extension: a ``tool`` turn at a user turn's
+    place becomes that user turn, and a user turn right after it is joined
+    to it (contents trimmed, as the template trims, a blank line between)."""
+    out: list[dict[str, str]] = []
+    joinable = False  # the last turn is a tool turn made a user turn
+    for m in msgs:
+        if m["role"] == "tool" and len(out) % 2 == 0:
+            out.append({**m, "role": "user"})
+            joinable = True
+        elif m["role"] == "user" and joinable:
+            out[-1] = {**out[-1], "content": out[-1]["content"].strip() + "\n\n" + m["content"].strip()}
+            joinable = False
+        else:
+            out.append(m)
+            joinable = False
+    return out
 
 
 class _Builtin:
