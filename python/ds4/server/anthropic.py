@@ -40,7 +40,7 @@ from ..errors import ConstraintError
 from ..turn import GenParams
 from .cache_diagnostics import diagnosis
 from .conversation import Conversation, Message, Tool, ToolCall, issued_call_id, results_without_calls
-from .fields import int_from, num_in, utf8_len
+from .fields import int_from, is_int, num_in, utf8_len
 from .tenants import ANONYMOUS
 from .thinking import anthropic_kwargs
 from .volatile import SystemText
@@ -237,7 +237,7 @@ class MessagesParser:
                     "has and this server never issued; send the tool_use with its result"
                 )
         mt = raw.get("max_tokens")
-        kw = anthropic_kwargs(raw, mt if isinstance(mt, int) and not isinstance(mt, bool) else None)
+        kw = anthropic_kwargs(raw, mt if is_int(mt) else None)
         conv = Conversation(
             msgs, tools, choice, parallel, volatile=self.volatile, live_only=bool(missing), template_kwargs=kw
         )

@@ -25,7 +25,7 @@ import hashlib
 import json
 import uuid
 
-from ..recovery import RecoveryReport
+from ..report import RecoveryReport
 from ..turn import GenResult
 from .cache_diagnostics import CacheDiagnostics
 from .conversation import Outcome, new_call_id
@@ -93,21 +93,25 @@ class MessagesReply(ReasoningEvents):
 
     terminator = b""
 
-    def __init__(self, req: ApiRequest, model: str, debug: bool, diagnostics: CacheDiagnostics | None = None):
+    def __init__(
+        self,
+        req: ApiRequest,
+        model: str,
+        debug: bool,
+        diagnostics: CacheDiagnostics | None = None,
+        started: RecoveryReport | None = None,
+    ):
         self.req, self.model, self.debug = req, model, debug
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.diagnostics = diagnostics
-        self.cached: int | None = None  # the turn's cached tokens, once known before the first byte
+        # the turn's cached tokens, when the ladder ran before the first byte
+        self.cached = started.reused_tokens if started is not None else None
         conv = req.conv
         self.splitter = conv.splitter() if conv is not None else None
         self.text_open = False
         self.index = 0  # the index of the block open or next (thinking, text, then each call)
         self.thinking: str | None = None  # the thinking block's text so far (None: no block)
         self.think_done = False  # the thinking block is closed
-
-    def started(self, report: RecoveryReport) -> None:
-        """The ladder's verdict, known before the stream's first event."""
-        self.cached = report.reused_tokens
 
     def _diagnostics(self, res: GenResult | None) -> JSON:
         """The ``diagnostics`` key of a reply that asked for it (none otherwise)."""
@@ -293,8 +297,8 @@ class AnthropicWire(Wire):
         #: the requests of the replies that asked for cache diagnostics
         self.diagnostics = CacheDiagnostics()
 
-    def reply(self, req: ApiRequest) -> MessagesReply:
-        return MessagesReply(req, self.model, self.debug, self.diagnostics)
+    def reply(self, req: ApiRequest, started: RecoveryReport | None = None) -> MessagesReply:
+        return MessagesReply(req, self.model, self.debug, self.diagnostics, started)
 
     def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
         api = e if isinstance(e, ApiError) else exception_to_api(e, param, self.debug)

@@ -274,9 +274,8 @@ class _Routes:
         if first is not None and first[0] == "error":
             run.watcher.cancel()
             return self.wire_err(wire, first[1], req.param)
-        reply = wire.reply(req)
-        if first is not None and first[0] == "start" and hasattr(reply, "started"):
-            reply.started(first[1])  # the verdict before the first byte (Anthropic's diagnostics)
+        # the ladder's verdict when it came before the first byte (Anthropic's diagnostics)
+        reply = wire.reply(req, first[1] if first is not None and first[0] == "start" else None)
         if req.stream:
             from starlette.responses import StreamingResponse
 

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 
 from ..errors import ConstraintError
+from ..report import RecoveryReport
 from ..turn import GenParams, GenResult
 from .conversation import Conversation, Message, Outcome, Tool, ToolCall, new_call_id
 from .fields import is_int
@@ -335,7 +336,7 @@ class RequestParser:
 
 
 class OpenAIWire(Wire):
-    def reply(self, req: ApiRequest) -> Reply:
+    def reply(self, req: ApiRequest, started: RecoveryReport | None = None) -> Reply:
         prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
         return Reply(req, prefix + uuid.uuid4().hex[:24], int(time.time()), self.model, self.debug)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..report import RecoveryReport
 from ..turn import GenResult
 from .conversation import Outcome, new_call_id
 from .response_store import (
@@ -252,6 +253,6 @@ class ResponsesWire(Wire):
         super().__init__(model, debug)
         self.stored = stored
 
-    def reply(self, req: ApiRequest) -> ResponsesReply:
+    def reply(self, req: ApiRequest, started: RecoveryReport | None = None) -> ResponsesReply:
         assert isinstance(req, ResponsesRequest)
         return ResponsesReply(req, self.model, self.debug)

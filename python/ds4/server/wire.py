@@ -17,6 +17,7 @@ import re
 from typing import Any, Protocol
 
 from ..errors import ContextOverflowError, EmptyPromptError, EngineError, PromptError
+from ..report import RecoveryReport
 from ..turn import GenParams, GenResult
 from .cache_diagnostics import Diagnosis
 from .conversation import AgentTurn, Conversation, LiveStateGone
@@ -304,15 +305,17 @@ def ds4_info(res: GenResult, debug: bool = False) -> JSON:
 
 class Wire:
     """How one protocol answers (the app's routes are protocol-blind):
-    ``reply(req)`` builds the response bodies of a request (an object with
-    ``complete(res)``, and for streams ``opening()``, ``chunk(text)``,
-    ``closing(res)``, ``failed(e)`` and ``terminator``), ``error(e,
-    param)`` the status and body of a refusal or failure."""
+    ``reply(req, started)`` builds the response bodies of a request (an
+    object with ``complete(res)``, and for streams ``opening()``,
+    ``chunk(text)``, ``closing(res)``, ``failed(e)`` and ``terminator``;
+    ``started``: the ladder's report when the turn started before the first
+    byte, else None), ``error(e, param)`` the status and body of a refusal
+    or failure."""
 
     def __init__(self, model: str, debug: bool = False):
         self.model, self.debug = model, debug
 
-    def reply(self, req: ApiRequest) -> Any:
+    def reply(self, req: ApiRequest, started: RecoveryReport | None = None) -> Any:
         raise NotImplementedError
 
     def error(self, e: BaseException, param: str | None = None) -> tuple[int, JSON]:
