@@ -92,11 +92,11 @@ def pref(x: dict) -> int:
     return x["prompt"] - x["cache_read"]
 
 
-def twice_prefilled(rows: list[dict]) -> list[int]:
+def twice_prefilled(spans: list[tuple[int, int]]) -> list[int]:
     """For each turn from the second, the most tokens of its prefilled span
-    ``[cache_read, prompt)`` that one earlier turn prefilled too (by token
-    position: each prompt extends the last one's history)."""
-    spans = [(x["cache_read"], x["prompt"]) for x in rows]
+    ``(start, end)`` (cached tokens, prompt tokens) that one earlier turn
+    prefilled too (by token position: each prompt extends the last one's
+    history)."""
     return [
         max((max(0, min(b, bj) - max(a, aj)) for aj, bj in spans[:i]), default=0)
         for i, (a, b) in enumerate(spans)
@@ -136,7 +136,7 @@ def report(res: dict, a: argparse.Namespace) -> list[str]:
             f"ds4 ttft / cold ttft of the same request, turns {[i + 1 for i in sorted(cold) if i > 0]}:"
             f" median {statistics.median(vs):.2%} max {max(vs):.2%}"
         )
-    twice = twice_prefilled(d)
+    twice = twice_prefilled([(x["cache_read"], x["prompt"]) for x in d])
     out.append(f"ds4 longest span prefilled twice: {max(twice, default=0)} tokens (turns 2..: {twice})")
     same = [i + 1 for i in later if reply(d[i]) != reply(n[i])]
     same += [i + 1 for i in cold if reply(d[i]) != reply(cold[i])]

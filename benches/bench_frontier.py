@@ -21,6 +21,9 @@ import os
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_agents_cc import twice_prefilled
+
 import ds4
 from ds4.turn import Generator, GenParams
 
@@ -54,15 +57,7 @@ def run(eng, limit: int, turns: int, lines: int) -> dict:
                 later += (rep.prompt_tokens - rep.reused_tokens) if t > 1 else 0
                 saves += rep.frontier_saved is not None
                 msgs[k].append({"role": "assistant", "content": f"(reply {t} elided)"})
-        twice = max(
-            (
-                max(0, min(b, bj) - max(a, aj))
-                for sp in spans.values()
-                for i, (a, b) in enumerate(sp)
-                for aj, bj in sp[:i]
-            ),
-            default=0,
-        )
+        twice = max((n for sp in spans.values() for n in twice_prefilled(sp)), default=0)
         written = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".kv"))
         return {"later": later, "twice": twice, "saves": saves, "bytes": written, "ttft": ttft}
 
