@@ -1,7 +1,8 @@
 //! The one error type of the core crate.
 //!
 //! Every variant has a stable [`Error::code`] (the Python exception in
-//! `ds4.errors` with the same `code` is raised for it), the verification
+//! `ds4.errors` with the same `code` is raised for it; every `block_*` code
+//! raises `BlockError`, which carries the code), the verification
 //! [`Error::stage`] that produces it and a [`Class`] that tells recovery what
 //! to do with the file.
 
@@ -98,6 +99,24 @@ pub enum Error {
     FrameTable(String),
     #[error("payload frame {index} is bad: {reason}")]
     BadFrame { index: usize, reason: String },
+    #[error("block table: {0}")]
+    BlockTable(String),
+    #[error("block {block} is missing: {detail}")]
+    BlockMissing { block: String, detail: String },
+    #[error("block {block}: {detail}")]
+    BlockCorrupt { block: String, detail: String },
+    #[error("block {block} has the wrong length: {detail}")]
+    BlockShort { block: String, detail: String },
+    #[error("block {block} holds another block: {detail}")]
+    BlockName { block: String, detail: String },
+    #[error("block {block} was written for another payload ABI: {detail}")]
+    BlockAbi { block: String, detail: String },
+    #[error("block {block}: {detail}")]
+    BlockChecksum { block: String, detail: String },
+    #[error("an authentication key is configured and block {block} carries no MAC")]
+    BlockMacMissing { block: String },
+    #[error("block {block}'s MAC does not match (forged, damaged, or written with another key)")]
+    BlockMac { block: String },
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -146,6 +165,15 @@ impl Error {
             Error::UnsupportedCodec { .. } => "unsupported_codec",
             Error::FrameTable(_) => "frame_table",
             Error::BadFrame { .. } => "bad_frame",
+            Error::BlockTable(_) => "block_table",
+            Error::BlockMissing { .. } => "block_missing",
+            Error::BlockCorrupt { .. } => "block_corrupt",
+            Error::BlockShort { .. } => "block_short",
+            Error::BlockName { .. } => "block_name",
+            Error::BlockAbi { .. } => "block_abi",
+            Error::BlockChecksum { .. } => "block_checksum",
+            Error::BlockMacMissing { .. } => "block_mac_missing",
+            Error::BlockMac { .. } => "block_mac",
             Error::Io(_) => "io",
         }
     }
@@ -181,7 +209,33 @@ impl Error {
             | Error::BadV1Payload(_)
             | Error::Changed
             | Error::MacMismatch
-            | Error::BadFrame { .. } => "payload",
+            | Error::BadFrame { .. }
+            | Error::BlockTable(_) => "payload",
+            Error::BlockMissing { .. }
+            | Error::BlockCorrupt { .. }
+            | Error::BlockShort { .. }
+            | Error::BlockName { .. }
+            | Error::BlockAbi { .. }
+            | Error::BlockChecksum { .. }
+            | Error::BlockMacMissing { .. }
+            | Error::BlockMac { .. } => "block",
+        }
+    }
+
+    /// The block file a block error is about: its name in hex (empty for a
+    /// block table); None for every other error.
+    pub fn block(&self) -> Option<&str> {
+        match self {
+            Error::BlockMissing { block, .. }
+            | Error::BlockCorrupt { block, .. }
+            | Error::BlockShort { block, .. }
+            | Error::BlockName { block, .. }
+            | Error::BlockAbi { block, .. }
+            | Error::BlockChecksum { block, .. }
+            | Error::BlockMacMissing { block }
+            | Error::BlockMac { block } => Some(block),
+            Error::BlockTable(_) => Some(""),
+            _ => None,
         }
     }
 

@@ -1,8 +1,10 @@
 //! ds4 core: the checkpoint format (v2 written and read, ds4's v1 read), the
 //! verification pipeline, SHA-1 and prefix helpers, zero-copy payload reads
-//! and durable writes. Pure Rust: builds, tests, benches and fuzzes without
-//! Python. The `PyO3` glue lives in `py/` behind the `python` feature.
+//! and durable writes, and the content-addressed KV block files (`blocks`).
+//! Pure Rust: builds, tests, benches and fuzzes without Python. The `PyO3`
+//! glue lives in `py/` behind the `python` feature.
 
+pub mod blocks;
 pub mod decode;
 pub mod error;
 pub mod format;

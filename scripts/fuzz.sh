@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs each cargo-fuzz target (parse, roundtrip) for SECONDS seconds (default 60).
+# Runs each cargo-fuzz target (parse, roundtrip, blocks) for SECONDS seconds (default 60).
 #
 #   scripts/fuzz.sh [SECONDS] [extra libFuzzer args...]
 #
@@ -25,7 +25,7 @@ scratch="$(mktemp -d -p /dev/shm ds4-fuzz.XXXXXX 2>/dev/null || mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 export DS4_FUZZ_SCRATCH="$scratch"
 status=0
-for target in parse roundtrip; do
+for target in parse roundtrip blocks; do
     echo "== fuzz target $target for ${secs}s"
     if ! cargo fuzz run "$target" -- -max_total_time="$secs" -print_final_stats=1 "$@"; then
         echo "!! $target found a failure; see fuzz/artifacts/$target/" >&2

@@ -3,8 +3,9 @@
 from collections.abc import Sequence
 from os import PathLike
 from pathlib import Path
-from typing import final
+from typing import Any, TypedDict, final
 
+import numpy as np
 from typing_extensions import Buffer
 
 __all__ = [
@@ -16,18 +17,27 @@ __all__ = [
     "Prefixes",
     "StoreIndex",
     "__version__",
+    "block_names",
+    "block_root",
+    "block_table",
     "common_prefix_len",
     "common_token_prefix",
     "derive_auth_key",
     "is_byte_prefix",
     "model_tag",
     "namespace_of",
+    "open_blocks",
     "open_checkpoint",
+    "read_block_header",
+    "read_block_table",
     "sha1_hex",
     "sha1_prefixes",
     "sync_dir",
     "touch",
+    "verify_block",
+    "write_block",
     "write_checkpoint",
+    "xxh3_64",
 ]
 
 __version__: str
@@ -81,6 +91,37 @@ def open_checkpoint(
 def derive_auth_key(secret: Buffer) -> bytes: ...
 def touch(path: _Path, now: int) -> int: ...
 def sync_dir(path: _Path) -> None: ...
+
+# -- KV block files and block tables (docs/FORMAT.md §7; rust/py/block.rs) --
+
+# Any C-contiguous buffer; a numpy array too (numpy declares __buffer__ for
+# type checkers only from Python 3.12 on).
+_Bytes = Buffer | np.ndarray[Any, Any]
+# A C-contiguous int32 buffer: a numpy int32 array.
+_Int32s = Buffer | np.ndarray[Any, np.dtype[np.int32]]
+
+class _BlockHeader(TypedDict):
+    """What ``read_block_header`` and ``verify_block`` return."""
+
+    name: str  # 64 hex digits
+    n_tokens: int
+    payload_len: int
+    checksum: int  # xxh3-64 of the payload
+    authenticated: bool  # a MAC trailer follows the payload
+    abi_tag: str  # 16 hex digits: the model tag of the payload ABI
+    file_len: int
+
+def xxh3_64(data: _Bytes) -> int: ...
+def block_root(abi: str, namespace: Buffer) -> bytes: ...
+def block_names(root: Buffer, tokens: _Int32s, block_tokens: int, abi: str) -> list[bytes]: ...
+def write_block(
+    dir: _Path, name: Buffer, n_tokens: int, abi: str, payload: _Bytes, auth_key: bytes | None = None
+) -> tuple[int, int]: ...
+def block_table(block_tokens: int, records: Sequence[tuple[bytes, int, int, int]]) -> bytes: ...
+def read_block_table(table: _Bytes) -> tuple[int, list[tuple[bytes, int, int, int]]]: ...
+def open_blocks(dir: _Path, table: _Bytes, abi: str, auth_key: bytes | None = None, threads: int = 2) -> bytes: ...
+def read_block_header(path: _Path) -> _BlockHeader: ...
+def verify_block(path: _Path, abi: str | None = None, auth_key: bytes | None = None) -> _BlockHeader: ...
 
 @final
 class PayloadView:

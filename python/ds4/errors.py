@@ -3,7 +3,7 @@
 Every failure a checkpoint can have is a subclass of :class:`CheckpointError`
 with a stable ``code`` (a short snake_case string that never changes between
 releases) and the ``stage`` of the verification pipeline that raised it
-(``open``, ``header``, ``text``, ``payload`` or ``engine``).
+(``open``, ``header``, ``text``, ``payload``, ``engine``; ``block``: a KV block file).
 
 The *class* of a failure decides what recovery does with the file:
 
@@ -32,6 +32,7 @@ __all__ = [
     "BadNameError",
     "BadPaddingError",
     "BadV1PayloadError",
+    "BlockError",
     "ChatTemplateError",
     "ChatTemplateSegmentsError",
     "CheckpointChangedError",
@@ -100,20 +101,19 @@ class CheckpointError(Ds4Error, ValueError):
     stage: str = "open"
     kind: str = "corrupt"
 
-    def __init__(self, reason: str = "", *, path: str | None = None, stage: str | None = None):
+    def __init__(self, reason: str = "", *, path: str | None = None, stage: str | None = None, code: str = ""):
+        self.code = code or self.code  # per instance: BlockError has many codes, a stage may depend on one
+        self.stage = stage or getattr(self, "stages", {}).get(self.code, self.stage)
         self.reason = reason or (self.__class__.__doc__ or self.code).strip().splitlines()[0]
-        self.path = path
-        if stage is not None:
-            self.stage = stage
-        where = f" [{path}]" if path else ""
+        self.path, where = path, f" [{path}]" if path else ""
         super().__init__(f"{self.code} (stage {self.stage}): {self.reason}{where}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.__class__, self.reason, self.path, self.stage))
+        return (_rebuild, (self.__class__, self.reason, self.path, self.stage, self.code), self.__dict__)
 
 
-def _rebuild(cls: type[CheckpointError], reason: str, path: str | None, stage: str) -> CheckpointError:
-    return cls(reason, path=path, stage=stage)
+def _rebuild(cls: type[CheckpointError], reason: str, path: str | None, stage: str, code: str = "") -> CheckpointError:
+    return cls(reason, path=path, stage=stage, code=code)
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -162,6 +162,13 @@ class RemoteChunkError(CorruptCheckpointError):
     """A remote checkpoint's payload chunk is missing, truncated or does not match its manifest."""
 
     code, stage = "remote_chunk", "payload"
+
+
+class BlockError(CorruptCheckpointError):
+    """A KV block file (FORMAT.md §7) is missing, damaged, forged, or not the block its name says."""
+
+    code, stage, block, stages = "block_corrupt", "block", "", {"block_table": "payload"}  # block: the hex name
+    codes = "block_table block_missing block_corrupt block_short block_name block_abi block_checksum block_mac_missing block_mac"
 
 
 # -- open ------------------------------------------------------------------
@@ -480,7 +487,7 @@ def _all_checkpoint_classes() -> dict[str, type[CheckpointError]]:
         c = stack.pop()
         stack.extend(c.__subclasses__())
         if "code" in c.__dict__ and c is not CheckpointError:  # concrete classes only
-            out[c.code] = c
+            out.update(dict.fromkeys(c.__dict__.get("codes", c.code).split(), c))
     return out
 
 
@@ -488,7 +495,6 @@ def _all_checkpoint_classes() -> dict[str, type[CheckpointError]]:
 ERROR_CODES = _all_checkpoint_classes()
 
 
-def from_core(code: str, message: str, path: str | None = None) -> CheckpointError:
-    """Build the exception for an error ``code`` reported by the Rust core."""
-    cls = ERROR_CODES.get(code, CorruptCheckpointError)
-    return cls(message, path=path)
+def from_core(code: str, message: str, path: str | None = None, stage: str | None = None) -> CheckpointError:
+    """Build the exception for an error ``code`` reported by the Rust core (at its ``stage``)."""
+    return ERROR_CODES.get(code, CorruptCheckpointError)(message, path=path, stage=stage, code=code)

@@ -1,4 +1,6 @@
-//! The checkpoint file format: v2 (written and read) and ds4's v1 (read).
+//! The checkpoint file format: v2 (written and read) and ds4's v1 (read);
+//! the KV block files and a manifest's block table ([`block`],
+//! [`block_table`]).
 //!
 //! The byte layout is documented in docs/FORMAT.md; the constants here are
 //! the source of truth for it. This module holds the types and constants
@@ -8,6 +10,8 @@
 //! arithmetic and taken with `.get()`.
 #![deny(clippy::indexing_slicing)]
 
+pub mod block;
+pub mod block_table;
 pub(crate) mod bytes;
 pub mod mac;
 pub mod meta;

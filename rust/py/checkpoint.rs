@@ -168,7 +168,7 @@ fn raw_bound(most: Option<u64>, state: Option<(u64, u64)>) -> Option<RawBound> {
 }
 
 /// A MAC key passed from Python: exactly 32 bytes (`derive_auth_key`'s output).
-fn mac_key(b: &[u8]) -> PyResult<MacKey> {
+pub(super) fn mac_key(b: &[u8]) -> PyResult<MacKey> {
     <MacKey>::try_from(b).map_err(|_| {
         PyValueError::new_err(format!(
             "auth_key must be 32 bytes (from derive_auth_key), not {}",

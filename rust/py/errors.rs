@@ -6,8 +6,9 @@ use pyo3::prelude::*;
 use std::path::Path;
 
 /// Turns a core error into the matching `ds4.errors` exception (built by
-/// `ds4.errors.from_core` from the error's code and message), or into an
-/// `OSError` carrying errno and path for an operating-system error.
+/// `ds4.errors.from_core` from the error's code, message, path and stage),
+/// or into an `OSError` carrying errno and path for an operating-system
+/// error.
 pub(super) fn to_pyerr(py: Python<'_>, e: Error, path: Option<&Path>) -> PyErr {
     if let Error::Io(io) = e {
         return match (path, io.raw_os_error()) {
@@ -17,14 +18,19 @@ pub(super) fn to_pyerr(py: Python<'_>, e: Error, path: Option<&Path>) -> PyErr {
             _ => PyErr::from(io),
         };
     }
-    let code = e.code();
+    let (code, stage) = (e.code(), e.stage());
     let msg = e.to_string();
     let p = path.map(|p| p.display().to_string());
-    match py
+    let exc = py
         .import("ds4.errors")
         .and_then(|m| m.getattr("from_core"))
-        .and_then(|f| f.call1((code, msg, p)))
-    {
+        .and_then(|f| f.call1((code, msg, p, stage)));
+    // A block error names its block (`BlockError.block`: hex, "" for a table).
+    let exc = match (exc, e.block()) {
+        (Ok(exc), Some(b)) => exc.setattr("block", b).map(|()| exc),
+        (exc, _) => exc,
+    };
+    match exc {
         Ok(exc) => PyErr::from_value(exc),
         Err(err) => err,
     }

@@ -11,6 +11,7 @@
 // `Bound`); the signatures are the Python API, not a borrowing choice.
 #![allow(clippy::needless_pass_by_value)]
 
+mod block;
 mod buffer;
 mod checkpoint;
 mod errors;
@@ -21,6 +22,11 @@ use pyo3::prelude::*;
 
 #[pymodule(gil_used = false)]
 mod _core {
+    #[pymodule_export]
+    use super::block::{
+        block_names, block_root, block_table, open_blocks, read_block_header, read_block_table,
+        verify_block, write_block, xxh3_64,
+    };
     #[pymodule_export]
     use super::buffer::PayloadView;
     #[pymodule_export]

@@ -7,6 +7,8 @@
 //! them the crash inputs kept as `seed-crash-*`, and whatever a local fuzz
 //! run added) and `fuzz/artifacts/<target>/*` (crashes of a local run).
 
+#[path = "../../fuzz/fuzz_targets/blocks_check.rs"]
+mod blocks_check;
 #[path = "../../fuzz/fuzz_targets/parse_check.rs"]
 mod parse_check;
 #[path = "../../fuzz/fuzz_targets/roundtrip_check.rs"]
@@ -58,4 +60,9 @@ fn every_parse_seed_and_crash_input_replays() {
 #[test]
 fn every_roundtrip_seed_and_crash_input_replays() {
     assert!(replay("roundtrip", roundtrip_check::check) >= 4);
+}
+
+#[test]
+fn every_blocks_seed_and_crash_input_replays() {
+    assert!(replay("blocks", blocks_check::check) >= 3);
 }
