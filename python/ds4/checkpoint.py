@@ -178,6 +178,21 @@ class Checkpoint:
         check_tokens(arrays, self._core.tokens)
         return arrays
 
+    def joined(self, arrays: dict[str, np.ndarray]) -> Checkpoint:
+        """This checkpoint with ``arrays`` as its payload: a manifest's state
+        joined from its verified blocks (:mod:`ds4.kvstore.blocks`); the
+        header, text, lease and checks stay the manifest's."""
+        return _Joined(self._core, arrays)
+
+
+class _Joined(Checkpoint):
+    def __init__(self, core: _core.Checkpoint, arrays: dict[str, np.ndarray]):
+        super().__init__(core)
+        self._joined = arrays
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return dict(self._joined)
+
 
 def check_tokens(arrays: Mapping[str, np.ndarray], n_tokens: int) -> np.ndarray:
     """The payload's ``tokens`` tensor, checked against the header: int32,

@@ -170,6 +170,21 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         "same checkpoint (a reload loop); 0: never (default 512)",
     )
     g.add_argument(
+        "--kv-blocks",
+        choices=("on", "off"),
+        default="off",
+        help="on: a checkpoint's append-only state (attention K/V) goes into block files shared by every checkpoint "
+        "of the same tokens, the checkpoint a manifest naming them, so a conversation saved each turn writes each "
+        "token's state once; off: one file per checkpoint (default off; not with --kv-remote)",
+    )
+    g.add_argument(
+        "--kv-block-tokens",
+        type=int,
+        default=StorePolicy.block_tokens,
+        metavar="N",
+        help="tokens per block, rounded up to the engine's batch granule (default 64)",
+    )
+    g.add_argument(
         "--kv-cache-boundary-trim-tokens", type=int, default=32, metavar="N", help="cold save tail trim (default 32)"
     )
     g.add_argument(
@@ -295,6 +310,8 @@ def check_kv_args(args: argparse.Namespace) -> str | None:
         return "--kv-cache-continued-interval-tokens must be >= 1"
     if getattr(args, "kv_frontier_tokens", 0) < 0:
         return "--kv-frontier-tokens must be >= 0"
+    if getattr(args, "kv_block_tokens", 1) < 1:
+        return "--kv-block-tokens must be >= 1"
     if args.kv_cache_boundary_trim_tokens < 0 or args.kv_cache_boundary_align_tokens < 0:
         return "boundary trim and align must be >= 0"
     if args.kv_disk_space_mb <= 0:
@@ -383,6 +400,8 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         fresh_guard_s=getattr(args, "kv_fresh_guard_s", 60.0),
         codec=getattr(args, "kv_codec", "none"),
         codec_level=getattr(args, "kv_codec_level", 1),
+        blocks=getattr(args, "kv_blocks", "off") == "on" and not getattr(args, "kv_remote", None),
+        block_tokens=getattr(args, "kv_block_tokens", StorePolicy.block_tokens),
     )
     return KVStore(
         os.path.expanduser(args.kv_disk_dir),

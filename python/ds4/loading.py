@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 
 from .checkpoint import open_checkpoint
-from .errors import CheckpointError, CorruptCheckpointError, ImportFailedError
+from .errors import BlockError, CheckpointError, CorruptCheckpointError, ImportFailedError
 from .kvstore import Candidates, Entry, KVStore, LoadResult, Matches, RejectionLog, loads
 from .kvstore.entries import NamedLoad
 from .kvstore.files import NOT_REGULAR, StatKey, checkpoint_name, is_checkpoint_name, legacy_name, stat_key
@@ -160,9 +160,16 @@ def load_named(store: KVStore, sess: Session, sha: str, text: bytes, *, exact: b
         )
         if exact and ck.text != text:
             return NamedLoad("missing")  # a longer checkpoint is not this text's
-        sess.load_checkpoint(ck)
+        sess.load_checkpoint(store.blocks.assemble(ck, sess.engine))
     except FileNotFoundError:
         return NamedLoad("missing")
+    except BlockError as e:  # one of its blocks: that block goes (when damaged), the manifest stays
+        sess.invalidate(f"checkpoint {name}: {e.code}")
+        if e.code != "block_table":
+            store.blocks.refused(e)
+            return NamedLoad("unusable", error=e)
+        store.discard(path, e, "named load", judged)
+        return NamedLoad("corrupt", error=e)
     except CorruptCheckpointError as e:
         if e.code == NOT_REGULAR:  # not ours to judge: kept, like any unusable file
             sess.invalidate(f"unusable checkpoint {name}")

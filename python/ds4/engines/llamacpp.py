@@ -87,7 +87,7 @@ from .llamacpp_lib import (
 )
 from .llamacpp_owner import Idle, padded, step_rows
 from .llamacpp_probe import CANDIDATES, Memory, Probe, pads_needed, probe_engine
-from .llamacpp_state import StateLayout
+from .llamacpp_state import StateLayout, engine_block_layout
 
 log = logging.getLogger("ds4.engines.llamacpp")
 
@@ -446,6 +446,8 @@ class LlamaCppEngine:
     #: whether this build's batched steps are exact (checked at the first
     #: :meth:`batched_contexts`)
     batched_ok: bool | None = None
+    #: a state's append-only part as blocks (:mod:`ds4.blocks`), their size a multiple of this granule
+    block_layout, block_granule = engine_block_layout, property(lambda self: self.batch_multiple)
 
     @property
     def can_copy_prefix(self) -> bool:

@@ -56,6 +56,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..blocks import ArrayRuns, Run
 from ..errors import EngineStateError
 from .llamacpp_blob import _MAX_LAYERS, _MAX_ROW, _i32, _Reader, _u32, _u64
 from .llamacpp_recurrent import RecurrentLayout, _learn_recurrent, _recurrent
@@ -426,3 +427,38 @@ def restream(blob: np.ndarray, layout: StateLayout, *, seq: tuple[int, int], to:
     if r.off != r.size:
         raise EngineStateError(f"llama_state has {r.size - r.off} trailing bytes")
     return np.concatenate(parts)
+
+
+# -- blocks ----------------------------------------------------------------------
+def block_runs(layout: StateLayout, n_tokens: int) -> ArrayRuns:
+    """The append-only runs of a state blob of ``n_tokens`` (:mod:`ds4.blocks`):
+    every layer's K rows and V rows (or a transposed V's columns: ``width``
+    rows of ``element`` bytes a token) of each cache that keeps every
+    position. A window's cache, the cell tables, the headers and the
+    recurrent part stay in the residue."""
+    n, off, runs = int(n_tokens), 8, []
+    for c in layout.caches:
+        cells = c.cells(n)
+        off += 8 + 12 * cells + 8
+        for _, row in c.k:
+            off += 12
+            if not c.n_swa:
+                runs.append(Run(off, 1, row))
+            off += row * cells
+        for vh in c.v:
+            off += 12
+            rows, unit = (vh[2], vh[1]) if c.v_trans else (1, vh[1])
+            if not c.n_swa:
+                runs.append(Run(off, rows, unit))
+            off += rows * unit * cells
+    return ArrayRuns("|u1", (layout.size(n),), tuple(runs))
+
+
+def engine_block_layout(engine: object, n_tokens: int) -> dict[str, ArrayRuns] | None:
+    """An exact engine's block layout (its states are a function of the
+    tokens, whatever the prompt's split); None for any other."""
+    layout = getattr(engine, "state_layout", None)
+    if layout is None or not getattr(engine, "exact_verified", False) or not getattr(engine, "checkpoints_ok", False):
+        return None
+    runs = block_runs(layout, n_tokens)
+    return {"llama_state": runs} if runs.runs else None

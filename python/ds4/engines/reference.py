@@ -65,6 +65,7 @@ from typing import Any
 
 import numpy as np
 
+from ..blocks import layer_rows_layout
 from ..engine import as_token_array
 from ..errors import ContextOverflowError, EngineError, EngineStateError
 from ._blas import blas_threads
@@ -102,6 +103,7 @@ class ReferenceEngine(ByteTokenizer):
     """A deterministic NumPy transformer (see the module docstring)."""
 
     name = "reference"
+    block_layout = layer_rows_layout  # ds4.blocks: every full layer's K and V rows
 
     def __init__(
         self,

@@ -11,12 +11,10 @@
   its header, never by hashing its text; a damaged, foreign or missing index
   file is rebuilt from the headers. The index only proposes candidates:
   every load runs the whole verification pipeline (:mod:`.indexed`).
-* In a running store the directory is rescanned only when its mtime changes
-  (another process added, replaced or removed a file), and only new or
-  changed files are re-read.
-* Lookup is one call into the core, the GIL released: 8-byte text tails
-  filter the entries longest first, one SHA-1 pass finds the best match,
-  and the next ones are found only when the ladder asks (:class:`Matches`).
+  A running store rescans only when the directory's mtime changes.
+* Lookup is one call into the core, the GIL released (:class:`Matches`).
+* With ``StorePolicy.blocks``, a checkpoint's append-only state goes into
+  shared block files and the checkpoint is a manifest naming them (:mod:`.blocks`).
 * Candidates are tried longest first by the ladder
   (:func:`ds4.recovery.load_first`, the one place a session is loaded from
   here); the store's verdict on one that fails (:mod:`.loads`): a corrupt
@@ -30,16 +28,12 @@
   supersedes the continued snapshots of its prefixes (:func:`.save.supersede`). With
   ``tenant_share`` F < 1, a tenant over F of the budget loses its own
   files first (:func:`.entries.plan_eviction`).
-* Temp files left by crashed writers (dead pid, or older than an hour) and
-  files whose header is corrupt are removed on refresh, so nothing leaks
-  outside the budget.
+* Crashed writers' temp files and files whose header is corrupt are removed
+  on refresh, blocks no manifest names at eviction: nothing leaks outside the budget.
 * Stores, evictions, discards and removals take an exclusive ``flock`` on
-  ``.ds4.lock`` in the directory, so several processes can share one
-  directory. No other module removes a checkpoint or knows the file names.
-* With ``remote=`` (a Redis URL, :mod:`.remote`), a shared second tier: a
-  lookup also asks it, a remote checkpoint longer than every local one is
-  downloaded into a temp file here, verified, renamed and handed to the
-  ladder as a local file; every local store is queued for upload.
+  ``.ds4.lock``: processes share a directory. No other module removes a checkpoint.
+* With ``remote=`` (a Redis URL, :mod:`.remote`), a shared second tier a
+  lookup also asks; every local store is queued for upload (:mod:`.tiered`).
 """
 
 from __future__ import annotations
@@ -57,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _core
 from ..errors import CheckpointError
 from ..errors import StoreError as StoreError  # what opening a store raises (re-exported)
+from .blocks import BlockStore
 from .counters import Counted, Counters, merged
 from .entries import (
     HALF_LIFE_S,
@@ -192,6 +187,8 @@ class KVStore:
         #: the shared tier (None: this directory only)
         self.remote = remote
         self._lock = DirLock(self.dir, trust_dir)
+        #: the shared block files and which manifest names which (:mod:`.blocks`)
+        self.blocks = BlockStore(self.dir, auth_key)
         # small JSON records (stored Responses) in records/: at most 1 % of
         # the budget, and counted in it (eviction makes room for them)
         self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
@@ -254,7 +251,7 @@ class KVStore:
         return [Entry.from_row(self.dir, row) for row in self.index.idx.entries()]
 
     def total_bytes(self) -> int:
-        return self.index.idx.total_bytes()
+        return self.index.idx.total_bytes() + self.blocks.total_bytes()
 
     @property
     def stats(self) -> dict[str, int]:
@@ -484,13 +481,20 @@ class KVStore:
     def evict_locked(self, protect: str | None) -> list[str]:
         """Evict down to the budget, the caller holding :meth:`locked`
         (``protect``: a name that stays); the names removed."""
-        self.refresh(force=True)
-        victims = self.plan_evict(self._entries(), protect)
-        for victim in victims:
-            self.index.forget(victim.name)
-        removed = evict_entries(self.dir, victims)
-        self.counters["evictions"] += len(removed)
-        if removed:
-            _core.sync_dir(self.dir)
-            self.index.stale()
-        return removed
+        removed: list[str] = []
+        while True:  # again while shared blocks freed less than their manifests' shares
+            self.refresh(force=True)
+            entries = self.blocks.charge(self._entries())  # a block counted once, shared among its manifests
+            victims = self.plan_evict(entries, protect)
+            for victim in victims:
+                self.index.forget(victim.name)
+                self.blocks.forget(victim.name)
+            gone = evict_entries(self.dir, victims)
+            self.counters["evictions"] += len(gone)
+            if gone:
+                _core.sync_dir(self.dir)
+                self.index.stale()
+            removed += gone
+            self.blocks.remove(self.blocks.unreferenced(e for e in entries if e.name not in set(gone)), "orphans")
+            if not gone or not len(self.blocks):
+                return removed

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .. import _core
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import BlockError, CheckpointError, CorruptCheckpointError
 from .entries import Entry, LoadResult
 from .files import NOT_REGULAR, StatKey, stat_key
 from .rejection import Refusal, Rejection, import_failure, rejection_of
@@ -47,7 +47,7 @@ def open_for(store: KVStore, sess: Session, path: str, prompt: bytes, *, check_n
     declares more than the whole budget (a save over it is skipped: no
     such file is this store's). A download (another replica's, whose
     budget may be larger) is held to the engine's bound only."""
-    return open_checkpoint(
+    ck = open_checkpoint(
         path,
         prompt=prompt,
         check_name=check_name,
@@ -60,6 +60,7 @@ def open_for(store: KVStore, sess: Session, path: str, prompt: bytes, *, check_n
         state_bytes=_state_bound(sess.engine),
         max_raw_bytes=store.policy.budget_bytes if check_name else None,
     )
+    return store.blocks.assemble(ck, sess.engine)  # a manifest: its blocks verified and joined (:mod:`.blocks`)
 
 
 def version_of(e: Entry) -> StatKey:
@@ -80,6 +81,9 @@ def refuse(store: KVStore, e: Entry, err: Exception, judged: StatKey | None) -> 
     store.counters["rejected"] += 1
     if isinstance(err, OSError):  # unreadable (permissions, I/O): a typed rejection; skipped and kept
         return Refusal(Rejection(e.path, "open", "unreadable", err.strerror or type(err).__name__))
+    if isinstance(err, BlockError) and err.code != "block_table":  # a block of the manifest, not the manifest
+        store.blocks.refused(err)
+        return Refusal(rejection_of(err.path or e.path, err), f"block {err.block[:12]} of {e.name} refused")
     if isinstance(err, CheckpointError):
         rej = rejection_of(e.path, err)
         if isinstance(err, CorruptCheckpointError) and err.code != NOT_REGULAR:

@@ -61,6 +61,11 @@ class StorePolicy:
     #: ``codec_level``; BENCHMARKS.md §14 for why "none" is the default)
     codec: str = "none"
     codec_level: int = 1
+    #: a checkpoint's append-only state in shared block files of this many
+    #: tokens (rounded up to the engine's batch granule), the checkpoint a
+    #: manifest naming them (:mod:`.blocks`; False: one file each, as before)
+    blocks: bool = False
+    block_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.codec not in ("none", "zstd"):
@@ -71,6 +76,8 @@ class StorePolicy:
             raise ValueError(f"tenant_share must be in (0, 1], not {self.tenant_share!r}")
         if not self.explicit_weight >= 1.0:
             raise ValueError(f"explicit_weight must be >= 1, not {self.explicit_weight!r}")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, not {self.block_tokens!r}")
         if self.frontier_tokens < 0:
             raise ValueError(f"frontier_tokens must be >= 0, not {self.frontier_tokens!r}")
         if not self.fresh_guard_s >= 0.0:

@@ -24,6 +24,7 @@ from ..errors import (
     StoreError,
     StoreFullError,
 )
+from .blocks import MANIFEST_FLAG, TABLE_TENSOR, split_session
 from .entries import Entry, text_namespace
 from .files import NOT_REGULAR, StatKey, checkpoint_name, legacy_name, stat_key
 from .remove import evict_entries
@@ -38,6 +39,8 @@ from .skips import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..checkpoint import Checkpoint
     from ..session import Session
     from . import KVStore
@@ -94,14 +97,19 @@ def write_live(
     *,
     codec: str = "none",
     level: int = 1,
+    arrays: dict[str, np.ndarray] | None = None,
+    flags: int = 0,
+    more: int = 0,
 ) -> int | SaveSkip:
-    """Export ``sess`` and write it durably to ``path`` under ``text`` (with
-    a MAC when ``auth_key`` is given; its payload compressed when ``codec``
-    is ``"zstd"``: a v3 file); returns the file size, or an ``over_budget``
-    skip when the estimate does not fit ``budget_bytes``. Disk full is
-    :class:`ds4.errors.StoreFullError`."""
-    arrays = sess.export_arrays()
-    est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays)
+    """Export ``sess`` (or take its exported ``arrays``) and write it
+    durably to ``path`` under ``text`` (with a MAC when ``auth_key`` is
+    given; its payload compressed when ``codec`` is ``"zstd"``: a v3 file;
+    ``flags``: the header's); returns the file size, or an ``over_budget``
+    skip when the estimate (plus ``more`` bytes written beside it) does not
+    fit ``budget_bytes``. Disk full is :class:`ds4.errors.StoreFullError`."""
+    if arrays is None:
+        arrays = sess.export_arrays()
+    est = sum(a.nbytes for a in arrays.values()) + len(text) + 4096 + 64 * len(arrays) + more
     if est + est // 100 > budget_bytes:
         detail = f"estimated file size {est / 2**20:.1f} MiB exceeds the budget of {budget_bytes / 2**20:.1f} MiB"
         log.warning("kv cache store skipped reason=%s: %s", reason, detail)
@@ -119,11 +127,43 @@ def write_live(
             auth_key=auth_key,
             codec=codec,
             level=level,
+            flags=flags,
         )
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StoreFullError(e.errno, f"disk full while storing checkpoint: {e.strerror}", path) from e
         raise StoreError(e.errno, f"cannot store checkpoint: {e.strerror}", path) from e
+
+
+def write_state(store: KVStore, path: str, sess: Session, text: bytes, reason: str) -> int | SaveSkip:
+    """:func:`write_live` with the store's knobs: with ``blocks`` on and an
+    engine that names its state's append-only part, the blocks the
+    directory lacks and then the manifest (:mod:`.blocks`), else one file
+    (always with a shared tier: it moves whole files)."""
+    pol, budget, key = store.policy, store.budget_bytes, store.auth_key
+    arrays = sess.export_arrays()
+    sp = split_session(sess, arrays, pol.block_tokens) if pol.blocks and store.remote is None else None
+    got = store.blocks.write(sp, sess.payload_abi) if sp is not None and sp.nbytes() <= budget else None
+    if sp is None or got is None:
+        return write_live(path, sess, text, reason, budget, key, codec=pol.codec, level=pol.codec_level, arrays=arrays)
+    import numpy as np
+
+    residue = {**sp.residue, TABLE_TENSOR: np.frombuffer(got[0], np.uint8)}
+    size = write_live(
+        path,
+        sess,
+        text,
+        reason,
+        budget,
+        key,
+        codec=pol.codec,
+        level=pol.codec_level,
+        arrays=residue,
+        flags=MANIFEST_FLAG,
+    )
+    if not isinstance(size, SaveSkip):
+        store.blocks.note(os.path.basename(path), [n.hex() for n in sp.names])
+    return size
 
 
 def existing_file(
@@ -199,10 +239,7 @@ def store_live(
         if existing == "foreign":
             detail = f"{name[:12]} is held by a file this engine cannot load, another model's (kept)"
             return _skipped(reason, NAME_HELD_BY_OTHER_MODEL, detail)
-        pol = store.policy
-        size = write_live(
-            path, sess, text, reason, store.budget_bytes, store.auth_key, codec=pol.codec, level=pol.codec_level
-        )
+        size = write_state(store, path, sess, text, reason)
         if isinstance(size, SaveSkip):
             return size
         store.counters["stores"] += 1

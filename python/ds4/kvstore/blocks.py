@@ -1,0 +1,310 @@
+"""The store's shared blocks (docs/DESIGN.md, "Blocks"; docs/FORMAT.md §7).
+
+With ``StorePolicy.blocks`` a checkpoint of an engine that names its
+state's append-only part (:mod:`ds4.blocks`) is written as a *manifest*:
+a checkpoint file as any other (its key text, header, checksum and MAC),
+whose payload holds the residue of the state and the ``ds4.blocks``
+table, flagged in its header (:data:`MANIFEST_FLAG`); the blocks are
+files of their own in ``blocks/``, each named by the chained digest of
+the tokens up to its end (seeded with the payload ABI and the key text's
+namespace), so two checkpoints of one prefix share its blocks. A save
+writes only the blocks the directory lacks (each fsynced, then the
+directory once), then the manifest, whose atomic rename is the commit
+point: a crash leaves at most blocks no manifest names, which the next
+eviction or ``ds4 kv gc`` removes.
+
+A load opens every block the table names through the core
+(``_core.open_blocks``: the table against the manifest's own tokens, then
+each block's header, name, ABI tag, size, checksum and, with a key, MAC,
+on up to two threads) before the session is touched; one that fails is a
+:class:`~ds4.errors.BlockError` (stage ``block``): the block is removed
+when it is damaged, the manifest kept (a later save of the same tokens
+writes the block again and makes it whole), and the ladder goes on.
+
+:class:`BlockStore` keeps which manifest names which blocks (read from a
+manifest's table when it is written, loaded or first seen), their sizes,
+and counts a block once in the store's bytes: each manifest is charged its
+own file and an equal share of every block it names, so the eviction
+order and the budget see unique bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .. import _core
+from ..checkpoint import Checkpoint, check_tokens, open_checkpoint
+from ..errors import BlockError, CheckpointError, EngineStateError
+from .entries import Entry, text_namespace
+from .files import TMP_MAX_AGE_S, temp_is_orphaned
+
+if TYPE_CHECKING:  # numpy and ds4.blocks are imported by a save or a load (a lookup needs neither)
+    import numpy as np
+
+    from ..session import Session
+
+log = logging.getLogger("ds4.kvstore")
+
+__all__ = ["BLOCKS_DIR", "MANIFEST_FLAG", "TABLE_TENSOR", "BlockStore", "Split", "split_session"]
+
+#: the subdirectory of the store's directory that holds the block files
+BLOCKS_DIR = "blocks"
+#: the payload tensor of a manifest that lists its blocks
+TABLE_TENSOR = "ds4.blocks"
+#: header flag (byte 6) of a manifest: its state's append-only part is in blocks
+MANIFEST_FLAG = 0x08
+_SUFFIX = ".kvb"
+
+
+def _root(abi: str, text: bytes) -> bytes:
+    ns = text_namespace(text)
+    return _core.block_root(abi, b"" if ns is None else ns.encode("utf-8"))
+
+
+class Split:
+    """A live session's state cut into blocks for a save: the blocks'
+    names and payloads, and the residue arrays the manifest holds."""
+
+    def __init__(self, names: list[bytes], payloads: list[np.ndarray], residue: dict[str, np.ndarray], block: int):
+        self.names, self.payloads, self.residue, self.block = names, payloads, residue, block
+
+    def nbytes(self) -> int:
+        """The bytes of the blocks and the residue together."""
+        return sum(p.nbytes for p in self.payloads) + sum(a.nbytes for a in self.residue.values())
+
+
+def split_session(sess: Session, arrays: dict[str, np.ndarray], wanted: int) -> Split | None:
+    """``arrays`` (``sess``'s export) as blocks of ``wanted`` tokens (rounded
+    to the engine's granule), or None when the engine names no append-only
+    part or the state is shorter than one block."""
+    from ..blocks import block_layout, block_tokens_for, split
+
+    n = sess.n_past
+    block = block_tokens_for(sess.engine, wanted)
+    layout = block_layout(sess.engine, n) if n >= block else None
+    if layout is None:
+        return None
+    payloads, residue = split(arrays, layout, n, block)
+    names = _core.block_names(_root(sess.payload_abi, sess.key_bytes()), arrays["tokens"], block, sess.payload_abi)
+    if len(names) != len(payloads):
+        raise EngineStateError(f"{len(names)} block names for {len(payloads)} blocks")
+    return Split(names, payloads, residue, block)
+
+
+class BlockStore:
+    """The ``blocks/`` directory of one store, and which manifest names
+    which block. Every method that changes files runs under the store's
+    lock (the caller holds it)."""
+
+    def __init__(self, root: str, auth_key: bytes | None):
+        self.dir = os.path.join(root, BLOCKS_DIR)
+        self.auth_key = auth_key
+        self._sizes: dict[str, int] = {}  # block (hex) -> file bytes
+        self._refs: dict[str, tuple[str, ...]] = {}  # manifest name -> its blocks (hex), () for a single file
+        self._users: collections.Counter[str] = collections.Counter()
+        self._listed = False
+        #: block files written and their bytes, blocks a save found present,
+        #: present blocks whose bytes differed, corrupt and orphaned ones removed
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    # -- the directory ---------------------------------------------------------
+    def _list(self) -> None:
+        if self._listed:
+            return
+        self._listed = True
+        try:
+            it = os.scandir(self.dir)
+        except FileNotFoundError:
+            return
+        now = time.time()
+        with it:
+            for de in it:
+                if de.name.endswith(_SUFFIX) and len(de.name) == 64 + len(_SUFFIX):
+                    try:
+                        st = de.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        self._sizes[de.name[:64]] = st.st_size
+                elif ".kvb.tmp." in de.name:
+                    self._drop_temp(de.path, now)
+
+    @staticmethod
+    def _drop_temp(path: str, now: float) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(st.st_mode) and temp_is_orphaned(os.path.basename(path), st.st_mtime, now, TMP_MAX_AGE_S):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def path(self, hexname: str) -> str:
+        return os.path.join(self.dir, hexname + _SUFFIX)
+
+    def total_bytes(self) -> int:
+        self._list()
+        return sum(self._sizes.values())
+
+    def __len__(self) -> int:
+        self._list()
+        return len(self._sizes)
+
+    # -- references --------------------------------------------------------------
+    def note(self, name: str, blocks: Iterable[str]) -> None:
+        """``name`` (a manifest, or a single file: no blocks) names ``blocks``."""
+        self.forget(name)
+        refs = tuple(blocks)
+        self._refs[name] = refs
+        self._users.update(refs)
+
+    def forget(self, name: str) -> None:
+        old = self._refs.pop(name, None)
+        if old:
+            self._users.subtract(old)
+
+    def refs_of(self, e: Entry) -> tuple[str, ...] | None:
+        """The blocks ``e`` names (read from its file the first time: a
+        manifest's table; nothing for any other file, or a corrupt one: the
+        load judges it). None when the file could not be read now."""
+        got = self._refs.get(e.name)
+        if got is not None:
+            return got
+        refs: tuple[str, ...] = ()
+        try:
+            ck = open_checkpoint(e.path, check_name=False, load_payload=False)
+            if ck.flags & MANIFEST_FLAG:
+                ck = open_checkpoint(e.path, check_name=False)
+                _, records = _core.read_block_table(ck.array(TABLE_TENSOR))
+                refs = tuple(r[0].hex() for r in records)
+        except OSError:
+            return None
+        except (CheckpointError, KeyError):
+            refs = ()
+        self.note(e.name, refs)
+        return refs
+
+    def charge(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` with each manifest's size grown by its share of its
+        blocks (a block's bytes split evenly among the entries naming it),
+        so that their sizes add up to the unique bytes on disk."""
+        self._list()
+        if not self._sizes:
+            return entries
+        refs = {e.name: self.refs_of(e) or () for e in entries}
+        users = collections.Counter(h for r in refs.values() for h in r)
+        for e in entries:
+            e.size += sum(self._sizes.get(h, 0) // users[h] for h in refs[e.name])
+        return entries
+
+    def unreferenced(self, entries: Iterable[Entry]) -> list[str]:
+        """The blocks no entry names (those of a crashed save, or of removed
+        manifests); none while an entry cannot be read (it may name any)."""
+        self._list()
+        if not self._sizes:
+            return []
+        live: set[str] = set()
+        for e in entries:
+            refs = self.refs_of(e)
+            if refs is None:
+                return []
+            live.update(refs)
+        return [h for h in self._sizes if h not in live]
+
+    def remove(self, hexes: Iterable[str], why: str) -> int:
+        """Remove block files; how many went."""
+        gone = 0
+        for h in hexes:
+            try:
+                os.unlink(self.path(h))
+                gone += 1
+            except FileNotFoundError:
+                pass
+            self._sizes.pop(h, None)
+        if gone:
+            self.counts[why] += gone
+            _core.sync_dir(self.dir)
+        return gone
+
+    # -- saves -------------------------------------------------------------------
+    def write(self, sp: Split, abi: str) -> tuple[bytes, int] | None:
+        """Write the blocks of ``sp`` the directory lacks (fsynced, then the
+        directory): the table for the manifest and the bytes written. None
+        when a present block's checksum differs from this state's (its
+        bytes are not a function of the tokens here: the caller writes a
+        single file instead, and nothing is shared with it)."""
+        self._list()
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        records, written = [], 0
+        for name, payload in zip(sp.names, sp.payloads, strict=True):
+            h = name.hex()
+            cks = _core.xxh3_64(payload)
+            if h in self._sizes:
+                try:
+                    head = _core.read_block_header(self.path(h))
+                except (CheckpointError, OSError):
+                    head = None
+                if head is not None and (self.auth_key is None or head["authenticated"]):
+                    if head["checksum"] != cks or head["payload_len"] != payload.nbytes:
+                        self.counts["mismatch"] += 1
+                        log.warning("kv cache block %s differs from this state's: a single file is written", h[:12])
+                        return None
+                    records.append((name, sp.block, payload.nbytes, cks))
+                    self.counts["present"] += 1
+                    continue
+            size, cks = _core.write_block(self.dir, name, sp.block, abi, payload, self.auth_key)
+            self._sizes[h] = size
+            written += size
+            self.counts["written"] += 1
+            self.counts["bytes_written"] += size
+            records.append((name, sp.block, payload.nbytes, cks))
+        if written:
+            _core.sync_dir(self.dir)
+        return _core.block_table(sp.block, records), written
+
+    # -- loads ---------------------------------------------------------------------
+    def assemble(self, ck: Checkpoint, engine: object) -> Checkpoint:
+        """``ck`` as it is (a single file), or a manifest's state joined from
+        its verified blocks (:meth:`Checkpoint.joined`). Raises BlockError for a
+        block that fails (or a table that does not name this state's
+        blocks), EngineStateError when the engine cannot join it."""
+        if not ck.flags & MANIFEST_FLAG:
+            return ck
+        from ..blocks import block_layout, join
+
+        arrays = ck.arrays()
+        table = arrays.pop(TABLE_TENSOR, None)
+        if table is None:
+            raise BlockError("a manifest without its block table", code="block_table", path=str(ck.path))
+        block, records = _core.read_block_table(table)
+        n = int(ck.tokens)
+        toks = check_tokens(arrays, n)
+        names = _core.block_names(_root(ck.abi, bytes(ck.text)), toks, block, ck.abi)
+        if [r[0] for r in records] != names:
+            raise BlockError("the block table does not name this state's blocks", code="block_table", path=str(ck.path))
+        layout = block_layout(engine, n)
+        if layout is None:
+            raise EngineStateError("this engine cannot join a state from blocks")
+        payload = _core.open_blocks(self.dir, table, ck.abi, self.auth_key, 2)
+        self.note(os.path.basename(str(ck.path)), [r[0].hex() for r in records])
+        return ck.joined(join(arrays, payload, layout, n, block))
+
+    def refused(self, err: BlockError) -> None:
+        """A block a load refused: removed when it is there and damaged
+        (a missing one is only forgotten)."""
+        h = err.block
+        if not h:
+            return
+        if err.code == "block_missing":
+            self._sizes.pop(h, None)
+            return
+        log.warning("kv cache removed corrupt block %s: %s (%s)", h[:12], err.code, err.reason)
+        self.remove([h], "removed_corrupt")
