@@ -1,18 +1,18 @@
 //! Block files on disk (FORMAT.md §7): the durable write of one, the checks
-//! of one file (against its table record, or on its own for `ds4 kv ls`),
-//! and the verification of a manifest's whole table on several threads into
-//! one buffer, the payloads concatenated in table order.
+//! of one file (against its table record, or on its own for `ds4 kv ls`);
+//! a manifest's whole table is verified in [`crate::blocks_open`].
 //!
 //! Blocks are read with plain reads (`pread`) and hashed as they are read,
 //! never mapped: a block file is shared by many checkpoints and may be
 //! written again under its name by another save; the bytes verified are the
 //! bytes the caller gets.
 
+pub use crate::blocks_open::{open_blocks, open_blocks_into, Failure, Run, Target};
 use crate::error::{Error, Result};
 use crate::format::block::{
     self, BlockHeader, BlockName, BLOCK_HEADER, BLOCK_MAC_BYTES, MAX_BLOCK_PAYLOAD,
 };
-use crate::format::block_table::{Record, Table};
+use crate::format::block_table::Record;
 use crate::format::mac::MacKey;
 use crate::format::writer::temp_name;
 use crate::hash::to_hex;
@@ -23,7 +23,6 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 /// Bytes read (and hashed) at a time.
@@ -118,11 +117,11 @@ pub fn write_block(
 
 /// What a block file must be besides what its own header's checks ask.
 #[derive(Default, Clone, Copy)]
-struct Expect<'a> {
-    name: Option<&'a BlockName>,
-    abi_tag: Option<ModelTag>,
-    record: Option<&'a Record>,
-    key: Option<&'a MacKey>,
+pub(crate) struct Expect<'a> {
+    pub(crate) name: Option<&'a BlockName>,
+    pub(crate) abi_tag: Option<ModelTag>,
+    pub(crate) record: Option<&'a Record>,
+    pub(crate) key: Option<&'a MacKey>,
 }
 
 fn corrupt(block: &str, detail: String) -> Error {
@@ -159,7 +158,7 @@ fn not_there(e: Error, path: &Path, block: &str) -> Error {
 /// The table's first check of a block, before anything is read or
 /// allocated: `lstat` finds a regular file of the length the record's
 /// payload makes (with or without a MAC trailer).
-fn stat_block(path: &Path, r: &Record, block: &str) -> Result<()> {
+pub(crate) fn stat_block(path: &Path, r: &Record, block: &str) -> Result<()> {
     let md = fs::symlink_metadata(path).map_err(|e| not_there(e.into(), path, block))?;
     if !md.file_type().is_file() {
         let what = if md.file_type().is_symlink() {
@@ -300,7 +299,7 @@ fn check_payload(
 
 /// Every check of one block file, in order: the entry, the header, its
 /// claims, the MAC's presence with a key, the payload's checksum, the MAC.
-fn verify_file(
+pub(crate) fn verify_file(
     path: &Path,
     x: Expect<'_>,
     sink: Option<&mut [u8]>,
@@ -354,119 +353,4 @@ pub fn verify_block(path: &Path, abi: Option<&str>, key: Option<&MacKey>) -> Res
         key,
     };
     verify_file(path, x, None, &label)
-}
-
-/// The first failure of [`open_blocks`] and the path it is about (the
-/// block file's; None for a failure of no block).
-#[derive(Debug)]
-pub struct Failure {
-    pub error: Error,
-    pub path: Option<PathBuf>,
-}
-
-impl From<Error> for Failure {
-    fn from(error: Error) -> Self {
-        Failure { error, path: None }
-    }
-}
-
-/// One block of a table to verify: its index, record, file and label.
-struct Job<'a> {
-    index: usize,
-    record: &'a Record,
-    path: PathBuf,
-    label: String,
-}
-
-/// Verifies every block of `table` in `dir` against its record, for the
-/// payload ABI `abi` (and the MAC key `key`), on up to `threads` threads,
-/// and returns the payloads concatenated in table order. First every file
-/// is `lstat`ed in order (missing, not a regular file, a length the record
-/// does not make); the buffer is allocated for the blocks before the first
-/// such failure only, and they are read and checked in parallel. The
-/// failure reported is the first in table order, whatever the threads'
-/// timing: a block after a known failure is skipped, never one before it.
-pub fn open_blocks(
-    dir: &Path,
-    table: &Table,
-    abi: &str,
-    key: Option<&MacKey>,
-    threads: usize,
-) -> std::result::Result<Vec<u8>, Failure> {
-    let jobs: Vec<Job<'_>> = table
-        .records
-        .iter()
-        .enumerate()
-        .map(|(index, record)| Job {
-            index,
-            record,
-            path: dir.join(block::file_name(&record.name)),
-            label: to_hex(&record.name),
-        })
-        .collect();
-    let stat_failure = jobs.iter().find_map(|j| {
-        stat_block(&j.path, j.record, &j.label)
-            .err()
-            .map(|e| (j.index, e))
-    });
-    let n_ok = stat_failure.as_ref().map_or(jobs.len(), |(i, _)| *i);
-    let total: u64 = jobs.iter().take(n_ok).map(|j| j.record.payload_len).sum();
-    let mut out = vec![0u8; usize::try_from(total).map_err(|_| Error::SizeOverflow)?];
-    let threads = threads.clamp(1, n_ok.max(1));
-    let mut buckets: Vec<Vec<(&Job<'_>, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
-    let mut rest: &mut [u8] = &mut out;
-    for (j, b) in jobs.iter().take(n_ok).zip((0..threads).cycle()) {
-        let len = usize::try_from(j.record.payload_len).map_err(|_| Error::SizeOverflow)?;
-        let (mine, tail) = rest.split_at_mut_checked(len).ok_or(Error::SizeOverflow)?;
-        rest = tail;
-        if let Some(bucket) = buckets.get_mut(b) {
-            bucket.push((j, mine));
-        }
-    }
-    let tag = model_tag(abi);
-    let first = AtomicUsize::new(usize::MAX);
-    let run = |bucket: Vec<(&Job<'_>, &mut [u8])>| -> Option<(usize, Error)> {
-        for (j, buf) in bucket {
-            if j.index > first.load(Ordering::Relaxed) {
-                return None;
-            }
-            let x = Expect {
-                name: Some(&j.record.name),
-                abi_tag: Some(tag),
-                record: Some(j.record),
-                key,
-            };
-            if let Err(e) = verify_file(&j.path, x, Some(buf), &j.label) {
-                first.fetch_min(j.index, Ordering::Relaxed);
-                return Some((j.index, e));
-            }
-        }
-        None
-    };
-    let failures: Vec<(usize, Error)> = if threads == 1 {
-        buckets.into_iter().filter_map(run).collect()
-    } else {
-        let run = &run;
-        std::thread::scope(|s| {
-            let handles: Vec<_> = buckets
-                .into_iter()
-                .map(|bucket| s.spawn(move || run(bucket)))
-                .collect();
-            handles
-                .into_iter()
-                .filter_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        })
-    };
-    let failure = failures
-        .into_iter()
-        .min_by_key(|(i, _)| *i)
-        .or(stat_failure);
-    match failure {
-        None => Ok(out),
-        Some((i, error)) => Err(Failure {
-            error,
-            path: jobs.get(i).map(|j| j.path.clone()),
-        }),
-    }
 }

@@ -5,6 +5,7 @@
 //! glue lives in `py/` behind the `python` feature.
 
 pub mod blocks;
+pub mod blocks_open;
 pub mod decode;
 pub mod error;
 pub mod format;

@@ -27,6 +27,7 @@ __all__ = [
     "model_tag",
     "namespace_of",
     "open_blocks",
+    "open_blocks_into",
     "open_checkpoint",
     "read_block_header",
     "read_block_table",
@@ -120,6 +121,15 @@ def write_block(
 def block_table(block_tokens: int, records: Sequence[tuple[bytes, int, int, int]]) -> bytes: ...
 def read_block_table(table: _Bytes) -> tuple[int, list[tuple[bytes, int, int, int]]]: ...
 def open_blocks(dir: _Path, table: _Bytes, abi: str, auth_key: bytes | None = None, threads: int = 2) -> bytes: ...
+def open_blocks_into(
+    dir: _Path,
+    table: _Bytes,
+    abi: str,
+    targets: Sequence[tuple[_Bytes, Sequence[tuple[int, int, int]]]],
+    n_tokens: int,
+    auth_key: bytes | None = None,
+    threads: int = 2,
+) -> None: ...
 def read_block_header(path: _Path) -> _BlockHeader: ...
 def verify_block(path: _Path, abi: str | None = None, auth_key: bytes | None = None) -> _BlockHeader: ...
 

@@ -127,14 +127,32 @@ def _flat(a: np.ndarray, spec: ArrayRuns, name: str) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
+class Blocks:
+    """The blocks of a state (:func:`split`), each made when asked for
+    (``blocks[b]``: a new contiguous uint8 array), so a save copies only
+    the blocks it writes."""
+
+    def __init__(self, regions: list[np.ndarray], count: int, block: int, nbytes: int):
+        self._regions, self._count, self.block, self.nbytes_each = regions, count, block, nbytes
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, b: int) -> np.ndarray:
+        if not 0 <= b < self._count:
+            raise IndexError(b)
+        lo, hi = b * self.block, (b + 1) * self.block
+        return np.concatenate([reg[:, lo:hi, :].reshape(-1) for reg in self._regions])
+
+
 def split(
     arrays: Mapping[str, np.ndarray], layout: BlockLayout, n: int, block: int
-) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
-    """``arrays`` (a state of ``n`` tokens) as ``n // block`` blocks (uint8,
-    contiguous) and the residue (the layout's arrays as uint8 with the
-    blocks' rows taken out; every other array as it is)."""
-    nb = n // block
-    m = nb * block
+) -> tuple[Blocks, dict[str, np.ndarray]]:
+    """``arrays`` (a state of ``n`` tokens) as ``n // block`` blocks (made
+    when asked for: :class:`Blocks`) and the residue (the layout's arrays
+    as uint8 with the blocks' rows taken out; every other array as it is).
+    The blocks view ``arrays``: they must not change meanwhile."""
+    m = n // block * block
     regions: dict[str, list[np.ndarray]] = {}
     residue: dict[str, np.ndarray] = {}
     for name, a in arrays.items():
@@ -155,10 +173,7 @@ def split(
     if missing:
         raise EngineStateError(f"the state has no {sorted(missing)}")
     ordered = [reg for name in layout for reg in regions[name]]  # the layout's order, not the arrays'
-    blocks = [
-        np.concatenate([reg[:, b * block : (b + 1) * block, :].reshape(-1) for reg in ordered]) for b in range(nb)
-    ]
-    return blocks, residue
+    return Blocks(ordered, n // block, block, block_bytes(layout, block)), residue
 
 
 def block_bytes(layout: BlockLayout, block: int) -> int:
@@ -166,20 +181,20 @@ def block_bytes(layout: BlockLayout, block: int) -> int:
     return block * sum(spec.per_token() for spec in layout.values())
 
 
-def join(
-    residue: Mapping[str, np.ndarray], blocks: bytes | memoryview | np.ndarray, layout: BlockLayout, n: int, block: int
-) -> dict[str, np.ndarray]:
-    """The arrays :func:`split` took apart: ``blocks`` is the blocks'
-    payloads concatenated in order (``n // block`` of them). Raises
-    EngineStateError when the sizes do not add up (nothing is guessed)."""
-    nb = n // block
-    m = nb * block
-    size = block_bytes(layout, block)
-    payload = np.frombuffer(blocks, dtype=np.uint8) if not isinstance(blocks, np.ndarray) else blocks.reshape(-1)
-    if payload.size != nb * size:
-        raise EngineStateError(f"the blocks hold {payload.size} bytes, {nb} blocks of this layout take {nb * size}")
+Target = tuple[np.ndarray, list[tuple[int, int, int]]]
+
+
+def unjoined(
+    residue: Mapping[str, np.ndarray], layout: BlockLayout, n: int, block: int
+) -> tuple[dict[str, np.ndarray], list[Target]]:
+    """The arrays :func:`split` took apart, with everything but the blocks'
+    rows filled from ``residue``, and where the blocks go: for each of the
+    layout's arrays in order, its bytes (writable) and runs (``start, rows,
+    unit``), what ``ds4._core.open_blocks_into`` fills. Raises
+    EngineStateError when a residue's size is not the layout's."""
+    m = n // block * block
     out: dict[str, np.ndarray] = {}
-    filled: dict[str, list[np.ndarray]] = {}  # every run's (rows, n, unit) region
+    flats: dict[str, np.ndarray] = {}
     for name, a in residue.items():
         spec = layout.get(name)
         if spec is None:
@@ -190,9 +205,8 @@ def join(
         if res.size != want:
             raise EngineStateError(f"{name}: the residue holds {res.size} bytes, the layout {want}")
         full = np.empty(spec.nbytes, np.uint8)
-        regs = _regions(full, spec.runs, n)
         at = got = 0
-        for r, reg in zip(spec.runs, regs, strict=True):
+        for r, reg in zip(spec.runs, _regions(full, spec.runs, n), strict=True):
             gap = r.start - at
             full[at : r.start] = res[got : got + gap]
             got += gap
@@ -201,16 +215,33 @@ def join(
             got += tail
             at = r.start + r.span(n)
         full[at:] = res[got:]
-        filled[name] = regs
+        flats[name] = full
         out[name] = full.view(spec.dtype).reshape(spec.shape)
     missing = set(layout) - set(residue)
     if missing:
         raise EngineStateError(f"the residue has no {sorted(missing)}")
-    ordered = [reg for name in layout for reg in filled[name]]
+    targets = [(flats[name], [(r.start, r.rows, r.unit) for r in layout[name].runs]) for name in layout]
+    return out, targets
+
+
+def join(
+    residue: Mapping[str, np.ndarray], blocks: bytes | memoryview | np.ndarray, layout: BlockLayout, n: int, block: int
+) -> dict[str, np.ndarray]:
+    """The arrays :func:`split` took apart, ``blocks`` being the blocks'
+    payloads concatenated in order (``n // block`` of them): what a load
+    gets from ``ds4._core.open_blocks_into`` without the concatenation.
+    Raises EngineStateError when the sizes do not add up."""
+    nb = n // block
+    size = block_bytes(layout, block)
+    payload = np.frombuffer(blocks, dtype=np.uint8) if not isinstance(blocks, np.ndarray) else blocks.reshape(-1)
+    if payload.size != nb * size:
+        raise EngineStateError(f"the blocks hold {payload.size} bytes, {nb} blocks of this layout take {nb * size}")
+    out, targets = unjoined(residue, layout, n, block)
+    regions = [reg for flat, runs in targets for reg in _regions(flat, [Run(*r) for r in runs], n)]
     for b in range(nb):
         blk = payload[b * size : (b + 1) * size]
         at = 0
-        for reg in ordered:
+        for reg in regions:
             k = reg.shape[0] * block * reg.shape[2]
             reg[:, b * block : (b + 1) * block, :] = blk[at : at + k].reshape(reg.shape[0], block, reg.shape[2])
             at += k

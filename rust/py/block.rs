@@ -3,7 +3,7 @@
 //! into one `bytes`. Every file and hash operation runs with the GIL
 //! released.
 
-use super::buffer::bytes_of;
+use super::buffer::{bytes_of, bytes_of_mut};
 use super::checkpoint::mac_key;
 use super::errors::to_pyerr;
 use crate::blocks;
@@ -203,6 +203,48 @@ pub(super) fn open_blocks(
         Ok(out) => Ok(PyBytes::new(py, &out).unbind()),
         Err(f) => Err(to_pyerr(py, f.error, f.path.as_deref())),
     }
+}
+
+/// One array being joined: a writable buffer and its runs `(start, rows, unit)`.
+type PyTarget = (PyBuffer<u8>, Vec<(u64, u64, u64)>);
+
+/// Verifies every block of `table` in `dir` as `open_blocks` does and
+/// places each block's bytes straight into `targets` (the state's arrays
+/// of `n_tokens` tokens, each `(writable buffer, [(start, rows, unit)])`
+/// in the layout's order: block `b`'s payload is, for every target, run
+/// and row in order, the rows of its tokens). A table that does not fit
+/// the targets is `BlockError` code `block_table`; a failing block as in
+/// `open_blocks`. Bytes outside the blocks' rows are not touched.
+#[pyfunction]
+#[pyo3(signature = (dir, table, abi, targets, n_tokens, auth_key=None, threads=2))]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn open_blocks_into(
+    py: Python<'_>,
+    dir: PathBuf,
+    table: PyBuffer<u8>,
+    abi: &str,
+    targets: Vec<PyTarget>,
+    n_tokens: u64,
+    auth_key: Option<Vec<u8>>,
+    threads: usize,
+) -> PyResult<()> {
+    let key = auth_key.as_deref().map(mac_key).transpose()?;
+    let t = decode(py, &table)?;
+    let mut outs = Vec::with_capacity(targets.len());
+    for (buf, runs) in &targets {
+        let runs = runs
+            .iter()
+            .map(|&(start, rows, unit)| blocks::Run { start, rows, unit })
+            .collect();
+        outs.push(blocks::Target {
+            out: bytes_of_mut(buf)?,
+            runs,
+        });
+    }
+    py.detach(|| {
+        blocks::open_blocks_into(&dir, &t, abi, key.as_ref(), threads, &mut outs, n_tokens)
+    })
+    .map_err(|f| to_pyerr(py, f.error, f.path.as_deref()))
 }
 
 /// A block header as the dict `read_block_header` and `verify_block` return.

@@ -25,6 +25,20 @@ pub(super) fn bytes_of(buf: &PyBuffer<u8>) -> PyResult<&[u8]> {
     Ok(unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) })
 }
 
+/// The bytes of a writable, C-contiguous buffer, to fill (`ValueError` for a
+/// read-only or non-contiguous one).
+#[allow(clippy::mut_from_ref)] // the memory is the exporter's, not `buf`'s; PyBuffer keeps it alive
+pub(super) fn bytes_of_mut(buf: &PyBuffer<u8>) -> PyResult<&mut [u8]> {
+    if buf.readonly() || !buf.is_c_contiguous() {
+        return Err(PyValueError::new_err(
+            "buffer must be writable and C-contiguous",
+        ));
+    }
+    // SAFETY: as `bytes_of`; the export is writable. The caller fills it
+    // once, each byte from one thread, while no Python code runs on it.
+    Ok(unsafe { std::slice::from_raw_parts_mut(buf.buf_ptr().cast::<u8>(), buf.len_bytes()) })
+}
+
 /// A read-only, 1-D, byte-format buffer over part of a checkpoint's payload.
 /// It owns a reference to the storage (the map), so the bytes stay valid for
 /// as long as any consumer (a numpy array's base) holds the view.

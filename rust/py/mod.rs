@@ -24,8 +24,8 @@ use pyo3::prelude::*;
 mod _core {
     #[pymodule_export]
     use super::block::{
-        block_names, block_root, block_table, open_blocks, read_block_header, read_block_table,
-        verify_block, write_block, xxh3_64,
+        block_names, block_root, block_table, open_blocks, open_blocks_into, read_block_header,
+        read_block_table, verify_block, write_block, xxh3_64,
     };
     #[pymodule_export]
     use super::buffer::PayloadView;

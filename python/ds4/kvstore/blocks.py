@@ -47,6 +47,7 @@ from .files import TMP_MAX_AGE_S, temp_is_orphaned
 if TYPE_CHECKING:  # numpy and ds4.blocks are imported by a save or a load (a lookup needs neither)
     import numpy as np
 
+    from ..blocks import Blocks
     from ..session import Session
 
 log = logging.getLogger("ds4.kvstore")
@@ -69,14 +70,15 @@ def _root(abi: str, text: bytes) -> bytes:
 
 class Split:
     """A live session's state cut into blocks for a save: the blocks'
-    names and payloads, and the residue arrays the manifest holds."""
+    names and payloads (each made when written), and the residue arrays
+    the manifest holds."""
 
-    def __init__(self, names: list[bytes], payloads: list[np.ndarray], residue: dict[str, np.ndarray], block: int):
-        self.names, self.payloads, self.residue, self.block = names, payloads, residue, block
+    def __init__(self, names: list[bytes], payloads: Blocks, residue: dict[str, np.ndarray]):
+        self.names, self.payloads, self.residue, self.block = names, payloads, residue, payloads.block
 
     def nbytes(self) -> int:
         """The bytes of the blocks and the residue together."""
-        return sum(p.nbytes for p in self.payloads) + sum(a.nbytes for a in self.residue.values())
+        return len(self.payloads) * self.payloads.nbytes_each + sum(a.nbytes for a in self.residue.values())
 
 
 def split_session(sess: Session, arrays: dict[str, np.ndarray], wanted: int) -> Split | None:
@@ -94,7 +96,7 @@ def split_session(sess: Session, arrays: dict[str, np.ndarray], wanted: int) -> 
     names = _core.block_names(_root(sess.payload_abi, sess.key_bytes()), arrays["tokens"], block, sess.payload_abi)
     if len(names) != len(payloads):
         raise EngineStateError(f"{len(names)} block names for {len(payloads)} blocks")
-    return Split(names, payloads, residue, block)
+    return Split(names, payloads, residue)
 
 
 class BlockStore:
@@ -109,6 +111,7 @@ class BlockStore:
         self._refs: dict[str, tuple[str, ...]] = {}  # manifest name -> its blocks (hex), () for a single file
         self._users: collections.Counter[str] = collections.Counter()
         self._listed = False
+        self._trusted: dict[str, int] = {}  # blocks written or compared by this process: their checksums
         #: block files written and their bytes, blocks a save found present,
         #: present blocks whose bytes differed, corrupt and orphaned ones removed
         self.counts: collections.Counter[str] = collections.Counter()
@@ -229,6 +232,7 @@ class BlockStore:
             except FileNotFoundError:
                 pass
             self._sizes.pop(h, None)
+            self._trusted.pop(h, None)
         if gone:
             self.counts[why] += gone
             _core.sync_dir(self.dir)
@@ -237,15 +241,23 @@ class BlockStore:
     # -- saves -------------------------------------------------------------------
     def write(self, sp: Split, abi: str) -> tuple[bytes, int] | None:
         """Write the blocks of ``sp`` the directory lacks (fsynced, then the
-        directory): the table for the manifest and the bytes written. None
-        when a present block's checksum differs from this state's (its
-        bytes are not a function of the tokens here: the caller writes a
-        single file instead, and nothing is shared with it)."""
+        directory): the table for the manifest and the bytes written. A
+        block already there is compared once per process (its checksum
+        against this state's bytes; then its name is trusted: a block's
+        bytes are a function of its tokens). None when one differs (its
+        bytes are not this state's: the caller writes a single file, and
+        nothing is shared with it)."""
         self._list()
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        records, written = [], 0
-        for name, payload in zip(sp.names, sp.payloads, strict=True):
+        records, written, size = [], 0, sp.payloads.nbytes_each
+        for b, name in enumerate(sp.names):
             h = name.hex()
+            cks = self._trusted.get(h)
+            if cks is not None and os.path.isfile(self.path(h)):  # another process's eviction may have removed it
+                records.append((name, sp.block, size, cks))
+                self.counts["present"] += 1
+                continue
+            payload = sp.payloads[b]
             cks = _core.xxh3_64(payload)
             if h in self._sizes:
                 try:
@@ -253,19 +265,20 @@ class BlockStore:
                 except (CheckpointError, OSError):
                     head = None
                 if head is not None and (self.auth_key is None or head["authenticated"]):
-                    if head["checksum"] != cks or head["payload_len"] != payload.nbytes:
+                    if head["checksum"] != cks or head["payload_len"] != size:
                         self.counts["mismatch"] += 1
                         log.warning("kv cache block %s differs from this state's: a single file is written", h[:12])
                         return None
-                    records.append((name, sp.block, payload.nbytes, cks))
+                    self._trusted[h] = cks
+                    records.append((name, sp.block, size, cks))
                     self.counts["present"] += 1
                     continue
-            size, cks = _core.write_block(self.dir, name, sp.block, abi, payload, self.auth_key)
-            self._sizes[h] = size
-            written += size
+            file_len, cks = _core.write_block(self.dir, name, sp.block, abi, payload, self.auth_key)
+            self._sizes[h], self._trusted[h] = file_len, cks
+            written += file_len
             self.counts["written"] += 1
-            self.counts["bytes_written"] += size
-            records.append((name, sp.block, payload.nbytes, cks))
+            self.counts["bytes_written"] += file_len
+            records.append((name, sp.block, size, cks))
         if written:
             _core.sync_dir(self.dir)
         return _core.block_table(sp.block, records), written
@@ -278,7 +291,7 @@ class BlockStore:
         blocks), EngineStateError when the engine cannot join it."""
         if not ck.flags & MANIFEST_FLAG:
             return ck
-        from ..blocks import block_layout, join
+        from ..blocks import block_layout, unjoined
 
         arrays = ck.arrays()
         table = arrays.pop(TABLE_TENSOR, None)
@@ -293,9 +306,10 @@ class BlockStore:
         layout = block_layout(engine, n)
         if layout is None:
             raise EngineStateError("this engine cannot join a state from blocks")
-        payload = _core.open_blocks(self.dir, table, ck.abi, self.auth_key, 2)
+        joined, targets = unjoined(arrays, layout, n, block)
+        _core.open_blocks_into(self.dir, table, ck.abi, targets, n, self.auth_key, 2)
         self.note(os.path.basename(str(ck.path)), [r[0].hex() for r in records])
-        return ck.joined(join(arrays, payload, layout, n, block))
+        return ck.joined(joined)
 
     def refused(self, err: BlockError) -> None:
         """A block a load refused: removed when it is there and damaged
@@ -305,6 +319,7 @@ class BlockStore:
             return
         if err.code == "block_missing":
             self._sizes.pop(h, None)
+            self._trusted.pop(h, None)
             return
         log.warning("kv cache removed corrupt block %s: %s (%s)", h[:12], err.code, err.reason)
         self.remove([h], "removed_corrupt")
