@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import stat
 import time
 from collections.abc import Iterable
@@ -61,6 +62,9 @@ TABLE_TENSOR = "ds4.blocks"
 #: header flag (byte 6) of a manifest: its state's append-only part is in blocks
 MANIFEST_FLAG = 0x08
 _SUFFIX = ".kvb"
+# A block's temp file as the core's writer names it (rust/format/writer.rs,
+# ``temp_name``): ``.<64 hex>.kvb.tmp.<pid>.<pid space>.<unique>``.
+_TMP_RE = re.compile(r"^\.[0-9a-f]{64}\.kvb\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
 
 
 def _root(abi: str, text: bytes) -> bytes:
@@ -144,7 +148,11 @@ class BlockStore:
             st = os.lstat(path)
         except FileNotFoundError:
             return
-        if stat.S_ISREG(st.st_mode) and temp_is_orphaned(os.path.basename(path), st.st_mtime, now, TMP_MAX_AGE_S):
+        m = _TMP_RE.match(os.path.basename(path))
+        # judged as a checkpoint's temp file of the same writer (its pid and
+        # pid space: a dead writer of this namespace at once, else by age)
+        name = f".{'0' * 40}.kv.tmp.{m['tail']}" if m else os.path.basename(path)
+        if stat.S_ISREG(st.st_mode) and temp_is_orphaned(name, st.st_mtime, now, TMP_MAX_AGE_S):
             try:
                 os.unlink(path)
             except FileNotFoundError:
