@@ -23,9 +23,11 @@ from ..kvstore import (
     tenant_usage,
 )
 from . import plot
+from .kvblocks import Manifests, annotate, block_files, blocks_cell, manifest_line, plan_evict
 from .kvinfo import READABLE, UNVERIFIED, Info, inspect_file, print_fields, public, resolve
 from .kvmodels import model_filter, model_label, model_of, of_model
 from .kvremove import kv_prune, kv_rm
+from .kvverify import kv_verify
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, age, escaped, human_bytes, json_text, printable, table
 
 __all__ = ["KV_COMMANDS", "inspect_file"]
@@ -43,7 +45,7 @@ def _not_a_dir(d: str) -> bool:
 
 
 def _ls_row(i: Info, now: float) -> list[str]:
-    if i["status"] in READABLE:
+    if "version" in i:  # its header was read (a manifest whose block failed too)
         return [
             i["name"][:12],
             i["tenant"],
@@ -54,7 +56,7 @@ def _ls_row(i: Info, now: float) -> list[str]:
             human_bytes(i["size"]),
             str(i["hits"]),
             age(i["last_used"] or i["created"], now),
-            i["status"],
+            i["status"] if i["status"] in READABLE else f"{i['status']}:{i['error']['code']}",
             i["preview"],
         ]
     err = i["error"]
@@ -82,6 +84,7 @@ def kv_ls(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     cks, tmps, other = scan_dir(d)
     infos = [inspect_file(p, full=args.verify) for p in cks + other]
+    m = annotate(infos, d, args.verify)  # every file's: what is shared counts the other models' too
     infos = of_model(infos, fp) if isinstance(fp, str) else infos
     infos.sort(key=lambda i: (-(i.get("last_used") or 0), i["name"]))
     if args.json:
@@ -89,14 +92,20 @@ def kv_ls(args: argparse.Namespace) -> int:
         print(json_text({"dir": os.path.abspath(d), "files": files, "temp_files": [os.path.basename(t) for t in tmps]}))
         return EXIT_OK
     now = time.time()
+    head = ["NAME", "TENANT", "MODEL", "VER", "REASON", "TOKENS", "SIZE", "HITS", "LAST USED", "STATUS", "TEXT"]
     rows = [_ls_row(i, now) for i in infos]
-    table(
-        rows,
-        ["NAME", "TENANT", "MODEL", "VER", "REASON", "TOKENS", "SIZE", "HITS", "LAST USED", "STATUS", "TEXT"],
-        sys.stdout,
-    )
+    if any(i.get("manifest") for i in infos):  # a BLOCKS column before the text
+        head.insert(-1, "BLOCKS")
+        rows = [[*r[:-1], blocks_cell(i), r[-1]] for r, i in zip(rows, infos, strict=True)]
+    table(rows, head, sys.stdout)
     total = sum(i.get("size", 0) for i in infos)
     print(f"{len(infos)} files, {human_bytes(total)}" + (f", {len(tmps)} temp files" if tmps else ""))
+    if m.files:
+        orphans = m.orphans()
+        print(
+            f"{len(m.files)} block files, {human_bytes(sum(m.files.values()))}"
+            + (f", {len(orphans)} named by no manifest (ds4 kv gc removes them)" if orphans else "")
+        )
     if any(i["status"] == UNVERIFIED for i in infos):
         print(NOT_VERIFIED)
     return EXIT_OK
@@ -123,6 +132,7 @@ def kv_show(args: argparse.Namespace) -> int:
     if path is None:
         return rc
     info = inspect_file(path, full=args.verify)
+    annotate([info], os.path.dirname(os.path.abspath(path)), args.verify, whole=False)
     text = info.pop("_text", None)
     status = EXIT_OK if info["status"] in READABLE else EXIT_FAIL
     if args.json:
@@ -132,6 +142,9 @@ def kv_show(args: argparse.Namespace) -> int:
         print(json_text(out))
         return status
     print_fields(info)
+    line = manifest_line(info)
+    if line is not None:
+        print(f"{'manifest':16} {line}")
     if info["status"] == UNVERIFIED:
         print(NOT_VERIFIED)
     if text is not None:
@@ -141,91 +154,6 @@ def kv_show(args: argparse.Namespace) -> int:
         print("text:")
         print(printable(s))
     return status
-
-
-def _named_paths(d: str, names: list[str], cmd: str) -> list[str] | None:
-    paths = []
-    for n in names:
-        p, why = resolve(d, n)
-        if p is None:
-            print(f"ds4 kv {cmd}: {why}", file=sys.stderr)
-            return None
-        paths.append(p)
-    return paths
-
-
-def _verify_paths(args: argparse.Namespace) -> list[str] | None:
-    """The files ``kv verify`` checks: the one file given, the names given
-    in the directory, or every checkpoint of it."""
-    d = args.dir
-    if os.path.isfile(d):
-        if args.names:
-            print("ds4 kv verify: names are looked up in a directory, not in a file", file=sys.stderr)
-            return None
-        return [d]
-    if args.names:
-        return _named_paths(d, args.names, "verify")
-    cks, _, other = scan_dir(d)
-    return cks + other
-
-
-#: the codes of a file every path of the store rightly ignores: a ds4 v1
-#: file ds4's own reader skips (its quantization, no tokens), kept as ds4 keeps it
-IGNORED_CODES = ("v1_ignored",)
-
-
-def _ignored(r: dict[str, object]) -> bool:
-    """A result ``kv verify`` reports as ignored, not failed: an entry that
-    is not a regular file (never loaded, moved or deleted) or a file of
-    :data:`IGNORED_CODES`; neither is a failure of the directory."""
-    return r.get("status") == "ignored" or (not r["ok"] and r.get("code") in IGNORED_CODES)
-
-
-def kv_verify(args: argparse.Namespace) -> int:
-    d = args.dir
-    if not os.path.isfile(d) and _not_a_dir(d):
-        return EXIT_USAGE
-    paths = _verify_paths(args)
-    if paths is None:
-        return EXIT_FAIL
-    t0 = time.perf_counter()
-    results = []
-    for p in paths:
-        i = inspect_file(p, full=True)
-        results.append(
-            {
-                "name": i["name"],
-                "ok": i["status"] == "ok",
-                "version": i.get("version"),
-                "tokens": i.get("tokens"),
-                "size": i.get("size"),
-                **({"status": i["status"], **i["error"]} if i["status"] != "ok" else {}),
-            }
-        )
-    ignored = [r for r in results if _ignored(r)]
-    bad = [r for r in results if not r["ok"] and not _ignored(r)]
-    secs = time.perf_counter() - t0
-    if args.json:
-        out = {
-            "dir": os.path.abspath(d),
-            "files": results,
-            "ok": len(results) - len(bad) - len(ignored),
-            "failed": len(bad),
-            "ignored": len(ignored),
-            "seconds": secs,
-        }
-        print(json_text(out))
-        return EXIT_FAIL if bad else EXIT_OK
-    for r in results:  # one line each: every text from the directory escaped
-        name = escaped(r["name"])
-        if r["ok"]:
-            print(f"OK    {name}  v{r['version']} tokens={r['tokens']} {human_bytes(r['size'] or 0)}")
-        elif _ignored(r):
-            print(f"SKIP  {name}  {escaped(r['reason'])}")
-        else:
-            print(f"FAIL  {name}  {r['status']} {r['stage']}/{r['code']}: {escaped(r['reason'])}")
-    print(f"{len(results) - len(bad) - len(ignored)} ok, {len(bad)} failed, {len(ignored)} ignored ({secs:.2f} s)")
-    return EXIT_FAIL if bad else EXIT_OK
 
 
 def _bytes_of(paths: list[str]) -> int:
@@ -243,8 +171,9 @@ def _bytes_of(paths: list[str]) -> int:
 
 class _Gc:
     """One ``ds4 kv gc`` run: corrupt files out (or quarantined), orphaned
-    temp files out, then eviction to a budget, all by the store's policy.
-    With ``dry_run`` nothing changes and the same decisions are reported."""
+    temp files out, block files no manifest names out, then eviction to a
+    budget (with the blocks only the evicted named), all by the store's
+    policy. With ``dry_run`` nothing changes and the same decisions are reported."""
 
     def __init__(self, args: argparse.Namespace):
         self.args, self.d, self.now = args, args.dir, time.time()
@@ -269,6 +198,11 @@ class _Gc:
         self.tmp_removed: list[str] = []
         self.evicted: list[str] = []
         self.kept: list[Info] = []
+        self.live: list[Info] = []  # what stays of the checkpoints (their tables name the blocks kept)
+        self.changed = False  # a file changed under the verdict: which blocks it names is not known
+        self.orphans: list[str] = []
+        self.evicted_blocks = 0
+        self.manifests = Manifests(self.d)
 
     def corrupt(self, cks: list[str]) -> None:
         for p in cks:
@@ -277,12 +211,26 @@ class _Gc:
                 if not self.args.dry_run:
                     moved = self.store.discard(p, i["_error"], "gc", i["_key"])
                     if moved is None:
+                        self.changed = True
                         continue
                     if self.args.quarantine_dir:
                         self.quarantined.append(i["name"])
                 self.removed.append({"name": i["name"], **i["error"]})
-            elif i["status"] != "ok":
+                continue
+            if i["status"] != "ok":
                 self.kept.append({"name": i["name"], "status": i["status"], **i["error"]})
+            self.live.append(i)
+
+    def blocks(self) -> None:
+        """The block files no remaining checkpoint names (a crashed save's,
+        a removed manifest's) out; none while a file could not be read."""
+        m = self.manifests
+        for i in self.live:
+            m.add_info(i, False)
+        m.unknown |= self.changed
+        self.orphans = m.orphans() or []
+        if self.orphans and not self.args.dry_run:
+            self.store.blocks.remove(self.orphans, "orphans")
 
     def temps(self, tmps: list[str]) -> None:
         for t in tmps:
@@ -310,9 +258,11 @@ class _Gc:
                 for i in infos
                 if i["status"] in READABLE and i["name"] not in gone
             ]
-            self.evicted = [e.name for e in self.store.plan_evict(ents)]
+            self.evicted, self.evicted_blocks = plan_evict(self.store, ents, self.manifests, self.orphans)
             return
+        n = self.store.blocks.counts["orphans"]
         self.evicted = self.store.evict_names()
+        self.evicted_blocks = self.store.blocks.counts["orphans"] - n  # those only the evicted named
 
     def report(self, before: int, after: int) -> None:
         args = self.args
@@ -322,7 +272,9 @@ class _Gc:
             "removed_corrupt": self.removed,
             "quarantined": self.quarantined,
             "removed_temp": self.tmp_removed,
+            "removed_orphan_blocks": self.orphans,
             "evicted": self.evicted,
+            "evicted_blocks": self.evicted_blocks,
             "kept_unusable": self.kept,
             "bytes_before": before,
             "bytes_after": after,
@@ -335,12 +287,17 @@ class _Gc:
             print(f"{verb} corrupt {escaped(r['name'])}: {r['stage']}/{r['code']}: {escaped(r['reason'])}")
         for t in self.tmp_removed:
             print(f"{verb} orphaned temp file {escaped(t)}")
+        for h in self.orphans:
+            print(f"{verb} orphan block {h}")
         for n in self.evicted:
             print(f"{'would evict' if args.dry_run else 'evicted'} {escaped(n)}")
+        if self.evicted_blocks:
+            print(f"{verb} {self.evicted_blocks} blocks only the evicted checkpoints named")
         for k in self.kept:
             print(f"kept {escaped(k['name'])} ({k['status']}: {k['code']})")
         print(
-            f"{len(self.removed)} corrupt, {len(self.tmp_removed)} temp, {len(self.evicted)} evicted; "
+            f"{len(self.removed)} corrupt, {len(self.tmp_removed)} temp, {len(self.orphans)} orphan blocks, "
+            f"{len(self.evicted)} evicted; "
             f"{human_bytes(before)} -> {human_bytes(after)}"
         )
 
@@ -360,11 +317,12 @@ def kv_gc(args: argparse.Namespace) -> int:
     # taken (a symlink, a FIFO) stops gc before anything changes, naming it
     with gc.store.locked():
         cks, tmps, _ = scan_dir(args.dir)
-        before = _bytes_of(cks)
+        before = _bytes_of(cks) + sum(block_files(args.dir).values())
         gc.corrupt(cks)
         gc.temps(tmps)
+        gc.blocks()
         gc.evict()
-        after = _bytes_of(scan_dir(args.dir)[0])
+        after = _bytes_of(scan_dir(args.dir)[0]) + sum(block_files(args.dir).values())
     gc.report(before, after)
     return EXIT_OK
 
@@ -382,6 +340,7 @@ def kv_stats(args: argparse.Namespace) -> int:
         return refused
     cks, tmps, other = scan_dir(d)
     infos = [inspect_file(p, full=args.verify) for p in cks + other]
+    m = annotate(infos, d, args.verify)
     ok = [i for i in infos if i["status"] in READABLE]  # the facts below are the headers'
     bad = [i["status"] for i in infos if i["status"] not in READABLE]
     st = {
@@ -401,6 +360,7 @@ def kv_stats(args: argparse.Namespace) -> int:
         "temp_files": len(tmps),
         "temp_bytes": _bytes_of(tmps),
         "tenants": tenant_usage((i["_entry"].namespace, i["size"], 1) for i in ok),
+        **m.totals(infos),
     }
     if args.tenant_share is not None:
         _shares(st, d, args)
@@ -454,6 +414,17 @@ def _print_stats(st: Info) -> None:
     if st["newest_used"]:
         print(f"last used      {age(st['newest_used'])}")
     print(f"temp files     {st['temp_files']} ({human_bytes(st['temp_bytes'])})")
+    if st["manifests"] or st["block_files"]:
+        orphans = st["orphan_blocks"]
+        print(f"manifests      {st['manifests']} ({human_bytes(st['manifest_bytes'])})")
+        print(
+            f"blocks         {st['block_files']} ({human_bytes(st['block_files_bytes'])})"
+            + (f", {orphans} named by no manifest" if orphans else "")
+        )
+        print(
+            f"dedup          {st['dedup_ratio']:.2f}x: {human_bytes(st['single_file_bytes'])} as single files, "
+            f"{human_bytes(st['disk_bytes'])} on disk"
+        )
     if st["tenants"]:
         _print_tenants(st)
     if st["unverified"]:

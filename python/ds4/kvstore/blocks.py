@@ -331,3 +331,13 @@ class BlockStore:
             return
         log.warning("kv cache removed corrupt block %s: %s (%s)", h[:12], err.code, err.reason)
         self.remove([h], "removed_corrupt")
+
+    # -- ds4 kv --------------------------------------------------------------------
+    @staticmethod
+    def names_of(ck: Checkpoint, block_tokens: int) -> list[bytes]:
+        """The names of the blocks of ``ck``'s own tokens, ``block_tokens``
+        each: what a manifest's table must name, as :meth:`assemble` checks
+        it (``ds4 kv verify`` checks it too). Raises what
+        :func:`~ds4.checkpoint.check_tokens` raises."""
+        toks = check_tokens(ck.arrays(), int(ck.tokens))
+        return _core.block_names(_root(ck.abi, bytes(ck.text)), toks, block_tokens, ck.abi)
