@@ -239,6 +239,8 @@ def test_two_nested_continued_go_the_cold_one_stays(eng, tmp_path):
         "index_rebuilds",
         "index_retries",
         "index_mismatches",
+        "bytes_written",
+        "write_budget_refused",
     }
 
 

@@ -164,6 +164,12 @@ def _check_store(got: dict, h: dict, want: Expected, budget: int) -> None:
     assert got[("ds4_kv_model_bytes", (("model", model),))] == m["bytes"] == kv["bytes"]
     assert got[("ds4_kv_model_checkpoints", (("model", model),))] == m["checkpoints"] == kv["files"]
     assert got[("ds4_kv_model_hits", (("model", model),))] == m["hits"] >= 1
+    # every save's bytes by its reason: together what the store counted written, at least what is on disk
+    written = {k[1][0][1]: v for k, v in got.items() if k[0] == "ds4_kv_written_bytes_total"}
+    assert written == kv["written_by_reason"]
+    assert sum(written.values()) == kv["bytes_written"] >= kv["bytes"] > 0 and written["cold"] > 0
+    assert got[("ds4_kv_dedup_ratio", ())] == kv["dedup_ratio"] == 1.0  # no blocks here
+    assert got[("ds4_kv_write_budget_bytes", ())] == got[("ds4_kv_written_day_bytes", ())] == 0
     assert got[("ds4_queue_depth", ())] == 0 and got[("ds4_worker_busy", ())] == 0
     assert got[("ds4_jobs_running", ())] == 0
 
@@ -225,11 +231,14 @@ def test_ui_data_operator_and_tenant_views(served):
     assert [m["bytes"] for m in op["models_bytes"].values()] == [op["kv"]["bytes"]]
     assert sum(r["checkpoints"] for r in op["checkpoints"]["by_reason"].values()) == op["kv"]["files"]
     assert "cold" in op["checkpoints"]["by_reason"]
+    w = op["writes"]
+    assert sum(w["by_reason"].values()) >= op["kv"]["bytes"] and w["by_reason"]["cold"] > 0
+    assert w["dedup_ratio"] == 1.0 and w["write_budget_bytes"] == 0
     # bob's own: his two turns, nothing of alice's, none of the store's or the queue's figures
     bob = c.get("/ui/data", headers=_auth(KB)).json()
     assert bob["operator"] is False and bob["tenant"] == "bob"
     assert [t["protocol"] for t in bob["recent"]] == ["responses", "completions"]
-    assert not {"kv", "checkpoints", "tenants_bytes", "models_bytes", "queued", "sessions"} & set(bob)
+    assert not {"kv", "checkpoints", "tenants_bytes", "models_bytes", "queued", "sessions", "writes"} & set(bob)
     assert all("tenant" not in t for t in bob["recent"])
     # no text in a turn's row: the divergence is its place only
     for t in op["recent"]:

@@ -46,6 +46,7 @@ def test_the_codes_are_a_stable_set():
         "disk_full",
         "write_error",
         "session_invalid",
+        "write_budget",
     )
     skip = SaveSkip("cold", "below_min_tokens", "40 tokens < min 64")
     assert str(skip) == "cold save skipped: below_min_tokens (40 tokens < min 64)"

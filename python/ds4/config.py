@@ -185,6 +185,15 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         help="tokens per block, rounded up to the engine's batch granule (default 64)",
     )
     g.add_argument(
+        "--kv-write-budget-gb-per-day",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="the bytes the directory's saves may write in any 24 hours, every process sharing it counted: a save "
+        "that would go over is skipped (write_budget), and a mostly new evict or frontier snapshot is admitted "
+        "only within the budget's share its kind is hit; 0: no budget (default 0)",
+    )
+    g.add_argument(
         "--kv-cache-boundary-trim-tokens", type=int, default=32, metavar="N", help="cold save tail trim (default 32)"
     )
     g.add_argument(
@@ -312,6 +321,8 @@ def check_kv_args(args: argparse.Namespace) -> str | None:
         return "--kv-frontier-tokens must be >= 0"
     if getattr(args, "kv_block_tokens", 1) < 1:
         return "--kv-block-tokens must be >= 1"
+    if not 0.0 <= getattr(args, "kv_write_budget_gb_per_day", 0.0) < float("inf"):
+        return "--kv-write-budget-gb-per-day must be a number >= 0"
     if args.kv_cache_boundary_trim_tokens < 0 or args.kv_cache_boundary_align_tokens < 0:
         return "boundary trim and align must be >= 0"
     if args.kv_disk_space_mb <= 0:
@@ -402,6 +413,7 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         codec_level=getattr(args, "kv_codec_level", 1),
         blocks=getattr(args, "kv_blocks", "off") == "on" and not getattr(args, "kv_remote", None),
         block_tokens=getattr(args, "kv_block_tokens", StorePolicy.block_tokens),
+        write_budget_gb_per_day=getattr(args, "kv_write_budget_gb_per_day", 0.0),
     )
     return KVStore(
         os.path.expanduser(args.kv_disk_dir),

@@ -88,6 +88,7 @@ from .rejection import Refusal, Rejection, RejectionLog
 from .remove import evict_entries, is_regular, remove_exact
 from .save import CHATML_MARKERS, adopt_download, chat_anchor, store_checked, store_live
 from .skips import SaveSkip
+from .writes import WriteLog
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -189,6 +190,8 @@ class KVStore:
         self._lock = DirLock(self.dir, trust_dir)
         #: the shared block files and which manifest names which (:mod:`.blocks`)
         self.blocks = BlockStore(self.dir, auth_key)
+        #: the bytes its saves write, by reason, and the write budget (:mod:`.writes`)
+        self.writes = WriteLog(self.dir, self.policy.write_budget_bytes)
         # small JSON records (stored Responses) in records/: at most 1 % of
         # the budget, and counted in it (eviction makes room for them)
         self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
@@ -257,7 +260,7 @@ class KVStore:
     def stats(self) -> dict[str, int]:
         """The counters of the store, its index and its use of the shared
         tier, merged (:mod:`.counters`)."""
-        parts: list[Counted] = [self, self.index] if self._tiered is None else [self, self.index, self._tiered]
+        parts: list[Counted] = [self, self.index, self.writes, *([] if self._tiered is None else [self._tiered])]
         return merged(*parts)
 
     def summary(self) -> dict[str, object]:
@@ -266,6 +269,7 @@ class KVStore:
         idx = self.index.idx  # each model's bytes, files and hits too (``models``: :func:`.entries.model_usage`)
         out: dict[str, object] = {"dir": self.dir, "files": len(idx), "bytes": self.total_bytes(), **self.stats}
         out.update(index_heap_bytes=idx.heap_bytes(), tenants=self.tenant_usage(), models=model_usage(idx.abi_usage()))
+        out.update(**self.writes.summary(), **self.blocks.summary(self._entries, idx.total_bytes()))
         if self.remote is not None:
             out["remote"] = self.remote.status()
         return out
@@ -369,13 +373,8 @@ class KVStore:
         self.counters["misses"] += 1
 
     def remote_longer(self, found: Candidates) -> list[RemoteEntry]:
-        """The remote candidates of ``found`` longer than every local one of
-        the session's model (tried first; none without a shared tier)."""
-        if not found.remote or self._tiered is None:
-            return []
-        abi = found.remote[0].abi  # the session's: another model's local file of the text does not count
-        best = next((e.text_bytes for e in found.entries if e.abi == abi), -1)
-        return [r for r in found.remote if r.text_bytes > best]
+        """:meth:`.tiered.SharedTier.longer` (none without a shared tier)."""
+        return [] if self._tiered is None else self._tiered.longer(found)
 
     # -- the shared tier (kvstore/tiered.py) ----------------------------------
     def pull(self, r: RemoteEntry, report: RejectionLog | None = None) -> Entry | None:

@@ -36,7 +36,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from .. import _core
@@ -230,6 +230,27 @@ class BlockStore:
             live.update(refs)
         return [h for h in self._sizes if h not in live]
 
+    def summary(self, entries: Callable[[], Iterable[Entry]], file_bytes: int) -> dict[str, float]:
+        """The block files (``block_files``, ``block_bytes``), the bytes the
+        checkpoints ``entries()`` (whose files take ``file_bytes``) would take
+        as single files (``logical_bytes``: each manifest's file and every
+        block it names) and the ratio of those to the bytes on disk
+        (``dedup_ratio``, 1.0 with no blocks). A manifest's table is read
+        once per process (:meth:`refs_of`)."""
+        self._list()
+        blocks = sum(self._sizes.values())
+        logical = file_bytes
+        if self._sizes:
+            for e in entries():
+                logical += sum(self._sizes.get(h, 0) for h in self.refs_of(e) or ())
+        disk = file_bytes + blocks
+        return {
+            "block_files": len(self._sizes),
+            "block_bytes": blocks,
+            "logical_bytes": logical,
+            "dedup_ratio": logical / disk if disk and self._sizes else 1.0,
+        }
+
     def remove(self, hexes: Iterable[str], why: str) -> int:
         """Remove block files; how many went."""
         gone = 0
@@ -247,6 +268,12 @@ class BlockStore:
         return gone
 
     # -- saves -------------------------------------------------------------------
+    def new_bytes(self, sp: Split) -> int:
+        """The payload bytes of the blocks of ``sp`` the directory lacks
+        (what :meth:`write` would add, less the blocks' headers)."""
+        self._list()
+        return sp.payloads.nbytes_each * sum(1 for n in sp.names if n.hex() not in self._sizes)
+
     def write(self, sp: Split, abi: str) -> tuple[bytes, int] | None:
         """Write the blocks of ``sp`` the directory lacks (fsynced, then the
         directory): the table for the manifest and the bytes written. A

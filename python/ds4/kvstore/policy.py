@@ -66,6 +66,9 @@ class StorePolicy:
     #: manifest naming them (:mod:`.blocks`; False: one file each, as before)
     blocks: bool = False
     block_tokens: int = 64
+    #: GB (1e9 bytes) the directory's saves may write in any 24 hours, every
+    #: process sharing it counted (:mod:`.writes`); 0: no budget
+    write_budget_gb_per_day: float = 0.0
 
     def __post_init__(self) -> None:
         if self.codec not in ("none", "zstd"):
@@ -78,6 +81,8 @@ class StorePolicy:
             raise ValueError(f"explicit_weight must be >= 1, not {self.explicit_weight!r}")
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, not {self.block_tokens!r}")
+        if not 0.0 <= self.write_budget_gb_per_day < float("inf"):
+            raise ValueError(f"write_budget_gb_per_day must be >= 0, not {self.write_budget_gb_per_day!r}")
         if self.frontier_tokens < 0:
             raise ValueError(f"frontier_tokens must be >= 0, not {self.frontier_tokens!r}")
         if not self.fresh_guard_s >= 0.0:
@@ -87,6 +92,11 @@ class StorePolicy:
     @property
     def budget_bytes(self) -> int:
         return int(self.budget_mb * 1024 * 1024)
+
+    @property
+    def write_budget_bytes(self) -> int:
+        """The write budget in bytes a day (0: none)."""
+        return int(self.write_budget_gb_per_day * 1e9)
 
     def cold_store_len(self, n_tokens: int) -> int | None:
         """ds4's cold store length: trim the tail (BPE boundary safety) and

@@ -37,6 +37,7 @@ from .skips import (
     session_invalid,
     write_failed,
 )
+from .writes import hit_share
 
 if TYPE_CHECKING:
     import numpy as np
@@ -143,9 +144,21 @@ def write_state(store: KVStore, path: str, sess: Session, text: bytes, reason: s
     pol, budget, key = store.policy, store.budget_bytes, store.auth_key
     arrays = sess.export_arrays()
     sp = split_session(sess, arrays, pol.block_tokens) if pol.blocks and store.remote is None else None
-    got = store.blocks.write(sp, sess.payload_abi) if sp is not None and sp.nbytes() <= budget else None
+    if sp is not None and sp.nbytes() > budget:
+        sp = None
+    state = sum(a.nbytes for a in arrays.values())
+    new = state if sp is None else store.blocks.new_bytes(sp) + sum(a.nbytes for a in sp.residue.values())
+    refused = store.writes.admit(reason, new, state, lambda: hit_share((e.reason, e.hits) for e in store.entries()))
+    if refused is not None:
+        return refused
+    got = store.blocks.write(sp, sess.payload_abi) if sp is not None else None
+    if got is not None and got[1]:
+        store.writes.record(reason, got[1])  # the blocks are on disk whatever becomes of the manifest
     if sp is None or got is None:
-        return write_live(path, sess, text, reason, budget, key, codec=pol.codec, level=pol.codec_level, arrays=arrays)
+        size = write_live(path, sess, text, reason, budget, key, codec=pol.codec, level=pol.codec_level, arrays=arrays)
+        if not isinstance(size, SaveSkip):
+            store.writes.record(reason, size)
+        return size
     import numpy as np
 
     residue = {**sp.residue, TABLE_TENSOR: np.frombuffer(got[0], np.uint8)}
@@ -162,6 +175,7 @@ def write_state(store: KVStore, path: str, sess: Session, text: bytes, reason: s
         flags=MANIFEST_FLAG,
     )
     if not isinstance(size, SaveSkip):
+        store.writes.record(reason, size)
         store.blocks.note(os.path.basename(path), [n.hex() for n in sp.names])
     return size
 

@@ -24,6 +24,7 @@ __all__ = [
     "OVER_BUDGET",
     "SESSION_INVALID",
     "SKIP_CODES",
+    "WRITE_BUDGET",
     "WRITE_ERROR",
     "SaveSkip",
     "cold_too_long",
@@ -52,6 +53,9 @@ DISK_FULL = "disk_full"
 WRITE_ERROR = "write_error"
 #: the session holds no valid state to save
 SESSION_INVALID = "session_invalid"
+#: the save's bytes would take the last 24 hours' writes over the write
+#: budget (``--kv-write-budget-gb-per-day``, :mod:`.writes`)
+WRITE_BUDGET = "write_budget"
 
 #: every code, in the order above: a stable set (a new one is added, none renamed)
 SKIP_CODES = (
@@ -63,6 +67,7 @@ SKIP_CODES = (
     DISK_FULL,
     WRITE_ERROR,
     SESSION_INVALID,
+    WRITE_BUDGET,
 )
 
 

@@ -96,6 +96,15 @@ class SharedTier:
                 found.rejected.extend(got.rejected)
         found.remote_state = self.tier.state
 
+    def longer(self, found: Candidates) -> list[RemoteEntry]:
+        """The remote candidates of ``found`` longer than every local one of
+        the session's model (tried first)."""
+        if not found.remote:
+            return []
+        abi = found.remote[0].abi  # the session's: another model's local file of the text does not count
+        best = next((e.text_bytes for e in found.entries if e.abi == abi), -1)
+        return [r for r in found.remote if r.text_bytes > best]
+
     def available(self) -> bool:
         """Whether the tier may be asked now (not cooling down, not closed)."""
         return self.tier.available()

@@ -295,6 +295,7 @@ def _store(kv: dict[str, Any], budget: int) -> Iterator[Any]:
     )
     for name in ("hits", "misses", "stores", "rejected", "scans", "index_rebuilds", "index_mismatches"):
         yield CounterMetricFamily(f"ds4_kv_{name}", f"The store's {name} counter", value=kv.get(name, 0))
+    yield from _writes(kv)
     ev = CounterMetricFamily("ds4_kv_evictions", "Checkpoints removed, by reason", labels=["reason"])
     for reason, key in _EVICTIONS.items():
         ev.add_metric([reason], kv.get(key, 0))
@@ -310,6 +311,31 @@ def _store(kv: dict[str, Any], budget: int) -> Iterator[Any]:
     remote = kv.get("remote")
     if remote is not None:
         yield from _remote(remote)
+
+
+def _writes(kv: dict[str, Any]) -> Iterator[Any]:
+    """The bytes the store's saves wrote by reason, the write budget and the
+    last 24 hours' writes, the block files and the dedup ratio."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    wr = CounterMetricFamily(
+        "ds4_kv_written_bytes", "Bytes the store's saves wrote (files and blocks)", labels=["reason"]
+    )
+    for reason, n in kv.get("written_by_reason", {}).items():
+        wr.add_metric([reason], n)
+    yield wr
+    yield CounterMetricFamily(
+        "ds4_kv_write_budget_refused", "Saves skipped for the write budget", value=kv.get("write_budget_refused", 0)
+    )
+    for name, doc in (
+        ("write_budget_bytes", "The write budget, bytes a day (--kv-write-budget-gb-per-day; 0: none)"),
+        ("written_day_bytes", "Bytes the directory's saves wrote in the last 24 hours (with a write budget)"),
+        ("block_files", "Shared block files on disk"),
+        ("block_bytes", "Bytes of the shared block files"),
+        ("logical_bytes", "Bytes the checkpoints would take as single files"),
+        ("dedup_ratio", "Those bytes over the bytes on disk (1: nothing shared)"),
+    ):
+        yield GaugeMetricFamily(f"ds4_kv_{name}", doc, value=kv.get(name, 0))
 
 
 def _models(by_model: dict[str, dict[str, Any]]) -> Iterator[Any]:

@@ -188,6 +188,7 @@ class Dashboard:
             out["budget_bytes"] = store.budget_bytes
             out["tenants_bytes"] = kv.get("tenants", {})
             out["models_bytes"] = kv.get("models", {})
+            out["writes"] = writes_of(kv)
             out["checkpoints"] = await self._checkpoint_table()
             # the saves the turns did not make since the server started: code -> kind -> count
             out["save_skipped"] = self.metrics.skipped_by_code
@@ -209,6 +210,15 @@ class Dashboard:
             table = checkpoint_table(rows, time.time())
             self._checkpoints = (now, table)
         return table
+
+
+def writes_of(kv: dict[str, Any]) -> dict[str, Any]:
+    """What the store's saves wrote since the start, by reason, the last 24
+    hours' writes against the write budget (0: none) and the dedup ratio
+    of the shared blocks (1: none shared)."""
+    by = kv.get("written_by_reason", {})
+    keys = ("written_day_bytes", "write_budget_bytes", "write_budget_refused", "block_bytes", "logical_bytes")
+    return {"by_reason": by, "dedup_ratio": kv.get("dedup_ratio", 1.0), **{k: kv.get(k, 0) for k in keys}}
 
 
 def _operator(request: Request) -> bool:

@@ -81,7 +81,18 @@ function tiles(d) {
   if (d.operator) {
     $("t-queued").textContent = d.queued + (d.busy ? " (busy)" : "");
     $("t-disk").textContent = d.kv ? bytes(d.kv.bytes) + " / " + bytes(d.budget_bytes) : "off";
+    $("t-written").textContent = d.writes ? written(d.writes) : "-";
+    $("t-written").title = d.writes ? Object.entries(d.writes.by_reason).map(([r, n]) => r + ": " + bytes(n)).join("\n") : "";
   }
+}
+
+// The saves' bytes since the start; the last 24 hours against a write budget; the blocks' dedup ratio.
+function written(w) {
+  const total = Object.values(w.by_reason).reduce((a, n) => a + n, 0);
+  let out = bytes(total);
+  if (w.write_budget_bytes) out += ", 24 h " + bytes(w.written_day_bytes) + " / " + bytes(w.write_budget_bytes);
+  if (w.block_bytes) out += ", dedup " + w.dedup_ratio.toFixed(2) + "x";
+  return out;
 }
 
 // The chart: hit rate (0-100 %, bars) and median TTFT (a line, its own scale) per bin.
