@@ -8,7 +8,10 @@ the reference engine, the store a real ``KVStore``), once per arm:
 * ``before``: the store before items 4-5: no supersede pruning
   (``StorePolicy.supersede=False``), ``explicit_weight=1`` (ds4's one
   score), ``fresh_guard_s=0`` (no guard);
-* ``after``: the defaults (supersede on, weight 4, guard 60 s).
+* ``after``: the defaults (supersede on, weight 4, guard 60 s);
+* ``blocks``: the defaults with shared blocks (``StorePolicy.blocks``): a
+  checkpoint's K/V in block files every checkpoint of the same tokens
+  shares, the checkpoint a manifest naming them.
 
 Each arm runs at a budget and at a quarter of it: ``--budget-mb`` (default
 4096, ds4 serve's) and, unless ``--no-scaled``, the same budgets scaled by
@@ -23,8 +26,8 @@ the writer's and the hit stamps' ``time.time`` read it, and it moves
 ``--turn-s`` seconds per turn (default 10), so "younger than 60 s" means
 what it would in a session of that pace.
 
-Per arm: bytes written (every checkpoint file written), bytes on disk at
-the end, evictions of never-hit files younger than 60 s, files superseded,
+Per arm: bytes written (the store's count: every checkpoint file, and
+every block file, written), bytes on disk at the end (files and blocks), evictions of never-hit files younger than 60 s, files superseded,
 and the hit rate (turns whose rung is ``live``, ``rewrite`` or ``disk`` /
 turns), for the long conversation and the short ones.
 
@@ -70,6 +73,7 @@ SHORT_ASSISTANT = "Option {k} of tool {j} turns the verbose output on; nothing e
 ARMS = {
     "before": {"supersede": False, "explicit_weight": 1.0, "fresh_guard_s": 0.0},
     "after": {},
+    "blocks": {"blocks": True},  # the defaults with shared blocks (--kv-blocks on)
 }
 
 
@@ -167,14 +171,14 @@ def replay(eng, budget_mb: float, arm: str, turn_s: float) -> dict[str, object]:
             longest = max(longest, gen.sess.n_past)
         wall = time.perf_counter() - t0
         store.refresh(force=True)
-        on_disk = sum(e.size for e in store.entries())
+        on_disk = store.total_bytes()  # the files and the block files
         young = [v for v in store.victims if v[1] == 0 and v[2] < YOUNG_S]
         hit = lambda rs: sum(r in ("live", "rewrite", "disk") for r in rs)  # noqa: E731
         turns = rungs["long"] + rungs["short"]
         return {
             "arm": arm,
             "budget_mb": round(budget_mb, 2),
-            "bytes_written": sum(written),
+            "bytes_written": store.stats["bytes_written"],  # the store's count: files, and blocks with blocks on
             "files_written": len(written),
             "bytes_on_disk": on_disk,
             "files_on_disk": len(store.entries()),
