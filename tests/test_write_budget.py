@@ -184,5 +184,7 @@ def test_blocks_written_before_a_failed_manifest_still_count(eng, tmp_path, monk
     monkeypatch.setattr(save, "write_live", fail)
     got = store.store_live_checked(prefilled(eng, _text(1)), "cold")
     assert isinstance(got, SaveSkip) and got.code == "disk_full"
-    blocks = sum(os.path.getsize(os.path.join(d, BLOCKS_DIR, f)) for f in os.listdir(d / BLOCKS_DIR))
+    blocks = sum(
+        os.path.getsize(os.path.join(d, BLOCKS_DIR, f)) for f in os.listdir(d / BLOCKS_DIR) if f.endswith(".kvb")
+    )
     assert store.writes.by_reason() == {"cold": blocks} and blocks > 0

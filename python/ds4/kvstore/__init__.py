@@ -494,6 +494,6 @@ class KVStore:
                 _core.sync_dir(self.dir)
                 self.index.stale()
             removed += gone
-            self.blocks.remove(self.blocks.unreferenced(e for e in entries if e.name not in set(gone)), "orphans")
+            self.blocks.settle(entries, set(gone))  # orphans out, the references kept (blocks/.refs)
             if not gone or not len(self.blocks):
                 return removed

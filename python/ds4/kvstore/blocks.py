@@ -22,7 +22,8 @@ when it is damaged, the manifest kept (a later save of the same tokens
 writes the block again and makes it whole), and the ladder goes on.
 
 :class:`BlockStore` keeps which manifest names which blocks (read from a
-manifest's table when it is written, loaded or first seen), their sizes,
+manifest's table when it is written, loaded or first seen, unless
+``blocks/.refs`` records it for the same file: :mod:`.block_refs`), their sizes,
 and counts a block once in the store's bytes: each manifest is charged its
 own file and an equal share of every block it names, so the eviction
 order and the budget see unique bytes.
@@ -36,12 +37,13 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING
 
 from .. import _core
 from ..checkpoint import Checkpoint, check_tokens, open_checkpoint
 from ..errors import BlockError, CheckpointError, EngineStateError
+from .block_refs import Refs, read_refs, write_refs
 from .entries import Entry, text_namespace
 from .files import TMP_MAX_AGE_S, temp_is_orphaned
 
@@ -116,6 +118,7 @@ class BlockStore:
         self._users: collections.Counter[str] = collections.Counter()
         self._listed = False
         self._trusted: dict[str, int] = {}  # blocks written or compared by this process: their checksums
+        self._kept: Refs | None = None  # the references file's records, as read or last written
         #: block files written and their bytes, blocks a save found present,
         #: present blocks whose bytes differed, corrupt and orphaned ones removed
         self.counts: collections.Counter[str] = collections.Counter()
@@ -190,6 +193,12 @@ class BlockStore:
         got = self._refs.get(e.name)
         if got is not None:
             return got
+        if self._kept is None:
+            self._kept = read_refs(self.dir)
+        rec = self._kept.get(e.name)
+        if rec is not None and e.stat_key and rec[0] == tuple(e.stat_key):  # the file recorded: not read
+            self.note(e.name, rec[1])
+            return rec[1]
         refs: tuple[str, ...] = ()
         try:
             # the header's checks and the table's bytes only (mapped), not the payload's checksum:
@@ -218,6 +227,27 @@ class BlockStore:
         for e in entries:
             e.size += sum(self._sizes.get(h, 0) // users[h] for h in refs[e.name])
         return entries
+
+    def settle(self, entries: list[Entry], gone: Collection[str]) -> None:
+        """After an eviction of ``gone`` from ``entries``: the blocks no
+        remaining entry names removed, then the references of the remaining
+        ones kept in ``blocks/.refs`` when they changed (with blocks on disk;
+        a failure to write them costs the next store a read of each manifest)."""
+        left = [e for e in entries if e.name not in gone]
+        self.remove(self.unreferenced(left), "orphans")
+        if not self._sizes:
+            return
+        recs: Refs = {
+            e.name: (tuple(e.stat_key), self._refs[e.name]) for e in left if e.stat_key and e.name in self._refs
+        }
+        if recs == self._kept:
+            return
+        try:
+            write_refs(self.dir, ((n, k, r) for n, (k, r) in recs.items()))
+        except OSError as err:
+            log.warning("kv cache could not keep its block references: %s", err)
+            return
+        self._kept = recs
 
     def unreferenced(self, entries: Iterable[Entry]) -> list[str]:
         """The blocks no entry names (those of a crashed save, or of removed
