@@ -9,7 +9,6 @@ store runs it; ``stats`` counts blocks and the dedup ratio."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 from kv_helpers import prefilled, toks
+from test_cli import ds4_cmd, ds4_json
 
 import ds4
 from ds4 import _core
@@ -27,18 +27,6 @@ B = 16  # tokens per block (the reference engine's granule is 1)
 BASE = " ".join(["alpha beta gamma delta epsilon zeta eta theta"] * 30)
 TEXTS = (BASE + " first task one", BASE + " second task two")
 SINGLE = "a single file of its own, " * 12
-
-
-def ds4_cmd(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "ds4", *map(str, args)], capture_output=True, text=True, timeout=120)
-    if check and p.returncode != 0:
-        raise AssertionError(f"ds4 {' '.join(map(str, args))} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
-
-
-def ds4_json(*args, check=True):
-    p = ds4_cmd(*args, "--json", check=check)
-    return json.loads(p.stdout), p.returncode
 
 
 @pytest.fixture(scope="module")

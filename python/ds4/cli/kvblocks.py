@@ -18,14 +18,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import stat
 from collections.abc import Iterable
 
 from .. import _core
 from ..checkpoint import open_checkpoint
 from ..errors import BlockError, CheckpointError
 from ..kvstore import Entry, KVStore, scan_dir
-from ..kvstore.blocks import BLOCKS_DIR, MANIFEST_FLAG, TABLE_TENSOR, BlockStore
+from ..kvstore.blocks import BLOCKS_DIR, MANIFEST_FLAG, TABLE_TENSOR, BlockStore, list_blocks
 from .kvinfo import READABLE, Info
 from .term import human_bytes
 
@@ -43,23 +42,9 @@ _SUFFIX = ".kvb"
 
 def block_files(d: str) -> dict[str, int]:
     """The block files in ``d``'s ``blocks/`` as the store lists them
-    (regular files named ``<64 hex>.kvb``): hex name -> bytes. Nothing is
-    removed (the store's listing also drops old temp files)."""
-    out: dict[str, int] = {}
-    try:
-        it = os.scandir(os.path.join(d, BLOCKS_DIR))
-    except (FileNotFoundError, NotADirectoryError):
-        return out
-    with it:
-        for de in it:
-            if de.name.endswith(_SUFFIX) and len(de.name) == 64 + len(_SUFFIX):
-                try:
-                    st = de.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    out[de.name[:64]] = st.st_size
-    return out
+    (:func:`~ds4.kvstore.blocks.list_blocks`): hex name -> bytes. Nothing
+    is removed (the store's listing also drops old temp files)."""
+    return list_blocks(os.path.join(d, BLOCKS_DIR))[0]
 
 
 def _is_manifest(info: Info) -> bool:

@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # numpy and ds4.blocks are imported by a save or a load (a lo
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["BLOCKS_DIR", "MANIFEST_FLAG", "TABLE_TENSOR", "BlockStore", "Split", "split_session"]
+__all__ = ["BLOCKS_DIR", "MANIFEST_FLAG", "TABLE_TENSOR", "BlockStore", "Split", "list_blocks", "split_session"]
 
 #: the subdirectory of the store's directory that holds the block files
 BLOCKS_DIR = "blocks"
@@ -105,6 +105,30 @@ def split_session(sess: Session, arrays: dict[str, np.ndarray], wanted: int) -> 
     return Split(names, payloads, residue)
 
 
+def list_blocks(blocks_dir: str) -> tuple[dict[str, int], list[str]]:
+    """The block files of ``blocks_dir`` (regular files named ``<64
+    hex>.kvb``: hex name -> bytes) and the paths of block writers' temp
+    files; nothing when there is no such directory. Nothing is removed."""
+    sizes: dict[str, int] = {}
+    temps: list[str] = []
+    try:
+        it = os.scandir(blocks_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return sizes, temps
+    with it:
+        for de in it:
+            if de.name.endswith(_SUFFIX) and len(de.name) == 64 + len(_SUFFIX):
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    sizes[de.name[:64]] = st.st_size
+            elif ".kvb.tmp." in de.name:
+                temps.append(de.path)
+    return sizes, temps
+
+
 class BlockStore:
     """The ``blocks/`` directory of one store, and which manifest names
     which block. Every method that changes files runs under the store's
@@ -128,22 +152,11 @@ class BlockStore:
         if self._listed:
             return
         self._listed = True
-        try:
-            it = os.scandir(self.dir)
-        except FileNotFoundError:
-            return
         now = time.time()
-        with it:
-            for de in it:
-                if de.name.endswith(_SUFFIX) and len(de.name) == 64 + len(_SUFFIX):
-                    try:
-                        st = de.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if stat.S_ISREG(st.st_mode):
-                        self._sizes[de.name[:64]] = st.st_size
-                elif ".kvb.tmp." in de.name:
-                    self._drop_temp(de.path, now)
+        sizes, temps = list_blocks(self.dir)
+        self._sizes.update(sizes)
+        for path in temps:
+            self._drop_temp(path, now)
 
     @staticmethod
     def _drop_temp(path: str, now: float) -> None:
