@@ -204,7 +204,7 @@ def test_a_half_upload_is_never_visible(eng, flushed, replicas, monkeypatch):
     prompt = _prompt("half")
     real_set = None
 
-    def crash_before_commit(self, c, keys, sha, f, size, tokens, text_bytes):
+    def crash_before_commit(self, c, keys, sha, f, facts, blocks):
         nonlocal real_set
         # the chunks go up, then the uploader dies before its commit
         for i, chunk in enumerate(iter(lambda: f.read(CHUNK), b"")):

@@ -411,7 +411,7 @@ def make_store(args: argparse.Namespace) -> KVStore | None:
         fresh_guard_s=getattr(args, "kv_fresh_guard_s", 60.0),
         codec=getattr(args, "kv_codec", "none"),
         codec_level=getattr(args, "kv_codec_level", 1),
-        blocks=getattr(args, "kv_blocks", "off") == "on" and not getattr(args, "kv_remote", None),
+        blocks=getattr(args, "kv_blocks", "off") == "on",
         block_tokens=getattr(args, "kv_block_tokens", StorePolicy.block_tokens),
         write_budget_gb_per_day=getattr(args, "kv_write_budget_gb_per_day", 0.0),
     )

@@ -101,6 +101,9 @@ def remote_stats(args: argparse.Namespace) -> int:
         "bytes": total,
         "gone": len(found.gone),
         "damaged": len(found.damaged),
+        "blocks": found.blocks,
+        "block_bytes": found.block_bytes,
+        "orphan_blocks": len(found.orphans),
         "by_abi": by_abi,
     }
     if args.json:
@@ -108,6 +111,8 @@ def remote_stats(args: argparse.Namespace) -> int:
     else:
         print(f"remote {tier.url} namespace {escaped(tier.namespace)}")
         print(f"{doc['files']} checkpoints, {human_bytes(total)}, {doc['gone']} gone, {doc['damaged']} damaged")
+        if found.blocks:
+            print(f"{found.blocks} shared blocks, {human_bytes(found.block_bytes)}, {len(found.orphans)} named by none")
         for abi, d in sorted(by_abi.items()):
             print(f"  {escaped(abi)}: {d['files']} files, {human_bytes(d['bytes'])}, {d['tokens']} tokens")
     return EXIT_OK
@@ -147,11 +152,12 @@ def remote_verify(args: argparse.Namespace) -> int:
 
 def remote_gc(args: argparse.Namespace) -> int:
     """Prune index entries whose checkpoint is gone (with any chunks left
-    behind) and delete checkpoints whose manifest does not parse."""
+    behind), delete checkpoints whose manifest does not parse, and shared
+    blocks no manifest names (stored longer ago than an upload takes)."""
     tier = _tier(args)
     try:
         found = tier.scan()
-        pruned = deleted = 0
+        pruned = deleted = orphans = 0
         if not args.dry_run:
             for index, member in found.gone:  # the member, and any chunks the manifest left behind
                 tier.delete_member(index, member)
@@ -159,14 +165,21 @@ def remote_gc(args: argparse.Namespace) -> int:
             for i, m, _ in found.damaged:
                 tier.delete_member(i, m)
                 deleted += 1
+            for abi_id, block, _ in found.orphans:
+                orphans += tier.delete_block(block, "", abi_id=abi_id)
     finally:
         tier.close()
     doc = {"gone": len(found.gone), "damaged": len(found.damaged), "pruned": pruned, "deleted": deleted}
+    doc.update(orphan_blocks=len(found.orphans), orphan_bytes=sum(n for *_, n in found.orphans), removed_blocks=orphans)
     if args.json:
         print(json_text({**doc, "dry_run": args.dry_run}))
     else:
         verb = "would prune" if args.dry_run else "pruned"
         print(f"{verb} {len(found.gone)} index entries, {len(found.damaged)} damaged checkpoints")
+        if found.orphans:
+            print(
+                f"{'would remove' if args.dry_run else 'removed'} {len(found.orphans)} shared blocks no checkpoint names"
+            )
     return EXIT_OK
 
 

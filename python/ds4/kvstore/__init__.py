@@ -217,7 +217,7 @@ class KVStore:
             # a download is verified for a session (:mod:`.loads`), then renamed in (:mod:`.save`)
             opener = functools.partial(open_for, self, check_name=False)
             adopt = functools.partial(adopt_download, self)
-            self._tiered = SharedTier(self.remote, self.dir, open_for=opener, adopt=adopt)
+            self._tiered = SharedTier(self.remote, self.blocks, open_for=opener, adopt=adopt, locked=self.locked)
         if scan:
             self.index.open()
             if self.total_bytes() > self.budget_bytes:

@@ -45,7 +45,7 @@ from ..checkpoint import Checkpoint, check_tokens, open_checkpoint
 from ..errors import BlockError, CheckpointError, EngineStateError
 from .block_refs import Refs, read_refs, write_refs
 from .entries import Entry, text_namespace
-from .files import TMP_MAX_AGE_S, temp_is_orphaned
+from .files import TMP_MAX_AGE_S, pid_space, temp_is_orphaned
 
 if TYPE_CHECKING:  # numpy and ds4.blocks are imported by a save or a load (a lookup needs neither)
     import numpy as np
@@ -135,6 +135,7 @@ class BlockStore:
     lock (the caller holds it)."""
 
     def __init__(self, root: str, auth_key: bytes | None):
+        self.root = root
         self.dir = os.path.join(root, BLOCKS_DIR)
         self.auth_key = auth_key
         self._sizes: dict[str, int] = {}  # block (hex) -> file bytes
@@ -404,6 +405,62 @@ class BlockStore:
             return
         log.warning("kv cache removed corrupt block %s: %s (%s)", h[:12], err.code, err.reason)
         self.remove([h], "removed_corrupt")
+
+    # -- the shared tier -------------------------------------------------------------
+    def paths_of(self, name: str) -> tuple[str, ...]:
+        """The block files manifest ``name`` names, as this store knows them
+        (what an upload of it sends first)."""
+        return tuple(self.path(h) for h in self._refs.get(name, ()))
+
+    def missing(self, manifest: str) -> list[tuple[bytes, int, int, int]]:
+        """The records of the blocks a downloaded manifest's table names that
+        this directory lacks; the manifest is verified whole first (header,
+        text, checksum, MAC with a key): its table is trusted only then.
+        Raises what the pipeline raises."""
+        ck = open_checkpoint(manifest, check_name=False, auth_key=self.auth_key)
+        _, records = _core.read_block_table(ck.array(TABLE_TENSOR))
+        return [r for r in records if not os.path.isfile(self.path(r[0].hex()))]
+
+    def download(self, record: tuple[bytes, int, int, int], abi: str, fetch: Callable[[int], object]) -> int:
+        """Fetch the block a manifest's table ``record`` names (name, tokens,
+        payload bytes, checksum) through ``fetch(fd)``: written to a temp
+        file of ``blocks/``, fsynced, renamed in and checked as a load checks
+        a block (header, name, ABI, size, checksum; MAC with a key) and
+        against the record (removed when it fails). Its file's bytes; 0 when the tier failed
+        (``fetch`` gave None). Raises BlockError when the bytes are not the
+        block; the caller holds the store's lock."""
+        name, n_tokens, size, cks = record
+        h = name.hex()
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        tmp = os.path.join(self.dir, f".{h}{_SUFFIX}.tmp.{os.getpid()}.{pid_space()}.{os.urandom(6).hex()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                got = fetch(fd)
+                if got is not None:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if got is None:
+                return 0
+            # renamed in, then checked under its name (a block's file name is part of its check); a load
+            # elsewhere that finds it meanwhile verifies it whole itself, and one that fails goes again
+            os.rename(tmp, self.path(h))
+            tmp = self.path(h)
+            head = _core.verify_block(tmp, abi, self.auth_key)
+            if (head["name"], head["n_tokens"], head["payload_len"], head["checksum"]) != (h, n_tokens, size, cks):
+                err = BlockError("the block the tier holds under this name is another", code="block_name", path=tmp)
+                err.block = h
+                raise err
+            tmp = ""
+        finally:
+            if tmp and os.path.lexists(tmp):
+                os.unlink(tmp)
+        _core.sync_dir(self.dir)
+        self._sizes[h] = head["file_len"]
+        self._trusted[h] = cks
+        self.counts["downloaded"] += 1
+        return int(head["file_len"])
 
     # -- ds4 kv --------------------------------------------------------------------
     @staticmethod

@@ -7,11 +7,9 @@ trusted: a download lands in a temp file of the local directory and goes
 through the whole verification pipeline (:mod:`ds4.kvstore`) before it is
 renamed and loaded like any local checkpoint.
 
-The key layout, the manifests and the URLs are :mod:`.remote_layout`'s
-(re-exported here); this module does the I/O. A lookup reads the index once (the
-members no longer than the prompt), hashes the prompt once at every stored
-length (``_core.sha1_prefixes``) and asks for every matching manifest in one
-pipelined round trip, longest first.
+The key layout, the manifests and the URLs are :mod:`.remote_layout`'s,
+the plumbing :mod:`.remote_io`'s, the shared blocks :mod:`.remote_blocks`'s;
+this module runs them through one client and one breaker.
 
 Failures of the tier never fail a request: every operation has bounded
 connect and socket timeouts, errors are counted, and after
@@ -24,11 +22,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .. import _core
 from ..errors import RemoteManifestError, RemoteTierError
+from . import remote_blocks as rb
+from . import remote_io as rio
 from .counters import Counters, merged
 from .rejection import Rejection, rejection_of
 from .remote_io import Breaker, RemoteLookup, RemoteScan, delete_checkpoint, fetch_chunks, read_chunks, scan_namespace
@@ -37,6 +37,7 @@ from .remote_layout import (
     DEFAULT_NAMESPACE,
     HEADER_BYTES,
     SCHEMES,
+    BlockRecord,
     KeyLayout,
     RemoteEntry,
     chunk_digest,
@@ -68,8 +69,6 @@ __all__ = [
     "redact_url",
 ]
 
-#: chunks of an upload that has not committed its manifest expire after this
-UPLOAD_TTL_S = 600
 #: index members checked for a vanished checkpoint after each upload
 PRUNE_SAMPLE = 16
 
@@ -112,6 +111,7 @@ class RemoteTier:
         self.breaker = Breaker(fail_threshold, cooldown_s)
         #: the tier's own counters (its upload queue keeps its own: :attr:`stats`)
         names = "lookups hits rejected deleted pruned uploads upload_present upload_dropped upload_failed errors"
+        names += " blocks_uploaded blocks_present blocks_downloaded blocks_rejected"
         self.counters = Counters(*names.split(), "bytes_uploaded", "bytes_downloaded")
         self._client: Client | None = None
         self._client_lock = threading.Lock()
@@ -198,7 +198,7 @@ class RemoteTier:
         return found if found is not None else RemoteLookup([], [])
 
     def _lookup(self, c: Client, keys: KeyLayout, prompt: bytes, min_tokens: int, ctx: int | None) -> RemoteLookup:
-        hits = self._matching(c, keys, prompt)
+        hits = rio.matching(c, keys, prompt)
         if not hits:
             return RemoteLookup([], [])
         pipe = c.pipeline(transaction=False)
@@ -235,18 +235,6 @@ class RemoteTier:
             self.counters["pruned"] += c.zrem(keys.index, *gone)
         return RemoteLookup(out, rejected)
 
-    @staticmethod
-    def _matching(c: Client, keys: KeyLayout, prompt: bytes) -> list[tuple[int, str]]:
-        """(text bytes, SHA-1) of the index members whose text is a prefix of ``prompt``, longest first."""
-        members: list[tuple[int, str]] = []
-        for raw in c.zrangebyscore(keys.index, 1, len(prompt)):
-            text_len, _, sha = raw.decode("ascii", "replace").partition(":")
-            if text_len.isdigit() and is_sha(sha):
-                members.append((int(text_len), sha))
-        lengths = sorted({n for n, _ in members if n <= len(prompt)})
-        digests = dict(zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True)) if lengths else {}
-        return sorted(((n, sha) for n, sha in members if digests.get(n) == sha), reverse=True)
-
     def _reject(
         self, c: Client, keys: KeyLayout, sha: str, err: RemoteManifestError, into: list[Rejection], **kw: Any
     ) -> None:
@@ -264,6 +252,24 @@ class RemoteTier:
         keys = KeyLayout(self.namespace, entry.abi)
         return self._call("download", lambda c: fetch_chunks(c, keys, entry, fd)) is not None
 
+    def fetch_block(self, name: str, abi: str, fd: int) -> BlockRecord | None:
+        """Write shared block ``name``'s file to ``fd``, each chunk checked
+        on the way (:func:`.remote_blocks.fetch_block`: missing, damaged);
+        None when the tier failed meanwhile."""
+        keys = KeyLayout(self.namespace, abi)
+        rec = self._call("download", lambda c: rb.fetch_block(c, keys, name, fd))
+        if rec is not None:
+            self.counters["blocks_downloaded"] += 1
+            self.counters["bytes_downloaded"] += rec.size
+        return rec
+
+    def delete_block(self, name: str, abi: str, *, abi_id: str | None = None) -> bool:
+        """Delete one shared block (record and chunks) of ``abi`` (or of the
+        ABI whose id is ``abi_id``): a damaged or forged one, or one no
+        manifest names (``ds4 kv gc --remote``)."""
+        keys = KeyLayout(self.namespace, abi) if abi_id is None else KeyLayout.of_abi_id(self.namespace, abi_id)
+        return bool(self._call("delete", lambda c: rb.delete_block(c, keys, name)))
+
     def touch(self, entry: RemoteEntry) -> None:
         """Refresh the TTL of a checkpoint that served a request."""
         if not self.ttl_s:
@@ -277,6 +283,8 @@ class RemoteTier:
                 pipe.expire(keys.chunk(entry.sha, i), ttl)
             pipe.expire(keys.index, ttl)
             pipe.execute()
+            if entry.blocks:  # the blocks it names live as long as it does
+                rb.refresh_blocks(c, keys, rb.records_of(c, keys, entry.blocks), ttl)
 
         self._call("touch", run)
 
@@ -340,29 +348,14 @@ class RemoteTier:
         """Every readable remote checkpoint of ``abi`` (``ds4 kv ls --remote``)."""
         keys = KeyLayout(self.namespace, abi)
 
-        def run(c: Client) -> list[RemoteEntry]:
-            shas = [m.decode("ascii", "replace").partition(":")[2] for m in c.zrange(keys.index, 0, -1)]
-            shas = [s for s in shas if is_sha(s)]
-            pipe = c.pipeline(transaction=False)
-            for s in shas:
-                pipe.get(keys.manifest(s))
-            out = []
-            for s, raw in zip(shas, pipe.execute() if shas else [], strict=True):
-                if raw is None:
-                    continue
-                try:
-                    out.append(RemoteEntry.from_bytes(raw, s, abi))
-                except RemoteManifestError:
-                    continue
-            return out
-
-        return self._call("list", run) or []
+        return self._call("list", lambda c: rio.read_entries(c, keys)) or []
 
     def scan(self) -> RemoteScan:
         """Every remote checkpoint of this namespace, of every ABI (``ds4 kv
         ls|stats|gc --remote``): the readable ones, the index members whose
         manifest is gone, and those whose manifest does not parse."""
-        out = self._call("scan", lambda c: scan_namespace(c, self.namespace))
+        ns, now = self.namespace, time.time()
+        out = self._call("scan", lambda c: rb.scan_blocks(c, scan_namespace(c, ns), ns, now))
         if out is None:
             raise RemoteTierError(0, f"the remote tier {self.url} cannot be read ({self.breaker.last_error})")
         return out
@@ -379,34 +372,48 @@ class RemoteTier:
         return bool(self._call("delete", run))
 
     # -- upload ------------------------------------------------------------
-    def enqueue(self, path: str, abi: str, tokens: int, text_bytes: int) -> None:
-        """Queue a freshly stored checkpoint for upload; returns at once. A
-        full queue drops its oldest entry (logged)."""
+    def enqueue(self, path: str, abi: str, tokens: int, text_bytes: int, blocks: Sequence[str] = ()) -> None:
+        """Queue a freshly stored checkpoint (and the paths of the block
+        files a manifest names) for upload; returns at once. A full queue
+        drops its oldest entry (logged)."""
         if not self._closed:
-            self._uploads.put(path, abi, tokens, text_bytes)
+            self._uploads.put(path, abi, tokens, text_bytes, tuple(blocks))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until the upload queue is empty and idle; False on timeout."""
         return self._uploads.flush(timeout)
 
-    def upload(self, path: str, abi: str, tokens: int, text_bytes: int) -> str:
-        """Upload one checkpoint file now: ``stored``, ``present`` (its
+    def upload(self, path: str, abi: str, tokens: int, text_bytes: int, blocks: Sequence[str] = ()) -> str:
+        """Upload one checkpoint file now, after the block files ``blocks``
+        (a manifest's) the tier lacks: ``stored``, ``present`` (its
         manifest there describes this file: its TTL refreshed; one that
         describes another file is deleted and this one stored),
         ``claimed`` (another uploader is at it, or committed meanwhile),
-        ``gone`` (the file went first), ``skipped`` (the tier is down) or
-        ``failed``."""
+        ``gone`` (the file or one of its blocks went first), ``skipped``
+        (the tier is down) or ``failed``."""
         sha = os.path.basename(path)[:40]
         keys = KeyLayout(self.namespace, abi)
         if not self.available():
             return "skipped"
+        if blocks:  # first: a manifest in the tier names only blocks the tier holds
+            up = self._call(
+                "upload", lambda c: rb.upload_blocks(c, keys, blocks, ttl=self.ttl_s, chunk_bytes=self.chunk_bytes)
+            )
+            if up is None:
+                self.counters["upload_failed"] += 1
+                return "failed"
+            up.count(self.counters)
+            if up.gone:
+                return "gone"
+        names = tuple(os.path.basename(b)[:64] for b in blocks)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return "gone"
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            out = self._call("upload", lambda c: self._upload(c, keys, sha, f, size, tokens, text_bytes))
+            facts = (size, tokens, text_bytes)
+            out = self._call("upload", lambda c: self._upload(c, keys, sha, f, facts, names))
         if out is None:
             self.counters["upload_failed"] += 1
             return "failed"
@@ -418,18 +425,20 @@ class RemoteTier:
             self.counters["upload_present"] += 1
         return out
 
-    def _upload(self, c: Client, keys: KeyLayout, sha: str, f: Any, size: int, tokens: int, text_bytes: int) -> str:
-        ttl = self.ttl_s
+    def _upload(
+        self, c: Client, keys: KeyLayout, sha: str, f: Any, facts: tuple[int, int, int], blocks: tuple[str, ...]
+    ) -> str:
+        ttl, (size, tokens, text_bytes) = self.ttl_s, facts
         there = c.get(keys.manifest(sha))
         if there is not None:
-            if RemoteEntry.describes(there, sha, keys.abi, (size, tokens, text_bytes)):
+            if RemoteEntry.describes(there, sha, keys.abi, facts):
                 if ttl:
                     c.expire(keys.manifest(sha), ttl)
                 return "present"
             log.warning("kv remote replaces %s: its manifest is not this checkpoint's", sha[:12])
             if not self._delete(c, keys, sha, None, None, there):
                 return "claimed"  # another upload replaced it meanwhile
-        if not c.set(keys.claim(sha), str(os.getpid()), nx=True, ex=UPLOAD_TTL_S):
+        if not c.set(keys.claim(sha), str(os.getpid()), nx=True, ex=rb.UPLOAD_TTL_S):
             return "claimed"
         if c.exists(keys.manifest(sha)):  # committed by another upload since the read
             c.delete(keys.claim(sha))
@@ -438,9 +447,9 @@ class RemoteTier:
         total = 0
         for chunk in read_chunks(f, self.chunk_bytes):
             digests.append(chunk_digest(chunk))
-            c.set(keys.chunk(sha, len(digests) - 1), chunk, ex=UPLOAD_TTL_S)
+            c.set(keys.chunk(sha, len(digests) - 1), chunk, ex=rb.UPLOAD_TTL_S)
             total += len(chunk)
-        entry = RemoteEntry(sha, keys.abi, tokens, text_bytes, total, self.chunk_bytes, tuple(digests))
+        entry = RemoteEntry(sha, keys.abi, tokens, text_bytes, total, self.chunk_bytes, tuple(digests), blocks)
         if total != size or total == 0:  # the file changed under us: leave nothing behind
             self._delete(c, keys, sha, entry, None)
             return "gone"
@@ -469,17 +478,9 @@ class RemoteTier:
 
     def status(self) -> dict[str, object]:
         """What ``/health`` and the ladder report show of the tier."""
-        return {
-            "url": self.url,
-            "cluster": self.cluster,
-            "namespace": self.namespace,
-            "state": "closed" if self._closed else self.breaker.state,
-            "ttl_s": self.ttl_s,
-            "queued": len(self._uploads),
-            "cooldowns": self.breaker.cooldowns,
-            "last_error": self.breaker.last_error,
-            **self.stats,
-        }
+        out: dict[str, object] = dict(url=self.url, cluster=self.cluster, namespace=self.namespace, state=self.state)
+        out.update(ttl_s=self.ttl_s, queued=len(self._uploads), cooldowns=self.breaker.cooldowns)
+        return {**out, "last_error": self.breaker.last_error, **self.stats}
 
     @property
     def state(self) -> str:

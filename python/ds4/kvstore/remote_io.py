@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .. import _core
 from ..errors import RemoteChunkError, RemoteManifestError
 from .rejection import Rejection
-from .remote_layout import KeyLayout, RemoteEntry, chunk_digest, is_sha
+from .remote_layout import BlockRecord, KeyLayout, RemoteEntry, chunk_digest, is_sha
 
 log = logging.getLogger("ds4.kvstore")
 
@@ -29,7 +30,9 @@ __all__ = [
     "RemoteScan",
     "delete_checkpoint",
     "fetch_chunks",
+    "matching",
     "read_chunks",
+    "read_entries",
     "scan_namespace",
 ]
 
@@ -49,12 +52,17 @@ return 1
 @dataclasses.dataclass
 class RemoteScan:
     """Everything one namespace of the tier holds (:meth:`RemoteTier.scan`):
-    readable entries; (index, member) pairs whose manifest is gone; and
-    (index, member, why) of manifests that do not parse."""
+    readable entries; (index, member) pairs whose manifest is gone;
+    (index, member, why) of manifests that do not parse; and the blocks."""
 
     entries: list[RemoteEntry]
     gone: list[tuple[str, str]]
     damaged: list[tuple[str, str, str]]
+    #: shared blocks (:mod:`.remote_blocks`): how many and their bytes, and
+    #: (ABI id, block, bytes) of those no manifest names
+    blocks: int = 0
+    block_bytes: int = 0
+    orphans: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -170,7 +178,39 @@ def delete_checkpoint(c: Any, keys: KeyLayout, sha: str, entry: RemoteEntry | No
     return gone
 
 
-def fetch_chunks(c: Any, keys: KeyLayout, entry: RemoteEntry, fd: int) -> bool:
+def matching(c: Any, keys: KeyLayout, prompt: bytes) -> list[tuple[int, str]]:
+    """(text bytes, SHA-1) of the index members whose text is a prefix of
+    ``prompt``, longest first: the index read once, the prompt hashed once
+    at every stored length."""
+    members: list[tuple[int, str]] = []
+    for raw in c.zrangebyscore(keys.index, 1, len(prompt)):
+        text_len, _, sha = raw.decode("ascii", "replace").partition(":")
+        if text_len.isdigit() and is_sha(sha):
+            members.append((int(text_len), sha))
+    lengths = sorted({n for n, _ in members if n <= len(prompt)})
+    digests = dict(zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True)) if lengths else {}
+    return sorted(((n, sha) for n, sha in members if digests.get(n) == sha), reverse=True)
+
+
+def read_entries(c: Any, keys: KeyLayout) -> list[RemoteEntry]:
+    """Every readable checkpoint of ``keys``' index."""
+    shas = [m.decode("ascii", "replace").partition(":")[2] for m in c.zrange(keys.index, 0, -1)]
+    shas = [s for s in shas if is_sha(s)]
+    pipe = c.pipeline(transaction=False)
+    for s in shas:
+        pipe.get(keys.manifest(s))
+    out = []
+    for s, raw in zip(shas, pipe.execute() if shas else [], strict=True):
+        if raw is None:
+            continue
+        try:
+            out.append(RemoteEntry.from_bytes(raw, s, keys.abi))
+        except RemoteManifestError:
+            continue
+    return out
+
+
+def fetch_chunks(c: Any, keys: KeyLayout, entry: RemoteEntry | BlockRecord, fd: int) -> bool:
     """Pipelined batches of ``entry``'s chunks, each checked against its
     length and digest (:class:`RemoteChunkError`: missing, truncated or
     altered), handed to a writer thread: the file is written while the next

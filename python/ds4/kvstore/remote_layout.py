@@ -11,6 +11,14 @@ keeps them on one node and a commit is one transaction)::
     ds4:{<namespace>/<abi id>/<sha1>}:u      an uploader's claim (expires)
     ds4:{<namespace>/<abi id>}:idx           per-ABI index: sorted set of
                                              "<text bytes>:<sha1>", score = text bytes
+    ds4:{<namespace>/<abi id>/<block>}:b     a shared block's record (JSON: its size,
+                                             XXH3-128 of each chunk, when stored), written last
+    ds4:{<namespace>/<abi id>/<block>}:c:<i> the block file's chunk i
+
+``<block>`` is a block's name (64 hex digits, docs/FORMAT.md §7): a
+checkpoint written as a manifest is stored as any other (its file's
+chunks), and its manifest here lists its blocks (``blocks``), each stored
+once for every checkpoint that names it.
 
 ``<abi id>`` is the first 16 hex digits of SHA-1 of the payload ABI string;
 ``<namespace>`` separates whatever must never share checkpoints (tenants:
@@ -35,9 +43,11 @@ __all__ = [
     "MANIFEST_MAX_BYTES",
     "MANIFEST_VERSION",
     "SCHEMES",
+    "BlockRecord",
     "KeyLayout",
     "RemoteEntry",
     "chunk_digest",
+    "is_block",
     "is_sha",
     "parse_remote_url",
     "redact_url",
@@ -58,6 +68,9 @@ DEFAULT_NAMESPACE = "shared"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 _DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
+_BLOCK_RE = re.compile(r"^[0-9a-f]{64}$")
+#: the most blocks one manifest lists (a 1M-token state in blocks of 16)
+MAX_BLOCKS = 65536
 
 
 def parse_remote_url(url: str) -> tuple[bool, str]:
@@ -119,6 +132,10 @@ class KeyLayout:
     def claim(self, sha: str) -> str:
         return self.tag(sha) + ":u"
 
+    def block(self, name: str) -> str:
+        """A shared block's record (its chunks are :meth:`chunk` of its name)."""
+        return self.tag(name) + ":b"
+
     @staticmethod
     def member(text_bytes: int, sha: str) -> str:
         return f"{text_bytes}:{sha}"
@@ -132,10 +149,23 @@ class KeyLayout:
         keys.index = index
         return keys
 
+    @classmethod
+    def of_abi_id(cls, namespace: str, abi_id: str) -> KeyLayout:
+        """The layout of an ABI known by its id only (a block a scan found)."""
+        keys = cls(namespace, "")
+        keys.abi_id = abi_id
+        keys.index = f"ds4:{{{namespace}/{abi_id}}}:idx"
+        return keys
+
     @staticmethod
     def index_pattern(namespace: str) -> str:
         """The ``SCAN`` pattern of every per-ABI index of ``namespace``."""
         return f"ds4:{{{namespace}/*}}:idx"
+
+
+def is_block(s: str) -> bool:
+    """``s`` is a block's name (64 lowercase hex digits)."""
+    return _BLOCK_RE.match(s) is not None
 
 
 def is_sha(s: str) -> bool:
@@ -167,6 +197,62 @@ def abi_id(abi: str) -> str:
     return _core.model_tag(abi)
 
 
+def _chunked(d: dict[str, Any], what: str) -> tuple[int, int, tuple[str, ...]]:
+    """(size, chunk bytes, chunk digests) of a manifest or block record,
+    each checked: a payload, chunks of at most :data:`CHUNK_BYTES`, one
+    well-formed digest per chunk."""
+    size = _nonneg_int(d, "size")
+    chunk_bytes = _nonneg_int(d, "chunk_bytes", CHUNK_BYTES)
+    chunks = d.get("chunks")
+    if size == 0 or chunk_bytes == 0 or not isinstance(chunks, list):
+        raise RemoteManifestError(f"{what} has no payload")
+    if chunk_bytes > CHUNK_BYTES:  # no writer makes them; a download holds a few
+        raise RemoteManifestError(f"{what}'s chunks of {chunk_bytes} bytes (at most {CHUNK_BYTES})")
+    if len(chunks) != -(-size // chunk_bytes) or not all(isinstance(c, str) and _DIGEST_RE.match(c) for c in chunks):
+        raise RemoteManifestError(f"{what}'s chunk list does not match its size")
+    return size, chunk_bytes, tuple(chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRecord:
+    """One shared block in the tier: its file's size and chunks' digests,
+    and when it was stored (``gc`` leaves a young block no manifest names
+    yet: its checkpoint's upload may be under way)."""
+
+    name: str
+    size: int
+    chunk_bytes: int
+    digests: tuple[str, ...]
+    stored_at: int = 0
+
+    @property
+    def sha(self) -> str:  # the tag its chunks are under (:meth:`KeyLayout.chunk`)
+        return self.name
+
+    def chunk_len(self, i: int) -> int:
+        return min(self.chunk_bytes, self.size - i * self.chunk_bytes)
+
+    def to_bytes(self) -> bytes:
+        d: dict[str, Any] = {"v": MANIFEST_VERSION, "block": self.name, "size": self.size}
+        d.update(chunk_bytes=self.chunk_bytes, chunks=list(self.digests), t=self.stored_at)
+        return json.dumps(d, separators=(",", ":"), sort_keys=True).encode("ascii")
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, name: str) -> BlockRecord:
+        """The record stored under block ``name``'s key, every field checked
+        (:class:`RemoteManifestError` otherwise)."""
+        if len(raw) > MANIFEST_MAX_BYTES:
+            raise RemoteManifestError(f"block record of {len(raw)} bytes")
+        try:
+            d = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RemoteManifestError(f"block record is not JSON: {e}") from None
+        if not isinstance(d, dict) or d.get("v") != MANIFEST_VERSION or d.get("block") != name:
+            raise RemoteManifestError("block record is not a version 1 record of its key's block")
+        size, chunk_bytes, chunks = _chunked(d, "block record")
+        return cls(name, size, chunk_bytes, chunks, _nonneg_int(d, "t"))
+
+
 @dataclasses.dataclass(frozen=True)
 class RemoteEntry:
     """One remote checkpoint, as its manifest describes it: the header
@@ -179,6 +265,10 @@ class RemoteEntry:
     size: int
     chunk_bytes: int
     digests: tuple[str, ...]
+    #: the blocks its file's table names (a manifest: docs/FORMAT.md §7), as
+    #: its uploader listed them: what a hit refreshes and ``gc`` keeps; a
+    #: download fetches what the verified file's own table names
+    blocks: tuple[str, ...] = ()
     #: the manifest's bytes as Redis held them (empty for one built here): a
     #: rejection deletes the entry only while Redis still holds these bytes
     raw: bytes = dataclasses.field(default=b"", compare=False, repr=False)
@@ -193,20 +283,19 @@ class RemoteEntry:
         return min(self.chunk_bytes, self.size - i * self.chunk_bytes)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "v": MANIFEST_VERSION,
-                "sha1": self.sha,
-                "abi": self.abi,
-                "tokens": self.tokens,
-                "text_bytes": self.text_bytes,
-                "size": self.size,
-                "chunk_bytes": self.chunk_bytes,
-                "chunks": list(self.digests),
-            },
-            separators=(",", ":"),
-            sort_keys=True,
-        ).encode("ascii")
+        d: dict[str, Any] = {
+            "v": MANIFEST_VERSION,
+            "sha1": self.sha,
+            "abi": self.abi,
+            "tokens": self.tokens,
+            "text_bytes": self.text_bytes,
+            "size": self.size,
+            "chunk_bytes": self.chunk_bytes,
+            "chunks": list(self.digests),
+        }
+        if self.blocks:  # absent for a single file: a release before blocks reads the manifest as it did
+            d["blocks"] = list(self.blocks)
+        return json.dumps(d, separators=(",", ":"), sort_keys=True).encode("ascii")
 
     @classmethod
     def from_bytes(cls, raw: bytes, sha: str, abi: str) -> RemoteEntry:
@@ -223,19 +312,17 @@ class RemoteEntry:
             raise RemoteManifestError("manifest is not a version 1 object")
         if d.get("sha1") != sha or d.get("abi") != abi:
             raise RemoteManifestError("manifest names another checkpoint or ABI than its key")
-        size = _nonneg_int(d, "size")
-        chunk_bytes = _nonneg_int(d, "chunk_bytes", CHUNK_BYTES)
-        chunks = d.get("chunks")
-        if size == 0 or chunk_bytes == 0 or not isinstance(chunks, list):
-            raise RemoteManifestError("manifest has no payload")
-        if chunk_bytes > CHUNK_BYTES:  # no writer makes them; a download holds a few
-            raise RemoteManifestError(f"manifest's chunks of {chunk_bytes} bytes (at most {CHUNK_BYTES})")
-        if len(chunks) != -(-size // chunk_bytes) or not all(
-            isinstance(c, str) and _DIGEST_RE.match(c) for c in chunks
+        size, chunk_bytes, chunks = _chunked(d, "manifest")
+        blocks = d.get("blocks", [])
+        if (
+            not isinstance(blocks, list)
+            or len(blocks) > MAX_BLOCKS
+            or not all(isinstance(b, str) and is_block(b) for b in blocks)
         ):
-            raise RemoteManifestError("manifest's chunk list does not match its size")
+            raise RemoteManifestError("manifest's block list is not a list of block names")
         text_bytes = _nonneg_int(d, "text_bytes", size)
-        return cls(sha, abi, _nonneg_int(d, "tokens"), text_bytes, size, chunk_bytes, tuple(chunks), bytes(raw))
+        tokens = _nonneg_int(d, "tokens")
+        return cls(sha, abi, tokens, text_bytes, size, chunk_bytes, chunks, tuple(blocks), bytes(raw))
 
     @classmethod
     def describes(cls, raw: bytes, sha: str, abi: str, facts: tuple[int, int, int]) -> bool:

@@ -139,11 +139,10 @@ def write_live(
 def write_state(store: KVStore, path: str, sess: Session, text: bytes, reason: str) -> int | SaveSkip:
     """:func:`write_live` with the store's knobs: with ``blocks`` on and an
     engine that names its state's append-only part, the blocks the
-    directory lacks and then the manifest (:mod:`.blocks`), else one file
-    (always with a shared tier: it moves whole files)."""
+    directory lacks and then the manifest (:mod:`.blocks`), else one file."""
     pol, budget, key = store.policy, store.budget_bytes, store.auth_key
     arrays = sess.export_arrays()
-    sp = split_session(sess, arrays, pol.block_tokens) if pol.blocks and store.remote is None else None
+    sp = split_session(sess, arrays, pol.block_tokens) if pol.blocks else None
     if sp is not None and sp.nbytes() > budget:
         sp = None
     state = sum(a.nbytes for a in arrays.values())
@@ -158,6 +157,7 @@ def write_state(store: KVStore, path: str, sess: Session, text: bytes, reason: s
         size = write_live(path, sess, text, reason, budget, key, codec=pol.codec, level=pol.codec_level, arrays=arrays)
         if not isinstance(size, SaveSkip):
             store.writes.record(reason, size)
+            store.blocks.forget(os.path.basename(path))  # a single file now: it names no blocks
         return size
     import numpy as np
 
@@ -261,7 +261,7 @@ def store_live(
         if reason == "continued" and supersedes and store.policy.supersede:
             supersede(store, text, name, sess.payload_abi, supersedes)
         if store.remote is not None:  # shared in the background: never adds to this request's latency
-            store.remote.enqueue(path, sess.payload_abi, n, len(text))
+            store.remote.enqueue(path, sess.payload_abi, n, len(text), store.blocks.paths_of(name))
         log.info(
             "kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.1f ms",
             n,

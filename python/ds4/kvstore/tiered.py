@@ -22,6 +22,7 @@ This module never names a file or takes the lock itself: the store does
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -31,12 +32,14 @@ from typing import TYPE_CHECKING
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import (
     AbiMismatchError,
+    BlockError,
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
     MacMissingError,
     NameMismatchError,
 )
+from .blocks import MANIFEST_FLAG, BlockStore
 from .counters import Counters
 from .entries import Candidates, Entry
 from .files import create_temp
@@ -44,6 +47,8 @@ from .rejection import RejectionLog, rejection_of
 from .remote import HEADER_BYTES, RemoteEntry, RemoteTier
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from ..session import Session
 
 log = logging.getLogger("ds4.kvstore")
@@ -74,16 +79,19 @@ class SharedTier:
     def __init__(
         self,
         tier: RemoteTier,
-        directory: str,
+        blocks: BlockStore,
         *,
         open_for: OpenFor,
         adopt: Adopt,
+        locked: Callable[[], AbstractContextManager[None]],
     ):
         self.tier = tier
-        self.dir = directory
+        self.blocks = blocks
+        self.dir = blocks.root
         self.counters = Counters("rejected")
         self._open_for = open_for
         self._adopt = adopt
+        self._locked = locked
 
     def lookup(self, found: Candidates, abi: str, *, min_tokens: int, ctx: int | None) -> None:
         """Add the tier's prefixes of ``found.prompt`` to ``found`` (and, in
@@ -147,7 +155,11 @@ class SharedTier:
         """See :meth:`ds4.kvstore.KVStore.push`."""
         out: dict[str, int] = {}
         for e in entries:
-            res = "skipped_v1" if e.version == 1 else self.tier.upload(e.path, e.abi, e.tokens, e.text_bytes)
+            if e.version == 1:
+                res = "skipped_v1"
+            else:
+                self.blocks.refs_of(e)  # a manifest's blocks go first
+                res = self.tier.upload(e.path, e.abi, e.tokens, e.text_bytes, self.blocks.paths_of(e.name))
             out[res] = out.get(res, 0) + 1
         return out
 
@@ -172,12 +184,19 @@ class SharedTier:
             if not ok:
                 return None
             with open(tmp, "rb") as f:
-                r.check_header(f.read(HEADER_BYTES))  # the manifest's claims are the file's
-            ck = opener(tmp)
-            if ck.text_sha1 != r.sha:
-                raise NameMismatchError("the downloaded text's SHA-1 is not the key's", path=tmp)
-            e = self._adopt(tmp, r.name, ck)
-            del ck
+                head = f.read(HEADER_BYTES)
+            r.check_header(head)  # the manifest's claims are the file's
+            manifest = bool(head[6] & MANIFEST_FLAG)
+            # a manifest's blocks go in under the lock, and it is adopted under it: no eviction
+            # between takes them for orphans
+            with self._locked() if manifest else contextlib.nullcontext():
+                if manifest and not self._fetch_blocks(r, tmp):
+                    return None
+                ck = opener(tmp)
+                if ck.text_sha1 != r.sha:
+                    raise NameMismatchError("the downloaded text's SHA-1 is not the key's", path=tmp)
+                e = self._adopt(tmp, r.name, ck)
+                del ck
             return e
         except CheckpointError as err:  # what it is: deleted; another engine's or context's: kept
             self._reject(r, err, report, delete=isinstance(err, FORGED))
@@ -185,6 +204,27 @@ class SharedTier:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def _fetch_blocks(self, r: RemoteEntry, tmp: str) -> bool:
+        """Download the blocks the verified manifest ``tmp`` names that the
+        directory lacks, each checked as a load checks it. False when the
+        tier failed meanwhile. A block missing from the tier, damaged or
+        forged is deleted from the tier (what is left of it) and its error
+        raised: the manifest is rejected (and deleted: the tier cannot serve
+        it; an honest upload of it, which sends its blocks first, replaces it)."""
+        for rec in self.blocks.missing(tmp):
+            h = rec[0].hex()
+            try:
+                got = self.blocks.download(rec, r.abi, functools.partial(self.tier.fetch_block, h, r.abi))
+            except CheckpointError as err:
+                self.tier.delete_block(h, r.abi)  # a missing one's chunks too (a record expired or evicted alone)
+                if not (isinstance(err, BlockError) and err.code == "block_missing"):
+                    self.tier.counters["blocks_rejected"] += 1
+                    log.warning("kv remote rejected block %s: %s (deleted from the tier)", h[:12], err)
+                raise
+            if not got:
+                return False
+        return True
 
     def _reject(self, r: RemoteEntry, err: CheckpointError, report: RejectionLog | None, *, delete: bool) -> None:
         self.counters["rejected"] += 1

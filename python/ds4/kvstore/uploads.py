@@ -18,8 +18,8 @@ log = logging.getLogger("ds4.kvstore")
 
 __all__ = ["UploadQueue"]
 
-#: (path, payload ABI, tokens, text bytes) of one checkpoint file
-Upload = tuple[str, str, int, int]
+#: (path, payload ABI, tokens, text bytes, its block files' paths) of one checkpoint file
+Upload = tuple[str, str, int, int, tuple[str, ...]]
 
 
 class UploadQueue:
@@ -29,7 +29,7 @@ class UploadQueue:
     ``upload_failed`` and logged), in its own :attr:`counters` (merged into
     the tier's stats)."""
 
-    def __init__(self, upload: Callable[[str, str, int, int], object], max_len: int):
+    def __init__(self, upload: Callable[[str, str, int, int, tuple[str, ...]], object], max_len: int):
         self._upload = upload
         self.counters = Counters("upload_dropped", "upload_failed")
         self.max_len = max(1, max_len)
@@ -42,7 +42,7 @@ class UploadQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def put(self, path: str, abi: str, tokens: int, text_bytes: int) -> None:
+    def put(self, path: str, abi: str, tokens: int, text_bytes: int, blocks: tuple[str, ...] = ()) -> None:
         """Queue one file; returns at once (nothing once stopped)."""
         with self._cv:
             if self._stopped:
@@ -51,7 +51,7 @@ class UploadQueue:
                 old = self._queue.popleft()
                 self.counters["upload_dropped"] += 1
                 log.warning("kv remote upload queue full (%d): dropped %s", self.max_len, os.path.basename(old[0]))
-            self._queue.append((path, abi, tokens, text_bytes))
+            self._queue.append((path, abi, tokens, text_bytes, blocks))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ds4-kv-upload", daemon=True)
                 self._thread.start()
