@@ -231,30 +231,56 @@ fn check_claims(h: &BlockHeader, x: Expect<'_>, block: &str) -> Result<()> {
     Ok(())
 }
 
-/// Reads the payload (into `sink` when given, else through a scratch
-/// buffer), hashing it as it is read; checks its xxh3 against the header
-/// and the record, and the MAC when a key is given.
+/// Where a block's payload goes as it is read and hashed.
+pub(crate) enum Sink<'s> {
+    /// Nowhere: read through a small scratch buffer, a check only.
+    None,
+    /// A buffer of the payload's length, read into directly.
+    Whole(&'s mut [u8]),
+    /// Each piece handed on as soon as it is read and hashed, from a small
+    /// scratch buffer that is still in cache (a scatter to its places).
+    Each(&'s mut dyn FnMut(&[u8]) -> Result<()>),
+}
+
+/// The piece of a payload read through a scratch buffer at a time: small
+/// enough to stay in a core's cache between its read, hash and copy.
+const SCRATCH_CHUNK: usize = 256 << 10;
+
+/// Reads the payload (into the sink's buffer, or through a scratch buffer
+/// whose pieces an `Each` sink receives), hashing it as it is read; checks
+/// its xxh3 against the header and the record, and the MAC when a key is
+/// given. An `Each` sink may have received bytes when a check fails.
 fn check_payload(
     file: &File,
     head: &[u8; BLOCK_HEADER],
     h: &BlockHeader,
     x: Expect<'_>,
-    mut sink: Option<&mut [u8]>,
+    sink: Sink<'_>,
     block: &str,
 ) -> Result<()> {
     let file_len = h.file_len();
     let len = usize::try_from(h.payload_len).map_err(|_| Error::SizeOverflow)?;
-    let mut scratch = if sink.is_some() {
+    let (mut whole, mut each) = match sink {
+        Sink::None => (None, None),
+        Sink::Whole(s) => (Some(s), None),
+        Sink::Each(f) => (None, Some(f)),
+    };
+    let step = if whole.is_some() {
+        CHUNK
+    } else {
+        SCRATCH_CHUNK
+    };
+    let mut scratch = if whole.is_some() {
         Vec::new()
     } else {
-        vec![0u8; len.min(CHUNK)]
+        vec![0u8; len.min(step)]
     };
     let mut xx = Xxh3::new();
     let mut mac = x.key.map(|k| block::mac_state(k, head));
     let mut off = 0usize;
     while off < len {
-        let n = CHUNK.min(len - off);
-        let buf = match sink.as_deref_mut() {
+        let n = step.min(len - off);
+        let buf = match whole.as_deref_mut() {
             Some(s) => s.get_mut(off..off + n),
             None => scratch.get_mut(..n),
         }
@@ -264,6 +290,9 @@ fn check_payload(
         xx.update(buf);
         if let Some(m) = mac.as_mut() {
             m.update(buf);
+        }
+        if let Some(f) = each.as_mut() {
+            f(buf)?;
         }
         off += n;
     }
@@ -302,7 +331,7 @@ fn check_payload(
 pub(crate) fn verify_file(
     path: &Path,
     x: Expect<'_>,
-    sink: Option<&mut [u8]>,
+    sink: Sink<'_>,
     block: &str,
 ) -> Result<BlockHeader> {
     let (file, head, h) = open_header(path, block)?;
@@ -352,5 +381,5 @@ pub fn verify_block(path: &Path, abi: Option<&str>, key: Option<&MacKey>) -> Res
         record: None,
         key,
     };
-    verify_file(path, x, None, &label)
+    verify_file(path, x, Sink::None, &label)
 }

@@ -8,7 +8,7 @@
 //! The failure reported is the first in table order, whatever the
 //! threads' timing.
 
-use crate::blocks::{stat_block, verify_file, Expect};
+use crate::blocks::{stat_block, verify_file, Expect, Sink};
 use crate::error::{Error, Result};
 use crate::format::block;
 use crate::format::block_table::{Record, Table};
@@ -161,7 +161,7 @@ pub fn open_blocks(
     }
     let tag = model_tag(abi);
     let check = |j: &Job<'_>, sink: &mut [u8], _: &mut Vec<u8>| {
-        verify_file(&j.path, j.expect(tag, key), Some(sink), &j.label).map(|_| ())
+        verify_file(&j.path, j.expect(tag, key), Sink::Whole(sink), &j.label).map(|_| ())
     };
     verify_each(&jobs, sinks, threads, before, &check)?;
     Ok(out)
@@ -286,15 +286,32 @@ pub fn open_blocks_into(
     let (jobs, before) = jobs(dir, table);
     let sinks: Vec<Vec<&mut [u8]>> = dests;
     let tag = model_tag(abi);
-    let check = |j: &Job<'_>, segs: Vec<&mut [u8]>, scratch: &mut Vec<u8>| -> Result<()> {
-        let len = usize::try_from(j.record.payload_len).map_err(|_| Error::SizeOverflow)?;
-        scratch.resize(len, 0);
-        verify_file(&j.path, j.expect(tag, key), Some(scratch), &j.label)?;
-        let mut src: &[u8] = scratch;
-        for seg in segs {
-            let (mine, tail) = src.split_at_checked(seg.len()).ok_or(Error::SizeOverflow)?;
-            seg.copy_from_slice(mine);
-            src = tail;
+    let check = |j: &Job<'_>, segs: Vec<&mut [u8]>, _: &mut Vec<u8>| -> Result<()> {
+        // each piece is copied to its places as soon as it is read and hashed (still in cache);
+        // the places are the joined state's, which nothing uses until every block has passed
+        let mut segs = segs.into_iter().filter(|s| !s.is_empty());
+        let mut cur: Option<&mut [u8]> = segs.next();
+        {
+            let mut fill = |mut src: &[u8]| -> Result<()> {
+                while !src.is_empty() {
+                    let seg = cur.take().ok_or(Error::SizeOverflow)?;
+                    let n = seg.len().min(src.len());
+                    let (head, rest) = seg.split_at_mut(n);
+                    let (mine, tail) = src.split_at(n);
+                    head.copy_from_slice(mine);
+                    src = tail;
+                    cur = if rest.is_empty() {
+                        segs.next()
+                    } else {
+                        Some(rest)
+                    };
+                }
+                Ok(())
+            };
+            verify_file(&j.path, j.expect(tag, key), Sink::Each(&mut fill), &j.label)?;
+        }
+        if cur.is_some() {
+            return Err(Error::SizeOverflow); // the places hold more than the block: never for a checked table
         }
         Ok(())
     };

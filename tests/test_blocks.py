@@ -300,3 +300,32 @@ def test_blocks_off_writes_single_files(eng, tmp_path):
     assert _block_files(store) == []
     (e,) = store.entries()
     assert not ds4.open_checkpoint(e.path, load_payload=False).flags & MANIFEST_FLAG
+
+
+# -- the joined state's buffer ------------------------------------------------
+def test_a_joined_states_buffer_is_lent_again_only_when_no_one_holds_it(eng, tmp_path):
+    spare = blocks.Spare()
+    held = spare.take(1000)
+    other = spare.take(800)  # the first is still held: a buffer of its own
+    assert not np.shares_memory(held, other)
+    del held
+    again = spare.take(500)  # the kept one (the last made) is held by ``other``: a new one
+    assert not np.shares_memory(again, other)
+    addr = again.ctypes.data
+    del again, other
+    assert spare.take(400).ctypes.data == addr  # nothing holds it now: lent again
+
+    # two loads in a row in one process: the second reuses the first's buffer (the engine copied
+    # the state), and neither session's state is the other's
+    st = _store(tmp_path)
+    x, y = _text(260, seed=21), _text(180, seed=22)
+    for t in (x, y):
+        st.store_live_prefix(prefilled(eng, t), "cold")
+    sx, rx = _resumed(st, eng, x + " more")
+    assert rx.rung == "disk"
+    first = blocks.SPARE.buf.ctypes.data
+    sy, ry = _resumed(st, eng, y + " more")
+    assert ry.rung == "disk"
+    assert blocks.SPARE.buf.ctypes.data == first
+    _equal_cold(eng, sx, x + " more")
+    _equal_cold(eng, sy, y + " more")

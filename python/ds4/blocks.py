@@ -20,7 +20,9 @@ by sizing a block as a multiple of the engine's batch granule.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,9 +30,11 @@ import numpy as np
 from .errors import EngineStateError
 
 __all__ = [
+    "SPARE",
     "ArrayRuns",
     "BlockLayout",
     "Run",
+    "Spare",
     "block_layout",
     "block_tokens_for",
     "join",
@@ -184,17 +188,56 @@ def block_bytes(layout: BlockLayout, block: int) -> int:
 Target = tuple[np.ndarray, list[tuple[int, int, int]]]
 
 
+class Spare:
+    """The buffer of the last state joined in this process, lent again when
+    it is large enough and nothing holds it any more (no array of an
+    earlier load is alive: the engine copied that state and dropped it; an
+    engine or snapshot that keeps the arrays keeps the buffer theirs), else
+    a new one, kept instead. Reusing it spares a long load the kernel's
+    zeroing and faulting of fresh pages (and, with transparent huge pages,
+    its compaction); the cost is one buffer the size of the largest state
+    joined, held for the process's life."""
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self.lock:  # the check and the view that takes it, together
+            buf = self.buf
+            # its references: the attribute, ``buf`` and getrefcount's own argument
+            if buf is not None and buf.size >= nbytes and sys.getrefcount(buf) == 3:
+                return buf[:nbytes]
+            self.buf = np.empty(nbytes, np.uint8)  # one in use stays its users' until they drop it
+            return self.buf[:nbytes]
+
+
+#: the process's buffer for joined states (:meth:`ds4.kvstore.blocks.BlockStore.assemble`)
+SPARE = Spare()
+
+
 def unjoined(
-    residue: Mapping[str, np.ndarray], layout: BlockLayout, n: int, block: int
+    residue: Mapping[str, np.ndarray],
+    layout: BlockLayout,
+    n: int,
+    block: int,
+    alloc: Callable[[int], np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[Target]]:
     """The arrays :func:`split` took apart, with everything but the blocks'
     rows filled from ``residue``, and where the blocks go: for each of the
     layout's arrays in order, its bytes (writable) and runs (``start, rows,
-    unit``), what ``ds4._core.open_blocks_into`` fills. Raises
+    unit``), what ``ds4._core.open_blocks_into`` fills. The arrays are
+    carved from one buffer, ``alloc(bytes)`` (writable uint8; a new one by
+    default): every byte of them is written here or by the blocks. Raises
     EngineStateError when a residue's size is not the layout's."""
     m = n // block * block
     out: dict[str, np.ndarray] = {}
     flats: dict[str, np.ndarray] = {}
+    offsets, total = {}, 0
+    for name in layout:
+        offsets[name] = total
+        total += -(-layout[name].nbytes // 64) * 64  # each array 64-byte aligned in the buffer
+    buf = (alloc or (lambda k: np.empty(k, np.uint8)))(total)
     for name, a in residue.items():
         spec = layout.get(name)
         if spec is None:
@@ -204,7 +247,7 @@ def unjoined(
         want = spec.nbytes - m * spec.per_token()
         if res.size != want:
             raise EngineStateError(f"{name}: the residue holds {res.size} bytes, the layout {want}")
-        full = np.empty(spec.nbytes, np.uint8)
+        full = buf[offsets[name] : offsets[name] + spec.nbytes]
         at = got = 0
         for r, reg in zip(spec.runs, _regions(full, spec.runs, n), strict=True):
             gap = r.start - at

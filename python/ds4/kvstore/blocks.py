@@ -373,7 +373,7 @@ class BlockStore:
         blocks), EngineStateError when the engine cannot join it."""
         if not ck.flags & MANIFEST_FLAG:
             return ck
-        from ..blocks import block_layout, unjoined
+        from ..blocks import SPARE, block_layout, unjoined
 
         arrays = ck.arrays()
         table = arrays.pop(TABLE_TENSOR, None)
@@ -388,7 +388,7 @@ class BlockStore:
         layout = block_layout(engine, n)
         if layout is None:
             raise EngineStateError("this engine cannot join a state from blocks")
-        joined, targets = unjoined(arrays, layout, n, block)
+        joined, targets = unjoined(arrays, layout, n, block, SPARE.take)
         _core.open_blocks_into(self.dir, table, ck.abi, targets, n, self.auth_key, 2)
         self.note(os.path.basename(str(ck.path)), [r[0].hex() for r in records])
         return ck.joined(joined)
