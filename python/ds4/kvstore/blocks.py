@@ -428,7 +428,9 @@ class BlockStore:
         a block (header, name, ABI, size, checksum; MAC with a key) and
         against the record (removed when it fails). Its file's bytes; 0 when the tier failed
         (``fetch`` gave None). Raises BlockError when the bytes are not the
-        block; the caller holds the store's lock."""
+        block; the caller holds the store's lock and syncs the directory
+        once after its last block (:meth:`synced`), before any manifest
+        naming them is renamed in."""
         name, n_tokens, size, cks = record
         h = name.hex()
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
@@ -456,11 +458,14 @@ class BlockStore:
         finally:
             if tmp and os.path.lexists(tmp):
                 os.unlink(tmp)
-        _core.sync_dir(self.dir)
         self._sizes[h] = head["file_len"]
         self._trusted[h] = cks
         self.counts["downloaded"] += 1
         return int(head["file_len"])
+
+    def synced(self) -> None:
+        """The ``blocks/`` directory fsynced (after downloads: their renames made durable)."""
+        _core.sync_dir(self.dir)
 
     # -- ds4 kv --------------------------------------------------------------------
     @staticmethod

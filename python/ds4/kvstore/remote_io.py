@@ -220,7 +220,8 @@ def fetch_chunks(c: Any, keys: KeyLayout, entry: RemoteEntry | BlockRecord, fd: 
     the chunk keys hold."""
     n = len(entry.digests)
     batch = max(1, FETCH_BATCH_BYTES // entry.chunk_bytes)
-    writer = FileWriter(fd)
+    # one round trip holds it all (a shared block): nothing to overlap, written here
+    writer: FileWriter | _Direct = FileWriter(fd) if n > batch else _Direct(fd)
     try:
         for start in range(0, n, batch):
             pipe = c.pipeline(transaction=False)
@@ -247,6 +248,19 @@ def read_chunks(f: Any, size: int) -> Iterator[bytes]:
         if not buf:
             return
         yield buf
+
+
+class _Direct:
+    """:class:`FileWriter`'s calls, writing on the caller's thread."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def put(self, data: bytes) -> None:
+        write_all(self.fd, data)
+
+    def finish(self) -> None:
+        pass
 
 
 class FileWriter:

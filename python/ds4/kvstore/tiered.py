@@ -212,7 +212,15 @@ class SharedTier:
         forged is deleted from the tier (what is left of it) and its error
         raised: the manifest is rejected (and deleted: the tier cannot serve
         it; an honest upload of it, which sends its blocks first, replaces it)."""
-        for rec in self.blocks.missing(tmp):
+        missing = self.blocks.missing(tmp)
+        try:
+            return self._fetch_each(r, missing)
+        finally:
+            if missing:
+                self.blocks.synced()  # the renames durable before the manifest's (its adopt)
+
+    def _fetch_each(self, r: RemoteEntry, missing: list[tuple[bytes, int, int, int]]) -> bool:
+        for rec in missing:
             h = rec[0].hex()
             try:
                 got = self.blocks.download(rec, r.abi, functools.partial(self.tier.fetch_block, h, r.abi))
