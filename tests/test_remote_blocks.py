@@ -280,3 +280,25 @@ def test_a_manifest_whose_blocks_went_locally_is_not_uploaded(eng, flushed, tmp_
     finally:
         tier.close()
         st.close()
+
+
+def test_a_manifest_without_its_table_from_the_tier_is_refused(eng, flushed, replica, tmp_path):
+    from ds4.checkpoint import open_checkpoint, write_checkpoint
+    from ds4.kvstore.blocks import MANIFEST_FLAG, TABLE_TENSOR
+
+    a = replica(flushed.url, "a")
+    text = _words(120, seed=19)
+    path = _save(a, eng, text)
+    ck = open_checkpoint(path)
+    arrays = {k: np.array(v) for k, v in ck.arrays().items() if k != TABLE_TENSOR}
+    forged = os.path.join(tmp_path, os.path.basename(path))  # flagged a manifest, with no table
+    write_checkpoint(forged, bytes(ck.text), arrays, abi=ck.abi, tokens=ck.tokens, ctx=CTX, flags=MANIFEST_FLAG)
+    e = a.remote.entries(ck.abi)[0]
+    assert a.remote.delete(e.sha, e.abi, e)
+    assert a.remote.upload(forged, ck.abi, ck.tokens, ck.text_bytes) == "stored"
+    b = replica(flushed.url, "b")
+    s, rep = _resume(b, eng, text + " more")
+    assert rep.rung != "remote"
+    assert [(r.stage, r.code) for r in rep.rejected] == [("payload", "block_table")]
+    _equal_cold(eng, s, text + " more")
+    assert a.remote.entries(ck.abi) == []  # deleted from the tier: an honest upload replaces it

@@ -418,7 +418,11 @@ class BlockStore:
         text, checksum, MAC with a key): its table is trusted only then.
         Raises what the pipeline raises."""
         ck = open_checkpoint(manifest, check_name=False, auth_key=self.auth_key)
-        _, records = _core.read_block_table(ck.array(TABLE_TENSOR))
+        try:
+            table = ck.array(TABLE_TENSOR)
+        except KeyError:
+            raise BlockError("a manifest without its block table", code="block_table", path=manifest) from None
+        _, records = _core.read_block_table(table)
         return [r for r in records if not os.path.isfile(self.path(r[0].hex()))]
 
     def download(self, record: tuple[bytes, int, int, int], abi: str, fetch: Callable[[int], object]) -> int:
