@@ -456,15 +456,7 @@ class RemoteTier:
         # The commit, in one transaction on the tag's node: chunks made
         # permanent (or given the TTL), then the manifest; nobody sees a
         # manifest whose chunks are not all there.
-        pipe = c.pipeline(transaction=True)
-        for i in range(len(digests)):
-            if ttl:
-                pipe.expire(keys.chunk(sha, i), ttl)
-            else:
-                pipe.persist(keys.chunk(sha, i))
-        pipe.set(keys.manifest(sha), entry.to_bytes(), ex=ttl or None)
-        pipe.delete(keys.claim(sha))
-        pipe.execute()
+        rio.commit(c, keys, sha, len(digests), keys.manifest(sha), entry.to_bytes(), ttl, keys.claim(sha))
         c.zadd(keys.index, {keys.member(text_bytes, sha): text_bytes})
         if ttl:
             c.expire(keys.index, ttl)

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import BlockError, RemoteManifestError
 from .counters import Counters
-from .remote_io import RemoteScan, fetch_chunks, read_chunks
+from .remote_io import RemoteScan, commit, fetch_chunks, read_chunks
 from .remote_layout import BlockRecord, KeyLayout, abi_id, chunk_digest, is_block
 
 __all__ = ["BlockUpload", "delete_block", "fetch_block", "refresh_blocks", "scan_blocks", "upload_blocks"]
@@ -106,14 +106,7 @@ def _upload_block(c: Any, keys: KeyLayout, h: str, path: str, ttl: int, chunk_by
         if total != size or size == 0:  # changed under us: the uncommitted chunks expire
             return None
         rec = BlockRecord(h, size, chunk_bytes, tuple(digests), int(time.time()))
-        pipe = c.pipeline(transaction=True)
-        for i in range(len(digests)):
-            if ttl:
-                pipe.expire(keys.chunk(h, i), ttl)
-            else:
-                pipe.persist(keys.chunk(h, i))
-        pipe.set(keys.block(h), rec.to_bytes(), ex=ttl or None)
-        pipe.execute()
+        commit(c, keys, h, len(digests), keys.block(h), rec.to_bytes(), ttl)
         return size
     finally:
         c.delete(keys.claim(h))

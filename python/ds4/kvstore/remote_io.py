@@ -28,6 +28,7 @@ __all__ = [
     "FileWriter",
     "RemoteLookup",
     "RemoteScan",
+    "commit",
     "delete_checkpoint",
     "fetch_chunks",
     "matching",
@@ -208,6 +209,23 @@ def read_entries(c: Any, keys: KeyLayout) -> list[RemoteEntry]:
         except RemoteManifestError:
             continue
     return out
+
+
+def commit(c: Any, keys: KeyLayout, tag: str, n_chunks: int, key: str, value: bytes, ttl: int, *drop: str) -> None:
+    """An upload's commit, in one transaction on ``tag``'s node: its chunks
+    made permanent (or given ``ttl``), ``key`` set to ``value`` (a manifest
+    or a block's record) and the keys ``drop`` (its claim) deleted: nobody
+    sees ``key`` before every chunk is there for good."""
+    pipe = c.pipeline(transaction=True)
+    for i in range(n_chunks):
+        if ttl:
+            pipe.expire(keys.chunk(tag, i), ttl)
+        else:
+            pipe.persist(keys.chunk(tag, i))
+    pipe.set(key, value, ex=ttl or None)
+    for k in drop:
+        pipe.delete(k)
+    pipe.execute()
 
 
 def fetch_chunks(c: Any, keys: KeyLayout, entry: RemoteEntry | BlockRecord, fd: int) -> bool:

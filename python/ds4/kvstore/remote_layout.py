@@ -197,6 +197,20 @@ def abi_id(abi: str) -> str:
     return _core.model_tag(abi)
 
 
+def _json_v1(raw: bytes, what: str) -> dict[str, Any]:
+    """A manifest's or block record's JSON object, of version 1 and at most
+    :data:`MANIFEST_MAX_BYTES` (:class:`RemoteManifestError` otherwise)."""
+    if len(raw) > MANIFEST_MAX_BYTES:
+        raise RemoteManifestError(f"{what} of {len(raw)} bytes")
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RemoteManifestError(f"{what} is not JSON: {e}") from None
+    if not isinstance(d, dict) or d.get("v") != MANIFEST_VERSION:
+        raise RemoteManifestError(f"{what} is not a version 1 object")
+    return d
+
+
 def _chunked(d: dict[str, Any], what: str) -> tuple[int, int, tuple[str, ...]]:
     """(size, chunk bytes, chunk digests) of a manifest or block record,
     each checked: a payload, chunks of at most :data:`CHUNK_BYTES`, one
@@ -241,14 +255,9 @@ class BlockRecord:
     def from_bytes(cls, raw: bytes, name: str) -> BlockRecord:
         """The record stored under block ``name``'s key, every field checked
         (:class:`RemoteManifestError` otherwise)."""
-        if len(raw) > MANIFEST_MAX_BYTES:
-            raise RemoteManifestError(f"block record of {len(raw)} bytes")
-        try:
-            d = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RemoteManifestError(f"block record is not JSON: {e}") from None
-        if not isinstance(d, dict) or d.get("v") != MANIFEST_VERSION or d.get("block") != name:
-            raise RemoteManifestError("block record is not a version 1 record of its key's block")
+        d = _json_v1(raw, "block record")
+        if d.get("block") != name:
+            raise RemoteManifestError("block record names another block than its key")
         size, chunk_bytes, chunks = _chunked(d, "block record")
         return cls(name, size, chunk_bytes, chunks, _nonneg_int(d, "t"))
 
@@ -302,14 +311,7 @@ class RemoteEntry:
         """The manifest stored under ``sha``'s key for ``abi``: every field
         checked (types, ranges, the chunk count against the size) before
         anything uses it; :class:`RemoteManifestError` otherwise."""
-        if len(raw) > MANIFEST_MAX_BYTES:
-            raise RemoteManifestError(f"manifest of {len(raw)} bytes")
-        try:
-            d = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RemoteManifestError(f"manifest is not JSON: {e}") from None
-        if not isinstance(d, dict) or d.get("v") != MANIFEST_VERSION:
-            raise RemoteManifestError("manifest is not a version 1 object")
+        d = _json_v1(raw, "manifest")
         if d.get("sha1") != sha or d.get("abi") != abi:
             raise RemoteManifestError("manifest names another checkpoint or ABI than its key")
         size, chunk_bytes, chunks = _chunked(d, "manifest")
