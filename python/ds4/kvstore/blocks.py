@@ -45,7 +45,7 @@ from ..checkpoint import Checkpoint, check_tokens, open_checkpoint
 from ..errors import BlockError, CheckpointError, EngineStateError
 from .block_refs import Refs, read_refs, write_refs
 from .entries import Entry, text_namespace
-from .files import TMP_MAX_AGE_S, pid_space, temp_is_orphaned
+from .files import TMP_MAX_AGE_S, create_temp, temp_is_orphaned
 
 if TYPE_CHECKING:  # numpy and ds4.blocks are imported by a save or a load (a lookup needs neither)
     import numpy as np
@@ -438,8 +438,7 @@ class BlockStore:
         name, n_tokens, size, cks = record
         h = name.hex()
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        tmp = os.path.join(self.dir, f".{h}{_SUFFIX}.tmp.{os.getpid()}.{pid_space()}.{os.urandom(6).hex()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd, tmp = create_temp(self.dir, h + _SUFFIX, block=True)
         try:
             try:
                 got = fetch(fd)

@@ -269,13 +269,14 @@ class DirLock:
                     self.fd = -1
 
 
-def create_temp(directory: str, name: str) -> tuple[int, str]:
-    """A new temp file for checkpoint ``name`` in ``directory``, named as
-    our writer names its own (``.<sha>.kv.tmp.<pid>.<space>.<hex>``: a
-    crashed writer's leftover is found and removed by a refresh); created
+def create_temp(directory: str, name: str, *, block: bool = False) -> tuple[int, str]:
+    """A new temp file for checkpoint ``name`` (or, with ``block``, block
+    file ``name``) in ``directory``, named as our writer names its own
+    (``.<name>.tmp.<pid>.<space>.<hex>``: a crashed writer's leftover is
+    found and removed by a refresh or a listing of ``blocks/``); created
     exclusively, mode 0600, without following a symlink. Returns (fd, path)."""
-    if not is_checkpoint_name(name):
-        raise ValueError(f"not a checkpoint name: {name!r}")
+    if not (re.fullmatch(r"[0-9a-f]{64}\.kvb", name) if block else is_checkpoint_name(name)):
+        raise ValueError(f"not a {'block' if block else 'checkpoint'} name: {name!r}")
     path = os.path.join(directory, f".{name}.tmp.{os.getpid()}.{pid_space()}.{os.urandom(6).hex()}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     return fd, path
