@@ -94,7 +94,7 @@ def test_saved_each_turn_then_loaded_in_a_new_process_equals_cold(model, tmp_pat
         assert isinstance(store.store_live_checked(sess, "continued"), str)
     n = sess.n_past
     blocks_dir = os.path.join(d, BLOCKS_DIR)
-    files = [f for f in os.listdir(blocks_dir) if f.endswith(".kvb")]  # blocks/.refs beside them
+    files = [f for f in os.listdir(blocks_dir) if f.endswith(".kvb")]  # temp files beside them
     # every block of the last state, each written once over the 10 saves
     assert len(files) == store.blocks.counts["written"] == n // block_tokens_for(eng, 64)
     assert store.blocks.counts["bytes_written"] == sum(os.path.getsize(os.path.join(blocks_dir, f)) for f in files)

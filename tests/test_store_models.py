@@ -154,7 +154,7 @@ def test_a_directory_of_the_earlier_layout_resumes_after_the_upgrade(twin, tmp_p
     b1 = run(twin, kv)
     assert b1["report"]["rung"] == "prefill" and b1["report"]["cold_saved"] not in (None, old)
     assert os.path.exists(old) and len(kv_files(kv)) == 2
-    assert int.from_bytes(index.read_bytes()[8:12], "little") == 3  # rebuilt in today's version
+    assert int.from_bytes(index.read_bytes()[8:12], "little") == 4  # rebuilt in today's version
 
 
 def test_the_redis_tier_keeps_each_models_checkpoint(twin, tmp_path):

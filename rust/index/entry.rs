@@ -58,7 +58,16 @@ pub struct Entry {
     /// Which of the name's 40 hex digits are upper case (bit i: digit i);
     /// 0 for the usual lower-case name. ds4 reads names in either case.
     pub case: u64,
+    /// The blocks the file names, in order, when a reader recorded them for
+    /// this version of the file ([`Index::set_blocks`](super::Index::set_blocks));
+    /// empty for a single file. A new entry (a header read) has none.
+    pub blocks: Option<BlockList>,
 }
+
+/// A block's name (docs/FORMAT.md, "Names").
+pub type BlockName = [u8; 32];
+/// The blocks one file names, in order.
+pub type BlockList = Arc<[BlockName]>;
 
 /// The bits of [`Entry::case`] for a file name.
 pub fn case_of(name: &str) -> u64 {
@@ -179,5 +188,6 @@ pub fn read_entry(path: &Path) -> Result<Entry> {
         tail,
         key,
         case,
+        blocks: None,
     })
 }

@@ -1,6 +1,7 @@
 //! The index file (docs/FORMAT.md, "The index file"): [`encode`],
 //! [`decode`] (read with the format's one [`Cursor`]), [`load`], [`save`].
 
+use super::blocks::{decode_blocks, encode_blocks};
 use super::{is_namespace_id, DigestMap, DirStamp, Entry, Index, StatKey, NS_ID_MAX};
 use crate::error::{Error, Result};
 use crate::format;
@@ -20,9 +21,10 @@ use xxhash_rust::xxh3::xxh3_64;
 /// The index file's magic and version.
 pub const INDEX_MAGIC: [u8; 8] = *b"DS4INDEX";
 /// Version 2 added the namespaces (a string table and a reference per
-/// record), version 3 the per-model names (a record's model tag); a file of
-/// an earlier version is rebuilt from the headers.
-pub const INDEX_VERSION: u32 = 3;
+/// record), version 3 the per-model names (a record's model tag), version 4
+/// the block section (which blocks each manifest names); a file of an
+/// earlier version is rebuilt from the headers.
+pub const INDEX_VERSION: u32 = 4;
 /// Bytes of the fixed head: magic, version, entry count, ABI count,
 /// namespace count, the directory stamp (dev, ino, mtime, scan time).
 const HEAD: usize = 8 + 4 + 4 + 4 + 4 + 32;
@@ -61,7 +63,8 @@ fn kind_of(model: Option<[u8; 8]>, base: u8) -> u8 {
 }
 
 /// The index's bytes: head, ABI strings, namespace strings, one record per
-/// entry and kept file, then an xxh3-64 of everything before it.
+/// entry and kept file, the block section, then an xxh3-64 of everything
+/// before it.
 pub fn encode(idx: &Index, stamp: &DirStamp) -> Vec<u8> {
     let n = idx.entries.len() + idx.kept.len();
     // only the namespaces some entry still names
@@ -123,6 +126,7 @@ pub fn encode(idx: &Index, stamp: &DirStamp) -> Vec<u8> {
         v.extend_from_slice(&case.to_le_bytes());
         v.extend_from_slice(&d.model.unwrap_or_default());
     }
+    encode_blocks(idx.entries.values(), &mut v);
     let sum = xxh3_64(&v);
     v.extend_from_slice(&sum.to_le_bytes());
     v
@@ -185,8 +189,8 @@ fn name_tail(
 }
 
 /// Parses an index file's bytes: magic, version, exact length, checksum,
-/// every count, ABI and namespace reference in bounds, every namespace a
-/// valid id, no name twice. Any failure is
+/// every count, ABI, namespace and block reference in bounds, every
+/// namespace a valid id, no name twice, no record's blocks twice. Any failure is
 /// `bad_metadata` (the caller rebuilds from the headers).
 pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
     let body_len = b.len().checked_sub(8).ok_or_else(|| bad("truncated"))?;
@@ -224,6 +228,7 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
         entries: DigestMap::with_capacity_and_hasher(n, BuildHasherDefault::default()),
         ..Index::default()
     };
+    let mut order: Vec<FileId> = Vec::with_capacity(n);
     for _ in 0..n {
         let digest: Sha1Digest = r
             .take(20, "index")?
@@ -253,6 +258,7 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
                     NO_NAMESPACE => None,
                     i => Some(referenced(&nss, i, "namespace")?),
                 };
+                order.push(digest);
                 idx.entries.insert(
                     digest,
                     Entry {
@@ -272,6 +278,7 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
                         tail,
                         key,
                         case,
+                        blocks: None,
                     },
                 );
             }
@@ -281,6 +288,7 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
             _ => return Err(bad("unknown record kind")),
         }
     }
+    decode_blocks(&mut r, &order, &mut idx)?;
     if r.remaining() != 0 {
         return Err(bad("trailing bytes"));
     }

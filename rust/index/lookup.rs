@@ -339,6 +339,7 @@ impl Index {
                 .chain(&self.namespaces)
                 .map(|a| a.len() + 16)
                 .sum::<usize>()
+            + self.block_bytes()
     }
 
     /// Brings the names up to date with one listing of `dir` (names and

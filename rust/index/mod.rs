@@ -35,6 +35,7 @@
 //! is asked for, from the state below it: the best match costs one pass
 //! whatever the number of stored prefixes.
 
+mod blocks;
 mod check;
 mod entry;
 mod file;

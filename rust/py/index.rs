@@ -17,6 +17,7 @@ use crate::name::FileId;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
@@ -310,6 +311,35 @@ impl PyStoreIndex {
             mtime_ns: key.2,
         };
         Ok(self.lock()?.set_hit(&d, hits, last_used, k))
+    }
+
+    /// The blocks an indexed file names, recorded for the version indexed:
+    /// their 32-byte names joined (empty: a single file); None when none are
+    /// recorded.
+    fn blocks_of<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let d = digest_of(name)?;
+        let got = self.lock()?.blocks_of(&d);
+        Ok(got.map(|b| PyBytes::new(py, b.as_flattened())))
+    }
+
+    /// Records the blocks (32-byte names joined) an indexed file names, read
+    /// from the version whose stat key is `key`; true when its record
+    /// changed (false: not indexed, another version, or the same blocks).
+    fn set_blocks(&self, name: &str, key: PyKey, blocks: &[u8]) -> PyResult<bool> {
+        let d = digest_of(name)?;
+        if blocks.len() % 32 != 0 {
+            return Err(PyValueError::new_err("block names are 32 bytes each"));
+        }
+        let names: Vec<[u8; 32]> = blocks
+            .chunks_exact(32)
+            .map(|c| c.try_into().unwrap_or([0; 32]))
+            .collect();
+        let k = StatKey {
+            ino: key.0,
+            size: key.1,
+            mtime_ns: key.2,
+        };
+        Ok(self.lock()?.set_blocks(&d, k, &names))
     }
 
     /// Sum of the indexed files' sizes.

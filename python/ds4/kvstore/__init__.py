@@ -188,8 +188,6 @@ class KVStore:
         #: the shared tier (None: this directory only)
         self.remote = remote
         self._lock = DirLock(self.dir, trust_dir)
-        #: the shared block files and which manifest names which (:mod:`.blocks`)
-        self.blocks = BlockStore(self.dir, auth_key)
         #: the bytes its saves write, by reason, and the write budget (:mod:`.writes`)
         self.writes = WriteLog(self.dir, self.policy.write_budget_bytes)
         # small JSON records (stored Responses) in records/: at most 1 % of
@@ -209,6 +207,8 @@ class KVStore:
             discard=self.discard,
             try_lock=self._lock.try_held,
         )
+        #: the shared block files and which manifest names which (:mod:`.blocks`)
+        self.blocks = BlockStore(self.dir, auth_key, self.index)
         #: what this directory does with the tier's files (:mod:`.tiered`)
         self._tiered = None
         if self.remote is not None:
@@ -494,6 +494,6 @@ class KVStore:
                 _core.sync_dir(self.dir)
                 self.index.stale()
             removed += gone
-            self.blocks.settle(entries, set(gone))  # orphans out, the references kept (blocks/.refs)
+            self.blocks.settle(entries, set(gone))  # orphans out, the references kept (in the index)
             if not gone or not len(self.blocks):
                 return removed

@@ -23,7 +23,8 @@ writes the block again and makes it whole), and the ladder goes on.
 
 :class:`BlockStore` keeps which manifest names which blocks (read from a
 manifest's table when it is written, loaded or first seen, unless
-``blocks/.refs`` records it for the same file: :mod:`.block_refs`), their sizes,
+the index records it for the same version of the file: the block section
+of ``.ds4.index``, :meth:`.indexed.DirIndex.blocks_of`), their sizes,
 and counts a block once in the store's bytes: each manifest is charged its
 own file and an equal share of every block it names, so the eviction
 order and the budget see unique bytes.
@@ -43,7 +44,6 @@ from typing import TYPE_CHECKING
 from .. import _core
 from ..checkpoint import Checkpoint, check_tokens, open_checkpoint
 from ..errors import BlockError, CheckpointError, EngineStateError
-from .block_refs import Refs, read_refs, write_refs
 from .entries import Entry, text_namespace
 from .files import TMP_MAX_AGE_S, create_temp, temp_is_orphaned
 
@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # numpy and ds4.blocks are imported by a save or a load (a lo
 
     from ..blocks import Blocks
     from ..session import Session
+    from .indexed import DirIndex
 
 log = logging.getLogger("ds4.kvstore")
 
@@ -134,8 +135,9 @@ class BlockStore:
     which block. Every method that changes files runs under the store's
     lock (the caller holds it)."""
 
-    def __init__(self, root: str, auth_key: bytes | None):
+    def __init__(self, root: str, auth_key: bytes | None, index: DirIndex):
         self.root = root
+        self._index = index  # the persistent record of which file names which blocks
         self.dir = os.path.join(root, BLOCKS_DIR)
         self.auth_key = auth_key
         self._sizes: dict[str, int] = {}  # block (hex) -> file bytes
@@ -143,7 +145,6 @@ class BlockStore:
         self._users: collections.Counter[str] = collections.Counter()
         self._listed = False
         self._trusted: dict[str, int] = {}  # blocks written or compared by this process: their checksums
-        self._kept: Refs | None = None  # the references file's records, as read or last written
         #: block files written and their bytes, blocks a save found present,
         #: present blocks whose bytes differed, corrupt and orphaned ones removed
         self.counts: collections.Counter[str] = collections.Counter()
@@ -207,12 +208,10 @@ class BlockStore:
         got = self._refs.get(e.name)
         if got is not None:
             return got
-        if self._kept is None:
-            self._kept = read_refs(self.dir)
-        rec = self._kept.get(e.name)
-        if rec is not None and e.stat_key and rec[0] == tuple(e.stat_key):  # the file recorded: not read
-            self.note(e.name, rec[1])
-            return rec[1]
+        rec = self._index.blocks_of(e.name)
+        if rec is not None:  # recorded for the version indexed: the file not read
+            self.note(e.name, rec)
+            return rec
         refs: tuple[str, ...] = ()
         try:
             # the header's checks and the table's bytes only (mapped), not the payload's checksum:
@@ -245,23 +244,16 @@ class BlockStore:
     def settle(self, entries: list[Entry], gone: Collection[str]) -> None:
         """After an eviction of ``gone`` from ``entries``: the blocks no
         remaining entry names removed, then the references of the remaining
-        ones kept in ``blocks/.refs`` when they changed (with blocks on disk;
-        a failure to write them costs the next store a read of each manifest)."""
+        ones recorded in the index (with blocks on disk), which the store's
+        next write of its index file keeps (a failure to write it costs the
+        next store a read of each manifest)."""
         left = [e for e in entries if e.name not in gone]
         self.remove(self.unreferenced(left), "orphans")
         if not self._sizes:
             return
-        recs: Refs = {
-            e.name: (tuple(e.stat_key), self._refs[e.name]) for e in left if e.stat_key and e.name in self._refs
-        }
-        if recs == self._kept:
-            return
-        try:
-            write_refs(self.dir, ((n, k, r) for n, (k, r) in recs.items()))
-        except OSError as err:
-            log.warning("kv cache could not keep its block references: %s", err)
-            return
-        self._kept = recs
+        for e in left:
+            if e.stat_key and e.name in self._refs:
+                self._index.set_blocks(e.name, e.stat_key, self._refs[e.name])
 
     def unreferenced(self, entries: Iterable[Entry]) -> list[str]:
         """The blocks no entry names (those of a crashed save, or of removed

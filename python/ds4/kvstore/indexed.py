@@ -357,6 +357,20 @@ class DirIndex:
             self.drop(name, key)
             return
 
+    def blocks_of(self, name: str) -> tuple[str, ...] | None:
+        """The blocks (hex names) recorded for the version of ``name`` the
+        index holds (an index file's block section, or :meth:`set_blocks`);
+        None when none are: its file is read then."""
+        got = self.idx.blocks_of(name)
+        return None if got is None else tuple(got[i : i + 32].hex() for i in range(0, len(got), 32))
+
+    def set_blocks(self, name: str, key: StatKey, blocks: tuple[str, ...]) -> None:
+        """Record the blocks ``name``'s file names, read from the version of
+        stat key ``key`` (kept only while the index holds that version);
+        written with the index file."""
+        if self.idx.set_blocks(name, key, bytes.fromhex("".join(blocks))):
+            self._dirty = True
+
     def forget(self, name: str) -> None:
         """Drop ``name`` from the index (the file is gone or going)."""
         if self.idx.remove(name):
