@@ -421,7 +421,7 @@ def test_state_too_big_for_context_is_rejected(engine, checkpoints):
     ctx.close()
 
 
-def test_import_over_live_state_replaces_it(engine, checkpoints):
+def test_import_over_live_state_replaces_it(engine, checkpoints, prompt, cold):
     dst = engine.new_context(1024)
     dst.eval(list(range(3000, 3340)))  # more tokens than the checkpoint
     dst.import_state(checkpoints[300], 300)
@@ -429,6 +429,11 @@ def test_import_over_live_state_replaces_it(engine, checkpoints):
     st = dst.export_state()
     assert np.array_equal(st["llama_state"], checkpoints[300]["llama_state"])
     assert np.array_equal(st["logits"], checkpoints[300]["logits"])
+    # the cells past 300 still hold the other tokens' bytes (an import empties the cells, it does
+    # not zero them): masked, they change nothing of what follows
+    logits = dst.eval(prompt[300:])
+    assert np.array_equal(logits, cold[0])
+    assert greedy(dst, logits) == cold[1]
     dst.close()
 
 

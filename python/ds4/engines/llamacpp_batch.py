@@ -308,8 +308,8 @@ class SeqContext(LlamaCppContext):
         # its decode steps are the batch's (padded on their own): none unpadded
         self._canonical = False
 
-    def _clear(self) -> None:
-        # this sequence's cells only: the other streams are other residents'
+    def _clear(self, data: bool = True) -> None:
+        # this sequence's cells only (their bytes left, ``data`` or not): the other streams are other residents'
         self._lc.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
 
     def _layout(self) -> Any:

@@ -104,10 +104,10 @@ class LlamaCppContext:
         if self._ctx is None:
             raise EngineError("the context is closed")
 
-    def _clear(self) -> None:
-        """Empty the context's cells (a sequence restore then puts position
-        i in cell i, as a cold prefill does)."""
-        self._lc.llama_memory_clear(self._mem, True)
+    def _clear(self, data: bool = True) -> None:
+        """Empty the context's cells (a restore then puts position i in cell i, as a cold prefill
+        does); ``data``: zero the buffers too (a restore needs not: empty cells are masked)."""
+        self._lc.llama_memory_clear(self._mem, data)
 
     def reset(self) -> None:
         self._check_open()
@@ -392,7 +392,7 @@ class LlamaCppContext:
         cold prefill leaves them (llamacpp_state, "Exactness on import").
         EngineStateError (the context not reset) when llama.cpp refuses it."""
         lc = self._lc
-        self._clear()
+        self._clear(data=False)  # as a batched sequence restores: empty cells are masked until written
         ptr = ctypes.cast(ctypes.c_void_p(blob.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
         n_read = int(lc.llama_state_seq_set_data(self._ctx, ptr, blob.size, self.seq))
         pos_min = int(lc.llama_memory_seq_pos_min(self._mem, self.seq))
