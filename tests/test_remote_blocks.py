@@ -217,6 +217,36 @@ def test_bad_blocks_in_the_tier_are_refused(eng, flushed, replica, harm, tmp_pat
     _equal_cold(eng, s3, follow)
 
 
+def test_blocks_fetched_at_once_report_the_first_refusal_and_delete_every_one_found(eng, flushed, replica):
+    a = replica(flushed.url, "a")
+    text = _words(150, seed=11)
+    path = _save(a, eng, text)
+    _, table = ds4._core.read_block_table(ds4.open_checkpoint(path).array("ds4.blocks"))
+    order = [r[0].hex() for r in table]
+    assert len(order) >= 6
+    keys = KeyLayout("shared", a.entries()[0].abi)
+    first, second = order[1], order[3]  # both under way at once (four fetch threads)
+    with flushed.client() as c:
+        for victim in (second, first):
+            raw = bytearray(c.get(keys.chunk(victim, 0)))
+            raw[64] ^= 0x01
+            c.set(keys.chunk(victim, 0), bytes(raw))
+    b = replica(flushed.url, "b")
+    follow = text + " again"
+    s, rep = _resume(b, eng, follow)
+    assert rep.rung != "remote"
+    refused = [r for r in rep.rejected if r[2] == "remote_chunk"]
+    assert len(refused) == 1, rep.rejected  # one verdict: the manifest's
+    assert first in refused[0][3] or first[:12] in refused[0][3], refused  # the first in table order
+    _equal_cold(eng, s, follow)
+    local = _local_blocks(b)
+    assert first not in local and second not in local  # nothing unverified kept
+    tier = _tier_blocks(flushed)
+    assert first not in tier and second not in tier  # each refused block found, deleted from the tier
+    assert b.remote.stats["blocks_rejected"] == 2
+    assert order[0] in local  # a good block fetched before the verdict: kept (an orphan until evicted)
+
+
 def test_gc_removes_blocks_no_manifest_names(eng, flushed, replica, tmp_path):
     a = replica(flushed.url, "a")
     text = _words(120, seed=11)

@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING
@@ -68,6 +69,8 @@ _SUFFIX = ".kvb"
 # A block's temp file as the core's writer names it (rust/format/writer.rs,
 # ``temp_name``): ``.<64 hex>.kvb.tmp.<pid>.<pid space>.<unique>``.
 _TMP_RE = re.compile(r"^\.[0-9a-f]{64}\.kvb\.tmp\.(?P<tail>[A-Za-z0-9.]+)$")
+#: guards the bookkeeping of a download whose blocks are fetched on several threads
+_DOWNLOADS = threading.Lock()
 
 
 def _root(abi: str, text: bytes) -> bytes:
@@ -453,9 +456,10 @@ class BlockStore:
         finally:
             if tmp and os.path.lexists(tmp):
                 os.unlink(tmp)
-        self._sizes[h] = head["file_len"]
-        self._trusted[h] = cks
-        self.counts["downloaded"] += 1
+        with _DOWNLOADS:  # several blocks of a download fetched at once (:mod:`.tiered`)
+            self._sizes[h] = head["file_len"]
+            self._trusted[h] = cks
+            self.counts["downloaded"] += 1
         return int(head["file_len"])
 
     def synced(self) -> None:

@@ -6,9 +6,12 @@ part writes into another's."""
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 __all__ = ["Counted", "Counters", "merged"]
+
+_LOCK = threading.Lock()
 
 
 class Counters(dict[str, int]):
@@ -16,6 +19,12 @@ class Counters(dict[str, int]):
 
     def __init__(self, *names: str):
         super().__init__(dict.fromkeys(names, 0))
+
+    def add(self, name: str, n: int = 1) -> None:
+        """``name`` counted ``n`` more, from any thread (``+=`` may lose a
+        count to another thread's between its read and its write)."""
+        with _LOCK:
+            self[name] = self.get(name, 0) + n
 
 
 class Counted(Protocol):

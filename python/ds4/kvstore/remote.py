@@ -170,7 +170,7 @@ class RemoteTier:
                 self._failed(what, e)
                 return None
             # the server answered (out of memory, a refused command): not an outage
-            self.counters["errors"] += 1
+            self.counters.add("errors")
             log.warning("kv remote %s refused: %s", what, e)
             return None
         except (RedisError, RedisClusterException, OSError) as e:
@@ -181,7 +181,7 @@ class RemoteTier:
 
     def _failed(self, what: str, e: BaseException) -> None:
         """Count a failure of the tier (the breaker) and log it."""
-        self.counters["errors"] += 1
+        self.counters.add("errors")
         self.breaker.failure(e)
         log.warning("kv remote %s failed: %s: %s", what, type(e).__name__, e)
         if self.cluster:
@@ -259,8 +259,8 @@ class RemoteTier:
         keys = KeyLayout(self.namespace, abi)
         rec = self._call("download", lambda c: rb.fetch_block(c, keys, name, fd))
         if rec is not None:
-            self.counters["blocks_downloaded"] += 1
-            self.counters["bytes_downloaded"] += rec.size
+            self.counters.add("blocks_downloaded")  # on the download's fetch threads
+            self.counters.add("bytes_downloaded", rec.size)
         return rec
 
     def delete_block(self, name: str, abi: str, *, abi_id: str | None = None) -> bool:

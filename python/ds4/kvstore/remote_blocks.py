@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..errors import BlockError, RemoteManifestError
+from ..errors import BlockError, RemoteChunkError, RemoteManifestError
 from .counters import Counters
 from .remote_io import RemoteScan, commit, fetch_chunks, read_chunks
 from .remote_layout import BlockRecord, KeyLayout, abi_id, chunk_digest, is_block
@@ -43,9 +43,9 @@ class BlockUpload:
 
     def count(self, counters: Counters) -> None:
         """Add it to a tier's counters."""
-        counters["blocks_uploaded"] += self.stored
-        counters["blocks_present"] += self.present
-        counters["bytes_uploaded"] += self.bytes
+        counters.add("blocks_uploaded", self.stored)  # on the upload thread, beside a download's fetch threads
+        counters.add("blocks_present", self.present)
+        counters.add("bytes_uploaded", self.bytes)
 
 
 def upload_blocks(c: Any, keys: KeyLayout, paths: Sequence[str], *, ttl: int, chunk_bytes: int) -> BlockUpload:
@@ -123,7 +123,10 @@ def fetch_block(c: Any, keys: KeyLayout, name: str, fd: int) -> BlockRecord:
         err.block = name
         raise err
     rec = BlockRecord.from_bytes(raw, name)
-    fetch_chunks(c, keys, rec, fd)
+    try:
+        fetch_chunks(c, keys, rec, fd)
+    except RemoteChunkError as e:  # which block's chunk: several are fetched at once
+        raise RemoteChunkError(f"block {name[:12]}: {e.reason}") from e
     return rec
 
 

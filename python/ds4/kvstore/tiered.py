@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint, open_checkpoint
@@ -45,6 +46,9 @@ from .entries import Candidates, Entry
 from .files import create_temp
 from .rejection import RejectionLog, rejection_of
 from .remote import HEADER_BYTES, RemoteEntry, RemoteTier
+
+#: the blocks of one download fetched at once (round trips, fsyncs and checks overlapping)
+FETCH_THREADS = 4
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -220,19 +224,39 @@ class SharedTier:
                 self.blocks.synced()  # the renames durable before the manifest's (its adopt)
 
     def _fetch_each(self, r: RemoteEntry, missing: list[tuple[bytes, int, int, int]]) -> bool:
-        for rec in missing:
-            h = rec[0].hex()
-            try:
-                got = self.blocks.download(rec, r.abi, functools.partial(self.tier.fetch_block, h, r.abi))
-            except CheckpointError as err:
-                self.tier.delete_block(h, r.abi)  # a missing one's chunks too (a record expired or evicted alone)
-                if not (isinstance(err, BlockError) and err.code == "block_missing"):
-                    self.tier.counters["blocks_rejected"] += 1
-                    log.warning("kv remote rejected block %s: %s (deleted from the tier)", h[:12], err)
-                raise
-            if not got:
-                return False
-        return True
+        """Each block of ``missing`` downloaded (:meth:`BlockStore.download`)
+        on up to :data:`FETCH_THREADS` threads, so that one block's round
+        trips, fsync and check overlap another's. After a failure the blocks
+        not started are not; those under way finish (the good ones kept as
+        orphans until the next eviction, every refused one deleted from the
+        tier). The verdict is the first failure in table order: a refusal
+        raised, the tier's failure False."""
+
+        def one(rec: tuple[bytes, int, int, int]) -> int:
+            return self.blocks.download(rec, r.abi, functools.partial(self.tier.fetch_block, rec[0].hex(), r.abi))
+
+        verdict: CheckpointError | bool = True
+        with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ds4-block-fetch") as pool:
+            futures = [pool.submit(one, rec) for rec in missing]
+            for rec, fut in zip(missing, futures, strict=True):
+                if verdict is not True and fut.cancel():
+                    continue
+                try:
+                    got = fut.result()
+                except CheckpointError as err:
+                    self._refused_block(rec[0].hex(), r.abi, err)
+                    verdict = err if verdict is True else verdict
+                    continue
+                verdict = verdict if got or verdict is not True else False
+        if isinstance(verdict, CheckpointError):
+            raise verdict
+        return verdict
+
+    def _refused_block(self, h: str, abi: str, err: CheckpointError) -> None:
+        self.tier.delete_block(h, abi)  # a missing one's chunks too (a record expired or evicted alone)
+        if not (isinstance(err, BlockError) and err.code == "block_missing"):
+            self.tier.counters["blocks_rejected"] += 1
+            log.warning("kv remote rejected block %s: %s (deleted from the tier)", h[:12], err)
 
     def _reject(self, r: RemoteEntry, err: CheckpointError, report: RejectionLog | None, *, delete: bool) -> None:
         self.counters["rejected"] += 1
