@@ -1,5 +1,6 @@
-"""README.md's layout block names every module of python/ds4/ (issue 24,
-item 6): read at run time, so a module added without its line fails here.
+"""README.md's layout block names every module of python/ds4/ and every
+source file of rust/ (its tests aside): read at run time, so a module added
+without its line fails here.
 
 A top-level module is named at the head of a line of the block (before the
 description); a module of a subpackage anywhere in its folder's entry (the
@@ -16,13 +17,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "python" / "ds4"
 
 
-def layout_entries() -> dict[str, str]:
-    """The python/ds4/ part of the layout block: each entry's head (the names
+def layout_entries(top: str = "python/ds4/") -> dict[str, str]:
+    """The ``top`` part of the layout block: each entry's head (the names
     before the description) -> the entry's whole text."""
     text = (ROOT / "README.md").read_text()
     block = text.split("## Layout", 1)[1].split("```", 2)[1]
     lines = block.splitlines()
-    start = lines.index("python/ds4/")
+    start = next(i for i, line in enumerate(lines) if line.split("  ")[0] == top)
     entries: dict[str, str] = {}
     head = None
     for line in lines[start + 1 :]:
@@ -53,6 +54,25 @@ def test_every_module_is_in_the_readme_layout():
     missing = []
     for p in modules():
         rel = p.relative_to(PKG)
+        if len(rel.parts) == 1:
+            ok = rel.name in heads
+        else:
+            entry = entries.get("/".join(rel.parts[:-1]) + "/", "")
+            ok = re.search(rf"(?<![\w.]){re.escape(rel.name)}(?![\w])", entry) is not None
+        if not ok:
+            missing.append(str(rel))
+    assert missing == [], f"README.md's layout block does not name: {', '.join(missing)}"
+
+
+def test_every_rust_source_is_in_the_readme_layout():
+    entries = layout_entries("rust/")
+    heads = {name for h in entries for name in h.split()}
+    assert "verify.rs" in heads and "index/" in entries, entries
+    missing = []
+    for p in sorted((ROOT / "rust").rglob("*.rs")):
+        rel = p.relative_to(ROOT / "rust")
+        if rel.parts[0] == "tests" or rel.name == "tests.rs":  # the integration and unit tests
+            continue
         if len(rel.parts) == 1:
             ok = rel.name in heads
         else:

@@ -271,7 +271,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "serve": ("OpenAI-compatible HTTP server (a pool of live sessions, disk KV cache)", _serve_args),
     "run": ("generate once from a prompt", _run_args),
     "chat": ("interactive chat with named checkpoints (/save /list /switch /new /clear /quit)", _chat_args),
-    "kv": ("inspect a checkpoint directory (ds4 v1 and v2 files)", lambda kp: None),
+    "kv": ("inspect a checkpoint directory (ds4 v1, v2 and v3 files, manifests and their blocks)", lambda kp: None),
     "bench": ("headline figures on this machine (reference engine, or --model PATH)", _bench_args),
     "demo": ("the end-to-end demo: cold prefill + save, restart + resume, corruption + recovery", _demo_args),
 }
