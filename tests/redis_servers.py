@@ -7,32 +7,29 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import subprocess
 import time
 
 import redis
-from ports import free_port
+from ports import bindable, free_port, free_ports, port_range
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too (Redis
-    refuses a port above 55535 in cluster mode)."""
-    rng = random.Random()
-    for _ in range(1000):
+def cluster_ports(n: int) -> list[tuple[int, int]]:
+    """A free port and a free cluster bus port for each of ``n`` cluster
+    nodes, all distinct (Redis refuses a port above 55535 in cluster mode):
+    with ``DS4_TEST_PORTS``, ``2n`` of its ports; else random ports whose
+    +10000 is free too."""
+    if port_range() is not None:
+        got = free_ports(2 * n)
+        return list(zip(got[:n], got[n:], strict=True))
+    rng, out = random.Random(), []
+    for _ in range(1000 * n):
         port = rng.randrange(20000, 55535)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
+        if bindable(port) and bindable(port + 10000) and not {port, port + 10000} & {p for pair in out for p in pair}:
+            out.append((port, port + 10000))
+            if len(out) == n:
+                return out
+    raise RuntimeError("no free port pairs for the cluster's nodes")
 
 
 def _binary(name: str) -> str:
@@ -112,20 +109,11 @@ class RedisClusterNodes:
     --cluster create ... --cluster-yes``."""
 
     def __init__(self, workdir: str):
-        self.nodes = [
-            RedisNode(
-                workdir,
-                "--cluster-enabled",
-                "yes",
-                "--cluster-node-timeout",
-                "2000",
-                "--cluster-config-file",
-                port=free_cluster_port(),
-            )
-            for _ in range(3)
-        ]
-        for n in self.nodes:
-            n.extra.append(os.path.join(n.dir, "nodes.conf"))
+        self.nodes = []
+        for port, bus in cluster_ports(3):
+            node = RedisNode(workdir, "--cluster-enabled", "yes", "--cluster-node-timeout", "2000", port=port)
+            node.extra += ["--cluster-port", str(bus), "--cluster-config-file", os.path.join(node.dir, "nodes.conf")]
+            self.nodes.append(node)
 
     @property
     def url(self) -> str:

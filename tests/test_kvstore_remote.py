@@ -524,9 +524,9 @@ def test_forged_remote_checkpoint_without_a_valid_mac_is_rejected(eng, flushed, 
 
 
 def test_unreachable_cluster_costs_misses_then_a_cooldown(eng, tmp_path):
-    from redis_servers import free_cluster_port
+    from ports import free_port
 
-    tier = RemoteTier(f"redis+cluster://127.0.0.1:{free_cluster_port()}", fail_threshold=2, cooldown_s=60)
+    tier = RemoteTier(f"redis+cluster://127.0.0.1:{free_port()}", fail_threshold=2, cooldown_s=60)
     st = KVStore(tmp_path / "kv", remote=tier, min_tokens=MIN_TOKENS)
     try:
         for _ in range(3):
