@@ -23,7 +23,7 @@ import numpy as np
 
 import ds4
 from ds4.constrain import Constraint
-from ds4.turn import Generator, GenParams
+from ds4.turn import GenParams, TurnDriver
 
 SCHEMA = {
     "type": "object",
@@ -51,7 +51,7 @@ SCHEMA = {
 QUESTION = "Describe a film as JSON: title, year, genres and its cast (name and role of each actor)."
 
 
-def _decode_rates(g: Generator, prompt: str, runs: dict[str, GenParams], repeats: int) -> dict[str, tuple]:
+def _decode_rates(g: TurnDriver, prompt: str, runs: dict[str, GenParams], repeats: int) -> dict[str, tuple]:
     """Per run: median tokens/s of the decode (first token excluded), its
     tokens, and the last answer's tokens. The runs alternate (load on a
     shared machine changes over seconds)."""
@@ -66,7 +66,7 @@ def _decode_rates(g: Generator, prompt: str, runs: dict[str, GenParams], repeats
     return {k: (statistics.median(rates[k]), len(last[k]), last[k]) for k in runs}
 
 
-def _guide_cost(eng, g: Generator, constraint: Constraint, tokens: list[int], repeats: int) -> float:
+def _guide_cost(eng, g: TurnDriver, constraint: Constraint, tokens: list[int], repeats: int) -> float:
     """Median microseconds per step of mask + advance alone, over ``tokens``."""
     logits = np.zeros(eng.vocab_size, dtype=np.float32)
     per = []
@@ -81,7 +81,7 @@ def _guide_cost(eng, g: Generator, constraint: Constraint, tokens: list[int], re
 
 
 def bench_engine(name: str, eng, max_tokens: int, repeats: int) -> dict:
-    g = Generator(eng, 2048)
+    g = TurnDriver(eng, 2048)
     prompt = eng.render_chat([{"role": "user", "content": QUESTION}])
     t0 = time.perf_counter()
     constraint = Constraint.json_schema(SCHEMA)

@@ -2,7 +2,7 @@
 interleaved on one live session (``--sessions 1``), each sending its
 replies back elided (as an agent that drops a reply's reasoning does), so
 a turn's whole checkpoint (prompt + reply) is never a prefix of the next
-prompt. SmolLM2 through llama.cpp, in process (``ds4.turn.Generator`` on
+prompt. SmolLM2 through llama.cpp, in process (``ds4.turn.TurnDriver`` on
 one ``KVStore``), the same conversations with the guard at 512 and off
 (0), in the same run.
 
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_agents_cc import twice_prefilled
 
 import ds4
-from ds4.turn import Generator, GenParams
+from ds4.turn import GenParams, TurnDriver
 
 CTX = 8192
 
@@ -43,7 +43,7 @@ def task(k: int, turn: int, lines: int) -> str:
 def run(eng, limit: int, turns: int, lines: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         store = ds4.KVStore(d, min_tokens=64, frontier_tokens=limit)
-        gen = Generator(eng, CTX, store)
+        gen = TurnDriver(eng, CTX, store)
         msgs = {k: [{"role": "system", "content": system(k)}] for k in (0, 1)}
         spans: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
         later, ttft, saves = 0, 0.0, 0

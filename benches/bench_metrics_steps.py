@@ -26,7 +26,7 @@ import ds4
 from ds4.server.metrics import PROTOCOLS, Metrics
 from ds4.server.ui import Dashboard
 from ds4.server.worker import Service
-from ds4.turn import Generator, GenParams
+from ds4.turn import GenParams, TurnDriver
 
 
 def per_call(fn, repeat: int = 7) -> float:
@@ -41,7 +41,7 @@ def main() -> int:
     a = ap.parse_args()
     eng = ds4.ReferenceEngine()
     store = ds4.KVStore(tempfile.mkdtemp(prefix="ds4-bench-metrics-"), budget_mb=256, min_tokens=64)
-    gen = Generator(eng, a.tokens + 256, store)
+    gen = TurnDriver(eng, a.tokens + 256, store)
     service = Service(gen, "ds4-reference")
     try:
         base = "You are the support assistant of a harbour authority; answer precisely. " * (a.tokens // 16)

@@ -2,7 +2,7 @@
 """An agent session replayed against the store (issue 23, items 4-5): a
 40-turn conversation growing to about 30,000 tokens with continued saves
 every 2,048 tokens, and 10 short conversations sharing its system prompt,
-interleaved with it, through one live session (``ds4.turn.Generator`` on
+interleaved with it, through one live session (``ds4.turn.TurnDriver`` on
 the reference engine, the store a real ``KVStore``), once per arm:
 
 * ``before``: the store before items 4-5: no supersede pruning
@@ -18,7 +18,7 @@ Each arm runs at a budget and at a quarter of it: ``--budget-mb`` (default
 the reference engine's checkpoint bytes per token over SmolLM2's (533 /
 23,052), which is how full a real model's files would make that budget.
 
-Turns are driven by ``Generator.prepare`` (the ladder, its evict save of
+Turns are driven by ``TurnDriver.prepare`` (the ladder, its evict save of
 the other conversation, its cold and continued saves); nothing is decoded:
 the prompt grows by fixed user and assistant texts (the reference engine's
 replies are seldom valid UTF-8). The clock is virtual: the store's,
@@ -50,7 +50,7 @@ from ds4 import kvstore
 from ds4.kvstore import KVStore, StorePolicy
 from ds4.kvstore import loads as kv_loads
 from ds4.kvstore import save as kv_save
-from ds4.turn import Generator
+from ds4.turn import TurnDriver
 
 #: checkpoint bytes per token: the reference engine's (measured) and SmolLM2's (README)
 REF_BYTES_PER_TOKEN = 533
@@ -160,7 +160,7 @@ def replay(eng, budget_mb: float, arm: str, turn_s: float) -> dict[str, object]:
     try:
         policy = StorePolicy(budget_mb=budget_mb, continued_interval_tokens=CONTINUED_EVERY, **ARMS[arm])
         store = CountingStore(d, policy=policy, clock=clock)
-        gen = Generator(eng, ctx=40000, store=store)
+        gen = TurnDriver(eng, ctx=40000, store=store)
         rungs: dict[str, list[str]] = {"long": [], "short": []}
         longest = 0
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ import ds4.turn
 from ds4.kvstore import KVStore
 from ds4.kvstore.records import RecordStore
 from ds4.server.conversation import AgentTurn, Conversation, LiveStateGone, LiveTools, Message, Tool
-from ds4.turn import Generator, GenParams, TextStream, make_picker
+from ds4.turn import GenParams, TextStream, TurnDriver, make_picker
 
 
 def test_records_round_trip_survive_a_new_store_and_stay_bounded(tmp_path):
@@ -74,7 +74,7 @@ def test_top_k_samples_only_among_the_k_best():
 
 def test_tool_results_for_the_live_calls_continue_live_and_a_gone_state_is_409():
     eng = ds4.ReferenceEngine()
-    gen = Generator(eng, 2048)
+    gen = TurnDriver(eng, 2048)
     live = LiveTools()
     conv = Conversation([Message("user", "hi"), Message("tool", "42", tool_call_id="call_a")], [Tool("f")])
     t = AgentTurn(conv, live, gen, live_only=True)
@@ -103,7 +103,7 @@ def test_canonicalize_outcomes(tmp_path):
     )
     canon = base + '<tool_call>[{"name": "f", "arguments": {}}]</tool_call><|im_end|>\n'
     store = KVStore(tmp_path / "kv", min_tokens=64, boundary_align_tokens=64)
-    gen = Generator(eng, 2048, store)
+    gen = TurnDriver(eng, 2048, store)
 
     def live(text):
         gen.sess.invalidate()
@@ -138,7 +138,7 @@ def _tool_turn(eng, gen):
 
 def test_a_tool_turn_tokenizes_its_canonical_text_once(monkeypatch):
     eng = ds4.ReferenceEngine()
-    gen = Generator(eng, 2048)
+    gen = TurnDriver(eng, 2048)
     turn, live, res = _tool_turn(eng, gen)
     seen = []
     real = ds4.turn.tokenize_prompt
@@ -158,7 +158,7 @@ def test_a_tool_turn_tokenizes_its_canonical_text_once(monkeypatch):
 
 def test_a_rebuild_that_misses_the_canonical_turn_is_failed_and_not_remembered(monkeypatch):
     eng = ds4.ReferenceEngine()
-    gen = Generator(eng, 2048)
+    gen = TurnDriver(eng, 2048)
     turn, live, res = _tool_turn(eng, gen)
     # a ladder that claims a prefill and leaves the live state where it was
     monkeypatch.setattr(

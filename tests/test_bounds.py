@@ -17,11 +17,11 @@ from ds4.server.metrics import Turns
 from ds4.server.response_store import MAX_MEMORY_RECORDS, MemoryRecords
 from ds4.server.work import TextPrompt
 from ds4.server.worker import Job, QueueFull, Service
-from ds4.turn import Generator, GenParams, GenResult
+from ds4.turn import GenParams, GenResult, TurnDriver
 
 
 def test_the_queue_refuses_past_max_queue(eng):
-    service = Service(Generator(eng, 128), "m", max_queue=2)
+    service = Service(TurnDriver(eng, 128), "m", max_queue=2)
     done = threading.Event()
     events: list[str] = []
 

@@ -679,14 +679,14 @@ def test_chat_repl_save_list_switch_clear(tmp_path):
 def test_chat_ctrl_c_stops_generation_cleanly(tmp_path):
     from ds4.cli import DEFAULT_SYSTEM
     from ds4.cli.term import printable as _printable
-    from ds4.turn import Generator, GenParams
+    from ds4.turn import GenParams, TurnDriver
 
     question = "Write a very long story."
     eng = ds4.ReferenceEngine()
     prompt = eng.render_chat([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": question}])
-    full = Generator(eng, 8192).generate(prompt, GenParams(max_tokens=2000))
+    full = TurnDriver(eng, 8192).generate(prompt, GenParams(max_tokens=2000))
     assert full.finish_reason == "stop" and full.completion_tokens > 300  # the model's own end of turn
-    first = _printable(Generator(eng, 8192).generate(prompt, GenParams(max_tokens=3)).text)
+    first = _printable(TurnDriver(eng, 8192).generate(prompt, GenParams(max_tokens=3)).text)
     kv = tmp_path / "kv"
     c = _spawn_chat(kv, "--ctx", "8192", max_tokens=6000)
     try:

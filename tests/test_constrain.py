@@ -18,7 +18,7 @@ import ds4
 from ds4.checkpoint import open_checkpoint
 from ds4.constrain import Constraint, json_rule
 from ds4.errors import ConstraintError, PromptError
-from ds4.turn import Generator, GenParams
+from ds4.turn import GenParams, TurnDriver
 
 # -- a seeded generator of JSON schemas --------------------------------------
 # Every production is bounded (string lengths, array sizes, number ranges on
@@ -111,7 +111,7 @@ N_SCHEMAS = 220
 def test_random_schemas_validate_on_the_reference_engine(small):
     """220 seeded schemas, greedy and sampled: every output completes its
     grammar (finish "stop") and validates with jsonschema."""
-    g = Generator(small, 2048)
+    g = TurnDriver(small, 2048)
     failures = []
     for i in range(N_SCHEMAS):
         schema = random_schema(i)
@@ -130,7 +130,7 @@ def test_random_schemas_validate_on_the_reference_engine(small):
 def test_json_object_is_parseable_json_object(eng, small):
     """Greedy and sampled: a complete answer is a JSON object. (The reference
     engine's random weights close it at once; SmolLM2, below, fills one.)"""
-    g = Generator(eng, 2048)
+    g = TurnDriver(eng, 2048)
     for i in range(6):
         params = GenParams(max_tokens=300, constraint=Constraint.json_object(), temperature=0.7 * (i % 2), seed=i)
         res = g.generate(_ask(eng, f"Give me an object ({i})."), params)
@@ -138,7 +138,7 @@ def test_json_object_is_parseable_json_object(eng, small):
     # the small engine loops inside a string (free strings have no bound):
     # cut by max_tokens, the text opens an object and has no end token
     params = GenParams(max_tokens=40, constraint=Constraint.json_object())
-    res = Generator(small, 2048).generate(_ask(small, "Object?"), params)
+    res = TurnDriver(small, 2048).generate(_ask(small, "Object?"), params)
     assert res.finish_reason == "length" and res.text.startswith('{"') and len(res.tokens) == 40
 
 
@@ -160,7 +160,7 @@ call: "<tool_call>" {json_rule(args)} "</tool_call>\\n"
 """
     c = Constraint.lark(grammar)
     assert c.kind == "lark"
-    g = Generator(small, 2048)
+    g = TurnDriver(small, 2048)
     for i in range(8):
         res = g.generate(
             _ask(small, f"Call the tool ({i})."), GenParams(max_tokens=300, constraint=c, temperature=1.0, seed=i)
@@ -232,7 +232,7 @@ def test_a_constraint_the_engine_cannot_use_is_refused_before_anything_is_touche
     grammar at all) raises ConstraintError from generate, and the live
     session, its store and the counters of served turns stay as they were."""
     store = ds4.KVStore(tmp_path / "kv", min_tokens=8, boundary_align_tokens=8)
-    g = Generator(small, 2048, store=store)
+    g = TurnDriver(small, 2048, store=store)
     prompt = _ask(small, "a conversation that is cached")
     g.generate(prompt, GenParams(max_tokens=2))
     before = (list(g.sess.tokens), g.sess.checkpoint_valid, sorted(os.listdir(tmp_path / "kv")))
@@ -243,7 +243,7 @@ def test_a_constraint_the_engine_cannot_use_is_refused_before_anything_is_touche
 
 
 def test_a_completed_grammar_ends_with_stop_and_its_last_token_unevaluated(small):
-    g = Generator(small, 2048)
+    g = TurnDriver(small, 2048)
     prompt = _ask(small, "yes or no?")
     c = Constraint.json_schema(
         {
@@ -297,7 +297,7 @@ def test_a_constraint_changes_sampling_only(eng, tmp_path):
     seen = {}
     for name, c in (("plain", None), ("constrained", Constraint.json_schema(schema))):
         store = ds4.KVStore(tmp_path / name, min_tokens=32, boundary_align_tokens=64)
-        g = Generator(eng, 4096, store=store)
+        g = TurnDriver(eng, 4096, store=store)
         r1 = g.generate(eng.render_chat(msgs), GenParams(max_tokens=24, constraint=c))
         names = sorted(n for n in os.listdir(tmp_path / name) if n.endswith(".kv"))
         arrays = {
@@ -326,7 +326,7 @@ def test_smollm2_control_tokens_are_never_text(smol):
     """Inside a JSON string any text may come, but no control token
     (``<|im_end|>``, ``<|im_start|>``, ...): their bytes are not text to
     the grammar. The end tokens are allowed once the string is closed."""
-    ends = Generator(smol, 256).stop_ids
+    ends = TurnDriver(smol, 256).stop_ids
     specials = smol.special_token_ids
     assert {smol.tokenize("<|im_start|>", special=True)[0], smol.tokenize("<|im_end|>", special=True)[0]} <= specials
     assert ends <= specials
@@ -341,7 +341,7 @@ def test_smollm2_control_tokens_are_never_text(smol):
 
 def test_smollm2_schemas(smol):
     """A few schemas on the real model: valid JSON, each matching."""
-    g = Generator(smol, 1024)
+    g = TurnDriver(smol, 1024)
     schemas = [
         {
             "type": "object",

@@ -19,7 +19,7 @@ from models import ALL, model_path, text_tokens
 import ds4
 from ds4.engines.llamacpp import LlamaCppEngine
 from ds4.engines.llamacpp_owner import padded
-from ds4.turn import Generator, GenParams
+from ds4.turn import GenParams, TurnDriver
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -153,7 +153,7 @@ def test_strict_and_canonical_states_are_one_abi(engines):
 
 def test_a_turn_that_comes_first_waits_for_the_canonicalization_and_says_so(engines, tmp_path):
     can, _ = engines
-    gen = Generator(can, 1024, ds4.KVStore(tmp_path, min_tokens=16))
+    gen = TurnDriver(can, 1024, ds4.KVStore(tmp_path, min_tokens=16))
     msgs = [{"role": "user", "content": "Tell me about the tides in the harbour. " * 12}]
     first = gen.generate(can.render_chat(msgs), GenParams(max_tokens=GEN))
     redo = step_rows(can) > 1  # else the unpadded steps were a prefill's already
@@ -163,7 +163,7 @@ def test_a_turn_that_comes_first_waits_for_the_canonicalization_and_says_so(engi
     assert ("canonicalize_ms" in second.report.timings) == redo
     assert second.report.timings.get("canonicalize_ms", 1) > 0
     assert second.report.rung in ("live", "rewrite")
-    cold = Generator(can, 1024).generate(can.render_chat(msgs), GenParams(max_tokens=GEN))
+    cold = TurnDriver(can, 1024).generate(can.render_chat(msgs), GenParams(max_tokens=GEN))
     assert cold.report.rung == "prefill" and "canonicalize_ms" not in cold.report.timings
     assert second.tokens == cold.tokens
 

@@ -28,7 +28,7 @@ import pytest
 import ds4
 from ds4 import frontier
 from ds4.keytext import tokenize_prompt
-from ds4.turn import Generator, GenParams
+from ds4.turn import GenParams, TurnDriver
 
 CTX = 8192
 LIMIT = 512
@@ -80,7 +80,7 @@ def _twice(spans: list[bytes]) -> list[int]:
 @pytest.mark.parametrize("limit", [LIMIT, 0])
 def test_interleaved_conversations_never_prefill_a_span_twice(smollm2, tmp_path, limit):
     store = ds4.KVStore(str(tmp_path / ("on" if limit else "off")), min_tokens=64, frontier_tokens=limit)
-    gen = Generator(smollm2, CTX, store)
+    gen = TurnDriver(smollm2, CTX, store)
     convos = [Convo(0), Convo(1)]
     spans: dict[int, list[bytes]] = {0: [], 1: []}
     frontier_saves = 0
@@ -107,7 +107,7 @@ def test_a_reload_loop_is_reported_and_its_frontier_stored(smollm2, tmp_path, li
     c = Convo(7)
     spans, reports = [], []
     for _turn in range(5):
-        gen = Generator(smollm2, CTX, store)  # a new session each turn, the last one dropped unsaved
+        gen = TurnDriver(smollm2, CTX, store)  # a new session each turn, the last one dropped unsaved
         prompt = c.prompt(smollm2)
         res = gen.generate(prompt, GEN)
         reports.append(res.report)
@@ -154,10 +154,10 @@ def test_a_resend_after_a_restart_loads_the_prompts_own_state(smollm2, tmp_path,
     restart resumes from its whole prompt and answers as before."""
     c = Convo(3)
     prompt = c.prompt(smollm2)
-    gen = Generator(smollm2, CTX, ds4.KVStore(str(tmp_path), min_tokens=64, frontier_tokens=limit))
+    gen = TurnDriver(smollm2, CTX, ds4.KVStore(str(tmp_path), min_tokens=64, frontier_tokens=limit))
     first = gen.generate(prompt, GEN)
     assert first.report.rung == "prefill" and gen.shutdown_save() is not None
-    again = Generator(smollm2, CTX, ds4.KVStore(str(tmp_path), min_tokens=64, frontier_tokens=limit))
+    again = TurnDriver(smollm2, CTX, ds4.KVStore(str(tmp_path), min_tokens=64, frontier_tokens=limit))
     res = again.generate(prompt, GEN)
     assert res.text == first.text and res.report.rung == "disk"
     if limit:

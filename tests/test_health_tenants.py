@@ -25,7 +25,7 @@ from ds4.server.conversation import new_call_id
 from ds4.server.guard import Guard, add_guard_args, guard_from_args
 from ds4.server.tenants import tenant_of
 from ds4.server.worker import TENANT_COUNTERS, Service
-from ds4.turn import Generator
+from ds4.turn import TurnDriver
 
 KA, KB, KOPS = "sk-health-alice", "sk-health-bob", "sk-health-ops"
 #: every field the operator's view had before tenants had a view of their own
@@ -208,7 +208,7 @@ def test_a_tenants_own_refusals_and_failures_are_counted_for_it_alone(eng, monke
     """In process: alice's 409 (refused before the turn), 400 (refused by
     the turn) and 500 (an engine fault mid-decode) are her counters; bob's
     view does not move; the operator sees them under alice."""
-    service = Service(Generator(eng, 512), "ds4-reference")
+    service = Service(TurnDriver(eng, 512), "ds4-reference")
     guard = Guard([(KA, "alice"), (KB, "bob"), (KOPS, "ops")], admin_tenants=["ops"])
     with TestClient(create_app(service, guard=guard), base_url="http://127.0.0.1") as c:
 

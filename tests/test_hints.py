@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ds4.server.hints import DIGEST_BYTES, MAX_HINT_BYTES, MAX_HINTS, MAX_PER_NAMESPACE, HintTable
 from ds4.server.pool import Pool, body_hint, usable_hint
-from ds4.turn import Generator
+from ds4.turn import TurnDriver
 
 
 def test_a_flood_of_huge_hints_keeps_nothing_and_routes_nothing():
@@ -42,7 +42,7 @@ def test_one_namespace_cannot_push_out_anothers_and_the_table_is_bounded():
 
 
 def test_the_pool_keeps_its_hints_in_the_bounded_table(eng):
-    pool = Pool(Generator(eng, 64), 2)
+    pool = Pool(TurnDriver(eng, 64), 2)
     r = pool.residents[1]
     pool._used(r, "tenant-a", "h" * (1 << 20))
     pool.release(r)
@@ -70,7 +70,7 @@ def test_the_operators_health_counts_the_hints_kept(eng):
     from ds4.server.app import create_app
     from ds4.server.worker import Service
 
-    gen = Generator(eng, 256)
+    gen = TurnDriver(eng, 256)
     service = Service(gen, "m", pool=Pool(gen, 2))
     with TestClient(create_app(service), base_url="http://127.0.0.1") as c:
         for i, hint in enumerate(("conv-a", "conv-b", "x" * 4096)):

@@ -30,7 +30,7 @@ from ds4.errors import (
     PayloadChecksumError,
 )
 from ds4.recovery import try_load_text
-from ds4.turn import Generator, GenParams
+from ds4.turn import GenParams, TurnDriver
 
 CTX = 512
 
@@ -369,7 +369,7 @@ def _prompt(eng, text):
 
 def test_stop_sequence_past_the_kv_state_invalidates(eng):
     prompt = _prompt(eng, "generate something long enough to hold a stop sequence")
-    probe = Generator(eng, CTX)
+    probe = TurnDriver(eng, CTX)
     full = probe.generate(prompt, GenParams(max_tokens=24))
     pieces = [eng.token_bytes(t) for t in full.tokens]
     # a stop string spanning several generated tokens, first seen where it is
@@ -386,7 +386,7 @@ def test_stop_sequence_past_the_kv_state_invalidates(eng):
             stop = text
             break
     assert stop is not None, full.text
-    g = Generator(eng, CTX)
+    g = TurnDriver(eng, CTX)
     res = g.generate(prompt, GenParams(max_tokens=24, stop=(stop,)))
     assert res.finish_reason == "stop" and res.stop_action == "invalidated"
     assert g.counters["stop_invalidated"] == 1
@@ -398,8 +398,8 @@ def test_stop_sequence_past_the_kv_state_invalidates(eng):
 
 def test_request_failure_in_the_server_invalidates(eng):
     prompt = _prompt(eng, "a request whose client callback fails mid-stream")
-    cold = Generator(eng, CTX).generate(prompt, GenParams(max_tokens=12))
-    g = Generator(eng, CTX)
+    cold = TurnDriver(eng, CTX).generate(prompt, GenParams(max_tokens=12))
+    g = TurnDriver(eng, CTX)
     n = [0]
 
     def on_text(_piece):
@@ -416,9 +416,9 @@ def test_request_failure_in_the_server_invalidates(eng):
 
 def test_a_failing_rung_invalidates_and_the_retry_is_clean(eng, tmp_path, monkeypatch):
     prompt = _prompt(eng, "the disk rung raises an I/O error once")
-    cold = Generator(eng, CTX).generate(prompt, GenParams(max_tokens=8))
+    cold = TurnDriver(eng, CTX).generate(prompt, GenParams(max_tokens=8))
     store = ds4.KVStore(tmp_path, min_tokens=1)
-    g = Generator(eng, CTX, store=store)
+    g = TurnDriver(eng, CTX, store=store)
     g.sess.sync(toks(eng, "an unrelated live conversation"))
     real = recovery.load_first  # the disk rung
     calls = []
@@ -440,7 +440,7 @@ def test_a_failing_rung_invalidates_and_the_retry_is_clean(eng, tmp_path, monkey
 def _repl(eng, system=""):
     from ds4.cli.chat import ChatREPL
 
-    g = Generator(eng, CTX)
+    g = TurnDriver(eng, CTX)
     return ChatREPL(g, system, max_tokens=6, out=io.StringIO(), err=io.StringIO())
 
 
@@ -452,7 +452,7 @@ def test_chat_clear_invalidates(eng):
     assert_invalid_and_empty(r.sess)
     assert r.messages == []
     r.turn("a new question")
-    cold = Generator(eng, CTX).generate(_prompt(eng, "a new question"), GenParams(max_tokens=6))
+    cold = TurnDriver(eng, CTX).generate(_prompt(eng, "a new question"), GenParams(max_tokens=6))
     assert r.messages[-1]["content"] == cold.text
 
 

@@ -34,7 +34,7 @@ from ds4.errors import CorruptCheckpointError, StoreError
 from ds4.kvstore import KVStore, remove, stat_key
 from ds4.loading import load_named
 from ds4.recovery import try_load_text
-from ds4.turn import Generator
+from ds4.turn import TurnDriver
 
 TEXT = "the quick brown fox jumps over the lazy dog " * 3
 
@@ -379,7 +379,7 @@ def _repl(d):
     eng = ds4.ReferenceEngine()
     store = KVStore(d, min_tokens=1)
     err = io.StringIO()
-    return ChatREPL(Generator(eng, 1024, store), "Be brief.", 8, out=io.StringIO(), err=err), err
+    return ChatREPL(TurnDriver(eng, 1024, store), "Be brief.", 8, out=io.StringIO(), err=err), err
 
 
 def test_the_chat_index_is_never_read_or_written_through_a_symlink(tmp_path):

@@ -25,7 +25,7 @@ from ds4.server.app import create_app
 from ds4.server.guard import Guard
 from ds4.server.metrics import LATENCY_BUCKETS
 from ds4.server.worker import Service
-from ds4.turn import Generator
+from ds4.turn import TurnDriver
 
 KA, KB, KOPS = "sk-metrics-alice", "sk-metrics-bob", "sk-metrics-ops"
 #: words only the prompts hold: no label may carry them
@@ -61,7 +61,7 @@ def _idle(service: Service) -> None:
 def served(tmp_path):
     eng = ds4.ReferenceEngine()
     store = ds4.KVStore(str(tmp_path / "kv"), budget_mb=64, min_tokens=8)
-    service = Service(Generator(eng, 512, store), "ds4-reference")
+    service = Service(TurnDriver(eng, 512, store), "ds4-reference")
     guard = Guard([(KA, "alice"), (KB, "bob"), (KOPS, "ops")], admin_tenants=["ops"])
     with TestClient(create_app(service, guard=guard), base_url="http://127.0.0.1") as c:
         yield c, service, store
@@ -269,7 +269,7 @@ def test_the_page_its_data_and_metrics_can_never_be_framed(served):
 
 
 def test_no_metrics_serves_neither(tmp_path):
-    service = Service(Generator(ds4.ReferenceEngine(), 256), "ds4-reference")
+    service = Service(TurnDriver(ds4.ReferenceEngine(), 256), "ds4-reference")
     with TestClient(create_app(service, metrics=False), base_url="http://127.0.0.1") as c:
         for path in ("/metrics", "/ui", "/ui/data", "/ui/ui.js"):
             assert c.get(path).status_code == 404, path
@@ -296,7 +296,7 @@ def test_serve_no_metrics_flag(tmp_path):
 
 
 def test_keyless_server_shows_everyone_the_metrics(tmp_path):
-    service = Service(Generator(ds4.ReferenceEngine(), 256), "ds4-reference")
+    service = Service(TurnDriver(ds4.ReferenceEngine(), 256), "ds4-reference")
     with TestClient(create_app(service), base_url="http://127.0.0.1") as c:
         body = {"model": "m", "prompt": "The quokka smiles at", "max_tokens": 2}
         assert c.post("/v1/completions", json=body).status_code == 200
@@ -311,7 +311,7 @@ def test_a_failing_observation_never_reaches_the_worker(caplog):
     failure there loses the figure, never the reply (nor the worker)."""
     from ds4.server.metrics import Metrics
 
-    service = Service(Generator(ds4.ReferenceEngine(), 256), "ds4-reference")
+    service = Service(TurnDriver(ds4.ReferenceEngine(), 256), "ds4-reference")
     try:
         m = Metrics(service)
         m.observer("chat", "alice")("done", object())  # not a GenResult
@@ -326,7 +326,7 @@ def test_ui_data_lists_the_resident_sessions(tmp_path):
     (``/health``'s ``sessions``); with one, no such list."""
     from ds4.server.pool import Pool
 
-    gen = Generator(ds4.ReferenceEngine(), 256)
+    gen = TurnDriver(ds4.ReferenceEngine(), 256)
     service = Service(gen, "ds4-reference", pool=Pool(gen, 2))
     with TestClient(create_app(service), base_url="http://127.0.0.1") as c:
         body = {"model": "m", "prompt": "The quokka smiles at", "max_tokens": 2}
@@ -335,6 +335,6 @@ def test_ui_data_lists_the_resident_sessions(tmp_path):
         sessions = c.get("/ui/data").json()["sessions"]
         assert sessions == c.get("/health").json()["sessions"]
         assert [s["index"] for s in sessions] == [0, 1] and sum(s["served"] for s in sessions) == 1
-    single = Service(Generator(ds4.ReferenceEngine(), 256), "ds4-reference")
+    single = Service(TurnDriver(ds4.ReferenceEngine(), 256), "ds4-reference")
     with TestClient(create_app(single), base_url="http://127.0.0.1") as c:
         assert "sessions" not in c.get("/ui/data").json()

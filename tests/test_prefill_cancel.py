@@ -9,7 +9,7 @@ import pytest
 
 import ds4
 from ds4.errors import PrefillCancelledError
-from ds4.turn import Generator, GenParams
+from ds4.turn import GenParams, TurnDriver
 
 CTX = 4096
 
@@ -20,7 +20,7 @@ def _prompt(eng, n_words=700):
 
 
 def _cold(eng, prompt, n=6):
-    return Generator(eng, CTX).generate(prompt, GenParams(max_tokens=n))
+    return TurnDriver(eng, CTX).generate(prompt, GenParams(max_tokens=n))
 
 
 def test_session_sync_stops_at_a_chunk_boundary_valid(eng):
@@ -59,7 +59,7 @@ def test_cuts_fall_where_the_engine_batches_and_the_frontiers_fall(eng):
 def test_a_cancelled_turn_keeps_the_session_and_the_next_turn_extends_it(eng):
     prompt = _prompt(eng)
     cold = _cold(eng, prompt)
-    g = Generator(eng, CTX)
+    g = TurnDriver(eng, CTX)
     calls = [0]
 
     def cancel():
@@ -77,7 +77,7 @@ def test_a_cancelled_turn_keeps_the_session_and_the_next_turn_extends_it(eng):
 
 def test_a_cancel_during_decoding_still_stops_at_the_next_token(eng):
     prompt = _prompt(eng, 50)
-    g = Generator(eng, CTX)
+    g = TurnDriver(eng, CTX)
     n = [0]
 
     def cancel():

@@ -22,7 +22,7 @@ from ds4.kvstore import KVStore
 from ds4.server import worker
 from ds4.server.app import create_app
 from ds4.server.worker import ProgressLog, Service
-from ds4.turn import Generator
+from ds4.turn import TurnDriver
 
 
 class Tty(io.StringIO):
@@ -193,7 +193,7 @@ def test_the_server_logs_a_long_prompts_prefill_at_info(eng, monkeypatch, caplog
     # every update logged (the worker's ProgressLog, every=0): the test does
     # not wait the two seconds a long prefill takes to get its first line
     monkeypatch.setattr(worker, "ProgressLog", functools.partial(ProgressLog, every=0.0))
-    service = Service(Generator(eng, 4096), "ds4-reference")
+    service = Service(TurnDriver(eng, 4096), "ds4-reference")
     body = {"model": "any", "messages": [{"role": "user", "content": TEXT * 2}], "max_tokens": 2}
     with TestClient(create_app(service), base_url="http://127.0.0.1") as client:
         with caplog.at_level(logging.INFO, logger="ds4.server"):

@@ -26,7 +26,7 @@ from ds4.checkpoint import write_checkpoint
 from ds4.errors import InvalidSessionError, StoreFullError
 from ds4.kvstore import SaveSkip, checkpoint_name, save
 from ds4.kvstore.skips import SKIP_CODES
-from ds4.turn import Generator, GenParams
+from ds4.turn import GenParams, TurnDriver
 
 
 def kv_files(d) -> list[str]:
@@ -255,7 +255,7 @@ def test_a_turns_continued_saves_over_budget_are_in_its_report(eng, tmp_path):
         boundary_align_tokens=8,
         continued_interval_tokens=16,
     )
-    gen = Generator(eng, 512, st)
+    gen = TurnDriver(eng, 512, st)
     res = gen.generate(BASE * 2, GenParams(max_tokens=40))
     kinds = [(k.kind, k.code) for k in res.report.save_skipped]
     assert kinds[0] == ("cold", "over_budget")
@@ -324,7 +324,7 @@ def test_an_over_budget_store_in_the_ds4_block_and_the_metrics(eng, tmp_path):
     from ds4.server.worker import Service
 
     store = ds4.KVStore(tmp_path / "kv", budget_mb=0.01, min_tokens=8)
-    service = Service(Generator(eng, 512, store), "ds4-reference")
+    service = Service(TurnDriver(eng, 512, store), "ds4-reference")
     with TestClient(create_app(service), base_url="http://127.0.0.1") as c:
         body = {"model": "m", "messages": [{"role": "user", "content": BASE}], "max_tokens": 2}
         r = c.post("/v1/chat/completions", json=body)

@@ -157,7 +157,7 @@ def test_the_request_is_parsed_off_the_event_loop(monkeypatch):
     from ds4.server.app import create_app
     from ds4.server.openai import RequestParser
     from ds4.server.worker import Service
-    from ds4.turn import Generator
+    from ds4.turn import TurnDriver
 
     seen = []
     real = RequestParser.chat
@@ -171,7 +171,7 @@ def test_the_request_is_parsed_off_the_event_loop(monkeypatch):
         return real(self, raw)
 
     monkeypatch.setattr(RequestParser, "chat", spy)
-    service = Service(Generator(ds4.ReferenceEngine(), 512), "ds4-reference")
+    service = Service(TurnDriver(ds4.ReferenceEngine(), 512), "ds4-reference")
     with TestClient(create_app(service), base_url="http://127.0.0.1") as client:
         body = {"model": "any", "messages": _conv("threads"), "max_tokens": 2, "response_format": _fmt()}
         assert client.post("/v1/chat/completions", json=body).status_code == 200

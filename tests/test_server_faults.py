@@ -20,14 +20,14 @@ from ds4.engines.reference import ReferenceContext
 from ds4.server.app import create_app
 from ds4.server.conversation import new_call_id
 from ds4.server.worker import Service
-from ds4.turn import Generator
+from ds4.turn import TurnDriver
 
 CTX = 512
 
 
 @pytest.fixture
 def client(eng):
-    service = Service(Generator(eng, CTX), "ds4-reference")
+    service = Service(TurnDriver(eng, CTX), "ds4-reference")
     with TestClient(create_app(service), base_url="http://127.0.0.1") as c:
         c.service = service
         yield c

@@ -928,10 +928,10 @@ def test_a_pools_spare_residents_open_no_context_at_start(eng):
     """The server answers sooner: resident 0's context is opened at start (a
     context that does not fit fails there), the others' at first need."""
     from ds4.server.pool import Pool
-    from ds4.turn import Generator
+    from ds4.turn import TurnDriver
 
     counting = _Counting(eng)
-    pool = Pool(Generator(counting, 64), 4)
+    pool = Pool(TurnDriver(counting, 64), 4)
     assert pool.size == 4 and counting.opened == 1
     pool.residents[3].gen.sess.sync(toks(eng, "the fourth resident's first prompt"))
     assert counting.opened == 2

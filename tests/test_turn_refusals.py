@@ -15,7 +15,7 @@ import pytest
 
 import ds4
 from ds4.errors import PromptError
-from ds4.turn import Generator, GenParams, TextStream
+from ds4.turn import GenParams, TextStream, TurnDriver
 
 CTX = 512
 
@@ -30,7 +30,7 @@ def _chat(eng, *texts):
 def _with_conversation(eng, tmp_path):
     """A generator whose store and live session hold conversation A."""
     store = ds4.KVStore(tmp_path / "kv", min_tokens=8, boundary_align_tokens=8)
-    g = Generator(eng, CTX, store=store)
+    g = TurnDriver(eng, CTX, store=store)
     first = _chat(eng, "conversation A: tell me about tides, the moon and the sea")
     res = g.generate(first, GenParams(max_tokens=2))
     assert g.sess.checkpoint_valid
@@ -71,7 +71,7 @@ def test_a_refused_turn_keeps_an_unrelated_conversation_cached(eng, tmp_path, pr
 
 
 def test_a_surrogate_stop_is_refused_before_the_prefill(eng):
-    g = Generator(eng, CTX)
+    g = TurnDriver(eng, CTX)
     with pytest.raises(PromptError):
         g.generate(_chat(eng, "an unrelated prompt, never prefilled"), GenParams(stop=("\ud800",)))
     assert g.sess.n_past == 0 and g.counters["requests"] == 1 and g.counters["completion_tokens"] == 0
@@ -83,7 +83,7 @@ def test_an_unreadable_checkpoint_is_skipped_and_kept(eng, tmp_path, monkeypatch
 
     store = ds4.KVStore(tmp_path / "kv", min_tokens=8, boundary_align_tokens=8)
     prompt = _chat(eng, "a conversation whose checkpoint becomes unreadable after indexing")
-    g = Generator(eng, CTX, store=store)
+    g = TurnDriver(eng, CTX, store=store)
     g.generate(prompt, GenParams(max_tokens=2))
     stored = [p for p in (tmp_path / "kv").iterdir() if p.suffix == ".kv"]
     assert stored
@@ -93,7 +93,7 @@ def test_an_unreadable_checkpoint_is_skipped_and_kept(eng, tmp_path, monkeypatch
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(ds4.kvstore.loads, "open_checkpoint", denied)
-    fresh = Generator(eng, CTX, store=store)
+    fresh = TurnDriver(eng, CTX, store=store)
     for _ in range(2):  # every request with that prefix: served, never a failure
         res = fresh.generate(prompt + " more", GenParams(max_tokens=2))
         codes = {(stage, code) for (_, stage, code, _) in res.report.rejected}
@@ -102,7 +102,7 @@ def test_an_unreadable_checkpoint_is_skipped_and_kept(eng, tmp_path, monkeypatch
     assert fresh.counters["ladder_retries"] == 0 and fresh.counters["errors"] == 0
     assert all(p.exists() for p in stored), "an unreadable checkpoint was removed"
     monkeypatch.setattr(ds4.kvstore.loads, "open_checkpoint", real)
-    again = Generator(eng, CTX, store=store).generate(prompt + " more", GenParams(max_tokens=2))
+    again = TurnDriver(eng, CTX, store=store).generate(prompt + " more", GenParams(max_tokens=2))
     assert again.report.rung == "disk" and not again.report.rejected
 
 
@@ -124,7 +124,7 @@ def test_completion_tokens_count_a_token_cut_by_the_stop():
 
     eng = LlamaCppEngine()
     prompt = eng.render_chat([{"role": "user", "content": "Name three colours of the rainbow."}])
-    full = Generator(eng, CTX).generate(prompt, GenParams(max_tokens=24))
+    full = TurnDriver(eng, CTX).generate(prompt, GenParams(max_tokens=24))
     pieces = [eng.token_bytes(t) for t in full.tokens]
     # a two-byte ASCII stop: the last byte of token i and the first of token i + 1,
     # seen nowhere earlier in the answer
@@ -137,8 +137,20 @@ def test_completion_tokens_count_a_token_cut_by_the_stop():
         and (pieces[i][-1:] + pieces[i + 1][:1]) not in b"".join(pieces[: i + 1])[:-1]
     )
     stop = (pieces[cut][-1:] + pieces[cut + 1][:1]).decode()
-    res = Generator(eng, CTX).generate(prompt, GenParams(max_tokens=24, stop=(stop,)))
+    res = TurnDriver(eng, CTX).generate(prompt, GenParams(max_tokens=24, stop=(stop,)))
     assert res.finish_reason == "stop"
     assert res.text.encode() == b"".join(pieces[:cut]) + pieces[cut][:-1]
     assert res.completion_tokens == cut + 1  # tokens 0..cut reached the client (the last one in part)
     assert len(res.tokens) == cut  # the KV state keeps whole tokens only
+
+
+def test_the_old_name_of_the_turn_driver_still_works_and_warns():
+    import ds4.turn
+
+    with pytest.warns(DeprecationWarning, match="TurnDriver"):
+        old = ds4.turn.Generator
+    assert old is TurnDriver
+    with pytest.warns(DeprecationWarning):
+        from ds4.turn import Generator  # noqa: F401  (the old import line users have)
+    with pytest.raises(AttributeError):
+        ds4.turn.NoSuchThing  # noqa: B018

@@ -1,6 +1,6 @@
 """The turn driver: one live :class:`ds4.Session`, its store, and ds4's
 per-turn cache flow. No HTTP and no terminal: the server's worker, ``ds4
-run`` and ``ds4 chat`` all drive turns through :class:`Generator`.
+run`` and ``ds4 chat`` all drive turns through :class:`TurnDriver`.
 
 A turn
     :func:`ds4.recover` runs the ladder (live prefix, rewrite, evict save,
@@ -67,12 +67,12 @@ from .turn_io import GenParams, GenResult
 
 log = logging.getLogger("ds4.turn")
 
-__all__ = ["GenParams", "GenResult", "Generator", "TextStream", "make_picker", "masked_picker"]
+__all__ = ["GenParams", "GenResult", "TextStream", "TurnDriver", "make_picker", "masked_picker"]
 
 Progress = Callable[[int, int], None]
 
 
-class Generator:
+class TurnDriver:
     """The live session, the store and ds4's per-turn cache flow."""
 
     def __init__(self, engine: Engine, ctx: int, store: KVStore | None = None, *, lazy: bool = False):
@@ -460,3 +460,14 @@ class Generator:
             res.ttft_s,
             res.total_s,
         )
+
+
+def __getattr__(name: str) -> object:
+    """``Generator``, this class's name before ``TurnDriver``: the same
+    class, with a DeprecationWarning; it goes in the release after next."""
+    if name == "Generator":
+        import warnings
+
+        warnings.warn("ds4.turn.Generator is now ds4.turn.TurnDriver", DeprecationWarning, stacklevel=2)
+        return TurnDriver
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

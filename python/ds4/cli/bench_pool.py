@@ -37,7 +37,7 @@ from ..engine import Engine
 from ..kvstore import KVStore
 from ..server.pool import Pool
 from ..server.worker import Job, Service
-from ..turn import Generator, GenParams, GenResult
+from ..turn import GenParams, GenResult, TurnDriver
 from .bench import bench_engine
 from .term import EXIT_OK, EXIT_USAGE
 
@@ -120,7 +120,7 @@ def run_pool(
     ctx = min(eng.max_ctx, args.tokens + args.turns * (args.max_tokens + 64) + 512)
     with tempfile.TemporaryDirectory(prefix="ds4-bench-pool-") as tmp:
         store = KVStore(tmp, budget_mb=8192, min_tokens=16)
-        gen = Generator(eng, ctx, store)
+        gen = TurnDriver(eng, ctx, store)
         pool = Pool(gen, size, batched=batched)
         svc = Service(gen, "bench", max_queue=convs + 1, pool=pool)
         results: list[list[Turn]] = [[] for _ in range(convs)]

@@ -25,7 +25,7 @@ from ..kvstore.files import legacy_name
 from ..loading import load_named
 from ..recovery import RecoveryReport, recover
 from ..session import Session
-from ..turn import Generator, GenParams
+from ..turn import GenParams, TurnDriver
 from .progress import ProgressBar
 from .term import EXIT_OK, EXIT_USAGE, age, printable, table
 
@@ -84,7 +84,7 @@ class ChatREPL:
 
     def __init__(
         self,
-        gen: Generator,
+        gen: TurnDriver,
         system: str,
         max_tokens: int,
         out: TextIO = sys.stdout,
@@ -408,7 +408,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"ds4 chat: {msg}", file=sys.stderr)
         return EXIT_USAGE
     store = make_store(args)
-    gen = Generator(build_engine(args.engine, args.model, args.threads, getattr(args, "exact", None)), args.ctx, store)
+    gen = TurnDriver(build_engine(args.engine, args.model, args.threads, getattr(args, "exact", None)), args.ctx, store)
     try:
         repl = ChatREPL(gen, args.system, args.max_tokens, temperature=args.temperature, seed=args.seed)
         return repl.loop()

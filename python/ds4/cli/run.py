@@ -9,7 +9,7 @@ import sys
 from ..config import build_engine, check_kv_args, make_store
 from ..constrain import Constraint
 from ..errors import ConstraintError, ContextOverflowError, EmptyPromptError
-from ..turn import Generator, GenParams, GenResult
+from ..turn import GenParams, GenResult, TurnDriver
 from .progress import ProgressBar
 from .term import EXIT_FAIL, EXIT_OK, EXIT_USAGE, printable
 
@@ -32,7 +32,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     store = make_store(args)
     engine = build_engine(args.engine, args.model, args.threads, getattr(args, "exact", None))
-    gen = Generator(engine, args.ctx, store)
+    gen = TurnDriver(engine, args.ctx, store)
     if args.raw:
         prompt = text
     else:

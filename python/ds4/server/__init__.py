@@ -3,7 +3,7 @@
 - :mod:`ds4.server.app`: the routes (Starlette);
 - :mod:`ds4.server.serve`: ``ds4 serve``'s command line and ``serve_main``;
 - :mod:`ds4.server.worker`: the job queue and the one thread that owns the
-  session (through :class:`ds4.turn.Generator`);
+  session (through :class:`ds4.turn.TurnDriver`);
 - :mod:`ds4.server.wire`: what every protocol shares (the parsed request,
   errors, the ``ds4`` block, server-sent events);
 - :mod:`ds4.server.openai`, :mod:`ds4.server.anthropic`,

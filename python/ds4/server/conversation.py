@@ -47,7 +47,7 @@ from .volatile import SystemText
 
 if TYPE_CHECKING:
     from ..engine import Engine
-    from ..turn import Generator, GenParams, GenResult
+    from ..turn import GenParams, GenResult, TurnDriver
 
 log = logging.getLogger("ds4.server")
 
@@ -306,7 +306,7 @@ class AgentTurn:
         self,
         conv: Conversation,
         live: LiveTools,
-        gen: Generator,
+        gen: TurnDriver,
         *,
         id_prefix: str = "call_",
         label: str = "chat",

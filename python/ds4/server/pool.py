@@ -1,5 +1,5 @@
 """The pool of resident sessions (``ds4 serve --sessions N``): N live
-sessions, each its own :class:`ds4.turn.Generator` (its own
+sessions, each its own :class:`ds4.turn.TurnDriver` (its own
 :class:`ds4.Session` and engine context) over the one engine and the one
 store, each with its own live tool state (:class:`LiveTools`). The worker
 runs one lane per resident (:mod:`ds4.server.worker`); the pool decides
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _core
 from ..keytext import tokenize_prompt
-from ..turn import Generator
+from ..turn import TurnDriver
 from .conversation import AgentTurn, LiveTools
 from .hints import MAX_HINT_BYTES, HintTable
 from .tenants import ANONYMOUS
@@ -95,7 +95,7 @@ class Resident:
     it last served."""
 
     index: int
-    gen: Generator
+    gen: TurnDriver
     live: LiveTools
     last_used: float = 0.0
     served: int = 0
@@ -136,7 +136,7 @@ class Pool:
 
     def __init__(
         self,
-        primary: Generator,
+        primary: TurnDriver,
         size: int = 1,
         live: LiveTools | None = None,
         *,
@@ -150,7 +150,7 @@ class Pool:
         for k in range(1, size):
             # opened at first need (or never: a batched pool's residents adopt
             # its one context): the server answers sooner after a start
-            g = Generator(primary.engine, primary.ctx, primary.store, lazy=True)
+            g = TurnDriver(primary.engine, primary.ctx, primary.store, lazy=True)
             g.counters = primary.counters  # one set of server-wide counters
             snaps = primary.sess.snapshots  # each resident keeps its own, under the same budget
             g.sess.snapshots.configure(snaps.count, snaps.max_bytes / 2**20, snaps.every)

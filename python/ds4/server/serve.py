@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..config import build_engine, check_kv_args, engine_model_id, make_store
-from ..turn import Generator
+from ..turn import TurnDriver
 from .app import create_app
 from .body import BodyLimits
 from .guard import Guard, guard_from_args
@@ -67,7 +67,7 @@ def build_app(args: argparse.Namespace, guard: Guard) -> Starlette:
     sessions, why = resolve_sessions(args.sessions, args.sessions_mem_mb, engine, min(args.ctx, engine.max_ctx))
     if why:
         log.info("%s", why)
-    gen = Generator(engine, args.ctx, make_store(args))
+    gen = TurnDriver(engine, args.ctx, make_store(args))
     gen.sess.snapshots.configure(args.ctx_checkpoints, args.ctx_checkpoints_mb, args.ctx_checkpoint_every)
     pool = Pool(
         gen,

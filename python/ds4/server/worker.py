@@ -1,5 +1,5 @@
 """The worker: a FIFO queue of jobs and the lanes that own the live
-sessions (the :class:`ds4.server.pool.Pool` of :class:`ds4.turn.Generator`
+sessions (the :class:`ds4.server.pool.Pool` of :class:`ds4.turn.TurnDriver`
 residents, one by default; the pool picks which serves a job). HTTP handlers submit jobs and
 relay the events the worker posts back (``start``, ``text`` pieces, then
 ``done`` or ``error``). Jobs start in arrival order. With one resident
@@ -39,7 +39,7 @@ from ..errors import PromptError
 from ..keytext import tokenize_prompt
 from ..recovery import RecoveryReport
 from ..report import scoped_divergence
-from ..turn import Generator, GenParams, GenResult
+from ..turn import GenParams, GenResult, TurnDriver
 from .baton import Baton
 from .hints import hint_digest
 from .pool import MIN_SHARED, Pool, Resident
@@ -162,7 +162,7 @@ class Service:
     """A FIFO queue of jobs and the worker lanes that run them (one per
     resident session)."""
 
-    def __init__(self, generator: Generator, model_id: str, *, max_queue: int = 64, pool: Pool | None = None):
+    def __init__(self, generator: TurnDriver, model_id: str, *, max_queue: int = 64, pool: Pool | None = None):
         self.gen = generator  # the first resident: the engine, the store, the context (the front end's)
         self.pool = pool if pool is not None else Pool(generator)
         self.model_id = model_id
