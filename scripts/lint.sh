@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lint gates, one entry point for people and CI (.ci/run runs it before
 # the tests; .pre-commit-config.yaml before each commit): ruff (check with
-# the complexity rule, McCabe 13, and format), the 500-line rule for the
+# the complexity rule, McCabe 13, no reach into another object's private
+# members on the package, SLF001, and format), the 500-line rule for the
 # package's modules (scripts/check_sizes.py), mypy on the package (strict on the core
 # modules), stubtest of the extension's stub, and the Rust gates (fmt, clippy
 # with the [lints] policy of Cargo.toml). Configuration: pyproject.toml and

@@ -140,8 +140,8 @@ def test_as_dict_spells_out_every_field():
 
 def test_event_formats_only_with_arguments():
     rep = RecoveryReport()
-    rep._event("reused=%d of %s", 3, "ten")
-    rep._event("a literal 100% and %d, no arguments")
+    rep.log_event("reused=%d of %s", 3, "ten")
+    rep.log_event("a literal 100% and %d, no arguments")
     assert rep.events == ["reused=3 of ten", "a literal 100% and %d, no arguments"]
 
 

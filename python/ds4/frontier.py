@@ -121,7 +121,7 @@ def _reloaded(sess: Session, st: KVStore, rep: RecoveryReport, tokens: list[int]
     if times < 2:
         return False
     rep.reload = {"checkpoint": name, "depth": start, "span": len(tokens) - start, "times": times}
-    rep._event(
+    rep.log_event(
         "ds4 reload loop: %s loaded at %d tokens again and the same span prefilled (%d times); storing the frontier",
         name,
         start,

@@ -218,7 +218,7 @@ class _Ladder:
         kept = sess.common_prefix(self.tokens)
         if kept < matched:
             self.rep.token_check = {"against": against, "kept": kept, "of": matched}
-            self.rep._event("ds4 token_check: kept %d of %d (%s)", kept, matched, against)
+            self.rep.log_event("ds4 token_check: kept %d of %d (%s)", kept, matched, against)
         return kept
 
     def finish(self, rung: str, source: str, effective: Sequence[int], reused: int) -> RecoveryReport:
@@ -229,7 +229,7 @@ class _Ladder:
         rep.rung, rep.source, rep.reused_tokens = rung, source, reused
         rep.prompt_tokens = len(effective)
         rep.timings["total_ms"] = (time.perf_counter() - self.t_start) * 1000
-        rep._event(
+        rep.log_event(
             "ds4 ladder rung=%s source=%s reused=%d prompt=%d prefill=%d rejected=%d total=%.1f ms",
             rung,
             source,
@@ -388,10 +388,10 @@ class _Ladder:
             longest = self.found().longest()
             common_bytes = len(sess.key_bytes(common))
             if longest > common_bytes:
-                rep._event("ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", longest, common_bytes)
+                rep.log_event("ds4 rewrite skipped: disk holds a longer prefix (%d bytes > %d)", longest, common_bytes)
                 common = -1
         if common == 0:
-            rep._event(
+            rep.log_event(
                 "ds4 live kv cache miss live=%d prompt=%d common=0 reason=token-mismatch", len(live), len(tokens)
             )
         if common <= 0:
@@ -410,11 +410,11 @@ class _Ladder:
             rep.rung, rep.source, rep.reused_tokens = "rewrite", "memory-rewind" if snap is None else "snapshot", reused
             rep.timings["total_ms"] = (time.perf_counter() - self.t_start) * 1000
             if snap is None:
-                rep._event("ds4 ladder rung=rewrite reused=%d prompt=%d", common, len(tokens))
+                rep.log_event("ds4 ladder rung=rewrite reused=%d prompt=%d", common, len(tokens))
             else:
-                rep._event("ds4 ladder rung=rewrite reused=%d prompt=%d snapshot=%d", reused, len(tokens), snap)
+                rep.log_event("ds4 ladder rung=rewrite reused=%d prompt=%d snapshot=%d", reused, len(tokens), snap)
             return rep
-        rep._event(
+        rep.log_event(
             "ds4 live kv cache miss live=%d prompt=%d common=%d reason=%s",
             len(live),
             len(tokens),
@@ -438,7 +438,7 @@ class _Ladder:
                 return self.finish(rung, f"{rung}-text", self.tokens, kept)
             # a shorter checkpoint may end where the tokens still agree
             # (a turn's prompt, before a reply the check cut)
-            rep._event("ds4 token_check: the loaded state cannot be cut to %d tokens; next checkpoint", kept)
+            rep.log_event("ds4 token_check: the loaded state cannot be cut to %d tokens; next checkpoint", kept)
             sess.invalidate("the token check cut a state that cannot rewind")
             t = time.perf_counter()
             res = load_shorter(self.store, sess, self.found(), res.text_bytes, report=rep)
@@ -452,7 +452,7 @@ class _Ladder:
         try:
             return kept > 0 and self.sess.rewind(kept)
         except Exception as e:  # the session is invalid
-            self.rep._event("ds4 token_check: the rewind to %d tokens failed: %s", kept, e)
+            self.rep.log_event("ds4 token_check: the rewind to %d tokens failed: %s", kept, e)
             return False
 
     # 4. full prefill (with ds4's cold save on the way) -------------------------

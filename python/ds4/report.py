@@ -74,7 +74,8 @@ class RecoveryReport:
         d["save_skipped"] = [s.as_dict() for s in self.save_skipped]
         return d
 
-    def _event(self, msg: str, *args: object) -> None:
+    def log_event(self, msg: str, *args: object) -> None:
+        """``msg % args`` added to :attr:`events` and logged (ds4's own log line)."""
         text = msg % args if args else msg
         self.events.append(text)
         log.info(text)

@@ -142,7 +142,7 @@ class SharedContext:
         if n_seq < 1:
             raise ValueError("n_seq must be at least 1")
         lc = engine.lc
-        self._lc, self._engine = lc, engine
+        self._lc, self.engine = lc, engine
         self.n_seq, self.n_ctx = int(n_seq), int(n_ctx)
         cap = engine.batch_room
         self.rows_per_seq = step_rows(engine.batch_floor, engine.batch_multiple)
@@ -205,7 +205,7 @@ class SharedContext:
         """The rows each sequence gets in one batch of pieces of ``lengths``
         tokens: the shortest piece padded to the engine's floor (and its
         multiple), within the batch's room; longer pieces go in up to that."""
-        eng = self._engine
+        eng = self.engine
         rows = max(eng.batch_floor, padded(min(lengths), eng.batch_multiple))
         room = eng.batch_room // len(lengths) // eng.batch_multiple * eng.batch_multiple
         return max(self.rows_per_seq, min(rows, room))
@@ -250,7 +250,7 @@ class SharedContext:
             p = lc.llama_get_logits_ith(self.ctx, k * m + n - 1)
             if not p:
                 raise EngineError("llama.cpp returned no logits")
-            out.append((n, np.ctypeslib.as_array(p, shape=(self._engine.vocab_size,)).copy()))
+            out.append((n, np.ctypeslib.as_array(p, shape=(self.engine.vocab_size,)).copy()))
             if m > n and not lc.llama_memory_seq_rm(self.mem, sc.seq, sc.n_past + n, -1):
                 raise EngineError("llama.cpp could not drop the pad tokens")  # pragma: no cover
         (self.steps if max(takes) == 1 else self.prefill_steps)[len(items)] += 1
@@ -280,7 +280,7 @@ class SharedContext:
             self._lc.llama_free(ctx)
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
-        self._engine.context_freed()
+        self.engine.context_freed()
 
     def view(self) -> dict[str, Any]:
         """The operator's view: how many batched decode steps and prefill
@@ -300,7 +300,7 @@ class SeqContext(LlamaCppContext):
     one-token decode steps, which are batched with the other sequences'."""
 
     def __init__(self, shared: SharedContext, seq: int):
-        eng = shared._engine
+        eng = shared.engine
         own = Batch(eng.lc, eng.batch_room, seq)
         super().__init__(eng, shared.n_ctx, reuse=Idle(shared.n_ctx, shared.ctx, shared.mem, own))
         self.seq = seq
@@ -349,9 +349,9 @@ class SeqContext(LlamaCppContext):
         (unknown ids, a windowed import longer than its window)."""
         self._check_open()
         n = int(n_tokens)
-        if not isinstance(other, SeqContext) or other._shared is not self._shared or other is self:
+        if not isinstance(other, SeqContext) or other._shared is not self._shared or other is self:  # noqa: SLF001 (another sequence of this class)
             return False
-        if not 1 <= n <= other.n_past or n >= self.n_ctx or not other._rewindable(n):
+        if not 1 <= n <= other.n_past or n >= self.n_ctx or not other._rewindable(n):  # noqa: SLF001 (another sequence of this class)
             return False
         lc = self._lc
         self._clear()
@@ -359,8 +359,8 @@ class SeqContext(LlamaCppContext):
         # cut's own decode, at once, before another sequence can change its cells
         lc.llama_memory_seq_cp(self._mem, other.seq, self.seq, -1, -1)
         # what the source could not rewind into, this copy cannot either
-        self._tokens = list(other._tokens[:n])
-        self._known_from, self._rewind_min, self._logits = other._known_from, other._rewind_min, None
+        self._tokens = list(other._tokens[:n])  # noqa: SLF001 (another sequence of this class)
+        self._known_from, self._rewind_min, self._logits = other._known_from, other._rewind_min, None  # noqa: SLF001 (another sequence of this class)
         if self._cut(n):  # an engine error resets this context and is raised
             return True
         self.reset()  # pragma: no cover - llama.cpp refused a tail removal it allows

@@ -348,15 +348,15 @@ class LlamaCppContext:
         (:class:`~ds4.engines.llamacpp_batch.SeqContext`)."""
         self._check_open()
         n = int(n_tokens)
-        if type(other) is not type(self) or other is self or other._engine is not self._engine:
+        if type(other) is not type(self) or other is self or other._engine is not self._engine:  # noqa: SLF001 (another context of this class)
             return False
         assert isinstance(other, LlamaCppContext)
         total = other.n_past
-        if not 1 <= n <= total or total > self.n_ctx or (n < total and not other._rewindable(n)):
+        if not 1 <= n <= total or total > self.n_ctx or (n < total and not other._rewindable(n)):  # noqa: SLF001 (another context of this class)
             return False
         self.import_state(other.export_state(), total)  # canonical first; checked as a load is
-        if other._known_from == 0:
-            self.know_tokens(other._tokens)
+        if other._known_from == 0:  # noqa: SLF001 (another context of this class)
+            self.know_tokens(other._tokens)  # noqa: SLF001 (another context of this class)
         if n == total:
             return True
         if self._rewindable(n) and self._cut(n):  # an engine error resets this context and is raised

@@ -162,18 +162,18 @@ class ReferenceEngine(ByteTokenizer):
         self.blas_threads = None if blas_threads is None else max(1, int(blas_threads))
 
         ByteTokenizer.__init__(self, SPECIAL_TOKENS, bos="<|bos|>", eos="<|im_end|>")
-        self._attn = ExactAttention(head_dim, attn_temperature)
+        self.attn = ExactAttention(head_dim, attn_temperature)
         self._build_weights()
-        self._rope = RopeTable(head_dim, self.rope_base)
+        self.rope = RopeTable(head_dim, self.rope_base)
         self._abi: str | None = None
 
     # -- weights -----------------------------------------------------------
     def _build_weights(self) -> None:
         rng = np.random.default_rng(self.seed)
         d, hd, nh, nkv, ff = self.d_model, self.head_dim, self.n_heads, self.n_kv_heads, self.d_ff
-        self._embed = rng.standard_normal((self.vocab_size, d)).astype(F32)
+        self.embed = rng.standard_normal((self.vocab_size, d)).astype(F32)
         res_gain = 1.0 / math.sqrt(2 * self.n_layers)
-        self._layers: list[Layer] = []
+        self.layers: list[Layer] = []
         for i in range(self.n_layers):
             # keyword order = draw order (see Layer)
             L = Layer(
@@ -185,7 +185,7 @@ class ReferenceEngine(ByteTokenizer):
                 wd=QLinear(rng, ff, d, 2.0 * res_gain),
                 sliding=i in self.sliding_layers,
             )
-            self._layers.append(L)
+            self.layers.append(L)
         self._final_norm = (1.0 + 0.1 * rng.standard_normal(d)).astype(F32)
         self._lm_head = QLinear(rng, d, self.vocab_size, 3.0)
 
@@ -203,16 +203,16 @@ class ReferenceEngine(ByteTokenizer):
             "vocab_size": self.vocab_size,
             "specials": list(SPECIAL_TOKENS),
             "rope_base": self.rope_base,
-            "attn_c": float(self._attn.c),
-            "attn_n0": self._attn.n0,
+            "attn_c": float(self.attn.c),
+            "attn_n0": self.attn.n0,
             "qkv_scale": QKV_SCALE,
             "pmax": PMAX,
             "tile": TILE,
         }
 
     def _weight_arrays(self) -> Iterator[np.ndarray]:
-        yield self._embed
-        for L in self._layers:
+        yield self.embed
+        for L in self.layers:
             yield from L.arrays()
         yield self._final_norm
         yield self._lm_head.w
@@ -237,7 +237,7 @@ class ReferenceEngine(ByteTokenizer):
         (every array is float32)."""
         n = int(n_tokens)
         out: dict[str, tuple[int, ...]] = {}
-        for i, L in enumerate(self._layers):
+        for i, L in enumerate(self.layers):
             rows = min(n, self.window) if L.sliding else n
             out[f"layer{i}.k"] = (rows, self.n_kv_heads, self.head_dim)
             out[f"layer{i}.v"] = (rows, self.n_kv_heads, self.head_dim)
@@ -256,7 +256,7 @@ class ReferenceEngine(ByteTokenizer):
         return ReferenceContext(self, n_ctx)
 
     # -- the forward pass (used by the contexts) ---------------------------
-    def _logits(self, x_last: np.ndarray) -> np.ndarray:
+    def head(self, x_last: np.ndarray) -> np.ndarray:
         h = rmsnorm(x_last, self._final_norm)
         return self._lm_head(h)[0].astype(F32, copy=False)
 
@@ -291,7 +291,7 @@ class ReferenceContext:
         self._logits: np.ndarray | None = None
         self._cap = 0
         self._kv: list[KV] = []
-        for L in e._layers:
+        for L in e.layers:
             shape = (e.n_kv_heads, e.window, e.head_dim) if L.sliding else (e.n_kv_heads, 0, e.head_dim + 1)
             self._kv.append((np.zeros(shape, F32), np.zeros(shape, F32)))
 
@@ -303,7 +303,7 @@ class ReferenceContext:
         e = self._engine
         limit = roundup(self.n_ctx, TILE)
         cap = min(limit, max(roundup(n, TILE), 2 * self._cap, TILE))
-        for i, L in enumerate(e._layers):
+        for i, L in enumerate(e.layers):
             if L.sliding:
                 continue
             K, V = (np.zeros((e.n_kv_heads, cap, e.head_dim + 1), F32) for _ in range(2))
@@ -353,16 +353,16 @@ class ReferenceContext:
         e = self._engine
         P, T = self._n, int(toks.size)
         nh, nkv, hd = e.n_heads, e.n_kv_heads, e.head_dim
-        cos, sin = e._rope(P, T)
-        if any(not L.sliding for L in e._layers):
+        cos, sin = e.rope(P, T)
+        if any(not L.sliding for L in e.layers):
             self._reserve(P + T)
-        x = e._embed[toks]
+        x = e.embed[toks]
         new_rings = []
-        for i, L in enumerate(e._layers):
+        for i, L in enumerate(e.layers):
             h = rmsnorm(x, L.attn_norm)
             Q, k_int, vq = qkv_int(L.wqkv(h).reshape(T, nh + 2 * nkv, hd), cos, sin, nh, nkv)
             if L.sliding:
-                o, ring = e._attn.attend_ring(self._kv[i], Q, k_int, vq, P)
+                o, ring = e.attn.attend_ring(self._kv[i], Q, k_int, vq, P)
                 new_rings.append((i, ring))
             else:
                 K, Vc = self._kv[i]
@@ -370,7 +370,7 @@ class ReferenceContext:
                 K[:, P : P + T, hd] = 1.0
                 Vc[:, P : P + T, :hd] = vq.transpose(1, 0, 2)
                 Vc[:, P : P + T, hd] = 1.0
-                o = e._attn.attend(Q, K, Vc, P + T, 0, P, T, None)
+                o = e.attn.attend(Q, K, Vc, P + T, 0, P, T, None)
             # o: [nkv, g*T, hd] -> [T, nh*hd]
             o = o.reshape(nkv, nh // nkv, T, hd).transpose(2, 0, 1, 3).reshape(T, nh * hd)
             x = x + L.wo(o)
@@ -380,7 +380,7 @@ class ReferenceContext:
             self._kv[i] = ring
         self._n = P + T
         if want_logits:
-            self._logits = e._logits(x[T - 1 : T])
+            self._logits = e.head(x[T - 1 : T])
 
     # -- rewinding ---------------------------------------------------------
     def last_logits(self) -> np.ndarray:
@@ -412,7 +412,7 @@ class ReferenceContext:
         e = self._engine
         n, hd, W = self._n, e.head_dim, e.window
         out: dict[str, np.ndarray] = {}
-        for i, L in enumerate(e._layers):
+        for i, L in enumerate(e.layers):
             K, V = self._kv[i]
             if L.sliding:
                 slots = np.arange(max(0, n - W), n) % W
@@ -461,7 +461,7 @@ class ReferenceContext:
         hd, W = e.head_dim, e.window
         cap = min(roundup(self.n_ctx, TILE), roundup(n, TILE))
         kv: list[KV] = []
-        for i, L in enumerate(e._layers):
+        for i, L in enumerate(e.layers):
             k, v = arrays[f"layer{i}.k"], arrays[f"layer{i}.v"]
             if L.sliding:
                 shape = (e.n_kv_heads, W, hd)
