@@ -1,5 +1,8 @@
-"""Shared fixtures: a checkpoint writer, a session saver, and one reference
-engine per test module (``eng``; a module may define its own)."""
+"""Shared fixtures: a checkpoint writer, a session saver, one reference
+engine per test module (``eng``; a module may define its own), and the
+shared tier's Redis servers (``node``, ``cluster``, ``flushed``: one real
+``redis-server`` or three-master cluster per test module, started on first
+use; ``tests/redis_servers.py``)."""
 
 from __future__ import annotations
 
@@ -57,3 +60,31 @@ def write_ck():
 def eng():
     """The reference engine, one per test module (as each module built its own)."""
     return ds4.ReferenceEngine()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """One ``redis-server`` for the module's tests."""
+    from redis_servers import RedisNode
+
+    srv = RedisNode(str(tmp_path_factory.mktemp("redis"))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A three-master Redis Cluster for the module's tests."""
+    from redis_servers import RedisClusterNodes
+
+    srv = RedisClusterNodes(str(tmp_path_factory.mktemp("cluster"))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def flushed(node):
+    """The module's node, emptied before the test."""
+    with node.client() as c:
+        c.flushall()
+    return node

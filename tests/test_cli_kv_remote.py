@@ -7,19 +7,11 @@ import json
 import os
 
 import pytest
-from redis_servers import RedisNode
 
 import ds4
 from ds4.cli import main
 from ds4.kvstore import KVStore
 from ds4.kvstore.remote import KeyLayout
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    srv = RedisNode(str(tmp_path_factory.mktemp("redis"))).start()
-    yield srv
-    srv.stop()
 
 
 def _fill(directory, n=3):

@@ -19,7 +19,7 @@ import pytest
 import xxhash
 from kv_helpers import prefilled
 from redis.crc import key_slot
-from redis_servers import RedisClusterNodes, RedisNode
+from redis_servers import RedisNode
 
 import ds4
 from ds4.checkpoint import open_checkpoint
@@ -30,27 +30,6 @@ from ds4.recovery import recover
 
 CHUNK = 64 * 1024  # small chunks: every test checkpoint spans several
 MIN_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    srv = RedisNode(str(tmp_path_factory.mktemp("redis"))).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    srv = RedisClusterNodes(str(tmp_path_factory.mktemp("cluster"))).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def flushed(node):
-    with node.client() as c:
-        c.flushall()
-    return node
 
 
 class Replicas:

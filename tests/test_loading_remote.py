@@ -21,7 +21,6 @@ import os
 import numpy as np
 import pytest
 from kv_helpers import prefilled
-from redis_servers import RedisNode
 from test_kvstore import SHATTERED_1, SHATTERED_2
 
 import ds4
@@ -34,13 +33,6 @@ from ds4.recovery import RecoveryReport
 CHUNK = 64 * 1024
 MIN_TOKENS = 32
 CTX = 2048
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    srv = RedisNode(str(tmp_path_factory.mktemp("redis"))).start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture

@@ -48,12 +48,15 @@ def test_the_layout_block_is_found():
     assert "server/" in entries and "cli/" in entries
 
 
-def test_every_module_is_in_the_readme_layout():
-    entries = layout_entries()
+def unnamed(top: str, files: list[pathlib.Path], base: pathlib.Path) -> list[str]:
+    """The ``files`` (below ``base``) the layout block's ``top`` part does
+    not name: a top-level one at the head of an entry, a deeper one anywhere
+    in its folder's entry."""
+    entries = layout_entries(top)
     heads = {name for h in entries for name in h.split()}
     missing = []
-    for p in modules():
-        rel = p.relative_to(PKG)
+    for p in files:
+        rel = p.relative_to(base)
         if len(rel.parts) == 1:
             ok = rel.name in heads
         else:
@@ -61,23 +64,19 @@ def test_every_module_is_in_the_readme_layout():
             ok = re.search(rf"(?<![\w.]){re.escape(rel.name)}(?![\w])", entry) is not None
         if not ok:
             missing.append(str(rel))
+    return missing
+
+
+def test_every_module_is_in_the_readme_layout():
+    missing = unnamed("python/ds4/", modules(), PKG)
     assert missing == [], f"README.md's layout block does not name: {', '.join(missing)}"
 
 
 def test_every_rust_source_is_in_the_readme_layout():
+    rust = ROOT / "rust"
     entries = layout_entries("rust/")
-    heads = {name for h in entries for name in h.split()}
-    assert "verify.rs" in heads and "index/" in entries, entries
-    missing = []
-    for p in sorted((ROOT / "rust").rglob("*.rs")):
-        rel = p.relative_to(ROOT / "rust")
-        if rel.parts[0] == "tests" or rel.name == "tests.rs":  # the integration and unit tests
-            continue
-        if len(rel.parts) == 1:
-            ok = rel.name in heads
-        else:
-            entry = entries.get("/".join(rel.parts[:-1]) + "/", "")
-            ok = re.search(rf"(?<![\w.]){re.escape(rel.name)}(?![\w])", entry) is not None
-        if not ok:
-            missing.append(str(rel))
+    assert "verify.rs" in {n for h in entries for n in h.split()} and "index/" in entries, entries
+    # the integration tests (rust/tests/) and a module's unit tests (tests.rs) aside
+    files = [p for p in sorted(rust.rglob("*.rs")) if p.relative_to(rust).parts[0] != "tests" and p.name != "tests.rs"]
+    missing = unnamed("rust/", files, rust)
     assert missing == [], f"README.md's layout block does not name: {', '.join(missing)}"

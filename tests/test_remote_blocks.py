@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from kv_helpers import prefilled
 from redis.cluster import RedisCluster
-from redis_servers import RedisClusterNodes, RedisNode
+from redis_servers import RedisClusterNodes
 from test_cli import ds4_json
 
 import ds4
@@ -28,27 +28,6 @@ from ds4.kvstore.remote_layout import BlockRecord
 B = 16  # tokens per block
 CHUNK = 32 * 1024  # small chunks: a block spans several
 CTX = 4096
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    srv = RedisNode(str(tmp_path_factory.mktemp("redis"))).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    srv = RedisClusterNodes(str(tmp_path_factory.mktemp("cluster"))).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def flushed(node):
-    with node.client() as c:
-        c.flushall()
-    return node
 
 
 @pytest.fixture

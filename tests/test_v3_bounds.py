@@ -227,15 +227,6 @@ def test_a_valid_v3_file_loads_byte_exact_its_peak_about_its_raw_size(tmp_path):
     assert raw - 4 * MiB < out["grew"] < raw + FRAME + SLACK, out
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    from redis_servers import RedisNode
-
-    srv = RedisNode(str(tmp_path_factory.mktemp("redis"))).start()
-    yield srv
-    srv.stop()
-
-
 @pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "key"])
 def test_a_forged_download_through_redis_is_refused_in_bounded_memory(node, tmp_path, keyed):
     from ds4.kvstore import KVStore
