@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import secrets
 import signal
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any, TextIO
 
 from .. import _core
 from ..config import build_engine, check_kv_args, make_store
+from ..durable import write_durably
 from ..errors import ContextOverflowError, EngineError, StoreError
 from ..keytext import tokenize_prompt
 from ..kvstore import KVStore, checkpoint_name, is_checkpoint_name
@@ -36,21 +36,7 @@ CHAT_INDEX = "ds4-chat.json"
 
 def atomic_write_json(path: str, obj: object) -> None:
     """Write ``obj`` as JSON durably: temp file, fsync, rename, fsync dir."""
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    # O_EXCL | O_NOFOLLOW: a planted symlink (or any existing entry) is never written through
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, ensure_ascii=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _core.sync_dir(d)
+    write_durably(os.path.abspath(path), json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8"), sync_dir=True)
 
 
 def write_session(store: KVStore, sess: Session, reason: str) -> str:

@@ -27,15 +27,15 @@ probe's result): the worst a hostile file can do is make the probe run."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import stat
-import tempfile
 from collections.abc import Sequence
 from typing import Any
+
+from ..durable import write_durably
 
 __all__ = ["PROBE_VERSION", "Policy", "cache_dir", "load", "load_flag", "store", "store_flag"]
 
@@ -94,22 +94,11 @@ def _write(key: dict[str, Any], fields: dict[str, Any]) -> None:
     d = cache_dir()
     if d is None:
         return
-    tmp = None
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".probe-", dir=d)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, **fields}, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, _path(d, key))
-        tmp = None
+        write_durably(_path(d, key), json.dumps({"key": key, **fields}, sort_keys=True).encode())
     except OSError as e:
         log.info("llama.cpp engine: a start-up check's result is not kept (%s)", e)
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def load(key: dict[str, Any], candidates: Sequence[tuple[int, int]]) -> Policy | None:

@@ -37,6 +37,7 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..durable import write_durably
 from ..errors import StoreError
 
 log = logging.getLogger("ds4.kvstore")
@@ -137,18 +138,7 @@ class RecordStore:
         with self._locked(), self._opened(create=True) as dfd:
             assert dfd is not None  # created
             sizes = self._scan(dfd)
-            tmp = f".{name}.{os.urandom(6).hex()}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(blob)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=dfd)
-                raise
+            write_durably(name, blob, dir_fd=dfd)
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             sizes[name] = (st.st_size, st.st_mtime_ns)
             self._trim(dfd, sizes, keep=name)

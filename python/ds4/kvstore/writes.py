@@ -35,6 +35,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 
+from ..durable import write_durably
 from .counters import Counters
 from .skips import WRITE_BUDGET, SaveSkip
 
@@ -84,23 +85,12 @@ class WriteLog:
 
     def _write(self, hours: dict[int, int]) -> None:
         """``.ds4.writes`` replaced (the caller holds the store's lock)."""
-        tmp = os.path.join(self.dir, _TMP_NAME)
-        try:
-            if stat.S_ISREG(os.lstat(tmp).st_mode):
-                os.unlink(tmp)  # a crashed writer's: ours to truncate, as the index's temp file
-        except FileNotFoundError:
-            pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, json.dumps({"version": 1, "hours": {str(h): n for h, n in sorted(hours.items())}}).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dst = os.path.join(self.dir, WRITES_NAME)
-        if os.path.lexists(dst) and not stat.S_ISREG(os.lstat(dst).st_mode):
-            os.unlink(tmp)  # never over a symlink or a directory someone put there
-            return
-        os.replace(tmp, dst)
+        data = json.dumps({"version": 1, "hours": {str(h): n for h, n in sorted(hours.items())}}).encode()
+        # a fixed temp name (a crashed writer's is ours to replace, as the index's); never over a
+        # symlink or a directory someone put in the file's place
+        write_durably(
+            os.path.join(self.dir, WRITES_NAME), data, tmp=os.path.join(self.dir, _TMP_NAME), regular_only=True
+        )
 
     def day_bytes(self, now: float | None = None) -> int:
         """The directory's bytes written in the last 24 hours (with a budget;
