@@ -88,3 +88,88 @@ def flushed(node):
     with node.client() as c:
         c.flushall()
     return node
+
+
+#: The modules whose tests are ``slow``: they load a real model through
+#: llama.cpp, start a server or Redis process, run the CLI in a subprocess,
+#: or drive many turns through a pool. ``bash scripts/test.sh --quick`` runs
+#: the rest (``-m "not slow"``); the README's command runs everything. A
+#: single slow test elsewhere carries ``@pytest.mark.slow`` itself.
+SLOW_MODULES = frozenset(
+    {
+        "test_agents_anthropic",
+        "test_agents_cc_loop",
+        "test_agents_chat",
+        "test_agents_reasoning",
+        "test_agents_responses",
+        "test_agents_thinking",
+        "test_agents_volatile",
+        "test_blocks_crash",
+        "test_blocks_models",
+        "test_bounded_verify",
+        "test_chat_template",
+        "test_cli",
+        "test_cli_bench_pool",
+        "test_cli_blocks",
+        "test_cli_kv_remote",
+        "test_cli_progress",
+        "test_codec",
+        "test_constrain",
+        "test_core_format",
+        "test_crash",
+        "test_dir_trust",
+        "test_engine_llamacpp",
+        "test_engine_llamacpp_batch",
+        "test_exact_canonical",
+        "test_frontier",
+        "test_import_bounds",
+        "test_import_graph",
+        "test_inplace_race",
+        "test_invalidation",
+        "test_isolation_markers",
+        "test_kv_escape",
+        "test_kv_plot",
+        "test_kv_tenant_cli",
+        "test_kvstore",
+        "test_kvstore_files",
+        "test_kvstore_policy",
+        "test_kvstore_remote",
+        "test_kvstore_store_policy",
+        "test_ladder",
+        "test_live_maps",
+        "test_loading_remote",
+        "test_models_exact",
+        "test_models_rungs",
+        "test_models_server",
+        "test_models_tiny",
+        "test_models_tiny_server",
+        "test_pool_routing",
+        "test_pool_schedule",
+        "test_ports",
+        "test_probe_cache",
+        "test_reliability",
+        "test_remote_blocks",
+        "test_restart_interleaved",
+        "test_server",
+        "test_server_pool",
+        "test_server_pool_batch",
+        "test_server_pool_fair",
+        "test_server_remote",
+        "test_server_security",
+        "test_span_tokens",
+        "test_store_links",
+        "test_store_models",
+        "test_tenants",
+        "test_turn_refusals",
+        "test_ui_browser",
+        "test_v1_parity",
+        "test_v3_bounds",
+        "test_warm_start",
+    }
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -74,6 +74,7 @@ def test_backward_compatible_without_a_key(tmp_path):
         open_checkpoint(plain, auth_key=KEY, load_payload=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mmap", [True, False], ids=["mapped", "copied"])
 def test_wrong_key_and_forged_payload_are_rejected(tmp_path, mmap):
     # the MAC is fed in the checksum's pass both over a map and over a copy

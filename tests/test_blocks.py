@@ -54,6 +54,7 @@ def _equal_cold(eng, sess: ds4.Session, text: str) -> None:
 
 
 # -- split and join ----------------------------------------------------------
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 300), block=st.integers(1, 80))
 def test_split_then_join_gives_back_every_byte(eng, n, block):
