@@ -11,6 +11,8 @@ import contextlib
 import os
 import stat
 
+from . import _core
+
 __all__ = ["write_durably"]
 
 
@@ -23,7 +25,7 @@ def write_durably(
     sync_dir: bool = False,
     regular_only: bool = False,
 ) -> bool:
-    """Replace ``name`` (relative to ``dir_fd`` when given) with ``data``: a
+    """Replace ``name`` (a name in ``dir_fd``'s directory when given) with ``data``: a
     new 0600 temp file beside it (``tmp``, else ``.<name>.<random>.tmp``),
     created ``O_EXCL | O_NOFOLLOW`` so that nothing planted under its name is
     ever written through (a fixed ``tmp`` a crashed writer left as a regular
@@ -61,16 +63,8 @@ def write_durably(
             os.unlink(tmp, dir_fd=dir_fd)
         raise
     if sync_dir:
-        _sync_dir(head, dir_fd)
+        if dir_fd is None:
+            _core.sync_dir(head or ".")
+        else:
+            os.fsync(dir_fd)
     return True
-
-
-def _sync_dir(head: str, dir_fd: int | None) -> None:
-    if dir_fd is not None and not head:
-        os.fsync(dir_fd)
-        return
-    fd = os.open(head or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

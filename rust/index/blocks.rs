@@ -6,6 +6,7 @@
 //! persisted in the index file's block section so that an open knows every
 //! manifest's blocks without reading its table.
 
+use super::file::bad;
 use super::{BlockList, BlockName, Entry, Index, StatKey};
 use crate::error::{Error, Result};
 use crate::format::bytes::Cursor;
@@ -76,10 +77,6 @@ pub(super) fn encode_blocks<'a>(entries: impl Iterator<Item = &'a Entry>, v: &mu
 
 fn put_u32(v: &mut Vec<u8>, n: usize) {
     v.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes());
-}
-
-fn bad(what: &str) -> Error {
-    Error::BadMetadata(format!("index file: {what}"))
 }
 
 /// Reads the block section into the entries `order` lists (the entry

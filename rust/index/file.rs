@@ -39,7 +39,7 @@ const NO_NAMESPACE: u32 = u32::MAX;
 /// An index file larger than this is not read (10 million entries).
 pub const MAX_INDEX_FILE: u64 = 1 << 30;
 
-fn bad(what: &str) -> Error {
+pub(super) fn bad(what: &str) -> Error {
     Error::BadMetadata(format!("index file: {what}"))
 }
 

@@ -46,7 +46,7 @@ from .. import _core
 from ..checkpoint import Checkpoint, check_tokens, open_checkpoint
 from ..errors import BlockError, CheckpointError, EngineStateError
 from .entries import Entry, text_namespace
-from .files import TMP_MAX_AGE_S, create_temp, temp_is_orphaned
+from .files import TMP_MAX_AGE_S, StatKey, create_temp, temp_is_orphaned
 
 if TYPE_CHECKING:  # numpy and ds4.blocks are imported by a save or a load (a lookup needs neither)
     import numpy as np
@@ -148,6 +148,7 @@ class BlockStore:
         self._users: collections.Counter[str] = collections.Counter()
         self._listed = False
         self._trusted: dict[str, int] = {}  # blocks written or compared by this process: their checksums
+        self._recorded: dict[str, StatKey] = {}  # manifest -> the stat key its blocks were recorded in the index for
         #: block files written and their bytes, blocks a save found present,
         #: present blocks whose bytes differed, corrupt and orphaned ones removed
         self.counts: collections.Counter[str] = collections.Counter()
@@ -199,6 +200,7 @@ class BlockStore:
         self._users.update(refs)
 
     def forget(self, name: str) -> None:
+        self._recorded.pop(name, None)
         old = self._refs.pop(name, None)
         if old:
             self._users.subtract(old)
@@ -214,6 +216,8 @@ class BlockStore:
         rec = self._index.blocks_of(e.name)
         if rec is not None:  # recorded for the version indexed: the file not read
             self.note(e.name, rec)
+            if e.stat_key:
+                self._recorded[e.name] = e.stat_key
             return rec
         refs: tuple[str, ...] = ()
         try:
@@ -254,9 +258,10 @@ class BlockStore:
         self.remove(self.unreferenced(left), "orphans")
         if not self._sizes:
             return
-        for e in left:
-            if e.stat_key and e.name in self._refs:
+        for e in left:  # each list handed to the index once per version of its file, not at every pass
+            if e.stat_key and e.name in self._refs and self._recorded.get(e.name) != e.stat_key:
                 self._index.set_blocks(e.name, e.stat_key, self._refs[e.name])
+                self._recorded[e.name] = e.stat_key
 
     def unreferenced(self, entries: Iterable[Entry]) -> list[str]:
         """The blocks no entry names (those of a crashed save, or of removed

@@ -247,7 +247,8 @@ class SharedTier:
                     self._refused_block(rec[0].hex(), r.abi, err)
                     verdict = err if verdict is True else verdict
                     continue
-                verdict = verdict if got or verdict is not True else False
+                if not got and verdict is True:  # the tier failed first
+                    verdict = False
         if isinstance(verdict, CheckpointError):
             raise verdict
         return verdict
