@@ -16,7 +16,7 @@
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
-use ds4::{Dtype, TensorSrc, VerifyOptions, WriteMeta};
+use ds4::{Dtype, TensorSrc, VerifyOptions, WriteMeta, WriteOptions};
 use std::hint::black_box;
 use std::io::Write;
 use std::time::Duration;
@@ -133,7 +133,7 @@ fn write(f: &Fixture, path: &std::path::Path) -> ds4::Written {
             data: kv,
         },
     ];
-    ds4::write_checkpoint(path, &meta, &f.text, &t).unwrap()
+    ds4::write_checkpoint(path, &meta, &f.text, &t, &WriteOptions::default()).unwrap()
 }
 
 fn open_vs_read(c: &mut Criterion) {

@@ -26,7 +26,8 @@
 use crate::error::{Error, Result};
 use crate::format::mac::MacState;
 use crate::format::v3::{Codec, Frame, FrameDecoder};
-use crate::payload::{checked_range, read_exact_at, AlignedBuf};
+use crate::io::{checked_range, read_exact_at};
+use crate::payload::AlignedBuf;
 use std::fs::File;
 use xxhash_rust::xxh3::Xxh3;
 

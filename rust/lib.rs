@@ -11,6 +11,7 @@ pub mod error;
 pub mod format;
 pub mod hash;
 pub mod index;
+pub mod io;
 pub mod name;
 pub mod payload;
 pub mod touch;
@@ -20,6 +21,8 @@ pub mod verify;
 mod py;
 
 pub use error::{Class, Error, Result};
-pub use format::writer::{write_checkpoint, TensorSrc, WriteMeta, Written};
+pub use format::writer::{write_checkpoint, TensorSrc, WriteMeta, WriteOptions, Written};
+pub use format::writer_v3::Compression;
 pub use format::{Dtype, Header, TensorInfo};
-pub use verify::{open, touch, Checkpoint, VerifyOptions};
+pub use touch::touch;
+pub use verify::{open, Checkpoint, VerifyOptions};

@@ -1,32 +1,19 @@
 //! Where a payload lives once verified: a read-only copy-on-write memory map
-//! of the file, made under a read [`Lease`] in a slot of the SIGBUS table,
-//! or a 64-byte-aligned heap buffer filled with `pread` and checksummed as
-//! it is filled (where a lease or a slot cannot be had, or mapping is
-//! unsafe). All `unsafe` for mapping is here and in its two submodules:
-//! `aligned` (the heap buffer) and `sigbus` (the guard of mapped pages).
-//!
-//! ## SIGBUS
-//! If another process truncates a file while we have it mapped, touching a
-//! page past the new end raises SIGBUS, which would kill the process. A map
-//! is made only in a claimed slot of a fixed table (none free: the payload
-//! is copied instead); a SIGBUS handler that finds
-//! the faulting address inside a registered map replaces that page with a
-//! zero page (so the access completes) and marks the map *faulted*. Every
-//! consumer checks [`Storage::faulted`] after reading (the payload checksum
-//! would also catch the zeros): a faulted checkpoint is reported as
-//! truncated and never used. Faults outside our maps go to the previous
-//! handler (or the default action), exactly as if ds4 were not there.
+//! of the file, made under a read [`Lease`] in a slot of the SIGBUS table
+//! ([`crate::io::sigbus`]: a page truncated away under the map reads zeros
+//! and marks it faulted, never kills the process), or a 64-byte-aligned
+//! heap buffer filled with `pread` and checksummed as it is filled (where a
+//! lease or a slot cannot be had, or mapping is unsafe). The map is made
+//! here; its heap counterpart is the submodule `aligned`.
 
 use crate::error::{Error, Result};
 use crate::format::mac::MacState;
+use crate::io::{checked_range, read_exact_at, sigbus, Lease};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
-use std::os::unix::io::AsRawFd;
 use std::sync::Mutex;
 use xxhash_rust::xxh3::Xxh3;
 
 mod aligned;
-pub mod sigbus;
 
 pub use aligned::{AlignedBuf, MAP_ABOVE};
 
@@ -267,161 +254,4 @@ fn stream_checksum(file: &File, offset: u64, n: usize, file_len: u64) -> Result<
         left -= k;
     }
     Ok(h.digest())
-}
-
-/// A read lease (`F_SETLEASE`, `F_RDLCK`) on an open file: while it is held,
-/// no other process can open the file for writing or truncate it. The
-/// kernel grants it only when nobody has the file open for writing (a
-/// writable shared map included), and only to the file's owner (or with
-/// `CAP_LEASE`). A writer that opens the file later *breaks* the lease: its
-/// `open` waits until the lease is given back, or until
-/// `/proc/sys/fs/lease-break-time` seconds have passed. So the bytes of a
-/// leased file cannot change while [`Lease::held`] is true: the lease is
-/// either intact, or broken less than the break time ago (the writer still
-/// waits). Nothing in user space can fake that: the kernel keeps the lease.
-///
-/// A break is announced by a signal to the lease's owner; the lease is set
-/// to send `SIGURG` (ignored by default) and then has no owner, so no signal
-/// is sent at all.
-pub struct Lease {
-    file: File,
-    since_ns: u128,
-    break_secs: u64,
-}
-
-impl Lease {
-    /// Takes a read lease on `file`, or `None` when the kernel refuses it
-    /// (someone has the file open for writing, we do not own it, or the
-    /// filesystem has no leases).
-    pub fn take(file: &File) -> Option<Lease> {
-        let break_secs = lease_break_secs()?;
-        let file = file.try_clone().ok()?; // the same open file description
-        let fd = file.as_raw_fd();
-        // SAFETY: fcntl on a valid descriptor with integer arguments.
-        unsafe {
-            if libc::fcntl(fd, F_SETSIG, libc::SIGURG) != 0 {
-                return None;
-            }
-            if libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) != 0 {
-                return None;
-            }
-            libc::fcntl(fd, libc::F_SETOWN, 0);
-        }
-        Some(Lease {
-            file,
-            since_ns: boottime_ns()?,
-            break_secs,
-        })
-    }
-
-    /// True while no writer can have got through: the lease is intact, or
-    /// its break began less than the break time ago (a second of margin).
-    pub fn held(&self) -> bool {
-        // SAFETY: fcntl on a descriptor we own.
-        let kind = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_GETLEASE) };
-        let limit = self.break_secs.min(lease_break_secs().unwrap_or(0));
-        let elapsed = boottime_ns().map(|now| now.saturating_sub(self.since_ns));
-        still_guards(kind, elapsed, limit)
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        // SAFETY: fcntl on a descriptor we own; closing it would release
-        // the lease too, but other descriptors may share the description.
-        unsafe {
-            libc::fcntl(self.file.as_raw_fd(), libc::F_SETLEASE, libc::F_UNLCK);
-        }
-    }
-}
-
-/// The decision of [`Lease::held`]: the lease is intact (`kind` is
-/// `F_RDLCK`), or a writer that broke it still waits: less than `limit`
-/// seconds (the break time), one second of margin, have passed since the
-/// lease was taken (so since any break began). An unknown elapsed time
-/// guards nothing.
-fn still_guards(kind: libc::c_int, elapsed_ns: Option<u128>, limit_secs: u64) -> bool {
-    if kind == libc::F_RDLCK {
-        return true;
-    }
-    elapsed_ns.is_some_and(|e| e + 1_000_000_000 < u128::from(limit_secs) * 1_000_000_000)
-}
-
-/// `fcntl(F_SETSIG)` (Linux; not exported by the libc crate).
-const F_SETSIG: libc::c_int = 10;
-
-fn lease_break_secs() -> Option<u64> {
-    std::fs::read_to_string("/proc/sys/fs/lease-break-time")
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
-}
-
-/// `CLOCK_BOOTTIME` in nanoseconds: it keeps counting through a suspend, so
-/// an elapsed time measured with it is never shorter than the kernel's.
-fn boottime_ns() -> Option<u128> {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec we own.
-    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &raw mut ts) } != 0 {
-        return None;
-    }
-    Some(u128::try_from(ts.tv_sec).ok()? * 1_000_000_000 + u128::try_from(ts.tv_nsec).ok()?)
-}
-
-/// `len` as a buffer size, once `offset + len` is known to lie within a file
-/// of `file_len` bytes (checked before anything is allocated).
-pub(crate) fn checked_range(offset: u64, len: u64, file_len: u64) -> Result<usize> {
-    let end = offset.checked_add(len).ok_or(Error::SizeOverflow)?;
-    if end > file_len {
-        return Err(Error::Truncated {
-            expected: end,
-            actual: file_len,
-        });
-    }
-    usize::try_from(len).map_err(|_| Error::SizeOverflow)
-}
-
-/// Fills `buf` from `offset`; a file that shrank under us (EOF before the
-/// end) is `Truncated` against the length it had.
-pub(crate) fn read_exact_at(file: &File, buf: &mut [u8], offset: u64, file_len: u64) -> Result<()> {
-    file.read_exact_at(buf, offset).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::Truncated {
-                expected: offset + buf.len() as u64,
-                actual: file_len,
-            }
-        } else {
-            Error::Io(e)
-        }
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::still_guards;
-
-    #[test]
-    fn a_broken_lease_guards_only_within_the_break_time() {
-        const S: u128 = 1_000_000_000;
-        // intact: always
-        assert!(still_guards(libc::F_RDLCK, None, 0));
-        // broken (F_UNLCK): the writer waits lease-break-time from the break,
-        // which began after the lease was taken
-        assert!(still_guards(libc::F_UNLCK, Some(0), 45));
-        assert!(still_guards(libc::F_UNLCK, Some(43 * S), 45));
-        assert!(!still_guards(libc::F_UNLCK, Some(44 * S), 45), "the margin");
-        assert!(!still_guards(libc::F_UNLCK, Some(45 * S), 45));
-        assert!(!still_guards(libc::F_UNLCK, Some(3600 * S), 45));
-        // a break time of 0 or 1 s (or unreadable: 0) leaves no margin at all
-        assert!(!still_guards(libc::F_UNLCK, Some(0), 1));
-        assert!(!still_guards(libc::F_UNLCK, Some(0), 0));
-        // the clock unreadable: nothing is vouched for
-        assert!(!still_guards(libc::F_UNLCK, None, 45));
-        // F_GETLEASE failing (-1) is not a lease
-        assert!(!still_guards(-1, Some(100 * S), 45));
-    }
 }

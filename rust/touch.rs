@@ -1,11 +1,11 @@
 //! A hit recorded in a checkpoint's mutable fields (`hits`, `last_used`,
-//! outside the header checksum), under an exclusive `flock`: the one write
-//! ds4 makes to a verified file. Re-exported by [`crate::verify`].
+//! outside the header checksum), under an exclusive `flock`
+//! ([`FileLock`]): the one write ds4 makes to a verified file.
 
 use crate::error::{Error, Result};
 use crate::format::bytes::le_u32;
 use crate::format::{v2, HITS_OFFSET, LAST_USED_OFFSET, VERSION_V1, VERSION_V2, VERSION_V3};
-use crate::verify::{open_regular, pread_vec};
+use crate::io::{open_regular, pread_vec, FileLock};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -54,38 +54,6 @@ fn open_for_touch(path: &Path) -> Result<(File, u64)> {
                 step = (step * 2).min(50);
             }
             r => return r,
-        }
-    }
-}
-
-/// An advisory `flock` held until dropped.
-pub struct FileLock<'a> {
-    file: &'a File,
-}
-
-impl<'a> FileLock<'a> {
-    pub fn exclusive(file: &'a File) -> Result<Self> {
-        use std::os::unix::io::AsRawFd;
-        loop {
-            // SAFETY: flock on a valid, open descriptor; no memory is passed.
-            let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-            if r == 0 {
-                return Ok(FileLock { file });
-            }
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(Error::Io(e));
-            }
-        }
-    }
-}
-
-impl Drop for FileLock<'_> {
-    fn drop(&mut self) {
-        use std::os::unix::io::AsRawFd;
-        // SAFETY: as above.
-        unsafe {
-            libc::flock(self.file.as_raw_fd(), libc::LOCK_UN);
         }
     }
 }

@@ -12,21 +12,20 @@
 //! Every size is checked against the real file length (from `fstat`) before
 //! anything is allocated or mapped: only the fixed header is read before
 //! that, and the metadata (bounded by [`MAX_META`](crate::format::MAX_META))
-//! once it is known to lie inside the file.
+//! once it is known to lie inside the file. The file is opened and read
+//! through [`crate::io`]; the payload's storage is [`crate::payload`]'s.
 
 use crate::decode::{self, MacCheck, RawBound, Stored};
 use crate::error::{Error, Result};
 use crate::format::mac::{MacKey, MacState, MAC_BYTES};
 use crate::format::{v1, v2, Header, V2_FIXED, VERSION_V1, VERSION_V2, VERSION_V3};
 use crate::hash::{self, Sha1Digest};
+use crate::io::{open_regular, pread_vec, Lease};
 use crate::name::{check_name_model, id_from_name};
-use crate::payload::{self, Damage, Lease, Storage};
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use crate::payload::{self, Damage, Storage};
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-pub use crate::touch::{touch, FileLock, TOUCH_WAIT_MS};
 
 /// What [`open`] checks beyond the file itself, and how it loads the payload.
 #[derive(Debug, Clone)]
@@ -96,7 +95,7 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Fails with `Truncated` if the mapped file shrank under us (another
-    /// process truncated it: see payload.rs on SIGBUS), and with `Changed`
+    /// process truncated it: see `crate::io::sigbus`), and with `Changed`
     /// if the map's lease was broken long enough ago that a writer may have
     /// got through. Consumers call this after they have read the payload,
     /// before trusting what they read.
@@ -190,44 +189,6 @@ pub fn open(path: &Path, o: &VerifyOptions<'_>) -> Result<Checkpoint> {
         ck.dsv4 = v1::decode_dsv4(&head, ck.header.tokens).ok();
     }
     Ok(ck)
-}
-
-/// Opens a file for reading without following a final symlink, and checks
-/// that what was opened is a regular file.
-pub fn open_regular(path: &Path, write: bool) -> Result<(File, u64)> {
-    let md = std::fs::symlink_metadata(path)?;
-    let ft = md.file_type();
-    if ft.is_symlink() {
-        return Err(Error::NotRegularFile { what: "symlink" });
-    }
-    if ft.is_dir() {
-        return Err(Error::NotRegularFile { what: "directory" });
-    }
-    if !ft.is_file() {
-        return Err(Error::NotRegularFile {
-            what: "special file",
-        });
-    }
-    let file = OpenOptions::new()
-        .read(true)
-        .write(write)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(path)
-        .map_err(Error::from_nofollow_open)?;
-    let md = file.metadata()?; // the file we actually hold (no TOCTOU)
-    if !md.file_type().is_file() {
-        return Err(Error::NotRegularFile {
-            what: "special file",
-        });
-    }
-    Ok((file, md.len()))
-}
-
-pub(crate) fn pread_vec(file: &File, offset: u64, len: u64, file_len: u64) -> Result<Vec<u8>> {
-    // Callers have checked offset+len <= file_len; re-checked before allocating.
-    let mut v = vec![0u8; payload::checked_range(offset, len, file_len)?];
-    payload::read_exact_at(file, &mut v, offset, file_len)?;
-    Ok(v)
 }
 
 /// Header stage only (corrupt checks): reads and checks the header of an

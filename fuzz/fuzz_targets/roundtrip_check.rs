@@ -8,7 +8,7 @@
 )]
 
 use arbitrary::{Result, Unstructured};
-use ds4::{open, Dtype, TensorSrc, VerifyOptions, WriteMeta};
+use ds4::{open, Dtype, TensorSrc, VerifyOptions, WriteMeta, WriteOptions};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -93,7 +93,8 @@ pub fn check(input: &[u8]) {
         })
         .collect();
     let path = scratch().join(format!("{}.kv", ds4::hash::sha1_hex(&text)));
-    let w = ds4::write_checkpoint(&path, &meta, &text, &srcs).expect("writer refused valid input");
+    let w = ds4::write_checkpoint(&path, &meta, &text, &srcs, &WriteOptions::default())
+        .expect("writer refused valid input");
     assert_eq!(std::fs::metadata(&path).unwrap().len(), w.file_len);
     for mmap in [true, false] {
         let ck = open(

@@ -38,8 +38,8 @@ pub const MAX_SPAN: u32 = 8 << 20;
 /// span): what a reader allocates is bounded by the file it reads, as for
 /// v2, and a forged table of highly compressible frames is refused before
 /// any allocation. KV states store 0.85-0.93 of their raw bytes
-/// (BENCHMARKS.md §14); a payload that compresses further is written as v2
-/// ([`super::writer_v3::write_compressed`]).
+/// (BENCHMARKS.md §2.4); a payload that compresses further is written as v2
+/// (by [`write_checkpoint`](super::writer::write_checkpoint)).
 pub const MAX_RATIO: u64 = 64;
 
 /// Whether `raw` bytes decoded from `stored` are within [`MAX_RATIO`].

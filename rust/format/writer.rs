@@ -1,7 +1,9 @@
-//! The v2 writer: streams tensors to a temp file in the target directory,
-//! fsyncs it, renames it into place and fsyncs the directory. Nothing is
-//! concatenated in memory; the payload checksum is computed in a first pass
-//! over the caller's buffers.
+//! The checkpoint writer's one entry point, [`write_checkpoint`], with its
+//! [`WriteOptions`] (MAC key, page-cache hint, compression: v3 is written
+//! by [`super::writer_v3`]), and the v2 writer: streams tensors to a temp
+//! file in the target directory, fsyncs it, renames it into place and
+//! fsyncs the directory. Nothing is concatenated in memory; the payload
+//! checksum is computed in a first pass over the caller's buffers.
 // The parent module denies `clippy::indexing_slicing` for code that parses
 // untrusted bytes. The writer only indexes buffers it sized itself (the
 // 96-byte header it allocates, `zeros[..n]` with `n < ALIGN`).
@@ -9,6 +11,7 @@
 
 use super::mac::{MacKey, MacState, AUTH_BLAKE3, AUTH_OFFSET, MAC_BYTES};
 use super::v2::{check_tensor_table, header_checksum};
+use super::writer_v3::{write_compressed, Compression};
 use super::{
     align_up, Dtype, TensorInfo, ALIGN, MAGIC, MAX_ABI, MAX_META, MAX_NAME, MAX_NDIM, MAX_TENSORS,
     V2_FIXED, VERSION_V2,
@@ -296,48 +299,66 @@ pub(crate) fn commit(
     sync_dir(dir)
 }
 
-/// Writes a v2 checkpoint durably to `path`: a 0600 temp file in the same
+/// How [`write_checkpoint`] writes: the defaults write an unauthenticated
+/// v2 file and drop its pages from the page cache once it is durable.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteOptions<'a> {
+    /// Authenticate the file: header byte 52 says so and the file ends with
+    /// the keyed MAC (FORMAT.md §1.9), computed in the same pass over the
+    /// tensors as the payload checksum (v3: over the stored frames, read
+    /// back from the temp file).
+    pub auth_key: Option<&'a MacKey>,
+    /// Once the file is fsynced, drop its pages from the page cache
+    /// (`posix_fadvise(DONTNEED)` on the written range: a checkpoint is read
+    /// again only by a later load, and hundreds of saves would otherwise push
+    /// out the pages other processes use). The hint is best-effort: its
+    /// errors are ignored.
+    pub drop_cache: bool,
+    /// Write v3 (FORMAT.md §1.10), the payload compressed as this says; a
+    /// payload that compresses beyond what a reader accepts is written as
+    /// v2. `None`: v2, uncompressed.
+    pub compression: Option<Compression>,
+}
+
+impl Default for WriteOptions<'_> {
+    fn default() -> Self {
+        WriteOptions {
+            auth_key: None,
+            drop_cache: true,
+            compression: None,
+        }
+    }
+}
+
+/// Writes a checkpoint durably to `path`: a 0600 temp file in the same
 /// directory, fsync, rename, fsync of the directory. On any error the temp
-/// file is removed and `path` is untouched.
+/// file is removed and `path` is untouched. `o` says whether it is
+/// authenticated, compressed (v3) and kept in the page cache.
 pub fn write_checkpoint(
     path: &Path,
     meta: &WriteMeta,
     text: &[u8],
     tensors: &[TensorSrc<'_>],
+    o: &WriteOptions<'_>,
 ) -> Result<Written> {
-    write_checkpoint_keyed(path, meta, text, tensors, None)
+    match o.compression {
+        None => write_v2(path, meta, text, tensors, o),
+        Some(c) => write_compressed(path, meta, text, tensors, o, c),
+    }
 }
 
-/// [`write_checkpoint`], authenticated when `key` is given: header byte 52
-/// says so and the file ends with the keyed MAC (FORMAT.md §1.9), computed
-/// in the same pass over the tensors as the payload checksum.
-pub fn write_checkpoint_keyed(
+/// [`write_checkpoint`] of a v2 file (`o.compression` aside).
+pub(super) fn write_v2(
     path: &Path,
     meta: &WriteMeta,
     text: &[u8],
     tensors: &[TensorSrc<'_>],
-    key: Option<&MacKey>,
-) -> Result<Written> {
-    write_checkpoint_with(path, meta, text, tensors, key, true)
-}
-
-/// [`write_checkpoint_keyed`]; with `drop_cache`, once the file is fsynced
-/// its pages are dropped from the page cache (`posix_fadvise(DONTNEED)` on
-/// the written range: a checkpoint is read again only by a later load,
-/// and hundreds of saves would otherwise push out the pages other
-/// processes use). The hint is best-effort: its errors are ignored.
-pub fn write_checkpoint_with(
-    path: &Path,
-    meta: &WriteMeta,
-    text: &[u8],
-    tensors: &[TensorSrc<'_>],
-    key: Option<&MacKey>,
-    drop_cache: bool,
+    o: &WriteOptions<'_>,
 ) -> Result<Written> {
     let (mut head, _infos, payload_len) = encode_header(meta, text, tensors)?;
     let text_end = head.len() as u64 + text.len() as u64;
     let payload_off = align_up(text_end).ok_or(Error::SizeOverflow)?;
-    let mut mac = key.map(|k| {
+    let mut mac = o.auth_key.map(|k| {
         head[AUTH_OFFSET] = AUTH_BLAKE3;
         let mut m = MacState::new(k, &head[..V2_FIXED], &head[V2_FIXED..]);
         m.update(text);
@@ -375,7 +396,7 @@ pub fn write_checkpoint_with(
             w.write_all(tag)?;
         }
         let file = w.into_inner().map_err(|e| Error::Io(e.into_error()))?;
-        commit(file, total, drop_cache, &tmp, path, &dir)?;
+        commit(file, total, o.drop_cache, &tmp, path, &dir)?;
         Ok(())
     })();
     if let Err(e) = res {

@@ -15,7 +15,7 @@ use super::v3::{
     FILTER_SHUFFLE2, FRAME_ENTRY, LEVEL_OFFSET, MAX_SPAN, MIN_SPAN, SPAN_OFFSET,
 };
 use super::writer::{
-    commit, encode_header, temp_for, write_checkpoint_with, zeros, TensorSrc, WriteMeta, Written,
+    commit, encode_header, temp_for, write_v2, zeros, TensorSrc, WriteMeta, WriteOptions, Written,
 };
 use super::{align_up, MAX_META, V2_FIXED, VERSION_V3};
 use crate::error::{Error, Result};
@@ -116,26 +116,24 @@ impl<W: Write> Framer<'_, W> {
     }
 }
 
-/// Writes a v3 checkpoint durably to `path` (the temp file, fsync, rename
-/// and fsync of the directory of [`super::writer::write_checkpoint_with`]),
-/// its payload compressed as `c` says; authenticated when `key` is given.
-pub fn write_compressed(
+/// [`write_checkpoint`](super::writer::write_checkpoint) of a v3 file: its
+/// payload compressed as `c` says (the temp file, fsync, rename and fsync
+/// of the directory of a v2 write); authenticated when `o.auth_key` is
+/// given.
+pub(super) fn write_compressed(
     path: &Path,
     meta: &WriteMeta,
     text: &[u8],
     tensors: &[TensorSrc<'_>],
-    key: Option<&MacKey>,
-    drop_cache: bool,
-    c: &Compression,
+    o: &WriteOptions<'_>,
+    c: Compression,
 ) -> Result<Written> {
     c.check()?;
-    match write_v3(path, meta, text, tensors, key, drop_cache, *c) {
+    match write_v3(path, meta, text, tensors, o.auth_key, o.drop_cache, c) {
         // a payload that compresses beyond what a reader accepts (zeros,
         // mostly: `v3::MAX_RATIO`) is stored uncompressed, as v2: nothing
         // is lost but bytes
-        Err(Error::FrameTable(_)) => {
-            write_checkpoint_with(path, meta, text, tensors, key, drop_cache)
-        }
+        Err(Error::FrameTable(_)) => write_v2(path, meta, text, tensors, o),
         other => other,
     }
 }

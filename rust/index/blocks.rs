@@ -126,3 +126,6 @@ pub(super) fn decode_blocks(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::format::bytes::{byte, le_u16, le_u32, le_u64};
 use crate::format::v1::V1_FIXED;
 use crate::format::{MAGIC, V2_FIXED, VERSION_V1, VERSION_V2, VERSION_V3};
-use crate::payload;
+use crate::io;
 use std::borrow::Cow;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
@@ -93,8 +93,8 @@ fn bytes_at<'a>(
     {
         return Ok(Cow::Borrowed(b));
     }
-    let mut v = vec![0u8; payload::checked_range(off, n as u64, file_len)?];
-    payload::read_exact_at(file, &mut v, off, file_len)?;
+    let mut v = vec![0u8; io::checked_range(off, n as u64, file_len)?];
+    io::read_exact_at(file, &mut v, off, file_len)?;
     Ok(Cow::Owned(v))
 }
 
@@ -149,9 +149,9 @@ fn check(opened: Result<(File, std::fs::Metadata)>, e: &Entry) -> Result<Option<
     }
     let file_len = md.len();
     let mut first = [0u8; FIRST_READ];
-    let n = payload::checked_range(0, file_len.min(FIRST_READ as u64), file_len)?;
+    let n = io::checked_range(0, file_len.min(FIRST_READ as u64), file_len)?;
     let first = first.get_mut(..n).ok_or(Error::SizeOverflow)?;
-    payload::read_exact_at(&file, first, 0, file_len)?;
+    io::read_exact_at(&file, first, 0, file_len)?;
     let first: &[u8] = first;
     let fixed = match byte(first, 3) {
         VERSION_V1 => V1_FIXED,
@@ -254,3 +254,6 @@ impl Index {
         out
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -4,8 +4,8 @@
 
 use crate::error::{Error, Result};
 use crate::hash::{self, Sha1Digest};
+use crate::io;
 use crate::name::{FileId, ModelTag};
-use crate::payload;
 use crate::verify;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -146,7 +146,7 @@ pub fn read_entry(path: &Path) -> Result<Entry> {
     let id = crate::name::id_from_name(path)?;
     let digest = id.digest;
     let case = case_of(path.file_name().and_then(|n| n.to_str()).unwrap_or(""));
-    let (file, file_len) = verify::open_regular(path, false)?;
+    let (file, file_len) = io::open_regular(path, false)?;
     let key = StatKey::of(&file.metadata()?);
     let h = verify::read_header(&file, file_len)?;
     crate::name::check_name_model(&id, &h)?;
@@ -160,15 +160,15 @@ pub fn read_entry(path: &Path) -> Result<Entry> {
     }
     let text_len = u64::from(h.text_bytes);
     let head_len = text_len.min(NS_READ as u64);
-    let mut head = vec![0u8; payload::checked_range(h.text_offset, head_len, file_len)?];
-    payload::read_exact_at(&file, &mut head, h.text_offset, file_len)?;
+    let mut head = vec![0u8; io::checked_range(h.text_offset, head_len, file_len)?];
+    io::read_exact_at(&file, &mut head, h.text_offset, file_len)?;
     let tail = if text_len <= head_len {
         tail_of(&head, head.len())
     } else {
         let at = h.text_offset + text_len - 8;
         let mut last = [0u8; 8];
-        payload::checked_range(at, 8, file_len)?;
-        payload::read_exact_at(&file, &mut last, at, file_len)?;
+        io::checked_range(at, 8, file_len)?;
+        io::read_exact_at(&file, &mut last, at, file_len)?;
         u64::from_le_bytes(last)
     };
     Ok(Entry {

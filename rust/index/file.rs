@@ -7,9 +7,8 @@ use crate::error::{Error, Result};
 use crate::format;
 use crate::format::bytes::Cursor;
 use crate::hash::Sha1Digest;
+use crate::io;
 use crate::name::FileId;
-use crate::payload;
-use crate::verify;
 use std::fs::{File, OpenOptions};
 use std::hash::BuildHasherDefault;
 use std::io::Write;
@@ -298,12 +297,12 @@ pub fn decode(b: &[u8]) -> Result<(Index, DirStamp)> {
 /// Reads an index file (a regular file, opened without following a
 /// symlink, at most [`MAX_INDEX_FILE`] bytes) and decodes it.
 pub fn load(path: &Path) -> Result<(Index, DirStamp)> {
-    let (file, len) = verify::open_regular(path, false)?;
+    let (file, len) = io::open_regular(path, false)?;
     if len > MAX_INDEX_FILE {
         return Err(bad("too large"));
     }
-    let mut b = vec![0u8; payload::checked_range(0, len, len)?];
-    payload::read_exact_at(&file, &mut b, 0, len)?;
+    let mut b = vec![0u8; io::checked_range(0, len, len)?];
+    io::read_exact_at(&file, &mut b, 0, len)?;
     decode(&b)
 }
 
@@ -348,3 +347,6 @@ pub fn save(idx: &Index, stamp: &DirStamp, path: &Path, tmp: &Path) -> Result<u6
     }
     Ok(bytes.len() as u64)
 }
+
+#[cfg(test)]
+mod tests;

@@ -103,3 +103,6 @@ impl Prefixes {
         d
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -6,7 +6,7 @@ use super::errors::{to_pyerr, write_pyerr};
 use crate::decode::RawBound;
 use crate::format::mac::{self, MacKey};
 use crate::format::v3;
-use crate::format::writer_v3::{self, Compression};
+use crate::format::writer_v3::Compression;
 use crate::format::{self, writer, Dtype};
 use crate::hash;
 use crate::payload::Storage;
@@ -72,16 +72,14 @@ pub(super) fn write_checkpoint(
         created,
         abi,
     };
-    py.detach(|| match &compression {
-        None => {
-            writer::write_checkpoint_with(&path, &meta, text_b, &srcs, key.as_ref(), drop_cache)
-        }
-        Some(c) => {
-            writer_v3::write_compressed(&path, &meta, text_b, &srcs, key.as_ref(), drop_cache, c)
-        }
-    })
-    .map(|w| (w.file_len, w.payload_checksum))
-    .map_err(|e| write_pyerr(py, e, &path))
+    let opts = writer::WriteOptions {
+        auth_key: key.as_ref(),
+        drop_cache,
+        compression,
+    };
+    py.detach(|| writer::write_checkpoint(&path, &meta, text_b, &srcs, &opts))
+        .map(|w| (w.file_len, w.payload_checksum))
+        .map_err(|e| write_pyerr(py, e, &path))
 }
 
 /// The writer's compression for the Python keywords (`None`: v2, uncompressed).
@@ -188,7 +186,7 @@ pub(super) fn derive_auth_key(py: Python<'_>, secret: PyBuffer<u8>) -> PyResult<
 /// Records a hit (`hits += 1`, `last_used = now`) under an exclusive file lock.
 #[pyfunction]
 pub(super) fn touch(py: Python<'_>, path: PathBuf, now: u64) -> PyResult<u32> {
-    py.detach(|| verify::touch(&path, now))
+    py.detach(|| crate::touch::touch(&path, now))
         .map_err(|e| to_pyerr(py, e, Some(&path)))
 }
 

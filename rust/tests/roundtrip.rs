@@ -6,7 +6,7 @@
 
 mod common;
 
-use ds4::{open, Class, Dtype, TensorSrc, VerifyOptions, WriteMeta};
+use ds4::{open, Class, Dtype, TensorSrc, VerifyOptions, WriteMeta, WriteOptions};
 use proptest::prelude::*;
 use std::path::Path;
 
@@ -117,7 +117,14 @@ fn srcs(inp: &Input) -> Vec<TensorSrc<'_>> {
 
 fn write(dir: &Path, inp: &Input) -> std::path::PathBuf {
     let p = dir.join(common::name_for(&inp.text));
-    ds4::write_checkpoint(&p, &inp.meta, &inp.text, &srcs(inp)).unwrap();
+    ds4::write_checkpoint(
+        &p,
+        &inp.meta,
+        &inp.text,
+        &srcs(inp),
+        &WriteOptions::default(),
+    )
+    .unwrap();
     p
 }
 
@@ -358,7 +365,7 @@ fn empty_and_edge_inputs_roundtrip() {
 #[test]
 fn keyed_mac_roundtrip_and_bit_flips() {
     use ds4::format::mac::derive_key;
-    use ds4::format::writer::write_checkpoint_keyed;
+    use ds4::write_checkpoint;
     let key = derive_key(b"a secret of at least sixteen bytes");
     let other = derive_key(b"another secret of sixteen bytes!");
     let d = tempfile::tempdir().unwrap();
@@ -377,7 +384,17 @@ fn keyed_mac_roundtrip_and_bit_flips() {
         tokens: 1,
         ..Default::default()
     };
-    let w = write_checkpoint_keyed(&p, &meta, text, &t, Some(&key)).unwrap();
+    let w = write_checkpoint(
+        &p,
+        &meta,
+        text,
+        &t,
+        &WriteOptions {
+            auth_key: Some(&key),
+            ..WriteOptions::default()
+        },
+    )
+    .unwrap();
     let with = |k| VerifyOptions {
         auth_key: k,
         ..VerifyOptions::default()
@@ -409,7 +426,7 @@ fn keyed_mac_roundtrip_and_bit_flips() {
     let q = d.path().join("plain");
     std::fs::create_dir(&q).unwrap();
     let plain = q.join(&name);
-    ds4::write_checkpoint(&plain, &meta, text, &t).unwrap();
+    ds4::write_checkpoint(&plain, &meta, text, &t, &WriteOptions::default()).unwrap();
     assert_eq!(
         open(&plain, &with(Some(&key))).unwrap_err().code(),
         "mac_missing"

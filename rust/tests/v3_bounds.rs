@@ -9,8 +9,8 @@ mod common;
 use common::{expect_err, reseal, set_u64, xxh3_64};
 use ds4::decode::RawBound;
 use ds4::format::mac::derive_key;
-use ds4::format::writer_v3::{write_compressed, Compression};
 use ds4::{open, Class, Dtype, TensorSrc, VerifyOptions, WriteMeta};
+use ds4::{write_checkpoint, Compression, WriteOptions};
 #[path = "common/peak_alloc.rs"]
 mod peak_alloc;
 use peak_alloc::peak_alloc;
@@ -57,7 +57,18 @@ fn write_v3(dir: &Path, raw: usize, span: u32, key: Option<&[u8; 32]>) -> PathBu
         shuffle: false,
         span,
     };
-    write_compressed(&p, &meta, &text, &t, key, false, &c).unwrap();
+    write_checkpoint(
+        &p,
+        &meta,
+        &text,
+        &t,
+        &WriteOptions {
+            auth_key: key,
+            drop_cache: false,
+            compression: Some(c),
+        },
+    )
+    .unwrap();
     p
 }
 

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: an independent v2 encoder (so
 //! the tests do not trust the writer they check), field patching with
-//! re-sealed header checksums, and "open in both modes" assertions.
+//! re-sealed header checksums, and "open in both modes" assertions; tests
+//! run in a child process (`child`) and the v3 codec tests' input (`codec`).
 //!
 //! The encoder's checksums come from `twox-hash`, an XXH3 implementation
 //! independent of the one the crate uses (`xxhash-rust`), and follow
@@ -11,6 +12,19 @@
 
 use ds4::{open, Class, Error, VerifyOptions};
 use std::path::{Path, PathBuf};
+
+pub mod child;
+pub mod codec;
+
+/// The default options: every check, mmap.
+pub fn opts() -> VerifyOptions<'static> {
+    VerifyOptions::default()
+}
+
+/// A new temporary directory, removed on drop.
+pub fn dir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
 
 /// XXH3-64 with seed 0 (`XXH3_64bits`), from `twox-hash`, not from the crate.
 pub fn xxh3_64(data: &[u8]) -> u64 {

@@ -1,4 +1,16 @@
-//! The SIGBUS guard of mapped payloads (see the parent module).
+//! The SIGBUS guard of mapped payloads.
+//!
+//! If another process truncates a file while we have it mapped, touching a
+//! page past the new end raises SIGBUS, which would kill the process. A map
+//! is made only in a claimed slot of a fixed table (none free: the payload
+//! is copied instead); a SIGBUS handler that finds
+//! the faulting address inside a registered map replaces that page with a
+//! zero page (so the access completes) and marks the map *faulted*. Every
+//! consumer checks [`Storage::faulted`](crate::payload::Storage::faulted)
+//! after reading (the payload checksum
+//! would also catch the zeros): a faulted checkpoint is reported as
+//! truncated and never used. Faults outside our maps go to the previous
+//! handler (or the default action), exactly as if ds4 were not there.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Once;
