@@ -15,7 +15,7 @@ SmolLM2-135M never calls a tool on its own, so by default the question's
 request forces one (``tool_choice`` ``required`` / Anthropic ``any``: the
 call is constrained decoding's work) and the result's request leaves the
 choice to the model, which answers. ``--engine scripted`` is the reference
-model following the agent tests' script (tests/scripted_engine.py: a call
+model following the agent tests' script (tests/helpers/scripted_engine.py: a call
 after a question, an answer after a result; nothing forced).
 
 Baselines, in the same run:
@@ -54,7 +54,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from ports import free_port
+from helpers.ports import free_port
 
 TOOL_NAMES = ["read_file", "write_file", "list_dir", "grep", "run_tests", "git_diff", "git_log", "http_get"]
 
@@ -83,7 +83,12 @@ class Server:
         self.log = open(log_path, "wb")
         if cmd is None and engine == "scripted":  # the reference model following the tests' script (it calls tools)
             here = os.path.dirname(os.path.abspath(__file__))
-            cmd = [sys.executable, os.path.join(here, "..", "tests", "scripted_serve.py"), "--engine", "reference"]
+            cmd = [
+                sys.executable,
+                os.path.join(here, "..", "tests", "helpers", "scripted_serve.py"),
+                "--engine",
+                "reference",
+            ]
         elif cmd is None:
             cmd = [sys.executable, "-m", "ds4", "serve", "--engine", engine]
         args = [*cmd, "--port", str(self.port), "--ctx", str(ctx), "--sessions", "1"]  # one session, as measured

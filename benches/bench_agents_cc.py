@@ -3,7 +3,7 @@
 first token per turn with ds4 vs the same server with ``--no-kv-cache``, and
 vs a cold prefill of the same request, in the same run.
 
-The loop (tests/cc_loop.py, the same as tests/test_agents_cc_loop.py's):
+The loop (tests/helpers/cc_loop.py, the same as tests/test_agents_cc_loop.py's):
 ``/v1/messages`` through the official ``anthropic`` client, every request
 with Claude Code's billing line (a new ``cch`` each request; ``--form``:
 its own system block by default), a system text of ``--size`` bytes (about
@@ -18,7 +18,7 @@ tail, or off for no flag). Every turn answers with a call: on SmolLM2
 (``--engine llamacpp``) ``tool_choice`` ``any`` (one call) makes
 constrained decoding write it (the tools' strings are at most 32
 characters, so a call ends within ``--max-tokens``); on ``--engine reference`` the scripted
-reference engine calls ``Bash`` on every request (tests/cc_serve.py).
+reference engine calls ``Bash`` on every request (tests/helpers/cc_serve.py).
 
 Baselines, in the same run:
 
@@ -53,13 +53,13 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import bench_agents
-import cc_loop
+from helpers import cc_loop
 
 VOLATILE = ["--prompt-volatile", cc_loop.DATE_RE]
 
 
 class Server(bench_agents.Server):
-    """bench_agents' server: the reference engine runs tests/cc_serve.py's
+    """bench_agents' server: the reference engine runs tests/helpers/cc_serve.py's
     script (a call on every request), llama.cpp gets ``--threads``."""
 
     def __init__(self, engine: str, extra: list[str], log_path: str, ctx: int, threads: int, model: str | None = None):
@@ -173,7 +173,7 @@ def main() -> int:
     a = ap.parse_args()
     model = a.model
     if model == "gemma3":
-        import models
+        from helpers import models
 
         model = models.gemma_path()
     turns = 6 if a.quick else a.turns

@@ -1,5 +1,5 @@
 """Per architecture (issue 34's benchmark): what a resumed turn costs
-against a cold one, on the models tests/models.py names.
+against a cold one, on the models tests/helpers/models.py names.
 
 For each model and prompt length N (a chat: a long first user turn, a
 reply, a second user turn), measured in the same run, medians of R:
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2000, 8000])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from models import engine
+    from helpers.models import engine
 
     print(
         "| model | prompt | cold ms | disk ms | disk / cold | edit ms | edit / cold | edit served by | snapshot bytes |"

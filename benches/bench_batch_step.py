@@ -39,7 +39,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-import models  # noqa: E402  (the tests' model locator and token helper)
+from helpers import models  # noqa: E402  (the tests' model locator and token helper)
 
 from ds4.engines.llamacpp import LlamaCppEngine  # noqa: E402
 from ds4.engines.llamacpp_batch import SharedContext  # noqa: E402

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     global CTX
     if args.model == "gemma3":
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-        import models
+        from helpers import models
 
         eng = ds4.LlamaCppEngine(models.gemma_path())
     else:

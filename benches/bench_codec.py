@@ -4,7 +4,7 @@ SmolLM2 and Gemma 3 states written and loaded through ds4, per codec.
 
     python benches/bench_codec.py [--tokens 1024] [--repeats 5] [--models smollm2,gemma3] [--no-redis]
 
-For each model (the test suite's GGUFs through llama.cpp: tests/models.py)
+For each model (the test suite's GGUFs through llama.cpp: tests/helpers/models.py)
 one session is prefilled cold with ``tokens`` tokens of README.md's prose
 and exported once. Then, per codec (``none``: v2; ``zstd-N``: v3 at level
 N; ``shuffle2+`` the bytes of each f16 split first; 1 MiB frames), the same
@@ -46,7 +46,7 @@ CODECS: dict[str, dict[str, object]] = {
 
 
 def prefilled(model: str, tokens: int):
-    from models import engine
+    from helpers.models import engine
 
     import ds4
 
@@ -118,7 +118,7 @@ def wire_bytes(work: str, model: str) -> dict[str, int] | None:
     its ``bytes_uploaded``."""
     if shutil.which("redis-server") is None:
         return None
-    from redis_servers import RedisNode
+    from helpers.redis_servers import RedisNode
 
     from ds4.kvstore import KVStore, RemoteTier
 

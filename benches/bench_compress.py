@@ -5,7 +5,7 @@ measurement a payload codec's default is chosen by).
     python benches/bench_compress.py [--tokens 1024] [--chunk-mib 1] [--models smollm2,gemma3]
 
 For each model (SmolLM2-135M and Gemma 3 270M through llama.cpp, the
-test suite's GGUFs: tests/models.py) one session is prefilled cold with
+test suite's GGUFs: tests/helpers/models.py) one session is prefilled cold with
 ``tokens`` tokens of README.md's prose, and its exported arrays (what a
 checkpoint's payload holds: llama.cpp's state blob, the logits, the tokens)
 are cut into ``chunk-mib`` chunks, each compressed on its own (what a
@@ -71,7 +71,7 @@ def codecs() -> dict[str, Codec]:
 
 
 def state_payload(model: str, tokens: int) -> bytes:
-    from models import engine
+    from helpers.models import engine
 
     import ds4
 

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from models import model_path, text_tokens
+from helpers.models import model_path, text_tokens
 
 import ds4
 from ds4.engines.llamacpp import LlamaCppEngine

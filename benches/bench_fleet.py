@@ -19,14 +19,14 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from redis_servers import RedisNode
-from test_server import KV_FLAGS, Server, _cached, _conv
+from helpers.redis_servers import RedisNode
+from helpers.server import KV_FLAGS, Server, cached_tokens, topic_chat
 
 N_SERVERS = 4
 
 
 def conversation(c, turn):
-    msgs = _conv(f"subject{c}", 24)
+    msgs = topic_chat(f"subject{c}", 24)
     for t in range(turn):
         msgs += [{"role": "assistant", "content": f"Noted, part {t}."}, {"role": "user", "content": f"Go on ({t})."}]
     return msgs
@@ -55,7 +55,7 @@ def run(work, engine, url, n_conv, n_turns):
                 n += 1
                 r = clients[srv].chat.completions.create(model=model, messages=conversation(c, turn), max_tokens=2)
                 prompt += r.usage.prompt_tokens
-                cached += _cached(r)
+                cached += cached_tokens(r)
                 remote += (r.model_extra or {}).get("ds4", {}).get("rung") == "remote"
         return {
             "requests": n,

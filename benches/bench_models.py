@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from bench_sessions import llama_save_load, ttft
-from models import engine
+from helpers.models import engine
 
 
 def main() -> None:

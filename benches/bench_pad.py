@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from models import MODELS, model_path, text_tokens
+from helpers.models import MODELS, model_path, text_tokens
 
 from ds4.engines.llamacpp import LlamaCppEngine
 

@@ -15,7 +15,7 @@ in the same run; ``rounds`` rounds alternate the order (keep then drop,
 then drop then keep) and each figure is the median over the rounds. After the saves the child reports:
 
 - ``resident``: bytes of the written files in the page cache (``mincore``
-  over each file, tests/page_cache.py): what the saves left there;
+  over each file, tests/helpers/page_cache.py): what the saves left there;
 - ``cached``: the growth of ``Cached`` in /proc/meminfo over the saves
   (the whole machine's: noisy when other jobs run);
 - ``rss``/``hwm``: the child's VmRSS at the end and its peak (VmHWM);
@@ -58,7 +58,7 @@ def _status(field: str) -> int:
 
 def child(saves: int, mib: int, d: str, drop: bool) -> dict[str, float]:
     import numpy as np
-    from page_cache import resident_bytes
+    from helpers.page_cache import resident_bytes
 
     from ds4.checkpoint import write_checkpoint
 

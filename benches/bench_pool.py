@@ -51,7 +51,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from ports import free_port
+from helpers.ports import free_port
 
 from ds4.cli.bench_pool import system_prompt, ttft_figures
 

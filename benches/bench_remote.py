@@ -29,7 +29,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from bench_sessions import chat_prompt
-from redis_servers import RedisNode
+from helpers.redis_servers import RedisNode
 
 import ds4
 from ds4.kvstore import KVStore
@@ -123,7 +123,7 @@ def download_throughput(url, mib, repeats):
             fd, tmp = create_temp(dst, entry.name)
             try:
                 t0 = time.perf_counter()
-                assert tier.fetch(entry, fd)
+                assert tier.fetch_file(entry, fd)
                 return time.perf_counter() - t0
             finally:
                 os.close(fd)

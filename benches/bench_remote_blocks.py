@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn-tokens", type=int, default=340)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    from redis_servers import RedisNode
+    from helpers.redis_servers import RedisNode
 
     eng = ds4.LlamaCppEngine()
     with tempfile.TemporaryDirectory() as rd:

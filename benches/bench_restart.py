@@ -26,8 +26,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import models
 from bench_server import Server, system_prompt
+from helpers import models
 
 
 def serve(model: str, kv: str, log_path: str, ctx: int) -> Server:
@@ -58,7 +58,7 @@ def turn(srv: Server, messages: list[dict], max_tokens: int = 8) -> tuple[float,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3 (tests/models.py) or a GGUF's path")
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3 (tests/helpers/models.py) or a GGUF's path")
     ap.add_argument("--tokens", type=int, default=1500)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()

@@ -51,7 +51,7 @@ import httpx
 import openai
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from ports import free_port
+from helpers.ports import free_port
 
 
 class Server:

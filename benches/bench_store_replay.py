@@ -46,9 +46,9 @@ import types
 
 import ds4
 from ds4 import checkpoint as ds4_checkpoint
-from ds4 import kvstore
 from ds4.kvstore import KVStore, StorePolicy
-from ds4.kvstore import loads as kv_loads
+from ds4.kvstore import admission as kv_loads
+from ds4.kvstore import eviction as kv_eviction
 from ds4.kvstore import save as kv_save
 from ds4.turn import TurnDriver
 
@@ -143,7 +143,7 @@ def _prompt(eng, conv: str, turn: int) -> str:
 def replay(eng, budget_mb: float, arm: str, turn_s: float) -> dict[str, object]:
     clock = Clock()
     shim = _with_clock(clock)
-    saved = {m: m.time for m in (ds4_checkpoint, kvstore, kv_loads)}
+    saved = {m: m.time for m in (ds4_checkpoint, kv_eviction, kv_loads)}
     written: list[int] = []
     real_write = kv_save.write_live
 

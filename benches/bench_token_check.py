@@ -10,7 +10,7 @@ load and suffix prefill included), both measured in the same run.
 
     python benches/bench_token_check.py [--model NAME] [--tokens 2000 16000 64000] [--repeats 5]
 
-NAME is a tests/models.py name (default ``qwen3``, the tiny random-weight
+NAME is a tests/helpers/models.py name (default ``qwen3``, the tiny random-weight
 GQA model: its 131,072-token context holds 64k prompts)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2000, 16000, 64000])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    from models import engine
+    from helpers.models import engine
 
     eng = engine(args.model)
     spent: list[float] = []

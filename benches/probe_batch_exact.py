@@ -19,7 +19,7 @@ GGUF through llama-cpp-python's C API:
   and the logits of every row compared with the reference run of that
   sequence's prompt.
 
-Measured (BENCHMARKS.md §16, DESIGN.md "Batched decode"): only split KV
+Measured (BENCHMARKS.md §6.2, DESIGN.md "Batched decode"): only split KV
 padded per sequence is bit-identical, on SmolLM2 and Gemma 3. A split-KV
 ubatch is cut per stream, so a sequence with one token in a batch of K
 runs its attention products (KQ, KQV) on the single-token path, which

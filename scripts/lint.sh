@@ -19,7 +19,7 @@ echo "== lint: ruff format --check"
 "$PY" -m ruff format --check .
 echo "== lint: every Python module of the package at most 500 lines (scripts/check_sizes.py)"
 "$PY" scripts/check_sizes.py
-echo "== lint: mypy (python/ds4; strict on errors, checkpoint, session, kvstore, recovery, constrain)"
+echo "== lint: mypy (python/ds4; strict on errors, checkpoint, session, all of kvstore/, the ladder: recovery, loading, frontier; report, constrain)"
 "$PY" -m mypy
 echo "== lint: stubtest ds4._core (the allowlist says what stubtest cannot see)"
 "$PY" -m mypy.stubtest ds4._core --allowlist python/ds4/_core.stubtest-allowlist

@@ -27,14 +27,15 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 
 # The files whose every mutant must be killed (or argued equivalent).
-RUST_FILES=(rust/verify.rs rust/format/mod.rs rust/format/bytes.rs rust/format/v2.rs rust/format/v1.rs rust/format/writer.rs rust/hash.rs rust/payload.rs rust/error.rs)
+RUST_FILES=(rust/verify.rs rust/format/mod.rs rust/format/bytes.rs rust/format/v2.rs rust/format/v1.rs rust/format/writer.rs rust/hash.rs rust/payload.rs rust/error.rs
+            rust/io/mod.rs rust/io/lease.rs rust/io/sigbus.rs rust/io/lock.rs rust/touch.rs)
 PY_MODULES=(session.py recovery.py loading.py checkpoint.py kvstore/__init__.py kvstore/files.py kvstore/entries.py kvstore/save.py
-            kvstore/remove.py kvstore/indexed.py kvstore/loads.py kvstore/rejection.py)
+            kvstore/remove.py kvstore/indexed.py kvstore/admission.py kvstore/rejection.py)
 # What is mutated: all of session, recovery and checkpoint; of kvstore the
 # paths a checkpoint takes into a session and out of the directory (index,
 # lookup, load, discard, temp cleanup), not the save and eviction policy.
 PY_FUNCS=('ds4.session.*' 'ds4.recovery.*' 'ds4.loading.*' 'ds4.checkpoint.*'
-  'ds4.kvstore.loads.*' 'ds4.kvstore.rejection.*'
+  'ds4.kvstore.admission.*' 'ds4.kvstore.rejection.*'
   'ds4.kvstore.xǁKVStoreǁcandidates__mutmut_*'
   'ds4.kvstore.xǁKVStoreǁdiscard__mutmut_*' 'ds4.kvstore.indexed.xǁDirIndexǁindex_file__mutmut_*'
   'ds4.kvstore.indexed.xǁDirIndexǁrefresh__mutmut_*' 'ds4.kvstore.xǁKVStoreǁlookup__mutmut_*'

@@ -1,8 +1,11 @@
 """Shared fixtures: a checkpoint writer, a session saver, one reference
-engine per test module (``eng``; a module may define its own), and the
-shared tier's Redis servers (``node``, ``cluster``, ``flushed``: one real
-``redis-server`` or three-master cluster per test module, started on first
-use; ``tests/redis_servers.py``)."""
+engine per test module (``eng``; a module may define its own), ``ds4
+serve`` processes (``serve`` and ``serve_module``: a factory whose servers
+are stopped after the test or after the module; ``tests/helpers/server.py``)
+and the shared tier's Redis servers (``node``, ``cluster``, ``flushed``: one
+real ``redis-server`` or three-master cluster per test module, started on
+first use; ``tests/helpers/redis_servers.py``). The helpers the modules
+import live in ``tests/helpers/``."""
 
 from __future__ import annotations
 
@@ -62,10 +65,34 @@ def eng():
     return ds4.ReferenceEngine()
 
 
+@pytest.fixture
+def serve(tmp_path_factory):
+    """``serve(*flags, name=..., cls=Server, kv=False, tmp=None, key=None,
+    start=True, **kw) -> Server``: ``ds4 serve`` with ``flags`` on a free
+    port, healthy when returned, stopped after the test
+    (:class:`helpers.server.Servers` says the rest)."""
+    from helpers.server import Servers
+
+    servers = Servers(tmp_path_factory.mktemp)
+    yield servers
+    servers.close()
+
+
+@pytest.fixture(scope="module")
+def serve_module(tmp_path_factory):
+    """:func:`serve` for a module's fixtures: its servers are stopped after
+    the module's tests."""
+    from helpers.server import Servers
+
+    servers = Servers(tmp_path_factory.mktemp)
+    yield servers
+    servers.close()
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     """One ``redis-server`` for the module's tests."""
-    from redis_servers import RedisNode
+    from helpers.redis_servers import RedisNode
 
     srv = RedisNode(str(tmp_path_factory.mktemp("redis"))).start()
     yield srv
@@ -75,7 +102,7 @@ def node(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A three-master Redis Cluster for the module's tests."""
-    from redis_servers import RedisClusterNodes
+    from helpers.redis_servers import RedisClusterNodes
 
     srv = RedisClusterNodes(str(tmp_path_factory.mktemp("cluster"))).start()
     yield srv

@@ -11,18 +11,8 @@ import signal
 import anthropic
 import httpx
 import pytest
-from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_server, warm_server
-from cc_loop import echoed
-
-ATOOLS = [
-    {
-        "name": t["function"]["name"],
-        "description": t["function"]["description"],
-        "input_schema": t["function"]["parameters"],
-    }
-    for t in TOOLS
-]
-
+from helpers.agents import ATOOLS, KV_FLAGS, SYSTEM, ScriptedServer, cold_answer, cold_server, tool_results, warm_server
+from helpers.cc_loop import echoed
 
 cold = pytest.fixture(scope="module", name="cold")(cold_server)
 warm = pytest.fixture(scope="module", name="warm")(warm_server)
@@ -52,26 +42,8 @@ def _ask(c, args, stream):
     return {"role": "assistant", "content": echoed(r.content)}, r.stop_reason, r.usage
 
 
-def cold_answer(cold, messages, **kw):
-    cold.reset()
-    msg, reason, usage = ask(cold, messages, **kw)
-    assert usage.cache_read_input_tokens == 0
-    return msg, reason
-
-
 def no_ids(msg):
     return [{k: v for k, v in b.items() if k != "id"} for b in msg["content"]]
-
-
-def results(msg):
-    return {
-        "role": "user",
-        "content": [
-            {"type": "tool_result", "tool_use_id": b["id"], "content": f"value of n={b['input']['n']} is 42"}
-            for b in msg["content"]
-            if b["type"] == "tool_use"
-        ],
-    }
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -79,14 +51,14 @@ def test_ten_turn_tool_loop_is_cached_and_matches_a_cold_server(warm, cold, stre
     msgs = [{"role": "user", "content": f"Look up 3 ({stream})."}]
     for turn in range(10):
         msg, reason, usage = ask(warm, msgs, stream=stream)
-        cold_msg, cold_reason = cold_answer(cold, msgs)
+        cold_msg, cold_reason = cold_answer(ask, cold, msgs)
         assert no_ids(msg) == no_ids(cold_msg) and reason == cold_reason, turn
         total = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
         if turn:
             assert usage.cache_read_input_tokens >= 0.95 * total, (turn, usage)
         msgs.append(msg)
         if reason == "tool_use":
-            msgs.append(results(msg))
+            msgs.append(tool_results(msg))
         else:
             assert reason == "end_turn" and msg["content"][0]["text"].startswith("Result: value of n=")
             msgs.append({"role": "user", "content": f"And {turn}?"})
@@ -116,13 +88,13 @@ def test_tool_output_live_match_survives_a_reserialized_tool_use(warm, cold):
         "role": "assistant",
         "content": [{**b, "input": {**b["input"], "extra": True}} for b in msg["content"]],
     }
-    msg2, reason2, usage = ask(warm, [*msgs, changed, results(msg)])
+    msg2, reason2, usage = ask(warm, [*msgs, changed, tool_results(msg)])
     assert reason2 == "end_turn" and "anthropic live continuation match=tool-output-ids" in warm.text_log()
     total = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
     assert usage.cache_read_input_tokens >= 0.95 * total
     # what the live state holds is the canonical turn: the reply a cold server
     # gives to the history as generated
-    assert no_ids(msg2) == no_ids(cold_answer(cold, [*msgs, msg, results(msg)])[0])
+    assert no_ids(msg2) == no_ids(cold_answer(ask, cold, [*msgs, msg, tool_results(msg)])[0])
 
 
 def test_stop_sequences_sampling_metadata_and_errors(warm):
@@ -158,26 +130,23 @@ def _stops_and_errors(c, warm):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, cold, stream):
+def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, serve, cold, stream):
     kv = str(tmp_path / "kv")
-    srv = ScriptedServer(tmp_path, "a", "--kv-disk-dir", kv, *KV_FLAGS).start()
+    srv = serve("--kv-disk-dir", kv, *KV_FLAGS, name="a", cls=ScriptedServer, tmp=tmp_path)
     msgs = [{"role": "user", "content": "Look up 12."}]
     try:
         msg, reason, _ = ask(srv, msgs, stream=True)
         assert reason == "tool_use"
-        msgs += [msg, results(msg)]
+        msgs += [msg, tool_results(msg)]
     finally:
         srv.stop(signal.SIGKILL)  # no shutdown save: what is on disk was saved on the way
-    srv2 = ScriptedServer(tmp_path, "b", "--kv-disk-dir", kv, *KV_FLAGS).start()
-    try:
-        if stream:  # the streamed loop goes on streamed after the restart
-            msg, _, usage = ask(srv2, msgs, stream=True)
-            assert "kv cache hit" in srv2.text_log() and usage.cache_read_input_tokens > 0
-            assert no_ids(msg) == no_ids(cold_answer(cold, msgs)[0])
-        else:
-            with client(srv2) as c:
-                r = c.messages.create(model="m", max_tokens=300, system=SYSTEM, messages=msgs, tools=ATOOLS)
-            assert r.model_extra["ds4"]["rung"] == "disk" and r.usage.cache_read_input_tokens > 0
-            assert [b.text for b in r.content] == [b["text"] for b in cold_answer(cold, msgs)[0]["content"]]
-    finally:
-        srv2.stop()
+    srv2 = serve("--kv-disk-dir", kv, *KV_FLAGS, name="b", cls=ScriptedServer, tmp=tmp_path)
+    if stream:  # the streamed loop goes on streamed after the restart
+        msg, _, usage = ask(srv2, msgs, stream=True)
+        assert "kv cache hit" in srv2.text_log() and usage.cache_read_input_tokens > 0
+        assert no_ids(msg) == no_ids(cold_answer(ask, cold, msgs)[0])
+    else:
+        with client(srv2) as c:
+            r = c.messages.create(model="m", max_tokens=300, system=SYSTEM, messages=msgs, tools=ATOOLS)
+        assert r.model_extra["ds4"]["rung"] == "disk" and r.usage.cache_read_input_tokens > 0
+        assert [b.text for b in r.content] == [b["text"] for b in cold_answer(ask, cold, msgs)[0]["content"]]

@@ -14,8 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from agent_helpers import RTOOLS, SYSTEM, warm_server
-from test_agents_anthropic import ATOOLS, results
+from helpers.agents import ATOOLS, RTOOLS, SYSTEM, tool_results, warm_server
 
 warm = pytest.fixture(scope="module", name="warm")(warm_server)
 
@@ -84,7 +83,7 @@ def test_anthropic_results_without_their_calls_need_the_live_state(warm):
     assert r.stop_reason == "tool_use"
     call = as_msg(r)
     # the results alone, the calls left out: the live state holds that turn
-    r2 = create(warm, [*first, results(call)])
+    r2 = create(warm, [*first, tool_results(call)])
     assert r2.content[0].text.startswith("Result: value of n=") and cached_share(r2.usage) >= 0.95
     # again, after another request took the live session: 409, replay the full history
     r = create(warm, [{"role": "user", "content": "Look up 22."}])
@@ -95,7 +94,7 @@ def test_anthropic_results_without_their_calls_need_the_live_state(warm):
         resp = httpx.post(
             warm.base + "/v1/messages",
             headers=H,
-            json={**body, "messages": [{"role": "user", "content": "Look up 22."}, results(call)]},
+            json={**body, "messages": [{"role": "user", "content": "Look up 22."}, tool_results(call)]},
             timeout=120,
         )
         assert resp.status_code == 409, resp.text  # today 200 from disk, the results without their calls
@@ -103,9 +102,9 @@ def test_anthropic_results_without_their_calls_need_the_live_state(warm):
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
         assert "retry by replaying the full messages history" in err["error"]["message"]
     with pytest.raises(anthropic.ConflictError):
-        create(warm, [{"role": "user", "content": "Look up 22."}, results(call)])
+        create(warm, [{"role": "user", "content": "Look up 22."}, tool_results(call)])
     # the full history replayed: answered
-    r3 = create(warm, [{"role": "user", "content": "Look up 22."}, call, results(call)])
+    r3 = create(warm, [{"role": "user", "content": "Look up 22."}, call, tool_results(call)])
     assert r3.content[0].text.startswith("Result: value of n=")
 
 

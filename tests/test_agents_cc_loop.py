@@ -1,8 +1,8 @@
 """Issue 21: the Claude-Code-shaped tool loop, 20 turns, with the official
 ``anthropic`` client against ``ds4 serve`` processes on 127.0.0.1 over the
-scripted reference engine (tests/cc_serve.py: a ``Bash`` call on every
+scripted reference engine (tests/helpers/cc_serve.py: a ``Bash`` call on every
 request, so every turn is ``tool_use``; one token a byte). The loop
-(tests/cc_loop.py): the billing line with a new ``cch`` each request in each
+(tests/helpers/cc_loop.py): the billing line with a new ``cch`` each request in each
 of its three forms, a 3,000-byte system text with ``Today's date is ...``
 moving every turn, Claude Code's tools, the assistant's calls echoed and a
 user message of ``tool_result`` blocks appended each turn.
@@ -24,11 +24,11 @@ the prefilled ones; the prompt is their sum.
 
 from __future__ import annotations
 
-import cc_loop
 import pytest
-from agent_helpers import KV_FLAGS, ScriptedServer
-from cc_loop import DATE_RE, FORMS, date_line
-from scripted_engine import ScriptedEngine
+from helpers import cc_loop
+from helpers.agents import KV_FLAGS, ScriptedServer
+from helpers.cc_loop import DATE_RE, FORMS, date_line
+from helpers.scripted_engine import ScriptedEngine
 
 from ds4.server.anthropic import MessagesParser
 from ds4.server.volatile import SystemText
@@ -38,35 +38,33 @@ TURNS = 20
 
 
 class CcServer(ScriptedServer):
-    def __init__(self, tmp, name, *args):
-        super().__init__(tmp, name, "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS, *args, ctx=CTX)
-        self.args[:2] = cc_loop.serve_command()[:2]  # tests/cc_serve.py: a call on every request
+    def __init__(self, tmp, name, *args, **kw):
+        super().__init__(tmp, name, *args, **kw)
+        self.args[:2] = cc_loop.serve_command()[:2]  # tests/helpers/cc_serve.py: a call on every request
 
 
-def _server(tmp_path_factory, name, *flags):
-    srv = CcServer(tmp_path_factory.mktemp(name), name, *flags).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    yield from _server(tmp_path_factory, "plain")
+def _server(serve_module, name, *flags):
+    return serve_module(*KV_FLAGS, *flags, name=name, cls=CcServer, kv=True, ctx=CTX)
 
 
 @pytest.fixture(scope="module")
-def drop(tmp_path_factory):
-    yield from _server(tmp_path_factory, "drop", "--prompt-volatile", DATE_RE)
+def plain(serve_module):
+    return _server(serve_module, "plain")
 
 
 @pytest.fixture(scope="module")
-def tail(tmp_path_factory):
-    yield from _server(tmp_path_factory, "tail", "--prompt-volatile", DATE_RE, "--prompt-volatile-mode", "tail")
+def drop(serve_module):
+    return _server(serve_module, "drop", "--prompt-volatile", DATE_RE)
 
 
 @pytest.fixture(scope="module")
-def keep(tmp_path_factory):
-    yield from _server(tmp_path_factory, "keep", "--keep-billing-header", "--prompt-volatile", DATE_RE)
+def tail(serve_module):
+    return _server(serve_module, "tail", "--prompt-volatile", DATE_RE, "--prompt-volatile-mode", "tail")
+
+
+@pytest.fixture(scope="module")
+def keep(serve_module):
+    return _server(serve_module, "keep", "--keep-billing-header", "--prompt-volatile", DATE_RE)
 
 
 _engine: list[ScriptedEngine] = []

@@ -1,7 +1,7 @@
 """Tool calls in ``/v1/chat/completions`` (issue 9, items 1 and 3): the
 convention (ds4.server.tools) on its own, then agent loops with the official
 ``openai`` client against servers over the scripted reference engine
-(tests/scripted_engine.py): every reply equals a cold server's, and from the
+(tests/helpers/scripted_engine.py): every reply equals a cold server's, and from the
 second turn on at least 95 % of each prompt is served from the cache."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import signal
 
 import httpx
 import pytest
-from agent_helpers import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_server, warm_server
+from helpers.agents import KV_FLAGS, SYSTEM, TOOLS, ScriptedServer, cold_answer, cold_server, warm_server
 
 from ds4.server import tool_stream as TS
 from ds4.server import tools as T
@@ -171,13 +171,6 @@ def _ask(c, messages, stream, kw):
     return msg, finish, usage, None
 
 
-def cold_answer(cold, messages, **kw):
-    cold.reset()
-    msg, finish, usage, _ = ask(cold, messages, **kw)
-    assert usage.prompt_tokens_details.cached_tokens == 0
-    return msg, finish
-
-
 def strip_ids(msg):
     out = dict(msg)
     if "tool_calls" in out:
@@ -197,7 +190,7 @@ def test_ten_turn_tool_loop_is_cached_and_matches_a_cold_server(warm, cold, stre
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Look up 7 ({stream})."}]
     for turn in range(10):
         msg, finish, usage, _ = ask(warm, msgs, stream=stream)
-        cold_msg, cold_finish = cold_answer(cold, msgs)
+        cold_msg, cold_finish = cold_answer(ask, cold, msgs)
         assert strip_ids(msg) == strip_ids(cold_msg) and finish == cold_finish, turn
         if turn:
             cached = usage.prompt_tokens_details.cached_tokens
@@ -231,7 +224,7 @@ def test_malformed_call_text_is_content_and_unknown_ids_render_in_full(warm, col
         {"role": "tool", "tool_call_id": "call_nobody_made", "content": "five"},
     ]
     msg, finish, _, _ = ask(warm, msgs)
-    assert finish == "stop" and msg["content"] == "Result: five." == cold_answer(cold, msgs)[0]["content"]
+    assert finish == "stop" and msg["content"] == "Result: five." == cold_answer(ask, cold, msgs)[0]["content"]
 
 
 def test_non_canonical_call_is_rebuilt_and_the_next_turn_is_a_live_hit(warm, cold):
@@ -244,7 +237,7 @@ def test_non_canonical_call_is_rebuilt_and_the_next_turn_is_a_live_hit(warm, col
     msg2, finish2, usage, x = ask(warm, msgs)
     assert finish2 == "stop" and x["rung"] == "live"
     assert usage.prompt_tokens_details.cached_tokens >= 0.95 * usage.prompt_tokens
-    assert strip_ids(msg2) == strip_ids(cold_answer(cold, msgs)[0])
+    assert strip_ids(msg2) == strip_ids(cold_answer(ask, cold, msgs)[0])
 
 
 def test_parallel_calls_tool_choice_none_and_validation(warm):
@@ -275,25 +268,23 @@ def test_parallel_calls_tool_choice_none_and_validation(warm):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text)
 
 
-def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, cold):
+def test_killed_mid_loop_the_next_turn_is_served_from_disk(tmp_path, serve, cold):
     kv = str(tmp_path / "kv")
-    srv = ScriptedServer(tmp_path, "a", "--kv-disk-dir", kv, *KV_FLAGS).start()
+    srv = serve("--kv-disk-dir", kv, *KV_FLAGS, name="a", cls=ScriptedServer, tmp=tmp_path)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Look up 9."}]
     try:
         msg, _, _, _ = ask(srv, msgs)
         msgs += [msg, *result_for(msg)]
     finally:
         srv.stop(signal.SIGKILL)  # no shutdown save: what is on disk was saved on the way
-    srv2 = ScriptedServer(tmp_path, "b", "--kv-disk-dir", kv, *KV_FLAGS).start()
-    try:
-        msg2, _, usage, x = ask(srv2, msgs)
-    finally:
-        srv2.stop()
+    srv2 = serve("--kv-disk-dir", kv, *KV_FLAGS, name="b", cls=ScriptedServer, tmp=tmp_path)
+    msg2, _, usage, x = ask(srv2, msgs)
+    srv2.stop()
     assert x["rung"] == "disk" and usage.prompt_tokens_details.cached_tokens > 0, x
-    assert strip_ids(msg2) == strip_ids(cold_answer(cold, msgs)[0])
+    assert strip_ids(msg2) == strip_ids(cold_answer(ask, cold, msgs)[0])
 
 
-def test_smollm2_tool_conversation_streams_and_continues_live(tmp_path):
+def test_smollm2_tool_conversation_streams_and_continues_live(tmp_path, serve):
     """The one SmolLM2 tool loop: the call is forced (``tool_choice``
     ``required``: SmolLM2 never calls a tool on its own), streamed through
     the call splitter as BPE pieces, and equals a cold server's; the call is
@@ -303,24 +294,24 @@ def test_smollm2_tool_conversation_streams_and_continues_live(tmp_path):
     import llama_cpp  # noqa: F401  (CI installs it; this test must not be skipped)
 
     kv = str(tmp_path / "kv")
-    warm = ScriptedServer(tmp_path, "w", "--kv-disk-dir", kv, "--threads", "2", engine="llamacpp", ctx=2048).start()
-    cold = ScriptedServer(tmp_path, "c", "--no-kv-cache", "--threads", "2", engine="llamacpp", ctx=2048).start()
-    try:
-        msgs = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": "What is the weather in Paris? Use a tool if you need one."},
-        ]
-        kw = {"max_tokens": 64, "tool_choice": "required"}
-        first, finish, _, _ = ask(warm, msgs, stream=True, **kw)
-        cold.reset()
-        cold_first, cold_finish, u1, _ = ask(cold, msgs, **kw)
-        assert finish == "tool_calls" and first["tool_calls"], first
-        assert strip_ids(first) == strip_ids(cold_first) and finish == cold_finish
-        msgs += [first, *result_for(first)]
-        second, _, usage, x = ask(warm, msgs, max_tokens=12)
-        # the whole first request and its call came from the live state; only the result turn was prefilled
-        assert x["rung"] == "live" and usage.prompt_tokens_details.cached_tokens >= u1.total_tokens, (x, u1, usage)
-        assert strip_ids(second) == strip_ids(cold_answer(cold, msgs, max_tokens=12)[0])
-    finally:
-        warm.stop()
-        cold.stop()
+    warm = serve(
+        "--kv-disk-dir", kv, "--threads", "2", name="w", cls=ScriptedServer, tmp=tmp_path, engine="llamacpp", ctx=2048
+    )
+    cold = serve(
+        "--no-kv-cache", "--threads", "2", name="c", cls=ScriptedServer, tmp=tmp_path, engine="llamacpp", ctx=2048
+    )
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is the weather in Paris? Use a tool if you need one."},
+    ]
+    kw = {"max_tokens": 64, "tool_choice": "required"}
+    first, finish, _, _ = ask(warm, msgs, stream=True, **kw)
+    cold.reset()
+    cold_first, cold_finish, u1, _ = ask(cold, msgs, **kw)
+    assert finish == "tool_calls" and first["tool_calls"], first
+    assert strip_ids(first) == strip_ids(cold_first) and finish == cold_finish
+    msgs += [first, *result_for(first)]
+    second, _, usage, x = ask(warm, msgs, max_tokens=12)
+    # the whole first request and its call came from the live state; only the result turn was prefilled
+    assert x["rung"] == "live" and usage.prompt_tokens_details.cached_tokens >= u1.total_tokens, (x, u1, usage)
+    assert strip_ids(second) == strip_ids(cold_answer(ask, cold, msgs, max_tokens=12)[0])

@@ -13,26 +13,19 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-from agent_helpers import KV_FLAGS, ScriptedServer
-from test_agents_anthropic import ATOOLS
+from helpers.agents import ATOOLS, KV_FLAGS, ScriptedServer
 
 KA, KB = "alice-key-0123456789", "bob-key-0123456789ab"
 SYSTEM = "You are a careful assistant.\nToday's date is 2026-12-01.\n" + "Answer briefly and politely. " * 30
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+def srv(serve_module, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("diag")
     keys = tmp / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\n", encoding="utf-8")
-    s = ScriptedServer(
-        tmp, "diag", "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS, "--api-key-file", str(keys),
-        "--prompt-volatile", "^Today's date is ",
-    )  # fmt: skip
-    s.key = KA
-    s.start()
-    yield s
-    s.stop()
+    flags = ("--api-key-file", str(keys), "--prompt-volatile", "^Today's date is ")
+    return serve_module(*KV_FLAGS, *flags, name="diag", cls=ScriptedServer, tmp=tmp, kv=True, key=KA)
 
 
 def ask(srv, messages, previous="absent", key=KA, system=SYSTEM, tools=None, stream=False, **kw):

@@ -5,7 +5,7 @@ rendered as the chat template renders it; after a reasoning turn the live
 state is the rendering the next request holds, so the next turn is a live
 hit.
 
-Two scripted servers (tests/scripted_engine.py, whose ``THINK`` turns
+Two scripted servers (tests/helpers/scripted_engine.py, whose ``THINK`` turns
 reason): one renders with the reference engine's ChatML, which keeps
 reasoning in every turn (a client that sends it back hits the live state;
 one that strips it diverges at the ``<think>``, reported in
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import anthropic
 import pytest
-from agent_helpers import KV_FLAGS, ScriptedServer
+from helpers.agents import KV_FLAGS, ScriptedServer
 
 from ds4.server.reasoning import ReasoningSplitter, split_reasoning
 
@@ -54,7 +54,7 @@ def test_next_turn_prefix_ends_where_the_assistant_turn_does():
     earlier turn, up to its end-of-turn (not the next turn's opening)."""
     from types import SimpleNamespace
 
-    from scripted_engine import QWEN3_LIKE, ScriptedEngine
+    from helpers.scripted_engine import QWEN3_LIKE, ScriptedEngine
 
     from ds4.engines.chat_template import render_gemma
     from ds4.server.conversation import next_turn_prefix
@@ -69,21 +69,14 @@ def test_next_turn_prefix_ends_where_the_assistant_turn_does():
 
 
 # -- servers -------------------------------------------------------------------
-def _server(tmp_path_factory, name, env=None):
-    tmp = tmp_path_factory.mktemp(name)
-    srv = ScriptedServer(tmp, name, "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS, env=env).start()
-    yield srv
-    srv.stop()
+@pytest.fixture(scope="module")
+def chatml(serve_module):
+    return serve_module(*KV_FLAGS, name="chatml", cls=ScriptedServer, kv=True)
 
 
 @pytest.fixture(scope="module")
-def chatml(tmp_path_factory):
-    yield from _server(tmp_path_factory, "chatml")
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    yield from _server(tmp_path_factory, "qwen", {"DS4_SCRIPTED_TEMPLATE": "qwen3"})
+def qwen(serve_module):
+    return serve_module(*KV_FLAGS, name="qwen", cls=ScriptedServer, kv=True, env={"DS4_SCRIPTED_TEMPLATE": "qwen3"})
 
 
 def _tail(text: str) -> int:

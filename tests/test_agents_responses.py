@@ -13,7 +13,7 @@ import signal
 import httpx
 import openai
 import pytest
-from agent_helpers import KV_FLAGS, RTOOLS, SYSTEM, ScriptedServer, cold_server, warm_server
+from helpers.agents import KV_FLAGS, RTOOLS, SYSTEM, ScriptedServer, cold_server, warm_server
 
 cold = pytest.fixture(scope="module", name="cold")(cold_server)
 warm = pytest.fixture(scope="module", name="warm")(warm_server)
@@ -108,9 +108,9 @@ def test_unknown_previous_response_and_live_only_outputs(warm):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
-def test_stored_responses_survive_a_restart_in_the_cache_budget(tmp_path, cold, sig):
+def test_stored_responses_survive_a_restart_in_the_cache_budget(tmp_path, serve, cold, sig):
     kv = tmp_path / "kv"
-    srv = ScriptedServer(tmp_path, "a", "--kv-disk-dir", str(kv), *KV_FLAGS).start()
+    srv = serve("--kv-disk-dir", str(kv), *KV_FLAGS, name="a", cls=ScriptedServer, tmp=tmp_path)
     history = [{"role": "user", "content": "Look up 6."}]
     try:
         r = ask(srv, history)
@@ -119,11 +119,9 @@ def test_stored_responses_survive_a_restart_in_the_cache_budget(tmp_path, cold, 
     finally:
         srv.stop(sig)  # SIGKILL: no shutdown save; the record and the continued saves were on disk already
     assert any(n.startswith("response-resp_") for n in os.listdir(kv / "records"))
-    srv2 = ScriptedServer(tmp_path, "b", "--kv-disk-dir", str(kv), *KV_FLAGS).start()
-    try:
-        r2 = ask(srv2, inp, previous_response_id=r.id)
-    finally:
-        srv2.stop()
+    srv2 = serve("--kv-disk-dir", str(kv), *KV_FLAGS, name="b", cls=ScriptedServer, tmp=tmp_path)
+    r2 = ask(srv2, inp, previous_response_id=r.id)
+    srv2.stop()
     assert r2.model_extra["ds4"]["rung"] == "disk" and r2.usage.input_tokens_details.cached_tokens > 0
     if sig == signal.SIGTERM:  # the shutdown save holds the whole turn
         assert r2.usage.input_tokens_details.cached_tokens >= 0.95 * r2.usage.input_tokens

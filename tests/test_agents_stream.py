@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-from test_server import Server
 from test_server_stream import _events, _long_messages, _wait_idle
 
 CTX = 8192
@@ -28,11 +27,8 @@ PROTOCOLS = {
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("agents-stream")
-    s = Server(str(tmp), "stream", "--kv-disk-dir", str(tmp / "kv"), "--sse-keepalive", "0.01", ctx=CTX).start()
-    yield s
-    s.stop()
+def srv(serve_module):
+    return serve_module("--sse-keepalive", "0.01", name="stream", kv=True, ctx=CTX)
 
 
 def _typed(lines):

@@ -17,10 +17,9 @@ import json
 
 import anthropic
 import pytest
-from agent_helpers import SYSTEM, TOOLS, warm_server
+from helpers.agents import ATOOLS, SYSTEM, TOOLS, warm_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_agents_anthropic import ATOOLS
 
 from ds4.server import tool_stream as TS
 from ds4.server import tools as T

@@ -16,10 +16,9 @@ import anthropic
 import httpx
 import jiter
 import pytest
-from agent_helpers import RTOOLS, SYSTEM, TOOLS, warm_server
+from helpers.agents import ATOOLS, RTOOLS, SYSTEM, TOOLS, warm_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_agents_anthropic import ATOOLS
 
 from ds4.server import tool_stream as TS
 from ds4.server import tools as T

@@ -12,8 +12,8 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-from agent_helpers import KV_FLAGS, ScriptedServer
-from scripted_engine import QWEN3_LIKE, ScriptedEngine
+from helpers.agents import KV_FLAGS, ScriptedServer
+from helpers.scripted_engine import QWEN3_LIKE, ScriptedEngine
 
 import ds4
 from ds4.engines.chat_template import TemplateRenderer
@@ -33,14 +33,9 @@ def test_the_template_renders_its_own_switch_and_other_formats_ignore_it():
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("thinking")
-    s = ScriptedServer(
-        tmp, "thinking", "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS, env={"DS4_SCRIPTED_TEMPLATE": "qwen3"}
-    )
-    s.start()
-    yield s
-    s.stop()
+def srv(serve_module):
+    env = {"DS4_SCRIPTED_TEMPLATE": "qwen3"}
+    return serve_module(*KV_FLAGS, name="thinking", cls=ScriptedServer, kv=True, env=env)
 
 
 def chat(srv, **kw):

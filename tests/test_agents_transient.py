@@ -14,9 +14,8 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from cc_loop import echoed
-from test_agents_anthropic import ATOOLS
-from test_agents_volatile import _server
+from helpers.agents import ATOOLS, KV_FLAGS, ScriptedServer
+from helpers.cc_loop import echoed
 
 from ds4.server.conversation import Message, turns
 from ds4.server.volatile import BUILTIN_TRANSIENT, SystemText
@@ -25,22 +24,20 @@ from ds4.server.volatile import BUILTIN_TRANSIENT, SystemText
 SYSTEM = "You are an agent. Use the tools to answer.\n" + "\n".join(
     f"rule-{i}: be exact and brief." for i in range(150)
 )
+CTX = 16384
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    yield from _server(tmp_path_factory, "plain")
+def plain(serve_module):
+    return serve_module(*KV_FLAGS, name="plain", cls=ScriptedServer, kv=True, ctx=CTX)
 
 
 @pytest.fixture(scope="module", params=["drop", "tail"])
-def builtin(tmp_path_factory, request):
-    yield from _server(
-        tmp_path_factory,
-        f"builtin-{request.param}",
-        "--prompt-transient-builtin",
-        "--prompt-transient-mode",
-        request.param,
-    )
+def builtin(serve_module, request):
+    flags = ("--prompt-transient-builtin", "--prompt-transient-mode", request.param)
+    srv = serve_module(*KV_FLAGS, *flags, name=f"builtin-{request.param}", cls=ScriptedServer, kv=True, ctx=CTX)
+    yield srv
+    srv.stop()  # before the next mode's server starts
 
 
 def reminder(k: int) -> str:

@@ -13,11 +13,10 @@ import secrets
 
 import anthropic
 import pytest
-from agent_helpers import KV_FLAGS, RTOOLS, SYSTEM, ScriptedServer
-from cc_loop import echoed
-from scripted_engine import ScriptedEngine
-from test_agents_anthropic import ATOOLS, results
-from test_server import _stored_texts
+from helpers.agents import ATOOLS, KV_FLAGS, RTOOLS, SYSTEM, ScriptedServer, tool_results
+from helpers.cc_loop import echoed
+from helpers.scripted_engine import ScriptedEngine
+from helpers.server import stored_texts
 
 from ds4.server.anthropic import MessagesParser
 from ds4.server.volatile import SystemText
@@ -52,31 +51,28 @@ UNDATED = f"{HEAD}\n{TAIL}"
 CTX = 16384
 
 
-def _server(tmp_path_factory, name, *flags):
-    tmp = tmp_path_factory.mktemp(name)
-    srv = ScriptedServer(tmp, name, "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS, *flags, ctx=CTX).start()
-    yield srv
-    srv.stop()
+def _server(serve_module, name, *flags):
+    return serve_module(*KV_FLAGS, *flags, name=name, cls=ScriptedServer, kv=True, ctx=CTX)
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    yield from _server(tmp_path_factory, "plain")
+def plain(serve_module):
+    return _server(serve_module, "plain")
 
 
 @pytest.fixture(scope="module")
-def keep(tmp_path_factory):
-    yield from _server(tmp_path_factory, "keep", "--keep-billing-header")
+def keep(serve_module):
+    return _server(serve_module, "keep", "--keep-billing-header")
 
 
 @pytest.fixture(scope="module")
-def drop(tmp_path_factory):
-    yield from _server(tmp_path_factory, "drop", "--prompt-volatile", DATE)
+def drop(serve_module):
+    return _server(serve_module, "drop", "--prompt-volatile", DATE)
 
 
 @pytest.fixture(scope="module")
-def tail(tmp_path_factory):
-    yield from _server(tmp_path_factory, "tail", "--prompt-volatile", DATE, "--prompt-volatile-mode", "tail")
+def tail(serve_module):
+    return _server(serve_module, "tail", "--prompt-volatile", DATE, "--prompt-volatile-mode", "tail")
 
 
 def client(srv) -> anthropic.Anthropic:
@@ -179,7 +175,7 @@ def loop(srv, system_of, turns=6, tag=""):
         out.append((reason, usage, total))
         msgs.append(msg)
         if reason == "tool_use":
-            msgs.append(results(msg))
+            msgs.append(tool_results(msg))
         else:
             assert reason == "end_turn" and msg["content"][0]["text"].startswith("Result: value of n=")
             msgs.append({"role": "user", "content": f"And {turn}?"})
@@ -232,33 +228,19 @@ def test_a_user_message_matching_the_pattern_is_untouched(plain, drop, tail):
     assert rendered(SYSTEM) == p
 
 
-def test_tail_mode_renders_the_lines_after_the_rest_of_the_system_text(tmp_path):
+def test_tail_mode_renders_the_lines_after_the_rest_of_the_system_text(tmp_path, serve):
     """Over the wire: the prompt a tail server rendered (its usage counts
     the date turn after the user's message), and the checkpoint it keeps at
     shutdown: the turn's canonical rendering, the stable system text, the
     user's message and the reply without the date turn, which the next
     request renders after its own last message."""
     kv = tmp_path / "kv"
-    srv = ScriptedServer(
-        tmp_path,
-        "t",
-        "--kv-disk-dir",
-        str(kv),
-        *KV_FLAGS,
-        "--prompt-volatile",
-        DATE,
-        "--prompt-volatile-mode",
-        "tail",
-        ctx=CTX,
-    ).start()
+    flags = ("--prompt-volatile", DATE, "--prompt-volatile-mode", "tail")
+    srv = serve(*KV_FLAGS, *flags, name="t", cls=ScriptedServer, tmp=tmp_path, kv=True, ctx=CTX)
     user = "Current date: 1999-01-01 00:00:00 is what my note says. Look up 3."
-    try:
-        with client(srv) as c:
-            m = c.messages.create(
-                model="m", max_tokens=300, system=dated(7), messages=[{"role": "user", "content": user}]
-            )
-    finally:
-        srv.stop()
+    with client(srv) as c:
+        m = c.messages.create(model="m", max_tokens=300, system=dated(7), messages=[{"role": "user", "content": user}])
+    srv.stop()
     date = "Current date: 2026-12-01 21:00:07"
     body = {"model": "m", "system": dated(7), "messages": [{"role": "user", "content": user}]}
     conv = MessagesParser(0, CTX, volatile=SystemText(patterns=(DATE,), mode="tail")).conversation(body)
@@ -269,7 +251,7 @@ def test_tail_mode_renders_the_lines_after_the_rest_of_the_system_text(tmp_path)
     seen = m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) + (m.usage.cache_creation_input_tokens or 0)
     # a byte a token on the reference engine, a marker one
     assert seen == len(prompt.encode()) - 11 * prompt.count("<|im_start|>") - 9 * prompt.count("<|im_end|>")
-    (text,) = [t.decode() for t, reason, _ in _stored_texts(str(kv)).values() if reason == "shutdown"]
+    (text,) = [t.decode() for t, reason, _ in stored_texts(str(kv)).values() if reason == "shutdown"]
     assert text.startswith(head) and user in text and date not in text
     assert text.endswith(f"{user}<|im_end|>\n<|im_start|>assistant\n{m.content[0].text}<|im_end|>\n")
     # in process: the same, and drop leaves the line out

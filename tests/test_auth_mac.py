@@ -86,6 +86,10 @@ def test_wrong_key_and_forged_payload_are_rejected(tmp_path, mmap):
     raw = bytearray(path.read_bytes())
     ck = open_checkpoint(path)
     po, pb = ck.payload_offset, ck.payload_bytes
+    # dropped before the file is written again below: a live map holds a read
+    # lease on it, and a write of the file (even from this process) would
+    # wait out the lease's break time (/proc/sys/fs/lease-break-time, 45 s)
+    del ck
     raw[po + 70] ^= 0x01
     raw[80:88] = xxhash.xxh3_64_intdigest(bytes(raw[po : po + pb])).to_bytes(8, "little")
     fixed = bytearray(raw[:96])

@@ -16,6 +16,7 @@ import blake3
 import numpy as np
 import pytest
 import xxhash
+from helpers.checkpoints import flip_byte
 
 from ds4 import _core
 from ds4.errors import ERROR_CODES, BlockError, CorruptCheckpointError, from_core
@@ -43,14 +44,6 @@ def _store(d: Path, n: int = 3, key: bytes | None = None) -> tuple[bytes, bytes,
 
 def _path(d: Path, name: bytes) -> str:
     return str(d / f"{name.hex()}.kvb")
-
-
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 1]))
 
 
 @pytest.mark.parametrize("key", [None, KEY], ids=["plain", "keyed"])
@@ -137,10 +130,10 @@ def _symlinked(d: Path, n: list[bytes]) -> None:
 def test_refusal_codes(tmp_path):
     cases = {
         "block_missing": lambda d, n: os.unlink(_path(d, n[1])),
-        "block_corrupt": lambda d, n: _flip(_path(d, n[1]), 40),
+        "block_corrupt": lambda d, n: flip_byte(_path(d, n[1]), 40),
         "block_short": lambda d, n: os.truncate(_path(d, n[1]), 150),
         "block_name": _renamed,
-        "block_checksum": lambda d, n: _flip(_path(d, n[1]), 130),
+        "block_checksum": lambda d, n: flip_byte(_path(d, n[1]), 130),
     }
     for code, damage in cases.items():
         sub = tmp_path / code
@@ -152,7 +145,7 @@ def test_refusal_codes(tmp_path):
     _refusal(tmp_path / "nomac", lambda d, n: None, "block_mac_missing", index=0, key="read")
     (tmp_path / "mac").mkdir()
     last = 128 + 80 + 31  # block 1: the header, 20 float32, the MAC's last byte
-    _refusal(tmp_path / "mac", lambda d, n: _flip(_path(d, n[1]), last), "block_mac", key="write")
+    _refusal(tmp_path / "mac", lambda d, n: flip_byte(_path(d, n[1]), last), "block_mac", key="write")
     (tmp_path / "link").mkdir()
     e = _refusal(tmp_path / "link", _symlinked, "block_corrupt")
     assert "symlink" in e.reason
@@ -161,7 +154,7 @@ def test_refusal_codes(tmp_path):
 def test_verify_block_and_the_header_alone(tmp_path):
     _, _, names = _store(tmp_path, 1, KEY)
     p = _path(tmp_path, names[0])
-    _flip(p, 128)
+    flip_byte(p, 128)
     assert _core.read_block_header(p)["payload_len"] == 64  # the header alone is intact
     with pytest.raises(BlockError) as ei:
         _core.verify_block(p)
@@ -189,16 +182,18 @@ def test_a_malformed_table_is_block_table_of_the_manifest():
     assert (e.code, e.stage, e.path) == ("block_table", "payload", "/m.kv")
 
 
-@pytest.mark.parametrize("proto", range(pickle.HIGHEST_PROTOCOL + 1))
-def test_block_errors_pickle(tmp_path, proto):
+def test_block_errors_pickle(tmp_path):
     table, _, names = _store(tmp_path, 2)
     os.unlink(_path(tmp_path, names[0]))
     with pytest.raises(BlockError) as ei:
         _core.open_blocks(tmp_path, table, ABI)
     for e in (ei.value, from_core("block_table", "m", "/x.kv", "payload"), BlockError("r", code="block_mac")):
-        r = pickle.loads(pickle.dumps(e, protocol=proto))
-        assert type(r) is BlockError and str(r) == str(e) and r.args == e.args
-        assert (r.code, r.stage, r.block, r.path, r.reason) == (e.code, e.stage, e.block, e.path, e.reason)
+        for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+            r = pickle.loads(pickle.dumps(e, protocol=proto))
+            assert type(r) is BlockError and str(r) == str(e) and r.args == e.args, f"{e.code}, protocol {proto}"
+            assert (r.code, r.stage, r.block, r.path, r.reason) == (e.code, e.stage, e.block, e.path, e.reason), (
+                f"{e.code}, protocol {proto}"
+            )
     assert ei.value.code == "block_missing" and ei.value.block == names[0].hex()
 
 

@@ -13,9 +13,9 @@ import os
 
 import numpy as np
 import pytest
+from helpers.kv import prefilled, toks
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_helpers import prefilled, toks
 
 import ds4
 from ds4 import _core, blocks

@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 import pytest
-from kv_helpers import prefilled, toks
+from helpers.kv import prefilled, toks
+from helpers.procs import dead_pid
 
 import ds4
 from ds4 import _core
@@ -384,8 +385,7 @@ def test_a_block_temp_file_goes_when_its_writer_is_gone_and_not_before(tmp_path)
     bd = d / BLOCKS_DIR
     bd.mkdir(parents=True)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    dead = dead_pid()
     try:
         here = pid_space()
 
@@ -396,8 +396,8 @@ def test_a_block_temp_file_goes_when_its_writer_is_gone_and_not_before(tmp_path)
             os.utime(bd / name, (t, t))
             return name
 
-        gone = [temp(dead.pid, here), temp(live.pid, "0" * 12 + "1", age=TMP_MAX_AGE_S + 60)]
-        kept = [temp(live.pid, here), temp(os.getpid(), here), temp(dead.pid, "0" * 12 + "1"), temp(dead.pid, "x")]
+        gone = [temp(dead, here), temp(live.pid, "0" * 12 + "1", age=TMP_MAX_AGE_S + 60)]
+        kept = [temp(live.pid, here), temp(os.getpid(), here), temp(dead, "0" * 12 + "1"), temp(dead, "x")]
         assert set(gone) | set(kept) == set(os.listdir(bd))
         _store(d)
         assert sorted(os.listdir(bd)) == sorted(kept)

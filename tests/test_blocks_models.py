@@ -12,8 +12,9 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
-from models import engine
+from helpers.models import engine
 
 import ds4
 from ds4.blocks import block_tokens_for
@@ -27,34 +28,53 @@ _CHILD = textwrap.dedent(
     import json, sys
     import numpy as np
     sys.path.insert(0, {tests!r})
-    from models import engine
+    from helpers.models import engine
     import ds4
     eng = engine({model!r})
+    given = json.loads(sys.stdin.read())
+    refs = np.load(given["cold"]) if given["cold"] else None
     out = []
-    for prompt in json.loads(sys.stdin.read()):
+    for i, prompt in enumerate(given["prompts"]):
         store = ds4.KVStore({dir!r}, min_tokens=64, blocks=True, block_tokens={block})
         s = ds4.Session(eng, ctx={ctx})
         rep = ds4.recover(s, store, prompt, evict_save=False)
-        cold = ds4.Session(eng, ctx={ctx})
-        ds4.recover(cold, None, prompt)
+        if refs is None:
+            cold = ds4.Session(eng, ctx={ctx})
+            ds4.recover(cold, None, prompt)
+            tokens, logits, greedy = cold.tokens, cold.logits, cold.generate(12)
+        else:  # the cold prefill the test made of the prompt (the same engine)
+            tokens, logits, greedy = refs[f"tokens{{i}}"].tolist(), refs[f"logits{{i}}"], refs[f"greedy{{i}}"].tolist()
         out.append(dict(
             rung=rep.rung, reused=rep.reused_tokens, rejected=[r.code for r in rep.rejected],
-            same_tokens=s.tokens == cold.tokens, same_logits=bool(np.array_equal(s.logits, cold.logits)),
-            same_greedy=s.generate(12) == cold.generate(12),
+            same_tokens=s.tokens == tokens, same_logits=bool(np.array_equal(s.logits, logits)),
+            same_greedy=s.generate(12) == greedy,
         ))
     print(json.dumps(out))
     """
 )
 
 
-def _in_new_process(model: str, store_dir: str, prompts: list[str], block: int) -> list[dict]:
+def _in_new_process(model: str, store_dir: str, prompts: list[str], block: int, cold: str | None = None) -> list[dict]:
+    """Each prompt loaded from ``store_dir`` in a new process, compared there
+    with a cold prefill of it: the child's own, or the one the test made
+    (``cold``: an ``.npz`` of ``tokens<i>``, ``logits<i>`` and ``greedy<i>``
+    (12 tokens) of prompt ``i``, as :func:`_save_cold` writes it)."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = _CHILD.format(tests=here, model=model, dir=store_dir, block=block, ctx=CTX)
-    run = subprocess.run(
-        [sys.executable, "-c", code], input=json.dumps(prompts), capture_output=True, text=True, timeout=600
-    )
+    given = json.dumps({"prompts": prompts, "cold": cold})
+    run = subprocess.run([sys.executable, "-c", code], input=given, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _save_cold(path: str, colds: list[tuple[list[int], np.ndarray, list[int]]]) -> str:
+    """Write the cold prefills ``(tokens, logits, 12 greedy tokens)`` of
+    prompts ``0, 1, ...`` for :func:`_in_new_process`; returns ``path``."""
+    arrays = {}
+    for i, (tokens, logits, greedy) in enumerate(colds):
+        arrays.update({f"tokens{i}": np.array(tokens), f"logits{i}": logits, f"greedy{i}": np.array(greedy)})
+    np.savez(path, **arrays)
+    return path
 
 
 def _chat(eng, system: str, turns: list[str]) -> list[str]:
@@ -113,7 +133,7 @@ def test_two_conversations_share_a_2000_token_system_prompt(tmp_path):
     d_blocks, d_one = str(tmp_path / "blocks"), str(tmp_path / "one")
     store = ds4.KVStore(d_blocks, min_tokens=64, blocks=True, block_tokens=64)
     only_a = ds4.KVStore(d_one, min_tokens=64, blocks=True, block_tokens=64)
-    prompts, ids = [], []
+    prompts, ids, colds = [], [], []
     for k, targets in ((0, [store, only_a]), (1, [store])):
         msgs = [
             {"role": "system", "content": system},
@@ -125,6 +145,9 @@ def test_two_conversations_share_a_2000_token_system_prompt(tmp_path):
         ids.append(s.tokens)
         for target in targets:
             assert isinstance(target.store_live_checked(s, "cold"), str)
+        # a cold prefill of the prompt (a new session, no store): what the new
+        # process's load must equal (it makes none of its own)
+        colds.append((s.tokens, np.array(s.logits), s.generate(12)))
     common = _common(*ids) // 64
     assert common >= 2000 // 64
     # the second conversation wrote only the blocks past the shared prefix
@@ -133,6 +156,7 @@ def test_two_conversations_share_a_2000_token_system_prompt(tmp_path):
     one, both = _unique_bytes(d_one), _unique_bytes(d_blocks)
     own = both - one  # the second conversation's manifest and its own blocks
     assert own < 0.25 * one, (one, both)
-    for got in _in_new_process("smollm2", d_blocks, prompts, 64):
+    cold = _save_cold(str(tmp_path / "cold.npz"), colds)
+    for got in _in_new_process("smollm2", d_blocks, prompts, 64, cold):
         assert got["rung"] == "disk" and not got["rejected"], got
         assert got["same_tokens"] and got["same_logits"] and got["same_greedy"], got

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from kv_helpers import prefilled
+from helpers.kv import prefilled
 
 import ds4
 from ds4 import _core

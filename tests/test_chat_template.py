@@ -14,8 +14,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import models
 import pytest
+from helpers import models
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from ds4.cli import build_parser
@@ -339,7 +339,7 @@ def test_one_sided_strips_and_repeated_contents():
 
 # -- reasoning_content: rendered as the template renders it -----------------------------
 def _qwen3_like() -> TemplateRenderer:
-    from scripted_engine import QWEN3_LIKE  # Qwen3's reasoning rule (tests/scripted_engine.py)
+    from helpers.scripted_engine import QWEN3_LIKE  # Qwen3's reasoning rule (tests/helpers/scripted_engine.py)
 
     return jt(QWEN3_LIKE)
 

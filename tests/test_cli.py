@@ -15,6 +15,8 @@ import time
 import numpy as np
 import pexpect
 import pytest
+from helpers.checkpoints import flip_payload_byte
+from helpers.procs import dead_pid, ds4_cmd, ds4_json
 
 import ds4
 from ds4 import _core
@@ -27,31 +29,6 @@ PROMPT = (
     "You are reading a long question about harbours, tides, ships and the people who keep lighthouses; "
     "please answer it carefully and in order."
 )
-
-
-def ds4_cmd(*args, check=True, input=None, timeout=120):
-    p = subprocess.run(
-        [sys.executable, "-m", "ds4", *map(str, args)], capture_output=True, text=True, input=input, timeout=timeout
-    )
-    if check and p.returncode != 0:
-        raise AssertionError(f"ds4 {' '.join(map(str, args))} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
-
-
-def ds4_json(*args, check=True):
-    p = ds4_cmd(*args, "--json", check=check)
-    return json.loads(p.stdout), p.returncode
-
-
-def _flip_payload_byte(path):
-    ck = open_checkpoint(path)
-    off = ck.payload_offset + ck.payload_bytes // 2
-    del ck
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 # ---------------------------------------------------------------------------
@@ -212,8 +189,8 @@ def test_kv_commands_on_a_v2_directory(tmp_path):
     assert "reasons" in ds4_cmd("kv", "stats", d).stdout
 
     # damage one file's payload, add orphaned temp files and a stranger
-    _flip_payload_byte(paths[1])
-    tmp_ours = os.path.join(d, f".{'a' * 40}.kv.tmp.{_dead_pid()}.{pid_space()}.deadbeef")
+    flip_payload_byte(paths[1], mask=0x01)
+    tmp_ours = os.path.join(d, f".{'a' * 40}.kv.tmp.{dead_pid()}.{pid_space()}.deadbeef")
     tmp_ds4 = os.path.join(d, f"{'b' * 40}.kv.tmp.12345")
     tmp_live = os.path.join(d, f".{'c' * 40}.kv.tmp.{os.getpid()}.{pid_space()}.beef")
     for t in (tmp_ours, tmp_ds4, tmp_live):
@@ -280,12 +257,6 @@ def test_kv_commands_on_a_v2_directory(tmp_path):
     assert not any(f.endswith(".kv") and not f.startswith(".") for f in os.listdir(d))
     st, _ = ds4_json("kv", "stats", d)
     assert st["files"] == 0 and st["temp_files"] == 1
-
-
-def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
 
 
 # ---------------------------------------------------------------------------

@@ -16,8 +16,9 @@ import sys
 
 import numpy as np
 import pytest
-from kv_helpers import prefilled, toks
-from test_cli import ds4_cmd, ds4_json
+from helpers.checkpoints import flip_byte
+from helpers.kv import prefilled, toks
+from helpers.procs import ds4_cmd, ds4_json
 
 import ds4
 from ds4 import _core
@@ -64,14 +65,6 @@ def _table(path):
     return _core.read_block_table(ck.array("ds4.blocks"))
 
 
-def _flip_payload_byte(path):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 7)  # in the payload (no MAC trailer)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def test_ls_and_show_say_which_file_is_a_manifest_and_what_it_shares(kv):
     d, names, single, shared, counts = kv
     per_block = _table(d / names[0])[1][0][2]
@@ -108,7 +101,7 @@ def test_verify_checks_the_blocks_and_a_damaged_one_fails_its_manifests(kv):
     assert "blocks: " in ds4_cmd("kv", "verify", d).stdout
     first = _table(d / names[0])[1][0][0].hex()  # block 0: named by both manifests
     assert shared > 0
-    _flip_payload_byte(os.path.join(d, BLOCKS_DIR, first + ".kvb"))
+    flip_byte(os.path.join(d, BLOCKS_DIR, first + ".kvb"), -7, 0x10)  # in the payload (no MAC trailer)
     out, rc = ds4_json("kv", "verify", d, check=False)
     assert rc == 1 and out["failed"] == 2 and out["blocks_failed"] == 1
     files = {f["name"]: f for f in out["files"]}

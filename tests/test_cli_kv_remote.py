@@ -77,7 +77,7 @@ def test_push_ls_stats_verify_pull_gc_rm(tmp_path, node, capsys):
 
 
 def test_remote_unreachable_is_one_line(capsys):
-    from ports import free_port
+    from helpers.ports import free_port
 
     rc, _, err = _run(capsys, "kv", "ls", "--remote", f"redis://127.0.0.1:{free_port()}/0")
     assert rc == 1 and "cannot be read" in err and "Traceback" not in err
@@ -108,7 +108,7 @@ def test_remote_gc_refuses_the_directory_eviction_flags(capsys, flags):
     """The tier's TTL evicts, not the store's order: a given policy flag
     (even at its default value) is refused before anything is contacted,
     instead of being ignored."""
-    from ports import free_port
+    from helpers.ports import free_port
 
     rc, _, err = _run(capsys, "kv", "gc", "--remote", f"redis://127.0.0.1:{free_port()}/0", *flags)
     assert rc == 2 and "--kv-explicit-weight and --kv-fresh-guard-s order a directory's eviction" in err

@@ -18,7 +18,8 @@ import subprocess
 import sys
 
 import pexpect
-from test_cli import KV, ds4_cmd
+from helpers.procs import ds4_cmd
+from test_cli import KV
 
 from ds4.cli.term import printable
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from kv_helpers import BASE, prefilled
+from helpers.kv import BASE, prefilled
 
 import ds4
 from ds4.checkpoint import open_checkpoint
@@ -181,7 +181,7 @@ def test_cli_run_writes_v3_and_kv_show_and_verify_read_it(tmp_path):
 
 
 def test_the_shared_tier_moves_the_stored_compressed_bytes(eng, tmp_path):
-    from redis_servers import RedisNode
+    from helpers.redis_servers import RedisNode
 
     from ds4.kvstore.remote import RemoteTier
 
@@ -234,11 +234,11 @@ def test_an_authenticated_compressed_store_round_trips_and_refuses_another_key(e
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_a_real_models_compressed_state_resumes_bit_for_bit(model, tmp_path):
-    """SmolLM2 and Gemma 3 through llama.cpp (tests/models.py): a state
+    """SmolLM2 and Gemma 3 through llama.cpp (tests/helpers/models.py): a state
     stored as v3 at 700 tokens (past Gemma 3's 512-token window), loaded
     into a new session and continued, gives a cold prefill's logits and
     greedy tokens."""
-    from models import engine, text_tokens
+    from helpers.models import engine, text_tokens
 
     eng = engine(model)
     toks = text_tokens(eng, 760)

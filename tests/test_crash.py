@@ -122,28 +122,35 @@ def test_torn_file_at_every_size_is_rejected(tmp_path):
 
 
 SIGBUS_CHILD = r"""
-import os, sys
+import os, sys, threading
 import numpy as np
 import ds4
 from ds4.errors import TruncatedCheckpointError
 path = sys.argv[1]
 ck = ds4.open_checkpoint(path)            # verified, mapped
 a = ck.array("a")
-os.truncate(path, 4096)                    # another process truncates it in place
-s = float(a.sum())                         # touches vanished pages: SIGBUS without the guard
-try:
-    ck.check_intact()
-    print("intact?!")
-except TruncatedCheckpointError as e:
-    print("truncated", e.code, s == 0.0 or s != float(np.arange(a.size, dtype=np.float32).sum()))
-# a session loading a file truncated mid-load ends invalid with a typed error
+# (below) a session loading a file truncated mid-load ends invalid with a
+# typed error: its file is written and opened (mapped) here, so that both
+# truncations run at once: each waits out its map's read lease
+# (/proc/sys/fs/lease-break-time, 45 s by default), one wait for the two
 eng = ds4.ReferenceEngine()
 sess = ds4.Session(eng, ctx=512)
 sess.sync(eng.tokenize("x" * 40, special=True))
 p2 = os.path.join(sys.argv[2], ds4._core.sha1_hex(sess.text_bytes()) + ".kv")
 ds4.write_checkpoint(p2, sess.text_bytes(), sess.export_arrays(), abi=sess.payload_abi, tokens=sess.n_past, ctx=512)
 ck2 = ds4.open_checkpoint(p2)
-os.truncate(p2, 100)
+t2 = threading.Thread(target=os.truncate, args=(p2, 100))
+t2.start()
+os.truncate(path, 4096)                    # another process truncates it in place
+t2.join()
+s = float(a.sum())                         # touches vanished pages: SIGBUS without the guard
+try:
+    ck.check_intact()
+    print("intact?!")
+except TruncatedCheckpointError as e:
+    print("truncated", e.code, s == 0.0 or s != float(np.arange(a.size, dtype=np.float32).sum()))
+# the session's load of the truncated p2
+assert os.path.getsize(p2) == 100
 s2 = ds4.Session(eng, ctx=512)
 try:
     s2.load_checkpoint(ck2)

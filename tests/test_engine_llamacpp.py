@@ -12,9 +12,9 @@ import os
 import re
 import sys
 
-import models
 import numpy as np
 import pytest
+from helpers import models
 
 from ds4.engine import Engine, EngineContext
 from ds4.engines import llamacpp as L
@@ -63,15 +63,6 @@ def chat_messages():
     return msgs
 
 
-def greedy(ctx, logits, n=N_GEN):
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(logits))
-        out.append(t)
-        logits = ctx.eval([t])
-    return out
-
-
 CUTS = (300, 511, 512, 555, 605)  # 512 = n_batch (and Gemma 3's window): aligned; 605 = len(prompt) - 1
 PROMPT_LEN = 606
 
@@ -95,7 +86,7 @@ def world(name):
     toks = (toks + eng.tokenize(" The end of the chat, and then some plain words." * 4))[:PROMPT_LEN]
     ctx = eng.new_context(1024)
     logits = ctx.eval(toks)
-    cold = (logits, greedy(ctx, logits))
+    cold = (logits, models.greedy(ctx, logits, N_GEN)[0])
     ctx.close()
     ctx = eng.new_context(1024)
     checkpoints, prev = {}, 0
@@ -122,7 +113,7 @@ def checkpoints(engine):
     return world("smollm2")[3]
 
 
-# The exactness tests run on both real models (tests/models.py): m_engine,
+# The exactness tests run on both real models (tests/helpers/models.py): m_engine,
 # m_prompt, m_cold and m_checkpoints are world(model)'s parts.
 @pytest.fixture(scope="module", params=models.MODELS)
 def model(request):
@@ -384,7 +375,7 @@ def test_resume_equals_cold(model, m_engine, m_prompt, m_cold, m_checkpoints, cu
     assert dst.n_past == cut
     logits = dst.eval(m_prompt[cut:])
     assert np.array_equal(logits, m_cold[0]), f"cut {cut}: max |dlogit| {np.abs(logits - m_cold[0]).max()}"
-    assert greedy(dst, logits) == m_cold[1]
+    assert models.greedy(dst, logits, N_GEN)[0] == m_cold[1]
     dst.close()
 
 
@@ -433,7 +424,7 @@ def test_import_over_live_state_replaces_it(engine, checkpoints, prompt, cold):
     # not zero them): masked, they change nothing of what follows
     logits = dst.eval(prompt[300:])
     assert np.array_equal(logits, cold[0])
-    assert greedy(dst, logits) == cold[1]
+    assert models.greedy(dst, logits, N_GEN)[0] == cold[1]
     dst.close()
 
 
@@ -644,7 +635,7 @@ def test_truncate_then_extend_equals_cold(m_engine, m_prompt, m_cold, m_checkpoi
     assert ctx.truncate(len(m_prompt)) is True
     assert ctx.n_past == len(m_prompt)
     assert np.array_equal(ctx.export_state()["logits"], m_cold[0])
-    assert greedy(ctx, ctx.export_state()["logits"], 4) == m_cold[1][:4]
+    assert models.greedy(ctx, ctx.export_state()["logits"], 4)[0] == m_cold[1][:4]
     assert ctx.truncate(530) is True
     assert np.array_equal(ctx.eval(m_prompt[530:]), m_cold[0])
     with pytest.raises(ValueError):

@@ -10,9 +10,9 @@ Nothing here is skipped: both models ship with the test setup."""
 
 from __future__ import annotations
 
-import models
 import numpy as np
 import pytest
+from helpers import models
 
 from ds4.engines import llamacpp_batch as B
 from ds4.engines.llamacpp_context import LlamaCppContext
@@ -464,3 +464,33 @@ def test_canonical_mode_batches_only_where_a_padded_step_pays():
         assert isinstance(forced, B.SharedContext)
         for c in forced.contexts:
             c.close()
+
+
+def _underscored(cls):
+    """The single-underscore names ``cls``'s own source defines, reads,
+    writes, calls or overrides (``self._x``, ``super()._x``, ``other._x``,
+    ``def _x``)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_a_sequence_extends_its_base_through_the_protected_interface_only():
+    """``SeqContext`` touches no private member of ``LlamaCppContext``: of
+    the base's underscore names (its attributes and methods), the subclass
+    uses or overrides only those of the base's protected interface
+    (``LlamaCppContext.PROTECTED``), each a method of the base documented as
+    protected."""
+    base = _underscored(LlamaCppContext)
+    protected = set(LlamaCppContext.PROTECTED)
+    assert len(protected) == len(LlamaCppContext.PROTECTED) and protected <= base
+    for name in protected:
+        assert "(protected" in (getattr(LlamaCppContext, name).__doc__ or ""), name
+    touched = _underscored(B.SeqContext) & base
+    assert touched - protected == set()
+    assert {"_feed", "_clear", "_portable", "_native", "_release", "_adopt_prefix"} <= touched  # the test reads it

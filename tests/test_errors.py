@@ -41,6 +41,11 @@ OTHER_CLASSES = [
 PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
 
 
+def round_trips(e):
+    """``(protocol, e pickled and unpickled with it)`` for every protocol."""
+    return [(proto, pickle.loads(pickle.dumps(e, protocol=proto))) for proto in PROTOCOLS]
+
+
 def _all_subclasses(cls):
     out, stack = [], [cls]
     while stack:
@@ -70,48 +75,48 @@ def test_error_codes_only_concrete_classes():
 
 
 @pytest.mark.parametrize("cls", CHECKPOINT_CLASSES + BASE_CHECKPOINT_CLASSES, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("proto", PROTOCOLS)
-def test_checkpoint_errors_pickle(cls, proto):
+def test_checkpoint_errors_pickle(cls):
     for stage in (None, "engine"):
         e = cls("something went wrong at byte 17", path="/tmp/x/0123.kv", stage=stage)
-        r = pickle.loads(pickle.dumps(e, protocol=proto))
-        assert type(r) is cls
-        assert (r.code, r.stage, r.reason, r.path, r.kind) == (e.code, e.stage, e.reason, e.path, e.kind)
-        assert str(r) == str(e)
-        assert r.args == e.args
-        if stage is not None:
-            assert r.stage == "engine"
+        for proto, r in round_trips(e):
+            assert type(r) is cls, f"protocol {proto}, stage {stage}"
+            assert (r.code, r.stage, r.reason, r.path, r.kind) == (e.code, e.stage, e.reason, e.path, e.kind), (
+                f"protocol {proto}, stage {stage}"
+            )
+            assert str(r) == str(e), f"protocol {proto}, stage {stage}"
+            assert r.args == e.args, f"protocol {proto}, stage {stage}"
+            if stage is not None:
+                assert r.stage == "engine", f"protocol {proto}"
     # default reason (first doc line) and no path survive too
     e = cls()
-    r = pickle.loads(pickle.dumps(e, protocol=proto))
-    assert type(r) is cls and r.reason == e.reason and r.reason and r.path is None and r.stage == cls.stage
+    for proto, r in round_trips(e):
+        assert type(r) is cls and r.reason == e.reason and r.reason and r.path is None and r.stage == cls.stage, (
+            f"protocol {proto}, default reason"
+        )
 
 
 @pytest.mark.parametrize("cls", OTHER_CLASSES, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("proto", PROTOCOLS)
-def test_other_errors_pickle(cls, proto):
+def test_other_errors_pickle(cls):
     e = cls("the store ran out of budget")
-    r = pickle.loads(pickle.dumps(e, protocol=proto))
-    assert type(r) is cls and r.args == e.args and str(r) == str(e)
+    for proto, r in round_trips(e):
+        assert type(r) is cls and r.args == e.args and str(r) == str(e), f"protocol {proto}"
 
 
-@pytest.mark.parametrize("proto", PROTOCOLS)
-def test_context_overflow_pickle(proto):
+def test_context_overflow_pickle():
     e = E.ContextOverflowError(5000, 4096)
-    r = pickle.loads(pickle.dumps(e, protocol=proto))
-    assert type(r) is E.ContextOverflowError
-    assert (r.n_tokens, r.ctx, str(r)) == (5000, 4096, str(e))
+    for proto, r in round_trips(e):
+        assert type(r) is E.ContextOverflowError, f"protocol {proto}"
+        assert (r.n_tokens, r.ctx, str(r)) == (5000, 4096, str(e)), f"protocol {proto}"
 
 
-@pytest.mark.parametrize("proto", PROTOCOLS)
-def test_store_error_keeps_errno(proto):
+def test_store_error_keeps_errno():
     e = E.StoreError(28, "No space left on device", "/cache/x.kv")
-    r = pickle.loads(pickle.dumps(e, protocol=proto))
-    assert type(r) is E.StoreError and (r.errno, r.strerror, r.filename) == (
-        28,
-        "No space left on device",
-        "/cache/x.kv",
-    )
+    for proto, r in round_trips(e):
+        assert type(r) is E.StoreError and (r.errno, r.strerror, r.filename) == (
+            28,
+            "No space left on device",
+            "/cache/x.kv",
+        ), f"protocol {proto}"
 
 
 @pytest.mark.parametrize(

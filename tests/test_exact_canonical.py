@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models import ALL, model_path, text_tokens
+from helpers.models import ALL, greedy_session, model_path, text_tokens
 
 import ds4
 from ds4.engines.llamacpp import LlamaCppEngine
@@ -38,15 +38,6 @@ def step_rows(eng) -> int:
     return eng.step_rows
 
 
-def greedy(s: ds4.Session, n: int = GEN) -> list[int]:
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(s.logits))
-        out.append(t)
-        s.eval_token(t)
-    return out
-
-
 def prefilled(eng, toks) -> ds4.Session:
     s = ds4.Session(eng, ctx=1024)
     s.sync(toks)
@@ -68,7 +59,7 @@ def test_a_replys_state_is_made_a_prefills(engines, mode):
     toks = text_tokens(eng, 300)
     s = prefilled(eng, toks)
     assert s.canonical
-    greedy(s)
+    greedy_session(s, GEN)
     # canonical: the reply's steps went unpadded, to redo unless one row is a prefill's batch
     assert s.canonical == (mode == "strict" or step_rows(eng) == 1)
     fresh = prefilled(eng, s.tokens)
@@ -91,7 +82,7 @@ def test_canonical_steps_go_unpadded_and_strict_ones_padded(engines):
             decode(t, pos0, pad)
 
         ectx._decode = spy
-        greedy(s, 8)
+        greedy_session(s, 8)
         pads[name] = seen
     assert pads["canonical"] == [1] * 8  # llama.cpp's own one-token step
     assert pads["strict"] == [step_rows(strict)] * 8  # padded to the engine's batch policy
@@ -101,22 +92,22 @@ def test_a_resumed_session_replies_as_a_cold_one(engines):
     can, _ = engines
     p1 = text_tokens(can, 260)
     a = prefilled(can, p1)
-    r1 = greedy(a)
+    r1 = greedy_session(a, GEN)
     user = can.tokenize(" Then the otters swam to the far bank and waited.")
     p2 = p1 + r1 + user
     cold = prefilled(can, p2)
-    want = greedy(cold)
+    want = greedy_session(cold, GEN)
     # live: the session that decoded r1 is extended (canonicalized first)
     a.sync(p2)
-    assert greedy(a) == want
+    assert greedy_session(a, GEN) == want
     # disk: a state stored after turn 1 (its export is canonical) loaded anew
     b = prefilled(can, p1)
-    greedy(b)
+    greedy_session(b, GEN)
     arrays, n = b.export_arrays(), b.n_past
     d = ds4.Session(can, ctx=1024)
     d.load_arrays(arrays, n)
     d.sync(p2)
-    assert greedy(d) == want
+    assert greedy_session(d, GEN) == want
 
 
 @pytest.mark.parametrize("back", [3, GEN // 2, GEN + 5])
@@ -128,7 +119,7 @@ def test_a_rewind_into_or_before_the_reply_is_a_prefills(engines, back):
         back = GEN
     p = text_tokens(can, 240)
     s = prefilled(can, p)
-    greedy(s)
+    greedy_session(s, GEN)
     keep = s.n_past - back
     assert s.rewind(keep)
     # a memory that cannot rewind goes back through the state kept at the
@@ -144,7 +135,7 @@ def test_strict_and_canonical_states_are_one_abi(engines):
     assert can.payload_abi() == strict.payload_abi()
     p = text_tokens(can, 200)
     s = prefilled(can, p)
-    greedy(s)
+    greedy_session(s, GEN)
     arrays, n, toks = s.export_arrays(), s.n_past, s.tokens
     t = ds4.Session(strict, ctx=1024)
     t.load_arrays(arrays, n)
@@ -199,14 +190,12 @@ def _chat(srv, msgs):
     return r.choices[0].message.content, (r.model_extra or {}).get("ds4", {})
 
 
-def test_a_canonical_server_is_exact_live_and_from_disk(tmp_path):
+def test_a_canonical_server_is_exact_live_and_from_disk(tmp_path, serve):
     """``ds4 serve --exact canonical``: the worker canonicalizes a reply
     once it is sent, so the next turn waits for nothing (``canonicalize_ms``
     0) and extends a prefill's state; the same turn after a restart resumes
     from disk; both reply as a cold server does."""
     import signal
-
-    from test_server import Server
 
     msgs = [
         {"role": "system", "content": "You keep the harbour's tide log and answer from it. " * 50},
@@ -214,7 +203,7 @@ def test_a_canonical_server_is_exact_live_and_from_disk(tmp_path):
     ]
     flags = ("--model", model_path("smollm2"), "--exact", "canonical")
     kv = str(tmp_path / "kv")
-    srv = Server(str(tmp_path), "a", *flags, "--kv-disk-dir", kv, engine="llamacpp", ctx=2048).start(timeout=300)
+    srv = serve(*flags, "--kv-disk-dir", kv, name="a", tmp=tmp_path, engine="llamacpp", ctx=2048, timeout=300)
     try:
         first, _ = _chat(srv, msgs)
         msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "And at the south berth?"}]
@@ -222,13 +211,13 @@ def test_a_canonical_server_is_exact_live_and_from_disk(tmp_path):
         assert info["rung"] == "live" and info["canonicalize_ms"] == 0, info
     finally:
         srv.stop(signal.SIGTERM)
-    srv = Server(str(tmp_path), "b", *flags, "--kv-disk-dir", kv, engine="llamacpp", ctx=2048).start(timeout=300)
+    srv = serve(*flags, "--kv-disk-dir", kv, name="b", tmp=tmp_path, engine="llamacpp", ctx=2048, timeout=300)
     try:
         disk, info = _chat(srv, msgs)
         assert info["rung"] == "disk" and info["reused_tokens"] > 0, info
     finally:
         srv.stop(signal.SIGTERM)
-    cold_srv = Server(str(tmp_path), "cold", *flags, engine="llamacpp", ctx=2048).start(timeout=300)
+    cold_srv = serve(*flags, name="cold", tmp=tmp_path, engine="llamacpp", ctx=2048, timeout=300)
     try:
         cold, info = _chat(cold_srv, msgs)
         assert info["rung"] == "prefill", info

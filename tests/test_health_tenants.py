@@ -16,8 +16,8 @@ import time
 
 import httpx
 import pytest
+from helpers.server import KV_FLAGS, topic_chat
 from starlette.testclient import TestClient
-from test_server import KV_FLAGS, Server, _conv
 
 from ds4.engines.reference import ReferenceContext
 from ds4.server.app import create_app
@@ -33,25 +33,22 @@ OPERATOR_FIELDS = {"status", "model", "engine", "payload_abi", "queued", "busy",
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+def srv(serve_module, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("health")
     keys = tmp / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\nops:{KOPS}\n", encoding="utf-8")
-    s = Server(
-        str(tmp),
-        "health",
+    return serve_module(
         "--api-key-file",
         str(keys),
         "--admin-tenant",
         "ops",
-        "--kv-disk-dir",
-        str(tmp / "kv"),
         *KV_FLAGS,
         "--debug",  # paths would show in the operator's view: never in a tenant's
+        name="health",
+        tmp=tmp,
+        kv=True,
         key=KOPS,
-    ).start()
-    yield s
-    s.stop()
+    )
 
 
 def _health(srv, key) -> httpx.Response:
@@ -86,7 +83,7 @@ def _a_traffic(srv) -> dict:
         d = getattr(usage, "prompt_tokens_details", None)
         seen["cached_tokens"] += d.cached_tokens if d is not None else 0
 
-    msgs = _conv("alice-secret-project", 30)
+    msgs = topic_chat("alice-secret-project", 30)
     r = a.chat.completions.create(model=model, messages=msgs, max_tokens=4)
     count(r.usage)
     msgs = [*msgs, {"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "More?"}]
@@ -139,7 +136,7 @@ def test_a_tenant_sees_nothing_of_another_tenants_traffic(srv):
     assert alice["tenant"] == {"name": "alice", "counters": ops1["tenants"]["alice"]}
 
     # bob's own request moves bob's counters, and only his; alice's next ones do not
-    r = srv.client(KB).chat.completions.create(model=srv.model(), messages=_conv("bob-topic"), max_tokens=2)
+    r = srv.client(KB).chat.completions.create(model=srv.model(), messages=topic_chat("bob-topic"), max_tokens=2)
     b1 = _health(srv, KB)
     mine = b1.json()["tenant"]["counters"]
     assert mine["requests"] == 1 and mine["prompt_tokens"] == r.usage.prompt_tokens
@@ -154,7 +151,9 @@ def test_a_tenants_view_while_another_tenants_stream_runs(srv):
     live), bob's /health is the same bytes as before she started."""
     b0 = _health(srv, KB).content
     a = srv.client(KA)
-    stream = a.chat.completions.create(model=srv.model(), messages=_conv("alice-long", 60), max_tokens=64, stream=True)
+    stream = a.chat.completions.create(
+        model=srv.model(), messages=topic_chat("alice-long", 60), max_tokens=64, stream=True
+    )
     try:
         next(iter(stream))  # her job has started
         assert _health(srv, KB).content == b0
@@ -163,20 +162,17 @@ def test_a_tenants_view_while_another_tenants_stream_runs(srv):
     assert _health(srv, KB).content == b0
 
 
-def test_a_server_without_keys_shows_everyone_the_operators_view(tmp_path):
-    srv = Server(str(tmp_path), "nokeys", "--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS).start()
-    try:
-        h0 = srv.health()
-        assert OPERATOR_FIELDS <= set(h0) and "dir" not in h0["kv"]  # the directory only with --debug
-        assert h0["queued"] == 0 and h0["busy"] is False and h0["tenants"] == {}
-        r = srv.client().chat.completions.create(model=srv.model(), messages=_conv("single-user"), max_tokens=2)
-        h1 = _settled(lambda: httpx.get(srv.base + "/health", timeout=10))
-        assert h1["counters"]["requests"] == h0["counters"]["requests"] + 1
-        assert h1["session"]["n_past"] >= r.usage.prompt_tokens
-        assert h1["tenants"]["anonymous"]["requests"] == 1
-        assert h1["tenants"]["anonymous"]["prompt_tokens"] == r.usage.prompt_tokens
-    finally:
-        srv.stop()
+def test_a_server_without_keys_shows_everyone_the_operators_view(tmp_path, serve):
+    srv = serve("--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS, name="nokeys", tmp=tmp_path)
+    h0 = srv.health()
+    assert OPERATOR_FIELDS <= set(h0) and "dir" not in h0["kv"]  # the directory only with --debug
+    assert h0["queued"] == 0 and h0["busy"] is False and h0["tenants"] == {}
+    r = srv.client().chat.completions.create(model=srv.model(), messages=topic_chat("single-user"), max_tokens=2)
+    h1 = _settled(lambda: httpx.get(srv.base + "/health", timeout=10))
+    assert h1["counters"]["requests"] == h0["counters"]["requests"] + 1
+    assert h1["session"]["n_past"] >= r.usage.prompt_tokens
+    assert h1["tenants"]["anonymous"]["requests"] == 1
+    assert h1["tenants"]["anonymous"]["prompt_tokens"] == r.usage.prompt_tokens
 
 
 def _args(*argv: str) -> argparse.Namespace:

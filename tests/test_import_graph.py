@@ -1,18 +1,20 @@
-"""The package's import graph has no circle (issue 24: the house's circles
-came back once, between the pool and the worker and between ``ds4 bench``
-and its pool bench, before this test held them).
+"""The package's import graph has no circle (the house's circles came back
+once, between the pool and the worker and between ``ds4 bench`` and its pool
+bench, before this test held them), and the store is one door: none of its
+parts imports the store back, and no module outside it reaches its index.
 
 Every ``import`` and ``from ... import`` statement of every module under
 ``python/ds4/`` counts, wherever it stands (a function's lazy import and a
 ``TYPE_CHECKING`` one too: a circle of types is still a circle). An
-import of a module's own package (``from . import KVStore`` in
-``ds4/kvstore/loads.py``) is the package's face, not a part, and does not
-count; nor do names a module resolves at run time (``importlib``)."""
+import of a module's own package (``from . import X``) is the package's
+face, not a part, and does not count for a circle; nor do names a module
+resolves at run time (``importlib``)."""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 
 import ds4
 
@@ -117,3 +119,45 @@ def test_the_circle_finder_finds_a_circle():
     edges = graph()
     edges["ds4.server.pool"].add("ds4.server.worker")
     assert ["ds4.server.pool", "ds4.server.worker"] in circles(edges)
+
+
+def _package_imports(path: str) -> list[int]:
+    """The lines of ``path`` that import a name of its own package's face
+    (``from . import KVStore``; ``from . import sibling`` is a module)."""
+    here = os.path.dirname(path)
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        and n.level == 1
+        and n.module is None
+        and any(not os.path.exists(os.path.join(here, a.name + ".py")) for a in n.names)
+    ]
+
+
+def test_no_part_of_the_store_imports_the_store_back():
+    """The store's parts take what they need (``kvstore/parts.py``'s
+    ``StoreParts``, or narrower), never the whole ``KVStore``: not even for
+    a type."""
+    back = {
+        name: lines
+        for name, path in _modules().items()
+        if name.startswith("ds4.kvstore.") and (lines := _package_imports(path))
+    }
+    assert back == {}
+
+
+def test_no_module_outside_the_store_reaches_its_index():
+    """Outside ``ds4/kvstore/`` the store is used through its methods: its
+    index (``store.index``, and the core's ``StoreIndex`` inside it) is the
+    store's own."""
+    reach = re.compile(r"\bstore\.index\b|\.index\.idx\b|\.index\._idx\b")
+    found = []
+    for name, path in _modules().items():
+        if name.startswith("ds4.kvstore"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            found += [f"{name}:{i}" for i, line in enumerate(f, 1) if reach.search(line)]
+    assert found == []

@@ -78,7 +78,7 @@ def test_a_name_dropped_while_its_file_was_rewritten_is_indexed_by_the_next_look
         f.write(good[:100])
     st.refresh(force=True)  # the scan that reads it torn
     assert torn["n"] == 1 and Path(path).read_bytes() == good  # kept: it changed since it was judged
-    assert st.index.idx.get(name) is None  # dropped from the index
+    assert st.index.row(name) is None  # dropped from the index
     # the directory's mtime as the index last saw it: as when the store's
     # own index write lands in the same tick of the kernel's coarse clock,
     # or the lock was busy and no index file was written (an in-place

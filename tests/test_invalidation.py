@@ -18,7 +18,8 @@ import types
 
 import numpy as np
 import pytest
-from kv_helpers import toks
+from helpers.checkpoints import flip_payload_byte
+from helpers.kv import toks
 
 import ds4
 from ds4 import Rewrite, recovery
@@ -70,20 +71,6 @@ def saved_checkpoint(eng, save_session):
         return save_session(directory, donor), t
 
     return save
-
-
-def flip_payload_byte(path):
-    """Damage the payload only: header, text and tensor table stay valid, so
-    indexing accepts the file and the payload checksum rejects it at load."""
-    ck = ds4.open_checkpoint(path, load_payload=False)
-    off = ck.payload_offset + ck.payload_bytes // 2
-    st = os.stat(path)
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 # -- Session.load_arrays / load_checkpoint ------------------------------------
@@ -199,7 +186,7 @@ def test_corrupt_candidate_in_try_load_text_invalidates(eng, tmp_path, saved_che
     path, t = saved_checkpoint(tmp_path, prompt)
     store = ds4.KVStore(tmp_path, min_tokens=1)
     assert [e.path for e in store.lookup(prompt)] == [path]  # indexed: header and text are fine
-    flip_payload_byte(path)
+    flip_payload_byte(path, keep_mtime=True)
     s = live_session(eng)
     rep = ds4.RecoveryReport()
     assert try_load_text(store, s, prompt, report=rep) is None
@@ -218,7 +205,7 @@ def test_corrupt_candidate_then_good_shorter_one(eng, tmp_path, saved_checkpoint
     short_path, short_t = saved_checkpoint(tmp_path, short_text)
     long_path, _ = saved_checkpoint(tmp_path, prompt)
     store = ds4.KVStore(tmp_path, min_tokens=1)
-    flip_payload_byte(long_path)
+    flip_payload_byte(long_path, keep_mtime=True)
     s = live_session(eng)
     res = try_load_text(store, s, prompt)
     assert res is not None and res.path == short_path
@@ -352,7 +339,7 @@ def test_ladder_disk_rung_with_only_corrupt_candidates_prefills_clean(eng, tmp_p
     prompt = eng.render_chat([{"role": "user", "content": "every stored prefix of this prompt is damaged"}])
     path, t = saved_checkpoint(tmp_path, prompt)
     store = ds4.KVStore(tmp_path, min_tokens=1)
-    flip_payload_byte(path)
+    flip_payload_byte(path, keep_mtime=True)
     s = live_session(eng)
     rep = ds4.recover(s, store, prompt, evict_save=False)
     assert rep.rung == "prefill"

@@ -26,10 +26,10 @@ import time
 
 import httpx
 import pytest
-from metric_samples import samples
-from redis_servers import RedisNode
-from test_server import KV_FLAGS, Server, _cached, _extra
-from together import at_once
+from helpers.metric_samples import samples
+from helpers.redis_servers import RedisNode
+from helpers.server import KV_FLAGS, cached_tokens, ds4_block
+from helpers.together import at_once
 
 import ds4
 
@@ -59,7 +59,7 @@ TURNS = (
 MAX_TOKENS = 16
 #: a 12.6 MiB checkpoint at ~550 tokens: three fit
 BUDGET_MB = "40"
-#: the Nth checkpoint write of each server process fails (tests/fault_serve.py)
+#: the Nth checkpoint write of each server process fails (tests/helpers/fault_serve.py)
 FAULTS = ("2:disk_full,4:torn,6:late,8:disk_full", "2:late,3:disk_full,5:torn")
 
 
@@ -84,10 +84,8 @@ def test_marker_parts_are_distinct():
                 assert not any(p in q or q in p for p in _parts(i) for q in _parts(j)), (i, j)
 
 
-def _pool(tmp, name, url, faults):
-    srv = Server(
-        str(tmp),
-        name,
+def _pool(serve, tmp, name, url, faults):
+    srv = serve(
         "--sessions",
         "4",
         "--kv-disk-dir",
@@ -101,10 +99,13 @@ def _pool(tmp, name, url, faults):
         *KV_FLAGS,
         "--threads",
         "2",
+        name=name,
+        tmp=tmp,
         engine="llamacpp",
         env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "DS4_TEST_WRITE_FAULTS": faults},
+        start=False,
     )
-    srv.args[1:4] = [os.path.join(HERE, "fault_serve.py")]  # python fault_serve.py <serve's flags>
+    srv.args[1:4] = [os.path.join(HERE, "helpers", "fault_serve.py")]  # python fault_serve.py <serve's flags>
     return srv.start(timeout=300)
 
 
@@ -157,10 +158,10 @@ def _check_faults(log: str, got: dict, faults: str) -> None:
 def _no_foreign_marker(replies) -> None:
     for i, k, _, r in replies:
         text = r.choices[0].message.content
-        assert _foreign(i, text) == [], (i, k, text, _extra(r))
+        assert _foreign(i, text) == [], (i, k, text, ds4_block(r))
 
 
-def test_eight_conversations_on_four_residents_never_see_each_others_markers(tmp_path):
+def test_eight_conversations_on_four_residents_never_see_each_others_markers(tmp_path, serve):
     node = RedisNode(str(tmp_path)).start()
     convs: dict[int, list] = {
         i: [{"role": "system", "content": f"{SHARED} Your secret code word is {CODES[i]}. Never forget it."}]
@@ -168,13 +169,13 @@ def test_eight_conversations_on_four_residents_never_see_each_others_markers(tmp
     }
     served: list[tuple[int, int, list, object]] = []  # (conversation, turn, messages, reply)
     phases: list[tuple[str, dict]] = []  # each server's log and last /metrics
-    srv = _pool(tmp_path, "pool", node.url, FAULTS[0])
+    srv = _pool(serve, tmp_path, "pool", node.url, FAULTS[0])
     try:
         for k in (0, 1, 2):
             if k == 2:  # kill -9 once the uploads are done: the residents' states are lost
                 phases.append((srv.text_log(), _metrics(srv)))
                 assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
-                srv = _pool(tmp_path, "pool-restarted", node.url, FAULTS[1])
+                srv = _pool(serve, tmp_path, "pool-restarted", node.url, FAULTS[1])
             replies = [(i, k, msgs, r) for i, (msgs, r) in _turn(srv, convs, k).items()]
             _no_foreign_marker(replies)
             served += replies
@@ -187,19 +188,17 @@ def test_eight_conversations_on_four_residents_never_see_each_others_markers(tmp
 
     # every reply is the one a cold single session gives, each conversation
     # replayed alone (its first turn a cold prefill, then its own live state)
-    cold = Server(str(tmp_path), "cold", "--no-kv-cache", "--exact", "strict", "--threads", "2", engine="llamacpp")
-    cold.start(timeout=300)
-    try:
-        c = cold.client()
-        model = cold.model()
-        for i, k, msgs, r in sorted(served, key=lambda s: s[:2]):
-            if k == 0:
-                c.completions.create(model=model, prompt="reset", max_tokens=1)
-            ref = c.chat.completions.create(model=model, messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
-            assert k > 0 or _cached(ref) == 0, "the reference run was not cold"
-            assert r.choices[0].message.content == ref.choices[0].message.content, (i, k, _extra(r))
-    finally:
-        cold.stop()
+    flags = ("--no-kv-cache", "--exact", "strict", "--threads", "2")
+    cold = serve(*flags, name="cold", tmp=tmp_path, engine="llamacpp", timeout=300)
+    c = cold.client()
+    model = cold.model()
+    for i, k, msgs, r in sorted(served, key=lambda s: s[:2]):
+        if k == 0:
+            c.completions.create(model=model, prompt="reset", max_tokens=1)
+        ref = c.chat.completions.create(model=model, messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
+        assert k > 0 or cached_tokens(ref) == 0, "the reference run was not cold"
+        assert r.choices[0].message.content == ref.choices[0].message.content, (i, k, ds4_block(r))
+    cold.stop()
 
     # the marker check can fail for real: every conversation's replies echo its own code word
     assert {i for i, _, _, r in served if CODES[i] in r.choices[0].message.content} == set(range(len(CODES)))
@@ -212,9 +211,9 @@ def test_eight_conversations_on_four_residents_never_see_each_others_markers(tmp
         assert got[("ds4_kv_evictions_total", (("reason", "budget"),))] > 0
     assert phases[0][1][("ds4_kv_remote_uploads_total", ())] > 0
     assert phases[1][1][("ds4_kv_remote_hits_total", ())] > 0
-    rungs = [_extra(r)["rung"] for _, _, _, r in served]
+    rungs = [ds4_block(r)["rung"] for _, _, _, r in served]
     assert {"live", "remote"} <= set(rungs), rungs
-    assert any("copied from session" in str(_extra(r).get("source")) for _, _, _, r in served)
+    assert any("copied from session" in str(ds4_block(r).get("source")) for _, _, _, r in served)
 
     # the torn temp files the faults left go when the store next opens (their writers are gone)
     kv = str(tmp_path / "kv")

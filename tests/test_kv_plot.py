@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 import pytest
-from test_cli import ds4_cmd
+from helpers.procs import ds4_cmd
 
 from ds4 import _core
 from ds4.cli import plot

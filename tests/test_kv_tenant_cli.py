@@ -15,8 +15,8 @@ import shutil
 
 import httpx
 import pytest
-from test_cli import ds4_cmd, ds4_json
-from test_server import KV_FLAGS, Server, _conv
+from helpers.procs import ds4_cmd, ds4_json
+from helpers.server import KV_FLAGS, topic_chat
 
 import ds4
 from ds4.kvstore import KVStore
@@ -201,13 +201,11 @@ def test_the_summary_counts_tenants_from_the_index_alone(tenants_dir, tmp_path, 
 KA, KB, KOPS = "sk-gcshare-alice", "sk-gcshare-bob", "sk-gcshare-ops"
 
 
-def test_the_operators_health_shows_each_tenants_bytes_a_tenants_does_not(tmp_path):
+def test_the_operators_health_shows_each_tenants_bytes_a_tenants_does_not(tmp_path, serve):
     keys = tmp_path / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\nops:{KOPS}\n", encoding="utf-8")
     kv = tmp_path / "kv"
-    srv = Server(
-        str(tmp_path),
-        "gcshare",
+    srv = serve(
         "--api-key-file",
         str(keys),
         "--admin-tenant",
@@ -215,27 +213,26 @@ def test_the_operators_health_shows_each_tenants_bytes_a_tenants_does_not(tmp_pa
         "--kv-disk-dir",
         str(kv),
         *KV_FLAGS,
+        name="gcshare",
+        tmp=tmp_path,
         key=KOPS,
-    ).start()
+    )
     get = lambda key: httpx.get(srv.base + "/health", headers={"Authorization": f"Bearer {key}"}, timeout=10)  # noqa: E731
-    try:
-        model = srv.model()
-        b0 = get(KB)
-        srv.client(KA).chat.completions.create(model=model, messages=_conv("alice-gcshare", 30), max_tokens=2)
-        srv.client(KB).chat.completions.create(model=model, messages=_conv("bob-gcshare", 30), max_tokens=2)
-        for _ in range(200):  # the operator's status is a snapshot taken after each job
-            h = get(KOPS).json()
-            if not h["busy"] and {"alice", "bob"} <= set(h["kv"]["tenants"]):
-                break
-        on_disk = KVStore(kv, trust_dir=True).tenant_usage()
-        assert h["kv"]["tenants"] == on_disk and {"alice", "bob"} <= set(on_disk)
-        assert all(v["bytes"] > 0 and v["checkpoints"] > 0 for v in on_disk.values())
-        assert sum(v["bytes"] for v in on_disk.values()) == h["kv"]["bytes"]
-        # a tenant's view: its own name and counters, never the store's tenants
-        for key, name in ((KA, "alice"), (KB, "bob")):
-            body = get(key)
-            assert set(body.json()) == {"status", "model", "engine", "payload_abi", "tenant"}
-            assert "tenants" not in body.text and body.json()["tenant"]["name"] == name
-        assert "tenants" not in b0.text and "kv" not in json.loads(b0.text)
-    finally:
-        srv.stop()
+    model = srv.model()
+    b0 = get(KB)
+    srv.client(KA).chat.completions.create(model=model, messages=topic_chat("alice-gcshare", 30), max_tokens=2)
+    srv.client(KB).chat.completions.create(model=model, messages=topic_chat("bob-gcshare", 30), max_tokens=2)
+    for _ in range(200):  # the operator's status is a snapshot taken after each job
+        h = get(KOPS).json()
+        if not h["busy"] and {"alice", "bob"} <= set(h["kv"]["tenants"]):
+            break
+    on_disk = KVStore(kv, trust_dir=True).tenant_usage()
+    assert h["kv"]["tenants"] == on_disk and {"alice", "bob"} <= set(on_disk)
+    assert all(v["bytes"] > 0 and v["checkpoints"] > 0 for v in on_disk.values())
+    assert sum(v["bytes"] for v in on_disk.values()) == h["kv"]["bytes"]
+    # a tenant's view: its own name and counters, never the store's tenants
+    for key, name in ((KA, "alice"), (KB, "bob")):
+        body = get(key)
+        assert set(body.json()) == {"status", "model", "engine", "payload_abi", "tenant"}
+        assert "tenants" not in body.text and body.json()["tenant"]["name"] == name
+    assert "tenants" not in b0.text and "kv" not in json.loads(b0.text)

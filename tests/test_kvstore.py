@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kv_helpers import prefilled
+from helpers.kv import prefilled
 
 import ds4
 from ds4 import _core
@@ -352,7 +352,7 @@ def test_reject_different_quant(eng, tmp_path):
 
 
 # The SHAttered identical-prefix SHA-1 collision (Stevens et al., 2017), the
-# pair rust/tests/errors.rs uses: two different 320-byte messages with the
+# pair rust/tests/errors_text.rs uses: two different 320-byte messages with the
 # same SHA-1 (and the same internal state, so any common suffix keeps them
 # colliding).
 SHATTERED_PREFIX = bytes.fromhex(

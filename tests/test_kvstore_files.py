@@ -19,13 +19,12 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 import pytest
+from helpers.procs import ds4_cmd
 
 import ds4
 from ds4 import kvstore
@@ -77,10 +76,6 @@ def _read(p) -> bytes:
         return f.read()
 
 
-def ds4_cmd(*args):
-    return subprocess.run([sys.executable, "-m", "ds4", *map(str, args)], capture_output=True, text=True, timeout=120)
-
-
 # -- the judged version only ------------------------------------------------------
 
 
@@ -130,7 +125,7 @@ def test_forced_interleaving_during_a_load_keeps_the_fresh_file(tmp_path, monkey
     good = str(tmp_path / "good.kv")
     shutil.copy(path, good)
     _corrupt(path)
-    real = kvstore.loads.open_checkpoint  # where a load opens a file
+    real = kvstore.admission.open_checkpoint  # where a load opens a file
 
     def racing_open(p, **kw):
         try:
@@ -139,11 +134,11 @@ def test_forced_interleaving_during_a_load_keeps_the_fresh_file(tmp_path, monkey
             os.replace(good, p)  # lands after the verdict, before the discard
             raise
 
-    monkeypatch.setattr(kvstore.loads, "open_checkpoint", racing_open)
+    monkeypatch.setattr(kvstore.admission, "open_checkpoint", racing_open)
     fresh = ds4.Session(eng, ctx=512)
     assert try_load_text(store, fresh, TEXT) is None  # this load saw the corrupt version
     assert not fresh.checkpoint_valid
-    monkeypatch.setattr(kvstore.loads, "open_checkpoint", real)
+    monkeypatch.setattr(kvstore.admission, "open_checkpoint", real)
     assert os.path.exists(path)
     store.refresh(force=True)
     res = try_load_text(store, fresh, TEXT)
@@ -322,13 +317,15 @@ def test_kv_gc_and_rm_ignore_non_regular_entries(tmp_path, write_ck):
     d, entries, snap = _hostile_dir(tmp_path, write_ck)
     q = tmp_path / "q"
     real_bytes = os.path.getsize(d / _name(TEXT))
-    p = ds4_cmd("kv", "gc", d, "--budget-mb", "0.000001", "--tmp-age", "0", "--quarantine-dir", q, "--json")
+    p = ds4_cmd(
+        "kv", "gc", d, "--budget-mb", "0.000001", "--tmp-age", "0", "--quarantine-dir", q, "--json", check=False
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["removed_corrupt"] == [] and out["removed_temp"] == [] and out["quarantined"] == []
     assert {k["name"] for k in out["kept_unusable"]} == {n for n in entries if n.endswith(".kv")}
     assert out["bytes_before"] == real_bytes  # a symlink's target is not counted
-    p = ds4_cmd("kv", "rm", d, "--all")
+    p = ds4_cmd("kv", "rm", d, "--all", check=False)
     assert p.returncode != 0 and "not a regular file" in p.stderr
     _unchanged(d, entries, snap)
     assert not (d / _name(TEXT)).exists()  # the one regular file: gc evicted it (or rm removed it)
@@ -346,14 +343,14 @@ def test_kv_rm_never_touches_a_path_outside_the_directory(tmp_path, write_ck):
     twin = write_ck(o, TEXT)  # same name, outside
     other = write_ck(o, "another text entirely " * 3)
     for target in (twin, other, "../elsewhere/" + os.path.basename(other)):
-        p = ds4_cmd("kv", "rm", d, target)
+        p = ds4_cmd("kv", "rm", d, target, check=False)
         assert p.returncode != 0 and "is not in" in p.stderr, (target, p.stderr)
     assert os.path.exists(inside) and os.path.exists(twin) and os.path.exists(other)
     # the store's own remove reduces a path to its name: DIR's file, never the outside one
     assert KVStore(d, scan=False).remove(twin) is True
     assert not os.path.exists(inside) and os.path.exists(twin)
     inside = write_ck(d, TEXT)
-    p = ds4_cmd("kv", "rm", d, inside)  # a path inside the directory is fine
+    p = ds4_cmd("kv", "rm", d, inside, check=False)  # a path inside the directory is fine
     assert p.returncode == 0 and not os.path.exists(inside)
 
 
@@ -429,14 +426,35 @@ def test_kv_verify_counts_ignored_entries_apart_from_failures(tmp_path, write_ck
     the store: ``kv verify`` reports them as ignored, not as failures, and
     exits 0 when every real checkpoint verifies."""
     d, entries, snap = _hostile_dir(tmp_path, write_ck)
-    p = ds4_cmd("kv", "verify", d, "--json")
+    p = ds4_cmd("kv", "verify", d, "--json", check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     out = json.loads(p.stdout)
     kv_entries = {n for n in entries if n.endswith(".kv")}
     assert out["ok"] == 1 and out["failed"] == 0 and out["ignored"] == len(kv_entries)
     assert {f["name"] for f in out["files"] if f.get("status") == "ignored"} == kv_entries
-    text = ds4_cmd("kv", "verify", d).stdout
+    text = ds4_cmd("kv", "verify", d, check=False).stdout
     assert f"1 ok, 0 failed, {len(kv_entries)} ignored" in text and "FAIL" not in text
     _corrupt(d / _name(TEXT))
-    assert ds4_cmd("kv", "verify", d).returncode == 1  # a real failure still fails
+    assert ds4_cmd("kv", "verify", d, check=False).returncode == 1  # a real failure still fails
     _unchanged(d, entries, snap)
+
+
+def test_the_store_names_its_files(tmp_path):
+    """``KVStore.path_for``: a key's file for a model (``<sha>-<tag>.kv``)
+    or an earlier release's (``<sha>.kv``), always inside the directory; a
+    key that is not 40 hex digits is refused. ``find_named``
+    prefers the model's own file to an earlier release's."""
+    st = KVStore(tmp_path)
+    sha, abi = "ab" * 20, "llama.cpp:model-a"
+    own, legacy = st.path_for(sha, abi), st.path_for(sha)
+    assert own == os.path.join(st.dir, kvstore.checkpoint_name(sha, abi)) and own != legacy
+    assert legacy == os.path.join(st.dir, sha + ".kv")
+    assert st.path_for(sha, "llama.cpp:model-b") != own  # another model, another name
+    for bad in ("ab" * 19, "ab" * 21, "xy" * 20, "../" + "a" * 37, "a" * 39 + "/", ""):
+        with pytest.raises(ValueError):
+            st.path_for(bad, abi)
+    assert st.find_named(sha, abi) is None
+    open(legacy, "wb").close()
+    assert st.find_named(sha, abi) == legacy
+    open(own, "wb").close()
+    assert st.find_named(sha, abi) == own

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from cknames import stored_name, stored_path
-from kv_helpers import BASE, prefilled
+from helpers.checkpoints import stored_name, stored_path
+from helpers.kv import BASE, prefilled
 
 import ds4
 from ds4 import _core, kvstore
@@ -247,8 +247,8 @@ def test_indexing_reads_the_header_not_the_text(eng, tmp_path, monkeypatch, cold
     liar = tmp_path / ("0" * 40 + ".kv")
     shutil.copyfile(paths[2], liar)  # a header recording another name's SHA-1
     calls = []
-    real_open = kvstore.loads.open_checkpoint  # where a load opens a file
-    monkeypatch.setattr(kvstore.loads, "open_checkpoint", lambda p, **kw: (calls.append(p), real_open(p, **kw))[1])
+    real_open = kvstore.admission.open_checkpoint  # where a load opens a file
+    monkeypatch.setattr(kvstore.admission, "open_checkpoint", lambda p, **kw: (calls.append(p), real_open(p, **kw))[1])
     st = _store(tmp_path)
     assert calls == []  # no file was opened through the pipeline (its text hashed) to index it
     assert os.path.basename(victim) in {e.name for e in st.entries()}

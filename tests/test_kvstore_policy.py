@@ -18,8 +18,9 @@ import types
 from pathlib import Path
 
 import pytest
-from cknames import stored_name, stored_path
-from kv_helpers import BASE, prefilled
+from helpers.checkpoints import flip_payload_byte, stored_name, stored_path
+from helpers.kv import BASE, prefilled
+from helpers.procs import dead_pid
 
 import ds4
 from ds4 import kvstore
@@ -32,28 +33,15 @@ SHA = "ab" * 20
 
 
 def _clock(monkeypatch, t):
-    """Pin ``time.time()`` as the store sees it (its eviction, and the hits
-    its loads stamp)."""
+    """Pin ``time.time()`` as the store sees it (its eviction, the hits its
+    loads stamp, a quarantined file's tag)."""
     fake = types.SimpleNamespace(time=lambda: t, perf_counter=time.perf_counter)
-    monkeypatch.setattr(kvstore, "time", fake)
-    monkeypatch.setattr(kvstore.loads, "time", fake)
+    for part in (kvstore.eviction, kvstore.admission, kvstore.remove):
+        monkeypatch.setattr(part, "time", fake)
 
 
 def _header(path):
     return ds4.open_checkpoint(path, load_payload=False)
-
-
-def _flip_payload_byte(path):
-    """Flip the lowest mantissa bit of the first logit: the value stays
-    finite and plausible, only the payload checksum notices."""
-    ck = ds4.open_checkpoint(path, load_payload=False)
-    [off] = [o for (name, _dt, _shape, o, _n) in ck.tensor_table() if name == "logits"]
-    off += ck.payload_offset
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 1]))
 
 
 def _codes(rep):
@@ -111,12 +99,6 @@ def test_score_formula_edges():
 # -- temp files ------------------------------------------------------------------
 
 
-def _dead_pid():
-    p = subprocess.Popen(["true"])
-    p.wait()
-    return p.pid
-
-
 def test_temp_writer_pid_per_writer_scheme():
     assert temp_writer_pid(f".{SHA}.kv.tmp.1234.9f8e7d") == 1234  # ours
     assert temp_writer_pid(f".{SHA}.kv.tmp.1234") == 1234
@@ -134,7 +116,7 @@ def test_temp_is_orphaned_at_exactly_the_age_limit():
     assert temp_is_orphaned(name, 1000.0, 1010.0, max_age=10) is False
     assert temp_is_orphaned(name, 1000.0, 1011.0, max_age=10) is True
     # a dead writer's file of our own writer, in this PID namespace, is orphaned at once
-    dead = _dead_pid()
+    dead = dead_pid()
     here = pid_space()
     assert here != "x"
     assert temp_is_orphaned(f".{SHA}.kv.tmp.{dead}.{here}.9f8e", 1000.0, 1000.0) is True
@@ -357,7 +339,7 @@ def test_corrupt_candidates_are_quarantined(eng, tmp_path, monkeypatch):
     st = KVStore(d, min_tokens=8, quarantine_dir=qd)
     paths = [st.store_live_prefix(prefilled(eng, BASE[:k])) for k in (30, 60)]
     for p in paths:
-        _flip_payload_byte(p)
+        flip_payload_byte(p, tensor="logits", mask=1)
     T = 1_750_000_123
     _clock(monkeypatch, T)
     sess = prefilled(eng, "a live session, soon invalid")
@@ -381,7 +363,7 @@ def test_corrupt_candidates_are_quarantined(eng, tmp_path, monkeypatch):
 def test_corrupt_candidate_removed_then_shorter_one_loads(eng, tmp_path):
     st = KVStore(tmp_path, min_tokens=8)
     short, long_ = (st.store_live_prefix(prefilled(eng, BASE[:k])) for k in (30, 60))
-    _flip_payload_byte(long_)
+    flip_payload_byte(long_, tensor="logits", mask=1)
     rep = RecoveryReport()
     sess = ds4.Session(eng, ctx=4096)
     r = try_load_text(st, sess, BASE[:60] + "?", report=rep)
@@ -399,7 +381,7 @@ def test_foreign_abi_file_is_kept_even_with_a_damaged_payload(eng, tmp_path, sav
     for k in (30, 60):
         s = prefilled(eng, BASE[:k])
         p = save_session(tmp_path, s, abi="another-engine/9")
-        _flip_payload_byte(p)
+        flip_payload_byte(p, tensor="logits", mask=1)
         paths.append(p)
     st = KVStore(tmp_path, min_tokens=8)
     rep = RecoveryReport()
@@ -439,7 +421,7 @@ def test_checksum_and_mmap_options_reach_the_load(eng, tmp_path):
         assert try_load_text(KVStore(tmp_path, min_tokens=8, mmap=mm), s, text + "?") is not None
         assert s.mapped is mm
     # with verify_checksum=False a flipped payload bit is not looked for
-    _flip_payload_byte(p)
+    flip_payload_byte(p, tensor="logits", mask=1)
     st = KVStore(tmp_path, min_tokens=8, verify_checksum=False)
     r = try_load_text(st, ds4.Session(eng, ctx=4096), text + "?")
     assert r is not None and r.path == p and os.path.exists(p)
@@ -502,7 +484,7 @@ def test_stale_index_entry_is_rechecked_against_the_context(eng, tmp_path):
     os.utime(p, ns=(1, 1))
     rep = RecoveryReport()
     assert try_load_text(st, sess, text + "?", report=rep) is None
-    assert rep.rejected == [] and st.stats["rejected"] == 1 and st.index.idx.get(os.path.basename(p))[2] == n
+    assert rep.rejected == [] and st.stats["rejected"] == 1 and st.index.row(os.path.basename(p))[2] == n
 
 
 def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
@@ -512,9 +494,9 @@ def test_candidate_removed_behind_the_index_falls_back(eng, tmp_path):
     before = os.stat(tmp_path)
     os.unlink(long_)  # another process removed it...
     _pin_dir_mtime(tmp_path, before)  # ...and a rescan cannot tell
-    assert st.index.idx.get(os.path.basename(long_)) is not None  # still indexed
+    assert st.index.row(os.path.basename(long_)) is not None  # still indexed
     assert [e.path for e in st.lookup(BASE[:60] + "?")] == [short]  # the stat before the offer can
-    assert st.index.idx.get(os.path.basename(long_)) is None
+    assert st.index.row(os.path.basename(long_)) is None
     rep = RecoveryReport()
     r = try_load_text(st, ds4.Session(eng, ctx=4096), BASE[:60] + "?", report=rep)
     assert r is not None and r.path == short
@@ -834,7 +816,7 @@ def test_store_over_the_same_engines_file_is_a_no_op(eng, tmp_path):
     before = _snapshot(p)
     assert st.store_live_prefix(prefilled(eng, BASE[:60])) == p
     assert _snapshot(p) == before
-    _flip_payload_byte(p)
+    flip_payload_byte(p, tensor="logits", mask=1)
     damaged = _snapshot(p)
     assert st.store_live_prefix(prefilled(eng, BASE[:60])) == p
     assert _snapshot(p) == damaged

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from kv_helpers import prefilled
+from helpers.kv import prefilled
+from helpers.redis_servers import RedisNode
 from redis.crc import key_slot
-from redis_servers import RedisNode
 
 import ds4
 from ds4.checkpoint import open_checkpoint
@@ -503,7 +503,7 @@ def test_forged_remote_checkpoint_without_a_valid_mac_is_rejected(eng, flushed, 
 
 
 def test_unreachable_cluster_costs_misses_then_a_cooldown(eng, tmp_path):
-    from ports import free_port
+    from helpers.ports import free_port
 
     tier = RemoteTier(f"redis+cluster://127.0.0.1:{free_port()}", fail_threshold=2, cooldown_s=60)
     st = KVStore(tmp_path / "kv", remote=tier, min_tokens=MIN_TOKENS)

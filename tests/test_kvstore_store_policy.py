@@ -16,7 +16,7 @@ import time
 import types
 
 import pytest
-from kv_helpers import toks
+from helpers.kv import toks
 from test_core_v1 import TEXT, v1_file
 
 import ds4
@@ -141,7 +141,9 @@ def test_the_store_plans_with_its_policy(tmp_path, monkeypatch):
     # the cold file is fresh and scores half the continued one: the store's
     # defaults keep it (guard and weight), ds4's order (1, 0) evicts it
     ents = [_e("cold", "cold", tokens=50, created=NOW - 5), _e("cont", "continued", tokens=100)]
-    monkeypatch.setattr(kvstore, "time", types.SimpleNamespace(time=lambda: NOW, perf_counter=time.perf_counter))
+    monkeypatch.setattr(
+        kvstore.eviction, "time", types.SimpleNamespace(time=lambda: NOW, perf_counter=time.perf_counter)
+    )
     limit = 100 + KVStore(tmp_path / "r", scan=False).records.total_bytes()
     st = KVStore(tmp_path / "a", budget_mb=limit / 2**20, scan=False)
     ds4_order = KVStore(tmp_path / "b", budget_mb=limit / 2**20, scan=False, explicit_weight=1, fresh_guard_s=0)

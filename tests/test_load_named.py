@@ -18,12 +18,13 @@ import types
 
 import numpy as np
 import pytest
-from kv_helpers import toks
+from helpers.checkpoints import flip_payload_byte
+from helpers.kv import toks
 
 import ds4
 from ds4 import checkpoint as ckmod
 from ds4 import loading
-from ds4.checkpoint import open_checkpoint, write_checkpoint
+from ds4.checkpoint import write_checkpoint
 from ds4.errors import CorruptCheckpointError, ImportFailedError
 from ds4.kvstore import KVStore
 from ds4.loading import load_named
@@ -65,17 +66,6 @@ def _save(directory, sess, *, abi=None, auth_key=None):
         auth_key=auth_key,
     )
     return path, text
-
-
-def _flip_payload_byte(path):
-    """Damage the payload only (header, text and tensor table stay valid)."""
-    ck = open_checkpoint(path, load_payload=False)
-    off = ck.payload_offset + ck.payload_bytes // 2
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def _invalid_and_empty(s):
@@ -192,7 +182,7 @@ def test_another_models_file_is_judged_at_its_header_and_kept(eng, store):
     """A file of another payload ABI is not this engine's to read: refused at
     the header, its payload never checked (damaged here: still kept)."""
     path, text = _save(store.dir, _donor(eng), abi="another-engine/1")
-    _flip_payload_byte(path)
+    flip_payload_byte(path)
     sess = _live(eng)
     _unusable(load_named(store, sess, _sha(text), text), sess, path, "abi_mismatch")
 
@@ -207,7 +197,7 @@ def test_the_context_edge(eng, store):
     sess = _live(eng, ctx=n + 1, text=LIVE[:20])
     got = load_named(store, sess, _sha(text), text)
     assert got.status == "loaded" and got.tokens == n
-    _flip_payload_byte(path)
+    flip_payload_byte(path)
     sess = _live(eng, ctx=n, text=LIVE[:20])
     _unusable(load_named(store, sess, _sha(text), text), sess, path, "ctx_too_small")
 
@@ -255,7 +245,7 @@ def test_a_non_regular_entry_is_unusable_and_left_alone(eng, store, caplog):
 # -- corrupt: discarded, the session invalidated --------------------------------
 def test_a_corrupt_file_is_removed_and_invalidates(eng, store, caplog):
     path, text = _save(store.dir, _donor(eng))
-    _flip_payload_byte(path)
+    flip_payload_byte(path)
     sess = _live(eng)
     with caplog.at_level(logging.DEBUG):
         got = load_named(store, sess, _sha(text), text)
@@ -278,7 +268,7 @@ def test_a_corrupt_file_goes_to_quarantine_when_there_is_one(eng, tmp_path):
     q = tmp_path / "q"
     store = KVStore(d, quarantine_dir=q)
     path, text = _save(store.dir, _donor(eng))
-    _flip_payload_byte(path)
+    flip_payload_byte(path)
     sess = _live(eng)
     assert load_named(store, sess, _sha(text), text).status == "corrupt"
     assert not os.path.exists(path)
@@ -293,7 +283,7 @@ def test_a_file_replaced_after_it_was_judged_is_not_removed(eng, store, monkeypa
     path, text = _save(store.dir, donor)
     with open(path, "rb") as f:
         good = f.read()
-    _flip_payload_byte(path)
+    flip_payload_byte(path)
     real = loading.open_checkpoint
 
     def replaced_while_judged(p, **kw):

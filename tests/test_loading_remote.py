@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 import pytest
-from kv_helpers import prefilled
+from helpers.kv import prefilled
 from test_kvstore import SHATTERED_1, SHATTERED_2
 
 import ds4

@@ -15,9 +15,9 @@ import time
 
 import httpx
 import pytest
-from metric_samples import samples
+from helpers.checkpoints import flip_payload_byte
+from helpers.metric_samples import samples
 from starlette.testclient import TestClient
-from test_invalidation import flip_payload_byte
 
 import ds4
 from ds4.kvstore.entries import model_of
@@ -90,7 +90,9 @@ def _sequence(c: TestClient, store: ds4.KVStore) -> list[tuple[str, str, dict]]:
     follow = [*_chat("zebrafinch"), first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
     post("chat", "/v1/chat/completions", {"model": "m", "messages": follow, "max_tokens": 3}, a, "alice")
     post("completions", "/v1/completions", {"model": "m", "prompt": "The quokka smiles at", "max_tokens": 5}, b, "bob")
-    flip_payload_byte(os.path.join(store.dir, cold))  # alice's cold checkpoint: rejected when next tried
+    flip_payload_byte(
+        os.path.join(store.dir, cold), keep_mtime=True
+    )  # alice's cold checkpoint: rejected when next tried
     post("messages", "/v1/messages", {"model": "m", "max_tokens": 3, "messages": _chat("zebrafinch")}, a, "alice")
     post("responses", "/v1/responses", {"model": "m", "max_output_tokens": 2, "input": "An axolotl is"}, b, "bob")
     post("chat", "/v1/chat/completions", {"model": "m", "messages": _chat("zebrafinch"), "max_tokens": 2}, a, "alice")
@@ -276,23 +278,17 @@ def test_no_metrics_serves_neither(tmp_path):
         assert c.get("/health").status_code == 200
 
 
-def test_serve_no_metrics_flag(tmp_path):
+def test_serve_no_metrics_flag(tmp_path, serve):
     """``ds4 serve --no-metrics``: a real server without the routes; one
     without the flag has them."""
-    from test_server import Server
 
-    off = Server(str(tmp_path), "off", "--no-kv-cache", "--no-metrics").start()
-    try:
-        assert httpx.get(off.base + "/metrics", timeout=10).status_code == 404
-        assert httpx.get(off.base + "/ui", timeout=10).status_code == 404
-    finally:
-        off.stop()
-    on = Server(str(tmp_path), "on", "--no-kv-cache").start()
-    try:
-        r = httpx.get(on.base + "/metrics", timeout=10)
-        assert r.status_code == 200 and "ds4_queue_depth 0.0" in r.text
-    finally:
-        on.stop()
+    off = serve("--no-kv-cache", "--no-metrics", name="off", tmp=tmp_path)
+    assert httpx.get(off.base + "/metrics", timeout=10).status_code == 404
+    assert httpx.get(off.base + "/ui", timeout=10).status_code == 404
+    off.stop()
+    on = serve("--no-kv-cache", name="on", tmp=tmp_path)
+    r = httpx.get(on.base + "/metrics", timeout=10)
+    assert r.status_code == 200 and "ds4_queue_depth 0.0" in r.text
 
 
 def test_keyless_server_shows_everyone_the_metrics(tmp_path):

@@ -1,4 +1,4 @@
-"""Exact resume on both real models (tests/models.py), at the engine level:
+"""Exact resume on both real models (tests/helpers/models.py), at the engine level:
 a state exported at any cut and imported into a new context, then the rest
 of the prompt evaluated, gives the logits of a cold prefill bit for bit and
 the same greedy continuation; also after generated tokens, and after a
@@ -14,33 +14,26 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models import MODELS, engine, text_tokens
+from helpers.models import MODELS, engine, greedy, text_tokens
 
 GEN = 8
 N = 1209
 CUTS = (1, 16, 511, 512, 513, 700, 1024, 1176)
 
 
-def greedy(ctx, logits, n=GEN):
-    out, seen = [], [logits]
-    for _ in range(n):
-        t = int(np.argmax(logits))
-        out.append(t)
-        logits = ctx.eval([t])
-        seen.append(logits)
-    return out, seen
-
-
 @pytest.fixture(scope="module", params=MODELS)
 def world(request):
-    """(engine, prompt, cold greedy tokens, cold logits at each step, live
-    context holding the prompt)."""
+    """(engine, prompt, cold greedy tokens, cold logits at each step, the
+    state exported after the prompt and its greedy reply: read-only)."""
     eng = engine(request.param)
     toks = text_tokens(eng, N)
     ctx = eng.new_context(2048)
-    out, seen = greedy(ctx, ctx.eval(toks))
+    out, seen = greedy(ctx, ctx.eval(toks), GEN)
+    replied = ctx.export_state()
     ctx.close()
-    return eng, toks, out, seen
+    for a in replied.values():
+        a.flags.writeable = False
+    return eng, toks, out, seen, replied
 
 
 def same(a, b):
@@ -49,14 +42,14 @@ def same(a, b):
 
 @pytest.mark.parametrize("cut", CUTS)
 def test_resume_from_an_exported_state_equals_cold(world, cut):
-    eng, toks, cold, cold_logits = world
+    eng, toks, cold, cold_logits, _ = world
     src = eng.new_context(2048)
     src.eval(toks[:cut])
     st = src.export_state()
     src.close()
     dst = eng.new_context(2048)
     dst.import_state(st, cut)
-    out, seen = greedy(dst, dst.eval(toks[cut:]))
+    out, seen = greedy(dst, dst.eval(toks[cut:]), GEN)
     dst.close()
     assert out == cold, f"cut {cut}: {out} != {cold}"
     assert same(seen, cold_logits), f"cut {cut}: the logits differ from cold's"
@@ -65,15 +58,15 @@ def test_resume_from_an_exported_state_equals_cold(world, cut):
 def test_resume_after_generated_tokens_equals_a_cold_prefill(world):
     """A state whose tail was decoded token by token (a reply), resumed with
     the next message: the same logits as one cold prefill of all of it."""
-    eng, toks, cold, _ = world
+    eng, toks, cold, _, replied = world
     extra = eng.tokenize(" And the dog barked twice at the moon.")
-    live = eng.new_context(2048)
-    greedy(live, live.eval(toks))
-    st = live.export_state()
+    # the live context's state after the prompt and its greedy reply: the
+    # world's (the same evaluation in a context of the same size)
+    st = {k: a.copy() for k, a in replied.items()}
     dst = eng.new_context(2048)
     dst.import_state(st, N + GEN)
     resumed = dst.eval(extra)
-    live.reset()
+    live = eng.new_context(2048)
     assert np.array_equal(resumed, live.eval(toks + cold + extra))
     dst.close()
     live.close()
@@ -83,15 +76,15 @@ def test_resume_after_generated_tokens_equals_a_cold_prefill(world):
 def test_rewind_of_a_live_context_equals_cold(world, keep):
     """Prompt A live, rewound to ``keep`` tokens (across the window), then
     prompt B's rest: cold B's logits and greedy tokens."""
-    eng, toks, _, _ = world
+    eng, toks, _, _, _ = world
     b = toks[:keep] + eng.tokenize(" Meanwhile, far away, a small bird sang its song." * 3)
     ref = eng.new_context(2048)
-    cold_b, cold_seen = greedy(ref, ref.eval(b))
+    cold_b, cold_seen = greedy(ref, ref.eval(b), GEN)
     ref.close()
     ctx = eng.new_context(2048)
     ctx.eval(toks)
     assert ctx.truncate(keep)
-    out, seen = greedy(ctx, ctx.eval(b[keep:]))
+    out, seen = greedy(ctx, ctx.eval(b[keep:]), GEN)
     ctx.close()
     assert out == cold_b and same(seen, cold_seen)
 
@@ -108,10 +101,10 @@ def test_short_and_long_prompts(model, n):
     ctx = eng.new_context(n + GEN + 1)
     ctx.eval(toks[:cut])
     st = ctx.export_state()
-    cold, cold_seen = greedy(ctx, ctx.eval(toks[cut:]))
+    cold, cold_seen = greedy(ctx, ctx.eval(toks[cut:]), GEN)
     ctx.close()
     dst = eng.new_context(n + GEN + 1)
     dst.import_state(st, cut)
-    out, seen = greedy(dst, dst.eval(toks[cut:]))
+    out, seen = greedy(dst, dst.eval(toks[cut:]), GEN)
     dst.close()
     assert out == cold and same(seen, cold_seen)

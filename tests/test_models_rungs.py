@@ -1,4 +1,4 @@
-"""Every rung of the ladder on both real models (tests/models.py): live,
+"""Every rung of the ladder on both real models (tests/helpers/models.py): live,
 rewrite, disk, remote (Redis) and a ``kill -9``'d process's checkpoints,
 with checkpoints taken during prefill (cold), after generation
 (continued), and at evict; each turn's greedy reply equals a cold
@@ -18,8 +18,9 @@ import sys
 import textwrap
 
 import pytest
-from models import MODELS, engine, model_path
-from redis_servers import RedisNode
+from helpers.cold_cache import cached, engine_key
+from helpers.models import MODELS, engine, model_path
+from helpers.redis_servers import RedisNode
 
 import ds4
 from ds4.keytext import tokenize_prompt
@@ -38,11 +39,17 @@ def story(eng, n_sentences=70, tail=""):
 
 
 def cold_reply(eng, prompt):
-    """Greedy reply of a cold, single-session prefill (no store)."""
-    s = ds4.Session(eng, ctx=CTX)
-    rep = recover(s, None, prompt)
-    assert rep.rung == "prefill"
-    return s.generate(GEN)
+    """Greedy reply of a cold, single-session prefill (no store), computed
+    once per engine and prompt (several tests compare with the same one:
+    tests/helpers/cold_cache.py)."""
+
+    def compute():
+        s = ds4.Session(eng, ctx=CTX)
+        rep = recover(s, None, prompt)
+        assert rep.rung == "prefill"
+        return s.generate(GEN)
+
+    return list(cached(("rungs.cold_reply", engine_key(eng), CTX, GEN, prompt), compute))
 
 
 def store(d, **kw):

@@ -10,8 +10,7 @@ import os
 import signal
 
 import pytest
-from models import engine, gemma_path
-from test_server import Server
+from helpers.models import engine, gemma_path
 
 import ds4
 from ds4.errors import IncompatibleCheckpointError
@@ -38,12 +37,13 @@ def cached(r):
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory):
+def cold(serve_module, tmp_path_factory):
     """A Gemma server without a disk cache; ``cold(msgs)`` replaces its live
     session first (a raw prompt: it shares only the BOS with a chat)."""
     tmp = tmp_path_factory.mktemp("gemma-cold")
-    srv = Server(str(tmp), "cold", "--model", gemma_path(), "--no-kv-cache", engine="llamacpp", ctx=CTX)
-    srv.start(timeout=300)
+    srv = serve_module(
+        "--model", gemma_path(), "--no-kv-cache", name="cold", tmp=tmp, engine="llamacpp", ctx=CTX, timeout=300
+    )
 
     def run(msgs):
         srv.client().completions.create(model=srv.model(), prompt="reset", max_tokens=1)
@@ -51,14 +51,13 @@ def cold(tmp_path_factory):
         assert cached(r) <= 1, "the reference run was not cold"
         return text
 
-    yield run
-    srv.stop()
+    return run
 
 
-def test_gemma_served_turn_survives_sigterm_and_restart(tmp_path, cold):
+def test_gemma_served_turn_survives_sigterm_and_restart(tmp_path, serve, cold):
     kv = str(tmp_path / "kv")
-    srv = Server(str(tmp_path), "a", "--model", gemma_path(), "--kv-disk-dir", kv, engine="llamacpp", ctx=CTX)
-    srv.start(timeout=300)
+    flags = ("--model", gemma_path(), "--kv-disk-dir", kv)
+    srv = serve(*flags, name="a", tmp=tmp_path, engine="llamacpp", ctx=CTX, timeout=300)
     try:
         assert srv.model() == "gemma-3-270m-q4_k_m"
         first, _ = chat(srv, MSGS)
@@ -67,12 +66,9 @@ def test_gemma_served_turn_survives_sigterm_and_restart(tmp_path, cold):
     assert "persisting current KV cache before shutdown" in srv.text_log()
     assert first == cold(MSGS)
     turn2 = [*MSGS, {"role": "assistant", "content": first}, {"role": "user", "content": "And the dog?"}]
-    srv2 = Server(str(tmp_path), "b", "--model", gemma_path(), "--kv-disk-dir", kv, engine="llamacpp", ctx=CTX)
-    srv2.start(timeout=300)
-    try:
-        second, r = chat(srv2, turn2)
-    finally:
-        srv2.stop()
+    srv2 = serve(*flags, name="b", tmp=tmp_path, engine="llamacpp", ctx=CTX, timeout=300)
+    second, r = chat(srv2, turn2)
+    srv2.stop()
     assert (r.model_extra or {}).get("ds4", {}).get("rung") == "disk", r.model_extra
     assert cached(r) > 0.8 * r.usage.prompt_tokens
     assert second == cold(turn2)

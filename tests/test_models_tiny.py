@@ -1,4 +1,4 @@
-"""Every architecture the tiny random-weight models cover (tests/models.py,
+"""Every architecture the tiny random-weight models cover (tests/helpers/models.py,
 written at setup by scripts/tiny_models.py): a recurrent one (Mamba-2), two
 hybrids (LFM2: conv layers and attention, with llama.cpp's rollback
 snapshots; Granite 4 hybrid: Mamba-2 layers and attention, without), and two
@@ -19,8 +19,8 @@ import os
 
 import numpy as np
 import pytest
-from models import RECURRENT, TINY, engine
-from redis_servers import RedisNode
+from helpers.models import RECURRENT, TINY, engine
+from helpers.redis_servers import RedisNode
 
 import ds4
 from ds4.errors import UnsupportedModelError

@@ -12,8 +12,8 @@ import signal
 
 import httpx
 import pytest
-from models import RECURRENT, TINY, model_path
-from test_server import Server
+from helpers.models import RECURRENT, TINY, model_path
+from helpers.server import Server
 
 CTX = 4096
 MAX = 24

@@ -1,7 +1,7 @@
 """Page-cache hygiene (issue 23, item 6): a checkpoint, once written
 durably (fsynced), leaves the page cache (``posix_fadvise(DONTNEED)`` on
 its range, rust/format/writer.rs), so that hundreds of saves do not push
-out the pages other processes use. ``mincore`` (tests/page_cache.py) sees
+out the pages other processes use. ``mincore`` (tests/helpers/page_cache.py) sees
 the page cache: a file written the same way without the hint stays
 resident, which is what makes the assertions about the hint mean
 something on this filesystem."""
@@ -12,8 +12,8 @@ import os
 
 import numpy as np
 import pytest
-from kv_helpers import BASE, prefilled
-from page_cache import resident_bytes
+from helpers.kv import BASE, prefilled
+from helpers.page_cache import resident_bytes
 
 import ds4
 from ds4.checkpoint import open_checkpoint, write_checkpoint

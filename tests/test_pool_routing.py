@@ -13,10 +13,10 @@ equals a cold server's."""
 
 from __future__ import annotations
 
-import models
 import numpy as np
 import pytest
-from test_server import KV_FLAGS, Server, _cached, _extra, _stored_texts
+from helpers import models
+from helpers.server import KV_FLAGS, cached_tokens, ds4_block, stored_texts
 
 import ds4
 from ds4.keytext import tokenize_prompt
@@ -59,24 +59,22 @@ def _flags(model):
 
 
 @pytest.fixture(scope="module", params=models.MODELS)
-def servers(request, tmp_path_factory):
+def servers(request, serve_module, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"route-{request.param}")
     # both pools batch their decode steps, each sequence padded as --exact strict does
-    cold = Server(
-        str(tmp), "cold", "--no-kv-cache", "--exact", "strict", *_flags(request.param), engine="llamacpp"
-    ).start(timeout=300)
+    flags = ("--no-kv-cache", "--exact", "strict", *_flags(request.param))
+    cold = serve_module(*flags, name="cold", tmp=tmp, engine="llamacpp", timeout=300)
     yield request.param, tmp, cold
-    cold.stop()
+    cold.stop()  # before the next model's
 
 
-def _pool(tmp, name, n, model):
+def _pool(serve, tmp, name, n, model):
     kv = str(tmp / f"kv-{name}")
     batch = ["--batch-decode", "on"] if model == "gemma3" else []
-    srv = Server(
-        str(tmp), name, "--sessions", str(n), "--kv-disk-dir", kv, *KV_FLAGS, *batch, *_flags(model), engine="llamacpp"
-    )
+    flags = ("--sessions", str(n), "--kv-disk-dir", kv, *KV_FLAGS, *batch, *_flags(model))
+    srv = serve(*flags, name=name, tmp=tmp, engine="llamacpp", timeout=300)
     srv.kv_dir = kv
-    return srv.start(timeout=300)
+    return srv
 
 
 def _ask(srv, cold, msgs):
@@ -98,62 +96,56 @@ def _shared_tokens(model, msgs_a, msgs_b) -> int:
     return n
 
 
-def test_a_subagent_takes_a_copy_and_the_main_agent_stays_live(servers):
+def test_a_subagent_takes_a_copy_and_the_main_agent_stays_live(servers, serve):
     model, tmp, cold = servers
-    srv = _pool(tmp, "sub", 3, model)
-    try:
-        main = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which berth for the Ayla?"}]
-        _, text = _ask(srv, cold, main)
-        sub = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Summarise rule 3 only."}]
-        r, _ = _ask(srv, cold, sub)
-        x = _extra(r)
-        shared = _shared_tokens(model, main, sub)
-        assert x["rung"] == "live" and "copied from session" in x["source"], x
-        assert _cached(r) >= 0.95 * shared, (_cached(r), shared)
-        main += [{"role": "assistant", "content": text}, {"role": "user", "content": "And the Brin?"}]
-        r, _ = _ask(srv, cold, main)
-        assert _extra(r)["rung"] == "live", _extra(r)
-        # an edited last turn of the main agent: a copy of the holder's prefix again
-        edited = [*main[:-1], {"role": "user", "content": "And the Corra, please?"}]
-        r, _ = _ask(srv, cold, edited)
-        x = _extra(r)
-        assert _cached(r) >= 0.95 * _shared_tokens(model, main, edited), (x, _cached(r))
-        assert not any(reason == "evict" for (_, reason, _) in _stored_texts(srv.kv_dir).values())
-        # a client that sends its last reply back stripped (its reasoning
-        # dropped, re-rendered), then instructor-style retries (the failed
-        # reply and the validation error appended each time): each reuses
-        # the prefix a resident holds (the three residents full now: an
-        # evict may be written), none prefills it again
-        prev, short = edited, text[: max(1, len(text) // 2)]
-        msgs = [*main[:-2], {"role": "assistant", "content": short}, {"role": "user", "content": "And the Brin?"}]
-        for k in range(3):
-            r, _ = _ask(srv, cold, msgs)
-            assert _cached(r) >= 0.95 * _shared_tokens(model, prev, msgs), (k, _extra(r), _cached(r))
-            bad = [
-                {"role": "assistant", "content": f"{{berth: {k}"},
-                {"role": "user", "content": "Fix the errors: bad JSON"},
-            ]
-            prev, msgs = msgs, [*msgs, *bad]
-    finally:
-        srv.stop()
+    srv = _pool(serve, tmp, "sub", 3, model)
+    main = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which berth for the Ayla?"}]
+    _, text = _ask(srv, cold, main)
+    sub = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Summarise rule 3 only."}]
+    r, _ = _ask(srv, cold, sub)
+    x = ds4_block(r)
+    shared = _shared_tokens(model, main, sub)
+    assert x["rung"] == "live" and "copied from session" in x["source"], x
+    assert cached_tokens(r) >= 0.95 * shared, (cached_tokens(r), shared)
+    main += [{"role": "assistant", "content": text}, {"role": "user", "content": "And the Brin?"}]
+    r, _ = _ask(srv, cold, main)
+    assert ds4_block(r)["rung"] == "live", ds4_block(r)
+    # an edited last turn of the main agent: a copy of the holder's prefix again
+    edited = [*main[:-1], {"role": "user", "content": "And the Corra, please?"}]
+    r, _ = _ask(srv, cold, edited)
+    x = ds4_block(r)
+    assert cached_tokens(r) >= 0.95 * _shared_tokens(model, main, edited), (x, cached_tokens(r))
+    assert not any(reason == "evict" for (_, reason, _) in stored_texts(srv.kv_dir).values())
+    # a client that sends its last reply back stripped (its reasoning
+    # dropped, re-rendered), then instructor-style retries (the failed
+    # reply and the validation error appended each time): each reuses
+    # the prefix a resident holds (the three residents full now: an
+    # evict may be written), none prefills it again
+    prev, short = edited, text[: max(1, len(text) // 2)]
+    msgs = [*main[:-2], {"role": "assistant", "content": short}, {"role": "user", "content": "And the Brin?"}]
+    for k in range(3):
+        r, _ = _ask(srv, cold, msgs)
+        assert cached_tokens(r) >= 0.95 * _shared_tokens(model, prev, msgs), (k, ds4_block(r), cached_tokens(r))
+        bad = [
+            {"role": "assistant", "content": f"{{berth: {k}"},
+            {"role": "user", "content": "Fix the errors: bad JSON"},
+        ]
+        prev, msgs = msgs, [*msgs, *bad]
 
 
-def test_two_conversations_sharing_a_system_prompt_on_two_residents_write_no_evict(servers):
+def test_two_conversations_sharing_a_system_prompt_on_two_residents_write_no_evict(servers, serve):
     model, tmp, cold = servers
-    srv = _pool(tmp, "two", 2, model)
-    try:
-        convs = {
-            t: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Tell me of the {t}."}]
-            for t in ("tide", "fog")
-        }
-        for turn in range(3):
-            for t, msgs in convs.items():
-                r, text = _ask(srv, cold, msgs)
-                x = _extra(r)
-                assert not x.get("evict_saved"), (turn, t, x)
-                if turn:
-                    assert x["rung"] == "live", (turn, t, x)
-                msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"More, part {turn}."}]
-        assert not any(reason == "evict" for (_, reason, _) in _stored_texts(srv.kv_dir).values())
-    finally:
-        srv.stop()
+    srv = _pool(serve, tmp, "two", 2, model)
+    convs = {
+        t: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Tell me of the {t}."}]
+        for t in ("tide", "fog")
+    }
+    for turn in range(3):
+        for t, msgs in convs.items():
+            r, text = _ask(srv, cold, msgs)
+            x = ds4_block(r)
+            assert not x.get("evict_saved"), (turn, t, x)
+            if turn:
+                assert x["rung"] == "live", (turn, t, x)
+            msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"More, part {turn}."}]
+    assert not any(reason == "evict" for (_, reason, _) in stored_texts(srv.kv_dir).values())

@@ -11,8 +11,8 @@ import statistics
 import threading
 
 import pytest
-from test_server import KV_FLAGS, Server, _extra
-from together import at_once
+from helpers.server import KV_FLAGS, ds4_block
+from helpers.together import at_once
 
 from ds4.server.baton import MAX_SKIPS, Baton
 
@@ -123,7 +123,7 @@ def test_a_holder_nearest_its_first_token_keeps_the_baton_but_yields_to_a_decode
 
 
 @pytest.mark.parametrize("store", ["no-store", "store"])
-def test_four_cold_prompts_together_get_their_first_tokens_one_after_another(tmp_path, store):
+def test_four_cold_prompts_together_get_their_first_tokens_one_after_another(tmp_path, serve, store):
     """Round robin gave all four their first token at about the time of
     the last; shortest first gives the first one in about a quarter of it
     and lowers the mean. The ratios are of one run's own TTFTs (from
@@ -133,26 +133,23 @@ def test_four_cold_prompts_together_get_their_first_tokens_one_after_another(tmp
     every cold prompt waited behind the other three's prefills), and the
     reply's tokens are not held behind the next prefill's chunks."""
     flags = ("--no-kv-cache",) if store == "no-store" else ("--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS)
-    srv = Server(str(tmp_path), "p4", "--sessions", "4", *flags, ctx=8192).start()
-    try:
-        model = srv.model()
-        words = ("amber", "basalt", "cobalt", "dune")
+    srv = serve("--sessions", "4", *flags, name="p4", tmp=tmp_path, ctx=8192)
+    model = srv.model()
+    words = ("amber", "basalt", "cobalt", "dune")
 
-        def ask(w: str) -> dict:
-            prompt = f"{w}: " + " ".join(f"{w}{i}" for i in range(600))
-            msgs = [{"role": "user", "content": prompt}]
-            with srv.client() as c:  # a chat: its template's last turn follows the cold save
-                r = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
-            return _extra(r)
+    def ask(w: str) -> dict:
+        prompt = f"{w}: " + " ".join(f"{w}{i}" for i in range(600))
+        msgs = [{"role": "user", "content": prompt}]
+        with srv.client() as c:  # a chat: its template's last turn follows the cold save
+            r = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+        return ds4_block(r)
 
-        out = at_once(ask, words, 300)
-        ttft = sorted(out[w]["ttft_ms"] for w in words)
-        assert all(out[w]["rung"] == "prefill" for w in words), out
-        assert ttft[0] <= 0.5 * ttft[-1], ttft  # the first did not wait for the slowest
-        assert statistics.mean(ttft) <= 0.8 * ttft[-1], ttft
-        # the server's own order: each prefill ends (its ladder line) and its
-        # reply ends before the next prefill does, as one at a time
-        events = re.findall(r"ds4 ladder rung|request done", srv.text_log())
-        assert events == ["ds4 ladder rung", "request done"] * 4, events
-    finally:
-        srv.stop()
+    out = at_once(ask, words, 300)
+    ttft = sorted(out[w]["ttft_ms"] for w in words)
+    assert all(out[w]["rung"] == "prefill" for w in words), out
+    assert ttft[0] <= 0.5 * ttft[-1], ttft  # the first did not wait for the slowest
+    assert statistics.mean(ttft) <= 0.8 * ttft[-1], ttft
+    # the server's own order: each prefill ends (its ladder line) and its
+    # reply ends before the next prefill does, as one at a time
+    events = re.findall(r"ds4 ladder rung|request done", srv.text_log())
+    assert events == ["ds4 ladder rung", "request done"] * 4, events

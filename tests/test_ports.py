@@ -1,5 +1,5 @@
 """``DS4_TEST_PORTS=lo-hi`` keeps the tests' servers inside a port range
-(tests/ports.py): the picks, a bad value, a full range, and a real Redis
+(tests/helpers/ports.py): the picks, a bad value, a full range, and a real Redis
 node and three-master cluster (bus ports too) started inside it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import socket
 
 import pytest
-from ports import free_port, free_ports, port_range
-from redis_servers import RedisClusterNodes, RedisNode, cluster_ports
+from helpers.ports import free_port, free_ports, port_range
+from helpers.redis_servers import RedisClusterNodes, RedisNode, cluster_ports
 
 LO, HI = 41000, 41063
 

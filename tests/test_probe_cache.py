@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 
-import models
 import pytest
+from helpers import models
 
 from ds4.engines import llamacpp_probe as P
 from ds4.engines.llamacpp import LlamaCppEngine

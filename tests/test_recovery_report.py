@@ -16,8 +16,8 @@ import types
 
 import numpy as np
 import pytest
-from cknames import stored_path
-from kv_helpers import toks
+from helpers.checkpoints import stored_path
+from helpers.kv import toks
 
 import ds4
 from ds4 import _core, recovery
@@ -596,7 +596,7 @@ def test_one_lookup_and_one_encoding_per_ladder_run(eng, tmp_path, monkeypatch, 
             return getattr(self.idx, name)
 
     monkeypatch.setattr(store, "candidates", candidates)
-    monkeypatch.setattr(store.index, "idx", CountingIndex(store.index.idx))
+    monkeypatch.setattr(store.index, "_idx", CountingIndex(store.index._idx))
     _CountingPrompt.encodings = 0
     rep = ds4.recover(s, store, _CountingPrompt(B), evict_save=False)
     assert rep.rung == ("disk" if on_disk else "prefill")

@@ -14,10 +14,10 @@ import os
 
 import numpy as np
 import pytest
-from kv_helpers import prefilled
+from helpers.kv import prefilled
+from helpers.procs import ds4_json
+from helpers.redis_servers import RedisClusterNodes
 from redis.cluster import RedisCluster
-from redis_servers import RedisClusterNodes
-from test_cli import ds4_json
 
 import ds4
 from ds4.kvstore import KVStore

@@ -16,18 +16,14 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from helpers.server import KV_FLAGS, assert_error, post_json, topic_chat
 from openai.lib._parsing._responses import type_to_text_format_param
-from test_server import KV_FLAGS, Server, _assert_error, _conv, _post
 from test_server_constrain import SCHEMA, Trip
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("responses-format")
-    s = Server(str(tmp), "responses-format", "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS).start()
-    s.kv_dir = str(tmp / "kv")
-    yield s
-    s.stop()
+def srv(serve_module):
+    return serve_module(*KV_FLAGS, name="responses-format", kv=True)
 
 
 @pytest.fixture
@@ -39,7 +35,7 @@ def c(srv):
 def _ask(topic: str) -> tuple[str, str]:
     """(instructions, input) of the conversation test_server_constrain asks
     on chat (the same rendering: a system turn, then the user's)."""
-    system, user = _conv(topic)
+    system, user = topic_chat(topic)
     return system["content"], user["content"]
 
 
@@ -72,7 +68,7 @@ def test_the_same_reply_as_chat_response_format(srv, c):
     instructions, user = _ask("journeys")
     chat = c.chat.completions.create(
         model=model,
-        messages=_conv("journeys"),
+        messages=topic_chat("journeys"),
         max_tokens=200,
         temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}},
@@ -155,7 +151,7 @@ def test_a_bad_format_is_a_400_and_touches_nothing(srv, c, text, param, code):
     h0 = srv.health()
     files0 = sorted(os.listdir(srv.kv_dir))
     body = {"model": model, "instructions": instructions, "input": user, "text": text}
-    err = _assert_error(_post(srv, "/v1/responses", body), 400, param=param)
+    err = assert_error(post_json(srv, "/v1/responses", body), 400, param=param)
     assert (err["type"], err["code"]) == ("invalid_request_error", code)
     h1 = srv.health()
     assert h1["session"] == h0["session"] and h1["counters"]["requests"] == h0["counters"]["requests"]

@@ -1,7 +1,7 @@
 """Stored Responses: bound to the tenant that created them, and retrievable
 (``GET``/``DELETE /v1/responses/{id}``, ``GET .../input_items``) with the
 official ``openai`` client, against ``ds4 serve`` over the scripted
-reference engine (tests/agent_helpers.py).
+reference engine (tests/helpers/agents.py).
 
 Another tenant's id behaves exactly as an unknown id (the same status and
 body); a round trip survives a restart with a cache directory; a deleted
@@ -18,7 +18,7 @@ import threading
 import httpx
 import openai
 import pytest
-from agent_helpers import KV_FLAGS, RTOOLS, SYSTEM, ScriptedServer
+from helpers.agents import KV_FLAGS, RTOOLS, SYSTEM, ScriptedServer
 
 from ds4.kvstore.files import DirLock
 from ds4.kvstore.records import RecordStore
@@ -29,33 +29,33 @@ KA, KB = "sk-records-alice", "sk-records-bob"
 UNKNOWN = "resp_" + "0" * 32
 
 
-def _keyed(tmp, name, *flags):
+def _keyed(serve, tmp, name, *flags):
+    """A server with two tenants' keys, alice the operator, started through
+    the ``serve`` (or ``serve_module``) factory."""
     keys = tmp / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\n", encoding="utf-8")
-    srv = ScriptedServer(tmp, name, "--api-key-file", str(keys), "--admin-tenant", "alice", *flags)
-    srv.key = KA  # the key of health() (the operator's view) and client()
-    return srv.start()
+    flags = ("--api-key-file", str(keys), "--admin-tenant", "alice", *flags)
+    # KA: the key of health() (the operator's view) and client()
+    return serve(*flags, name=name, cls=ScriptedServer, tmp=tmp, key=KA)
 
 
 @pytest.fixture(scope="module", params=["disk", "memory"])
-def keyed(request, tmp_path_factory):
+def keyed(request, serve_module, tmp_path_factory):
     """A server with two tenants' keys, its records in a cache directory or in memory."""
     tmp = tmp_path_factory.mktemp(f"keyed-{request.param}")
     flags = ["--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS] if request.param == "disk" else ["--no-kv-cache"]
-    srv = _keyed(tmp, request.param, *flags)
+    srv = _keyed(serve_module, tmp, request.param, *flags)
     srv.records = str(tmp / "kv" / "records") if request.param == "disk" else None
     yield srv
-    srv.stop()
+    srv.stop()  # before the other mode's
 
 
 @pytest.fixture(scope="module")
-def open_srv(tmp_path_factory):
+def open_srv(serve_module):
     """A server without keys (every request is the anonymous tenant), with a cache directory."""
-    tmp = tmp_path_factory.mktemp("open")
-    srv = ScriptedServer(tmp, "open", "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS).start()
-    srv.records = str(tmp / "kv" / "records")
-    yield srv
-    srv.stop()
+    srv = serve_module(*KV_FLAGS, name="open", cls=ScriptedServer, kv=True)
+    srv.records = str(srv.tmp / "kv" / "records")
+    return srv
 
 
 def create(client, input, **kw):
@@ -168,67 +168,62 @@ def _input_ids(client, rid, **kw):
     return [i.id for i in client.responses.input_items.list(rid, **kw).data]
 
 
-def test_round_trip_and_restart(tmp_path):
+def test_round_trip_and_restart(tmp_path, serve):
     kv = tmp_path / "kv"
-    srv = _keyed(tmp_path, "first", "--kv-disk-dir", str(kv), *KV_FLAGS)
+    srv = _keyed(serve, tmp_path, "first", "--kv-disk-dir", str(kv), *KV_FLAGS)
     srv.records = str(kv / "records")
-    try:
-        a = srv.client(KA)
-        r1 = create(a, "Look up 4.")
-        r2 = create(a, outputs_for(r1), previous_response_id=r1.id)
-        r3 = create(a, "And 11?", previous_response_id=r2.id, metadata={"k": "v"}, max_output_tokens=64)
-        for r in (r1, r2, r3):
-            got = a.responses.retrieve(r.id)
-            assert body(got) == body(r) and got.usage.input_tokens == r.usage.input_tokens > 0
-        asc = a.responses.input_items.list(r3.id, order="asc").data
-        (call,) = [o for o in r1.output if o.type == "function_call"]
-        assert [(i.type, getattr(i, "role", None)) for i in asc] == [
-            ("message", "user"),
-            ("function_call", None),
-            ("function_call_output", None),
-            ("message", "assistant"),
-            ("message", "user"),
-        ]
-        assert asc[0].content[0].text == "Look up 4." and asc[4].content[0].text == "And 11?"
-        # the earlier outputs keep the ids they were created with
-        assert (asc[1].id, asc[1].call_id, asc[1].arguments) == (call.id, call.call_id, call.arguments)
-        assert asc[2].call_id == call.call_id and asc[2].output == f"{call.arguments} is 42"
-        assert asc[3].id == r2.output[0].id and asc[3].content[0].text == r2.output[0].content[0].text
-        ids = [i.id for i in asc]
-        assert len(set(ids)) == len(ids)
-        page = a.responses.input_items.list(r3.id, limit=2)
-        assert [i.id for i in page.data] == ids[::-1][:2] and page.has_more
-        assert (page.first_id, page.last_id) == (ids[-1], ids[-2])
-        assert [i.id for i in a.responses.input_items.list(r3.id, limit=2)] == ids[::-1]  # all pages, default desc
-        assert _input_ids(a, r3.id, order="asc", after=ids[1], limit=2) == ids[2:4]
-        last = a.responses.input_items.list(r3.id, order="asc", after=ids[-1])
-        assert last.data == [] and last.has_more is False
-        for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_nothere"}):
-            with pytest.raises(openai.BadRequestError):
-                a.responses.input_items.list(r3.id, **bad)
-        before = {r.id: body(a.responses.retrieve(r.id)) for r in (r1, r2, r3)}
-        items_before = _input_ids(a, r3.id, order="asc")
-    finally:
-        srv.stop()
-    srv = _keyed(tmp_path, "second", "--kv-disk-dir", str(kv), *KV_FLAGS)
+    a = srv.client(KA)
+    r1 = create(a, "Look up 4.")
+    r2 = create(a, outputs_for(r1), previous_response_id=r1.id)
+    r3 = create(a, "And 11?", previous_response_id=r2.id, metadata={"k": "v"}, max_output_tokens=64)
+    for r in (r1, r2, r3):
+        got = a.responses.retrieve(r.id)
+        assert body(got) == body(r) and got.usage.input_tokens == r.usage.input_tokens > 0
+    asc = a.responses.input_items.list(r3.id, order="asc").data
+    (call,) = [o for o in r1.output if o.type == "function_call"]
+    assert [(i.type, getattr(i, "role", None)) for i in asc] == [
+        ("message", "user"),
+        ("function_call", None),
+        ("function_call_output", None),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert asc[0].content[0].text == "Look up 4." and asc[4].content[0].text == "And 11?"
+    # the earlier outputs keep the ids they were created with
+    assert (asc[1].id, asc[1].call_id, asc[1].arguments) == (call.id, call.call_id, call.arguments)
+    assert asc[2].call_id == call.call_id and asc[2].output == f"{call.arguments} is 42"
+    assert asc[3].id == r2.output[0].id and asc[3].content[0].text == r2.output[0].content[0].text
+    ids = [i.id for i in asc]
+    assert len(set(ids)) == len(ids)
+    page = a.responses.input_items.list(r3.id, limit=2)
+    assert [i.id for i in page.data] == ids[::-1][:2] and page.has_more
+    assert (page.first_id, page.last_id) == (ids[-1], ids[-2])
+    assert [i.id for i in a.responses.input_items.list(r3.id, limit=2)] == ids[::-1]  # all pages, default desc
+    assert _input_ids(a, r3.id, order="asc", after=ids[1], limit=2) == ids[2:4]
+    last = a.responses.input_items.list(r3.id, order="asc", after=ids[-1])
+    assert last.data == [] and last.has_more is False
+    for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_nothere"}):
+        with pytest.raises(openai.BadRequestError):
+            a.responses.input_items.list(r3.id, **bad)
+    before = {r.id: body(a.responses.retrieve(r.id)) for r in (r1, r2, r3)}
+    items_before = _input_ids(a, r3.id, order="asc")
+    srv.stop()
+    srv = _keyed(serve, tmp_path, "second", "--kv-disk-dir", str(kv), *KV_FLAGS)
     srv.records = str(kv / "records")
-    try:
-        a = srv.client(KA)
-        assert {r.id: body(a.responses.retrieve(r.id)) for r in (r1, r2, r3)} == before
-        assert _input_ids(a, r3.id, order="asc") == items_before
-        assert_unknown_to(srv, KB, r2.id)  # the owner survives the restart
-        status, deleted = raw_error(srv, "DELETE", f"/v1/responses/{r2.id}", KA)
-        assert (status, deleted) == (200, {"id": r2.id, "object": "response", "deleted": True})
-        assert not os.path.exists(record_path(srv, r2.id))
-        assert_unknown_to(srv, KA, r2.id)  # retrieve, list, delete again: 404; previous_response_id: 400
-        # the others stand (r3's record holds its whole conversation)
-        assert body(a.responses.retrieve(r3.id)) == before[r3.id]
-        a.responses.delete(r1.id)  # the official client's delete (it returns None)
-        assert_unknown_to(srv, KA, r1.id)
-        r4 = create(a, "And 12?", previous_response_id=r3.id)
-        assert r4.status == "completed" and srv.health()["counters"]["errors"] == 0
-    finally:
-        srv.stop()
+    a = srv.client(KA)
+    assert {r.id: body(a.responses.retrieve(r.id)) for r in (r1, r2, r3)} == before
+    assert _input_ids(a, r3.id, order="asc") == items_before
+    assert_unknown_to(srv, KB, r2.id)  # the owner survives the restart
+    status, deleted = raw_error(srv, "DELETE", f"/v1/responses/{r2.id}", KA)
+    assert (status, deleted) == (200, {"id": r2.id, "object": "response", "deleted": True})
+    assert not os.path.exists(record_path(srv, r2.id))
+    assert_unknown_to(srv, KA, r2.id)  # retrieve, list, delete again: 404; previous_response_id: 400
+    # the others stand (r3's record holds its whole conversation)
+    assert body(a.responses.retrieve(r3.id)) == before[r3.id]
+    a.responses.delete(r1.id)  # the official client's delete (it returns None)
+    assert_unknown_to(srv, KA, r1.id)
+    r4 = create(a, "And 12?", previous_response_id=r3.id)
+    assert r4.status == "completed" and srv.health()["counters"]["errors"] == 0
 
 
 def test_a_streamed_response_is_retrieved_as_it_completed(open_srv):
@@ -296,7 +291,7 @@ def test_a_symlinked_record_is_not_followed_nor_removed(open_srv, tmp_path):
     assert os.path.islink(record_path(open_srv, r.id)) and target.exists()
 
 
-def test_records_of_the_first_format_belong_to_the_anonymous_tenant(open_srv, tmp_path):
+def test_records_of_the_first_format_belong_to_the_anonymous_tenant(open_srv, tmp_path, serve):
     """A record written before responses had owners (messages only): on a
     server without keys it still continues a conversation and can be
     deleted, but has no response object to retrieve; on a server with keys
@@ -324,14 +319,11 @@ def test_records_of_the_first_format_belong_to_the_anonymous_tenant(open_srv, tm
     os.makedirs(kv / "records")
     with open(kv / "records" / f"response-{rid}.json", "w", encoding="utf-8") as f:
         json.dump(old, f)
-    srv = _keyed(tmp_path, "keyed-old", "--kv-disk-dir", str(kv), *KV_FLAGS)
+    srv = _keyed(serve, tmp_path, "keyed-old", "--kv-disk-dir", str(kv), *KV_FLAGS)
     srv.records = str(kv / "records")
-    try:
-        for key in (KA, KB):
-            assert_unknown_to(srv, key, rid)
-        assert os.path.exists(record_path(srv, rid, legacy=True))  # not corrupt: kept
-    finally:
-        srv.stop()
+    for key in (KA, KB):
+        assert_unknown_to(srv, key, rid)
+    assert os.path.exists(record_path(srv, rid, legacy=True))  # not corrupt: kept
 
 
 # -- the lock the records are kept under -------------------------------------------

@@ -23,7 +23,7 @@ import os
 import shutil
 
 import pytest
-from test_server import KV_FLAGS, SYSTEM, Server, _cached, _extra, _stored_texts, cold_chat
+from helpers.server import KV_FLAGS, SYSTEM, cached_tokens, cold_chat, ds4_block, stored_texts
 
 #: a system prompt of a few hundred tokens (A's; B's too in the "shared" shape)
 LONG_SYSTEM = SYSTEM + " " + " ".join(f"r{i}." for i in range(40))
@@ -32,10 +32,8 @@ OTHER_SYSTEM = "You are a terse pirate. " + " ".join(f"l{i}." for i in range(40)
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory):
-    srv = Server(str(tmp_path_factory.mktemp("cold")), "cold", "--no-kv-cache").start()
-    yield srv
-    srv.stop()
+def cold(serve_module):
+    return serve_module("--no-kv-cache", name="cold")
 
 
 def _conv(topic: str, system: str) -> list:
@@ -50,8 +48,8 @@ def _next(msgs: list, reply: str) -> list:
     return [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": "Tell me more."}]
 
 
-def _server(tmp, name, kv, sessions):
-    return Server(str(tmp), name, "--sessions", str(sessions), "--kv-disk-dir", str(kv), *KV_FLAGS).start()
+def _server(serve, tmp, name, kv, sessions):
+    return serve("--sessions", str(sessions), "--kv-disk-dir", str(kv), *KV_FLAGS, name=name, tmp=tmp)
 
 
 def _ask(srv, msgs):
@@ -61,15 +59,13 @@ def _ask(srv, msgs):
 @pytest.mark.parametrize(
     ("sessions", "shape"), [(1, "shared"), (1, "distinct"), (2, "shared"), (2, "distinct"), (4, "shared")]
 )
-def test_a_then_b_then_sigterm_resumes_b_from_its_shutdown_checkpoint(tmp_path, cold, sessions, shape):
+def test_a_then_b_then_sigterm_resumes_b_from_its_shutdown_checkpoint(tmp_path, serve, cold, sessions, shape):
     a = _conv("harbours", LONG_SYSTEM)
     b = _conv("rivers", LONG_SYSTEM if shape == "shared" else OTHER_SYSTEM)
     kv = tmp_path / "kv"
-    srv = _server(tmp_path, "first", kv, sessions)
-    try:
-        ra, rb = _ask(srv, a), _ask(srv, b)
-    finally:
-        srv.stop()
+    srv = _server(serve, tmp_path, "first", kv, sessions)
+    ra, rb = _ask(srv, a), _ask(srv, b)
+    srv.stop()
     # the replies are valid UTF-8, so the clients' echoes are byte-exact
     ta, tb = ra.choices[0].message.content, rb.choices[0].message.content
     assert "\ufffd" not in ta + tb, (ta, tb)
@@ -77,7 +73,7 @@ def test_a_then_b_then_sigterm_resumes_b_from_its_shutdown_checkpoint(tmp_path, 
     # tokens but the last (never evaluated)
     a_n = ra.usage.prompt_tokens + ra.usage.completion_tokens - 1
     b_n = rb.usage.prompt_tokens + rb.usage.completion_tokens - 1
-    stored = _stored_texts(str(kv))
+    stored = stored_texts(str(kv))
     b_shut = [p for p, (_t, reason, n) in stored.items() if reason == "shutdown" and n == b_n]
     a_reason = "evict" if sessions == 1 else "shutdown"  # B replaced A / A stayed resident
     a_ck = [p for p, (_t, reason, n) in stored.items() if reason == a_reason and n == a_n]
@@ -87,36 +83,32 @@ def test_a_then_b_then_sigterm_resumes_b_from_its_shutdown_checkpoint(tmp_path, 
     shutil.copytree(kv, exact / "kv")
 
     # the restart on the same directory: B's next turn, then A's
-    srv2 = _server(tmp_path, "second", kv, sessions)
-    try:
-        b2, a2 = _next(b, tb), _next(a, ta)
-        rb2 = _ask(srv2, b2)
-        ra2 = _ask(srv2, a2)
-    finally:
-        srv2.stop()
+    srv2 = _server(serve, tmp_path, "second", kv, sessions)
+    b2, a2 = _next(b, tb), _next(a, ta)
+    rb2 = _ask(srv2, b2)
+    ra2 = _ask(srv2, a2)
+    srv2.stop()
     for r, msgs, n, ck in ((rb2, b2, b_n, b_shut[0]), (ra2, a2, a_n, a_ck[0])):
-        x = _extra(r)
+        x = ds4_block(r)
         assert x["rung"] == "disk" and x["loaded_path"] == os.path.basename(ck), (shape, sessions, x)
-        assert x["reused_tokens"] == _cached(r) == n, (shape, sessions, x)
+        assert x["reused_tokens"] == cached_tokens(r) == n, (shape, sessions, x)
         assert r.choices[0].message.content == cold_chat(cold, msgs, max_tokens=2).choices[0].message.content
     log = srv2.text_log()
     assert f"ds4 ladder rung=disk source=disk-text reused={b_n} prompt={rb2.usage.prompt_tokens}" in log, log
 
     # B's exact request again (and A's) on another restart of the stopped
     # directory: from disk, the longest stored prefix of the prompt
-    srv3 = _server(exact, "third", exact / "kv", sessions)
-    try:
-        rb3 = _ask(srv3, b)
-        ra3 = _ask(srv3, a)
-    finally:
-        srv3.stop()
+    srv3 = _server(serve, exact, "third", exact / "kv", sessions)
+    rb3 = _ask(srv3, b)
+    ra3 = _ask(srv3, a)
+    srv3.stop()
     for r, before in ((rb3, rb), (ra3, ra)):
-        x = _extra(r)
+        x = ds4_block(r)
         assert x["rung"] == "disk" and 0 < x["reused_tokens"] < r.usage.prompt_tokens, (shape, sessions, x)
         assert r.choices[0].message.content == before.choices[0].message.content
 
 
-def test_a_tight_budget_keeps_the_last_conversation_of_a_pool_across_a_restart(tmp_path, cold):
+def test_a_tight_budget_keeps_the_last_conversation_of_a_pool_across_a_restart(tmp_path, serve, cold):
     """A on session 0, X on session 1, then B takes session 0 (A is saved,
     ``evict``); SIGTERM under a budget that holds one resident's
     ``shutdown`` save beside A's: the pool stores X (least recently used)
@@ -127,32 +119,28 @@ def test_a_tight_budget_keeps_the_last_conversation_of_a_pool_across_a_restart(t
     x = _conv("forests", "Be kind. " + " ".join(f"k{i}." for i in range(40)))
     kv = tmp_path / "kv"
     budget = ("--kv-disk-space-mb", "0.8")  # the reference engine's files here: 0.2-0.35 MiB
-    srv = Server(str(tmp_path), "first", "--sessions", "2", "--kv-disk-dir", str(kv), *KV_FLAGS, *budget).start()
-    try:
-        _ask(srv, a), _ask(srv, x)
-        rb = _ask(srv, b)
-        assert [s["index"] for s in srv.health()["sessions"] if s["tokens"] == rb.usage.prompt_tokens + 1] == [0]
-    finally:
-        srv.stop()
+    srv = serve("--sessions", "2", "--kv-disk-dir", str(kv), *KV_FLAGS, *budget, name="first", tmp=tmp_path)
+    _ask(srv, a), _ask(srv, x)
+    rb = _ask(srv, b)
+    assert [s["index"] for s in srv.health()["sessions"] if s["tokens"] == rb.usage.prompt_tokens + 1] == [0]
+    srv.stop()
     tb = rb.choices[0].message.content
     assert "\ufffd" not in tb, tb
     b_n = rb.usage.prompt_tokens + rb.usage.completion_tokens - 1
-    stored = _stored_texts(str(kv))
+    stored = stored_texts(str(kv))
     b_shut = [p for p, (_t, reason, n) in stored.items() if reason == "shutdown" and n == b_n]
     assert len(b_shut) == 1, sorted(stored.values(), key=lambda v: v[2])
-    srv2 = Server(str(tmp_path), "second", "--sessions", "2", "--kv-disk-dir", str(kv), *KV_FLAGS, *budget).start()
-    try:
-        b2 = _next(b, tb)
-        rb2 = _ask(srv2, b2)
-    finally:
-        srv2.stop()
-    xb = _extra(rb2)
+    srv2 = serve("--sessions", "2", "--kv-disk-dir", str(kv), *KV_FLAGS, *budget, name="second", tmp=tmp_path)
+    b2 = _next(b, tb)
+    rb2 = _ask(srv2, b2)
+    srv2.stop()
+    xb = ds4_block(rb2)
     assert xb["rung"] == "disk" and xb["loaded_path"] == os.path.basename(b_shut[0]), xb
     assert xb["reused_tokens"] == b_n
     assert rb2.choices[0].message.content == cold_chat(cold, b2, max_tokens=2).choices[0].message.content
 
 
-def test_the_sequence_on_a_real_model_whose_first_reply_ends_at_its_end_token(tmp_path):
+def test_the_sequence_on_a_real_model_whose_first_reply_ends_at_its_end_token(tmp_path, serve):
     """The same sequence over llama.cpp (SmolLM2, as CI installs it), one
     session: A's reply ends at the model's end-of-turn token, B's at the
     length limit; B's next turn resumes from B's shutdown checkpoint and
@@ -166,32 +154,26 @@ def test_the_sequence_on_a_real_model_whose_first_reply_ends_at_its_end_token(tm
     kv = tmp_path / "kv"
     llama = ("--threads", "2")
 
-    def serve(name, *flags):
-        return Server(str(tmp_path), name, *flags, *llama, engine="llamacpp").start()
+    def llama_server(name, *flags):
+        return serve(*flags, *llama, name=name, tmp=tmp_path, engine="llamacpp")
 
-    srv = serve("first", "--kv-disk-dir", str(kv), *KV_FLAGS)
-    try:
-        c, model = srv.client(), srv.model()
-        ra = c.chat.completions.create(model=model, messages=a, max_tokens=48)
-        rb = c.chat.completions.create(model=model, messages=b, max_tokens=24)
-    finally:
-        srv.stop()
+    srv = llama_server("first", "--kv-disk-dir", str(kv), *KV_FLAGS)
+    c, model = srv.client(), srv.model()
+    ra = c.chat.completions.create(model=model, messages=a, max_tokens=48)
+    rb = c.chat.completions.create(model=model, messages=b, max_tokens=24)
+    srv.stop()
     assert ra.choices[0].finish_reason == "stop" and rb.choices[0].finish_reason == "length"
-    stored = _stored_texts(str(kv))
+    stored = stored_texts(str(kv))
     ck = {reason: (p, n) for p, (_t, reason, n) in stored.items() if reason in ("shutdown", "evict")}
     assert len(ck) == 2, stored
     a2, b2 = _next(a, ra.choices[0].message.content), _next(b, rb.choices[0].message.content)
-    srv2 = serve("second", "--kv-disk-dir", str(kv), *KV_FLAGS)
-    cold = serve("cold", "--no-kv-cache")
-    try:
-        for msgs, reason in ((b2, "shutdown"), (a2, "evict")):
-            r = srv2.client().chat.completions.create(model=model, messages=msgs, max_tokens=8)
-            x = _extra(r)
-            assert x["rung"] == "disk" and x["loaded_path"] == os.path.basename(ck[reason][0]), (reason, x)
-            assert x["reused_tokens"] == ck[reason][1], (reason, x)
-            cold.client().completions.create(model=model, prompt="Hello", max_tokens=1)  # its live session replaced
-            ref = cold.client().chat.completions.create(model=model, messages=msgs, max_tokens=8)
-            assert _cached(ref) == 0 and r.choices[0].message.content == ref.choices[0].message.content
-    finally:
-        srv2.stop()
-        cold.stop()
+    srv2 = llama_server("second", "--kv-disk-dir", str(kv), *KV_FLAGS)
+    cold = llama_server("cold", "--no-kv-cache")
+    for msgs, reason in ((b2, "shutdown"), (a2, "evict")):
+        r = srv2.client().chat.completions.create(model=model, messages=msgs, max_tokens=8)
+        x = ds4_block(r)
+        assert x["rung"] == "disk" and x["loaded_path"] == os.path.basename(ck[reason][0]), (reason, x)
+        assert x["reused_tokens"] == ck[reason][1], (reason, x)
+        cold.client().completions.create(model=model, prompt="Hello", max_tokens=1)  # its live session replaced
+        ref = cold.client().chat.completions.create(model=model, messages=msgs, max_tokens=8)
+        assert cached_tokens(ref) == 0 and r.choices[0].message.content == ref.choices[0].message.content

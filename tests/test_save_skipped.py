@@ -17,8 +17,8 @@ import time
 
 import httpx
 import pytest
-from kv_helpers import BASE, prefilled, toks
-from metric_samples import samples
+from helpers.kv import BASE, prefilled, toks
+from helpers.metric_samples import samples
 from starlette.testclient import TestClient
 
 import ds4
@@ -280,43 +280,39 @@ def _skip_series(got: dict) -> dict[tuple[str, str], float]:
     }
 
 
-def test_a_real_server_says_why_it_did_not_save(tmp_path):
+def test_a_real_server_says_why_it_did_not_save(tmp_path, serve):
     """A real ``ds4 serve``: a short prompt's cold save and, when an
     unrelated prompt replaces it, its evict save are below
     ``--kv-cache-min-tokens``: the ``ds4`` block, ``/metrics`` and
     ``/ui/data`` say so."""
-    from test_server import Server
 
-    srv = Server(str(tmp_path), "skips", "--kv-disk-dir", str(tmp_path / "kv"), "--kv-cache-min-tokens", "64").start()
-    try:
-        c = srv.client()
-        model = srv.model()
-        a = c.completions.create(model=model, prompt="Tides rise because", max_tokens=4)
-        n = a.usage.prompt_tokens
-        assert n < 64
-        info = a.model_extra["ds4"]
-        assert info["rung"] == "prefill" and info["cold_saved"] is None
-        cold = {"kind": "cold", "code": "below_min_tokens", "detail": f"{n} tokens < min 64"}
-        assert info["save_skipped"] == [cold], info
-        b = c.completions.create(model=model, prompt="Zebras run fast", max_tokens=2)
-        live = n + a.usage.completion_tokens  # the first turn's state, all but its last token evaluated
-        skipped = b.model_extra["ds4"]["save_skipped"]
-        assert [(k["kind"], k["code"]) for k in skipped] == [
-            ("evict", "below_min_tokens"),
-            ("cold", "below_min_tokens"),
-        ]
-        assert skipped[0]["detail"] in (f"{live} tokens < min 64", f"{live - 1} tokens < min 64")
+    srv = serve("--kv-disk-dir", str(tmp_path / "kv"), "--kv-cache-min-tokens", "64", name="skips", tmp=tmp_path)
+    c = srv.client()
+    model = srv.model()
+    a = c.completions.create(model=model, prompt="Tides rise because", max_tokens=4)
+    n = a.usage.prompt_tokens
+    assert n < 64
+    info = a.model_extra["ds4"]
+    assert info["rung"] == "prefill" and info["cold_saved"] is None
+    cold = {"kind": "cold", "code": "below_min_tokens", "detail": f"{n} tokens < min 64"}
+    assert info["save_skipped"] == [cold], info
+    b = c.completions.create(model=model, prompt="Zebras run fast", max_tokens=2)
+    live = n + a.usage.completion_tokens  # the first turn's state, all but its last token evaluated
+    skipped = b.model_extra["ds4"]["save_skipped"]
+    assert [(k["kind"], k["code"]) for k in skipped] == [
+        ("evict", "below_min_tokens"),
+        ("cold", "below_min_tokens"),
+    ]
+    assert skipped[0]["detail"] in (f"{live} tokens < min 64", f"{live - 1} tokens < min 64")
 
-        got = _skip_series(samples(httpx.get(srv.base + "/metrics", timeout=10).text))
-        assert got == {("cold", "below_min_tokens"): 2.0, ("evict", "below_min_tokens"): 1.0}
+    got = _skip_series(samples(httpx.get(srv.base + "/metrics", timeout=10).text))
+    assert got == {("cold", "below_min_tokens"): 2.0, ("evict", "below_min_tokens"): 1.0}
 
-        data = httpx.get(srv.base + "/ui/data", timeout=10).json()
-        assert [t["save_skipped"] for t in data["recent"]] == [skipped, [cold]]  # newest first
-        assert data["save_skipped"] == {"below_min_tokens": {"cold": 2, "evict": 1}}
-        assert "ui/ui.js" in httpx.get(srv.base + "/ui", timeout=10).text
-        assert "save skipped: " in httpx.get(srv.base + "/ui/ui.js", timeout=10).text
-    finally:
-        srv.stop()
+    data = httpx.get(srv.base + "/ui/data", timeout=10).json()
+    assert [t["save_skipped"] for t in data["recent"]] == [skipped, [cold]]  # newest first
+    assert data["save_skipped"] == {"below_min_tokens": {"cold": 2, "evict": 1}}
+    assert "ui/ui.js" in httpx.get(srv.base + "/ui", timeout=10).text
+    assert "save skipped: " in httpx.get(srv.base + "/ui/ui.js", timeout=10).text
 
 
 def test_an_over_budget_store_in_the_ds4_block_and_the_metrics(eng, tmp_path):

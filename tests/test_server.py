@@ -12,172 +12,40 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-from ports import free_port
+from helpers.server import (
+    CTX,
+    INTERVAL,
+    KV_FLAGS,
+    assert_error,
+    cached_tokens,
+    cold_chat,
+    ds4_block,
+    post_json,
+    stored_texts,
+    topic_chat,
+)
 
 import ds4
 from ds4.checkpoint import open_checkpoint
-from ds4.kvstore import is_checkpoint_name
-
-MIN_TOKENS = 32
-ALIGN = 64
-INTERVAL = 128
-CTX = 2048
-KV_FLAGS = [
-    "--kv-cache-min-tokens",
-    str(MIN_TOKENS),
-    "--kv-cache-boundary-align-tokens",
-    str(ALIGN),
-    "--kv-cache-continued-interval-tokens",
-    str(INTERVAL),
-]
-SYSTEM = "You are a careful assistant who answers briefly, precisely and politely."
-
-
-class Server:
-    """A ``python -m ds4 serve`` subprocess."""
-
-    def __init__(self, tmp, name, *args, engine="reference", ctx=CTX, key=None, env=None, host="127.0.0.1"):
-        self.port = free_port()
-        self.key = key  # the key the helpers send (None: none)
-        self.env = env
-        self.log_path = os.path.join(tmp, f"{name}.log")
-        self.args = [
-            sys.executable,
-            "-m",
-            "ds4",
-            "serve",
-            "--engine",
-            engine,
-            "--host",
-            host,
-            "--port",
-            str(self.port),
-            "--ctx",
-            str(ctx),
-            "--default-max-tokens",
-            "16",
-            # one live session, as the tests here are written for (a switch
-            # saves and resumes from disk); a test of the pool gives its own
-            # --sessions, which comes later and wins
-            "--sessions",
-            "1",
-            *args,
-        ]
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self, timeout=90.0):
-        self.log = open(self.log_path, "ab")
-        env = None if self.env is None else {**os.environ, **self.env}
-        self.proc = subprocess.Popen(
-            self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=os.path.dirname(self.log_path), env=env
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.text_log()}")
-            try:
-                if httpx.get(self.base + "/health", headers=self.headers, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server did not become healthy:\n{self.text_log()}")
-
-    def stop(self, sig=signal.SIGTERM, timeout=60.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"server did not stop on {sig}:\n{self.text_log()}") from None
-        self.log.close()
-        return rc
-
-    def text_log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode("utf-8", "replace")
-
-    @property
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
-
-    def client(self, key=None) -> openai.OpenAI:
-        key = key or self.key or "unused"
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120)
-
-    def health(self) -> dict:
-        return httpx.get(self.base + "/health", headers=self.headers, timeout=10).json()
-
-    def model(self) -> str:
-        return self.health()["model"]
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory):
-    srv = Server(str(tmp_path_factory.mktemp("cold")), "cold", "--no-kv-cache").start()
-    yield srv
-    srv.stop()
+def cold(serve_module):
+    return serve_module("--no-kv-cache", name="cold")
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
+def warm(serve_module, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("warm")
-    srv = Server(
-        str(tmp), "warm", "--kv-disk-dir", str(tmp / "kv"), "--kv-quarantine-dir", str(tmp / "quarantine"), *KV_FLAGS
-    ).start()
-    srv.kv_dir = str(tmp / "kv")
+    srv = serve_module("--kv-quarantine-dir", str(tmp / "quarantine"), *KV_FLAGS, name="warm", tmp=tmp, kv=True)
     srv.quarantine = str(tmp / "quarantine")
-    yield srv
-    srv.stop()
-
-
-def _extra(resp) -> dict:
-    return (resp.model_extra or {}).get("ds4") or {}
-
-
-def _cached(resp) -> int:
-    d = resp.usage.prompt_tokens_details
-    return d.cached_tokens if d is not None else 0
-
-
-def cold_chat(cold, messages, **kw):
-    """The answer of a cold prefill (its live session replaced first)."""
-    c = cold.client()
-    model = cold.model()
-    # a raw prompt sharing no token with a chat prompt: nothing to rewind to
-    c.completions.create(model=model, prompt="reset", max_tokens=1)
-    r = c.chat.completions.create(model=model, messages=messages, **kw)
-    assert _cached(r) == 0, "the reference run was not cold"
-    return r
-
-
-def _conv(topic: str, n_words: int = 12) -> list:
-    words = " ".join(f"{topic}-{i}" for i in range(n_words))
-    return [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"Please explain {topic} to me in a few sentences; context words: {words}."},
-    ]
-
-
-def _stored_texts(kv_dir):
-    out = {}
-    for name in os.listdir(kv_dir):
-        if is_checkpoint_name(name):
-            ck = open_checkpoint(os.path.join(kv_dir, name), load_payload=False)
-            out[os.path.join(kv_dir, name)] = (ck.text, ck.reason_name, ck.tokens)
-    return out
+    return srv
 
 
 # ---------------------------------------------------------------------------
@@ -196,7 +64,7 @@ def test_multi_turn_reports_cached_tokens(warm, cold):
     # max_tokens=2 keeps the answers valid UTF-8 (the reference model emits
     # arbitrary bytes), so the client's echo of an answer is byte-exact and
     # later turns extend the live session; turn 4 uses longer, lossy answers.
-    msgs = _conv("tides")
+    msgs = topic_chat("tides")
     rungs = []
     for turn, n_gen in enumerate((2, 2, 2, 12, 6)):
         r = c.chat.completions.create(model=model, messages=msgs, max_tokens=n_gen)
@@ -207,11 +75,11 @@ def test_multi_turn_reports_cached_tokens(warm, cold):
         assert r.usage.prompt_tokens == ref.usage.prompt_tokens
         assert 1 <= r.usage.completion_tokens == ref.usage.completion_tokens <= n_gen
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-        x = _extra(r)
+        x = ds4_block(r)
         rungs.append(x["rung"])
         if turn > 0:
-            assert _cached(r) > 0, f"turn {turn} reused nothing: {x}"
-            assert _cached(r) == x["reused_tokens"]
+            assert cached_tokens(r) > 0, f"turn {turn} reused nothing: {x}"
+            assert cached_tokens(r) == x["reused_tokens"]
             if "\ufffd" not in msgs[-2]["content"]:
                 assert x["rung"] == "live", x
             else:  # the echo differs from the live bytes: a checkpoint serves it
@@ -222,7 +90,7 @@ def test_multi_turn_reports_cached_tokens(warm, cold):
 
 def test_streaming_chunks_concatenate_to_the_text(warm, cold):
     c, model = warm.client(), warm.model()
-    msgs = _conv("streams")
+    msgs = topic_chat("streams")
     full = c.chat.completions.create(model=model, messages=msgs, max_tokens=20)
     stream = c.chat.completions.create(
         model=model, messages=msgs, max_tokens=20, stream=True, stream_options={"include_usage": True}
@@ -256,7 +124,7 @@ def test_streaming_chunks_concatenate_to_the_text(warm, cold):
 
 def test_stop_sequence_leaves_no_tokens_past_the_stop(warm, cold):
     c, model = warm.client(), warm.model()
-    msgs = _conv("stops")
+    msgs = topic_chat("stops")
     ref = cold_chat(cold, msgs, max_tokens=24).choices[0].message.content
     # a two-character ASCII stop inside the answer (ASCII bytes map 1:1 to text)
     stop = next(
@@ -277,13 +145,13 @@ def test_stop_sequence_leaves_no_tokens_past_the_stop(warm, cold):
     # and the conversation goes on exactly as a cold run
     msgs2 = [*msgs, {"role": "assistant", "content": ref[: ref.index(stop)]}, {"role": "user", "content": "go on"}]
     r2 = c.chat.completions.create(model=model, messages=msgs2, max_tokens=12)
-    assert _cached(r2) > 0
+    assert cached_tokens(r2) > 0
     assert r2.choices[0].message.content == cold_chat(cold, msgs2, max_tokens=12).choices[0].message.content
 
 
 def test_continued_saves_during_prefill_and_generation(warm, cold):
     c, model = warm.client(), warm.model()
-    msgs = _conv("lighthouses", n_words=2)  # ~200 tokens: frontiers at 128 (prefill) and 256, 384 (generation)
+    msgs = topic_chat("lighthouses", n_words=2)  # ~200 tokens: frontiers at 128 (prefill) and 256, 384 (generation)
     prompt = ds4.ReferenceEngine().render_chat(msgs).encode()
     n_prompt = len(ds4.ReferenceEngine().tokenize(prompt.decode(), special=True))
     assert INTERVAL < n_prompt < 2 * INTERVAL
@@ -293,7 +161,7 @@ def test_continued_saves_during_prefill_and_generation(warm, cold):
     assert r.usage.completion_tokens == 160 and r.usage.prompt_tokens == n_prompt
     cont = {
         n: t
-        for p, (t, reason, n) in _stored_texts(warm.kv_dir).items()
+        for p, (t, reason, n) in stored_texts(warm.kv_dir).items()
         if reason == "continued" and (prompt.startswith(t) or t.startswith(prompt))
     }
     # during generation: the prompt and the tokens generated up to the frontier
@@ -308,10 +176,10 @@ def test_continued_saves_during_prefill_and_generation(warm, cold):
 
 def test_corrupt_checkpoint_between_requests(warm, cold):
     c, model = warm.client(), warm.model()
-    msgs = _conv("glaciers", n_words=18)
+    msgs = topic_chat("glaciers", n_words=18)
     r1 = c.chat.completions.create(model=model, messages=msgs, max_tokens=2)
     # an unrelated request replaces the live session (evict save of this one)
-    c.chat.completions.create(model=model, messages=_conv("volcanoes"), max_tokens=2)
+    c.chat.completions.create(model=model, messages=topic_chat("volcanoes"), max_tokens=2)
     msgs2 = [
         *msgs,
         {"role": "assistant", "content": r1.choices[0].message.content},
@@ -319,7 +187,7 @@ def test_corrupt_checkpoint_between_requests(warm, cold):
     ]
     prompt = ds4.ReferenceEngine().render_chat(msgs2).encode()
     cands = sorted(
-        ((len(t), p) for p, (t, _, _) in _stored_texts(warm.kv_dir).items() if prompt.startswith(t)), reverse=True
+        ((len(t), p) for p, (t, _, _) in stored_texts(warm.kv_dir).items() if prompt.startswith(t)), reverse=True
     )
     assert len(cands) >= 2, cands  # evict, continued and cold saves of this conversation
     target = cands[0][1]
@@ -334,7 +202,7 @@ def test_corrupt_checkpoint_between_requests(warm, cold):
     # read before the request: the turn's own continued save may supersede it
     fallback_tokens = open_checkpoint(cands[1][1], load_payload=False).tokens
     r2 = c.chat.completions.create(model=model, messages=msgs2, max_tokens=10)
-    x = _extra(r2)
+    x = ds4_block(r2)
     assert not os.path.exists(target), "the corrupt checkpoint was not removed"
     assert [q.split(".")[0] for q in os.listdir(warm.quarantine)] == [os.path.basename(target)[: -len(".kv")]]
     assert os.listdir(warm.quarantine)[0].endswith(".payload_checksum")
@@ -343,7 +211,7 @@ def test_corrupt_checkpoint_between_requests(warm, cold):
     ]
     assert x["rung"] == "disk" and x["loaded_path"] == os.path.basename(cands[1][1])  # a name, never a path
     assert warm.kv_dir not in r2.model_dump_json()
-    assert _cached(r2) == fallback_tokens
+    assert cached_tokens(r2) == fallback_tokens
     assert r2.choices[0].message.content == cold_chat(cold, msgs2, max_tokens=10).choices[0].message.content
 
 
@@ -356,7 +224,7 @@ def test_concurrent_clients(warm, cold):
     def client(topic):
         try:
             c = warm.client()
-            msgs = _conv(topic, n_words=4)
+            msgs = topic_chat(topic, n_words=4)
             r1 = c.chat.completions.create(model=model, messages=msgs, max_tokens=8)
             msgs2 = [
                 *msgs,
@@ -385,34 +253,17 @@ def test_concurrent_clients(warm, cold):
     assert warm.health()["counters"]["errors"] == 0
 
 
-def _post(srv, path, body, raw=False):
-    data = body if raw else json.dumps(body)
-    return httpx.post(srv.base + path, content=data, headers={"Content-Type": "application/json"}, timeout=60)
-
-
-def _assert_error(resp, status, param=None, code=None):
-    assert resp.status_code == status, (resp.status_code, resp.text)
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
-
-
 def test_any_model_name_is_accepted_and_answered_with_the_served_one(warm, cold):
     """Agents send their own model names (ds4-server and llama-server accept
     any): the answer is the served model's, identical to a request naming it."""
     c, model = warm.client(), warm.model()
-    msgs = _conv("compasses")
+    msgs = topic_chat("compasses")
     for name in ("gpt-4o", "claude-sonnet", "no-such-model"):
         r = c.chat.completions.create(model=name, messages=msgs, max_tokens=4)
         assert r.model == model
         assert r.choices[0].message.content == cold_chat(cold, msgs, max_tokens=4).choices[0].message.content
     assert [m.id for m in c.models.list().data] == [model]
-    _assert_error(httpx.get(warm.base + "/v1/models/gpt-4o"), 404, code="model_not_found")
+    assert_error(httpx.get(warm.base + "/v1/models/gpt-4o"), 404, code="model_not_found")
 
 
 def test_no_max_tokens_means_until_the_end_or_the_context():
@@ -426,39 +277,47 @@ def test_no_max_tokens_means_until_the_end_or_the_context():
 
 def test_bad_requests_get_4xx_and_leave_the_server_intact(warm, cold):
     c, model = warm.client(), warm.model()
-    msgs = _conv("bicycles")
+    msgs = topic_chat("bicycles")
     r0 = c.chat.completions.create(model=model, messages=msgs, max_tokens=1)
     assert "\ufffd" not in r0.choices[0].message.content  # byte-exact echo: the next turn extends the live session
     h0 = warm.health()
     files0 = sorted(os.listdir(warm.kv_dir))
     chat = "/v1/chat/completions"
-    _assert_error(_post(warm, chat, '{"model": "x", "messages": [', raw=True), 400, code="invalid_json")
-    _assert_error(_post(warm, chat, b"\xff\xfe not json", raw=True), 400, code="invalid_json")
-    _assert_error(_post(warm, chat, [1, 2]), 400)
-    _assert_error(_post(warm, chat, {"model": model}), 400, param="messages")
-    _assert_error(_post(warm, chat, {"messages": msgs}), 400, param="model")
-    _assert_error(_post(warm, chat, {"model": model, "messages": "hi"}), 400, param="messages")
-    _assert_error(_post(warm, chat, {"model": model, "messages": [{"role": "user"}]}), 400, param="messages[0].content")
-    _assert_error(
-        _post(warm, chat, {"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
+    assert_error(post_json(warm, chat, '{"model": "x", "messages": [', raw=True), 400, code="invalid_json")
+    assert_error(post_json(warm, chat, b"\xff\xfe not json", raw=True), 400, code="invalid_json")
+    assert_error(post_json(warm, chat, [1, 2]), 400)
+    assert_error(post_json(warm, chat, {"model": model}), 400, param="messages")
+    assert_error(post_json(warm, chat, {"messages": msgs}), 400, param="model")
+    assert_error(post_json(warm, chat, {"model": model, "messages": "hi"}), 400, param="messages")
+    assert_error(
+        post_json(warm, chat, {"model": model, "messages": [{"role": "user"}]}), 400, param="messages[0].content"
+    )
+    assert_error(
+        post_json(warm, chat, {"model": model, "messages": [{"role": "wizard", "content": "x"}]}),
         400,
         param="messages[0].role",
     )
-    _assert_error(_post(warm, chat, {"model": model, "messages": msgs, "max_tokens": "ten"}), 400, param="max_tokens")
-    _assert_error(_post(warm, chat, {"model": model, "messages": msgs, "max_tokens": 0}), 400, param="max_tokens")
-    _assert_error(_post(warm, chat, {"model": model, "messages": msgs, "temperature": "hot"}), 400, param="temperature")
-    _assert_error(_post(warm, chat, {"model": model, "messages": msgs, "stop": 5}), 400, param="stop")
-    _assert_error(_post(warm, chat, {"model": model, "messages": msgs, "stream": "yes"}), 400, param="stream")
-    _assert_error(_post(warm, chat, {"model": model, "messages": msgs, "n": 2}), 400, param="n")
-    too_long = [{"role": "user", "content": "x" * (CTX + 100)}]
-    _assert_error(_post(warm, chat, {"model": model, "messages": too_long}), 400, code="context_length_exceeded")
-    _assert_error(
-        _post(warm, chat, {"model": model, "messages": too_long, "stream": True}), 400, code="context_length_exceeded"
+    assert_error(
+        post_json(warm, chat, {"model": model, "messages": msgs, "max_tokens": "ten"}), 400, param="max_tokens"
     )
-    _assert_error(_post(warm, "/v1/completions", {"model": model}), 400, param="prompt")
-    _assert_error(_post(warm, "/v1/completions", {"model": model, "prompt": 7}), 400, param="prompt")
-    _assert_error(httpx.get(warm.base + "/v1/nothing-here"), 404)
-    _assert_error(httpx.get(warm.base + chat), 405)
+    assert_error(post_json(warm, chat, {"model": model, "messages": msgs, "max_tokens": 0}), 400, param="max_tokens")
+    assert_error(
+        post_json(warm, chat, {"model": model, "messages": msgs, "temperature": "hot"}), 400, param="temperature"
+    )
+    assert_error(post_json(warm, chat, {"model": model, "messages": msgs, "stop": 5}), 400, param="stop")
+    assert_error(post_json(warm, chat, {"model": model, "messages": msgs, "stream": "yes"}), 400, param="stream")
+    assert_error(post_json(warm, chat, {"model": model, "messages": msgs, "n": 2}), 400, param="n")
+    too_long = [{"role": "user", "content": "x" * (CTX + 100)}]
+    assert_error(post_json(warm, chat, {"model": model, "messages": too_long}), 400, code="context_length_exceeded")
+    assert_error(
+        post_json(warm, chat, {"model": model, "messages": too_long, "stream": True}),
+        400,
+        code="context_length_exceeded",
+    )
+    assert_error(post_json(warm, "/v1/completions", {"model": model}), 400, param="prompt")
+    assert_error(post_json(warm, "/v1/completions", {"model": model, "prompt": 7}), 400, param="prompt")
+    assert_error(httpx.get(warm.base + "/v1/nothing-here"), 404)
+    assert_error(httpx.get(warm.base + chat), 405)
     # the official client sees typed errors
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=model, messages=msgs, n=3)
@@ -480,13 +339,13 @@ def test_bad_requests_get_4xx_and_leave_the_server_intact(warm, cold):
         {"role": "user", "content": "Go on."},
     ]
     r = c.chat.completions.create(model=model, messages=msgs2, max_tokens=6)
-    assert _extra(r)["rung"] == "live" and _cached(r) == h0["session"]["n_past"]
+    assert ds4_block(r)["rung"] == "live" and cached_tokens(r) == h0["session"]["n_past"]
     assert r.choices[0].message.content == cold_chat(cold, msgs2, max_tokens=6).choices[0].message.content
 
 
 def test_client_disconnect_mid_stream(warm, cold):
     model = warm.model()
-    msgs = _conv("disconnects")
+    msgs = topic_chat("disconnects")
     c0 = warm.health()["counters"]
     with httpx.stream(
         "POST",
@@ -519,76 +378,61 @@ def test_client_disconnect_mid_stream(warm, cold):
     prompt_n = h["counters"]["prompt_tokens"] - c0["prompt_tokens"]
     assert h["session"]["valid"] and h["session"]["n_past"] == prompt_n + gen
     # and the next request is served correctly
-    msgs2 = _conv("after-disconnect")
+    msgs2 = topic_chat("after-disconnect")
     r = warm.client().chat.completions.create(model=model, messages=msgs2, max_tokens=8)
     assert r.choices[0].message.content == cold_chat(cold, msgs2, max_tokens=8).choices[0].message.content
 
 
-def test_shutdown_save_and_restart_resume_from_disk(tmp_path, cold):
+def test_shutdown_save_and_restart_resume_from_disk(tmp_path, serve, cold):
     kv = str(tmp_path / "kv")
-    srv = Server(str(tmp_path), "first", "--kv-disk-dir", kv, *KV_FLAGS).start()
+    srv = serve("--kv-disk-dir", kv, *KV_FLAGS, name="first", tmp=tmp_path)
     c, model = srv.client(), srv.model()
-    msgs = _conv("harbours", n_words=6)
+    msgs = topic_chat("harbours", n_words=6)
     r1 = c.chat.completions.create(model=model, messages=msgs, max_tokens=2)
     live_n = srv.health()["session"]["n_past"]
     srv.stop(signal.SIGTERM)
     log = srv.text_log()
     assert f"persisting current KV cache before shutdown tokens={live_n}" in log, log
-    shut = [p for p, (t, reason, n) in _stored_texts(kv).items() if reason == "shutdown"]
+    shut = [p for p, (t, reason, n) in stored_texts(kv).items() if reason == "shutdown"]
     assert len(shut) == 1 and open_checkpoint(shut[0], load_payload=False).tokens == live_n
     msgs2 = [
         *msgs,
         {"role": "assistant", "content": r1.choices[0].message.content},
         {"role": "user", "content": "Tell me more."},
     ]
-    srv2 = Server(str(tmp_path), "second", "--kv-disk-dir", kv, *KV_FLAGS).start()
-    try:
-        r2 = srv2.client().chat.completions.create(model=model, messages=msgs2, max_tokens=12)
-    finally:
-        srv2.stop(signal.SIGINT)
-    x = _extra(r2)
+    srv2 = serve("--kv-disk-dir", kv, *KV_FLAGS, name="second", tmp=tmp_path)
+    r2 = srv2.client().chat.completions.create(model=model, messages=msgs2, max_tokens=12)
+    srv2.stop(signal.SIGINT)
+    x = ds4_block(r2)
     assert x["rung"] == "disk" and x["loaded_path"] == os.path.basename(shut[0]), x
-    assert _cached(r2) == live_n
+    assert cached_tokens(r2) == live_n
     assert r2.choices[0].message.content == cold_chat(cold, msgs2, max_tokens=12).choices[0].message.content
     assert "persisting current KV cache before shutdown" in srv2.text_log()  # SIGINT too
 
 
-def test_llamacpp_two_turns_match_a_cold_server(tmp_path):
+def test_llamacpp_two_turns_match_a_cold_server(tmp_path, serve):
     import llama_cpp  # noqa: F401  (CI installs it; this test must not be skipped)
 
-    warm = Server(
-        str(tmp_path),
-        "llama-warm",
-        "--kv-disk-dir",
-        str(tmp_path / "kv"),
-        *KV_FLAGS,
-        "--threads",
-        "2",
-        engine="llamacpp",
-    ).start()
-    cold = Server(str(tmp_path), "llama-cold", "--no-kv-cache", "--threads", "2", engine="llamacpp").start()
-    try:
-        model = warm.model()
-        assert model == cold.model() and "SmolLM2" in model
-        cw, cc = warm.client(), cold.client()
-        msgs = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]
-        a1 = cw.chat.completions.create(model=model, messages=msgs, max_tokens=16)
-        b1 = cc.chat.completions.create(model=model, messages=msgs, max_tokens=16)
-        assert a1.choices[0].message.content == b1.choices[0].message.content
-        assert "Paris" in a1.choices[0].message.content
-        msgs2 = [
-            *msgs,
-            {"role": "assistant", "content": a1.choices[0].message.content},
-            {"role": "user", "content": "And of Italy?"},
-        ]
-        # the cold server's live session is replaced first, so its turn 2 is a full prefill
-        cc.completions.create(model=model, prompt="Hello", max_tokens=1)
-        b2 = cc.chat.completions.create(model=model, messages=msgs2, max_tokens=16)
-        assert _cached(b2) == 0
-        a2 = cw.chat.completions.create(model=model, messages=msgs2, max_tokens=16)
-        assert _cached(a2) > 0 and _extra(a2)["rung"] == "live"
-        assert a2.choices[0].message.content == b2.choices[0].message.content
-        assert "Rome" in a2.choices[0].message.content
-    finally:
-        warm.stop()
-        cold.stop()
+    warm = serve(*KV_FLAGS, "--threads", "2", name="llama-warm", tmp=tmp_path, kv=True, engine="llamacpp")
+    cold = serve("--no-kv-cache", "--threads", "2", name="llama-cold", tmp=tmp_path, engine="llamacpp")
+    model = warm.model()
+    assert model == cold.model() and "SmolLM2" in model
+    cw, cc = warm.client(), cold.client()
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]
+    a1 = cw.chat.completions.create(model=model, messages=msgs, max_tokens=16)
+    b1 = cc.chat.completions.create(model=model, messages=msgs, max_tokens=16)
+    assert a1.choices[0].message.content == b1.choices[0].message.content
+    assert "Paris" in a1.choices[0].message.content
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": a1.choices[0].message.content},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    # the cold server's live session is replaced first, so its turn 2 is a full prefill
+    cc.completions.create(model=model, prompt="Hello", max_tokens=1)
+    b2 = cc.chat.completions.create(model=model, messages=msgs2, max_tokens=16)
+    assert cached_tokens(b2) == 0
+    a2 = cw.chat.completions.create(model=model, messages=msgs2, max_tokens=16)
+    assert cached_tokens(a2) > 0 and ds4_block(a2)["rung"] == "live"
+    assert a2.choices[0].message.content == b2.choices[0].message.content
+    assert "Rome" in a2.choices[0].message.content

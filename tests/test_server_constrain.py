@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from test_server import KV_FLAGS, Server, _assert_error, _cached, _conv, _extra, _post
+from helpers.server import KV_FLAGS, assert_error, cached_tokens, ds4_block, post_json, topic_chat
 
 SCHEMA = {
     "type": "object",
@@ -34,12 +34,8 @@ def _fmt(schema=SCHEMA, name="trip", strict=True):
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("constrain")
-    s = Server(str(tmp), "constrain", "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS).start()
-    s.kv_dir = str(tmp / "kv")
-    yield s
-    s.stop()
+def srv(serve_module):
+    return serve_module(*KV_FLAGS, name="constrain", kv=True)
 
 
 @pytest.fixture
@@ -51,7 +47,7 @@ def c(srv):
 
 def test_json_schema_with_the_official_client(srv, c):
     model = srv.model()
-    msgs = _conv("journeys")
+    msgs = topic_chat("journeys")
     r = c.chat.completions.create(model=model, messages=msgs, max_tokens=200, response_format=_fmt())
     text = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop", text
@@ -69,7 +65,7 @@ def test_json_schema_with_the_official_client(srv, c):
     # the next turn (the JSON echoed back) continues from the live tokens
     msgs2 = [*msgs, {"role": "assistant", "content": text}, {"role": "user", "content": "Another trip?"}]
     r2 = c.chat.completions.create(model=model, messages=msgs2, max_tokens=200, response_format=_fmt(strict=False))
-    assert _extra(r2)["rung"] == "live" and _cached(r2) == n_live
+    assert ds4_block(r2)["rung"] == "live" and cached_tokens(r2) == n_live
     jsonschema.validate(json.loads(r2.choices[0].message.content), SCHEMA)
 
 
@@ -84,7 +80,7 @@ def test_the_clients_structured_output_helper(srv, c):
     builds a strict schema from the pydantic model and parses the answer."""
     model = srv.model()
     for topic in ("harbours", "valleys"):
-        r = c.chat.completions.parse(model=model, messages=_conv(topic), max_tokens=200, response_format=Trip)
+        r = c.chat.completions.parse(model=model, messages=topic_chat(topic), max_tokens=200, response_format=Trip)
         trip = r.choices[0].message.parsed
         assert isinstance(trip, Trip) and 1 <= trip.days <= 14, r.choices[0].message.content
 
@@ -92,14 +88,14 @@ def test_the_clients_structured_output_helper(srv, c):
 def test_json_object(srv, c):
     model = srv.model()
     r = c.chat.completions.create(
-        model=model, messages=_conv("objects"), max_tokens=300, response_format={"type": "json_object"}
+        model=model, messages=topic_chat("objects"), max_tokens=300, response_format={"type": "json_object"}
     )
     text = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(text), dict), text
     # {"type": "text"} is no constraint at all: the unconstrained answer
-    plain = c.chat.completions.create(model=model, messages=_conv("objects"), max_tokens=8)
+    plain = c.chat.completions.create(model=model, messages=topic_chat("objects"), max_tokens=8)
     text_fmt = c.chat.completions.create(
-        model=model, messages=_conv("objects"), max_tokens=8, response_format={"type": "text"}
+        model=model, messages=topic_chat("objects"), max_tokens=8, response_format={"type": "text"}
     )
     assert plain.choices[0].message.content == text_fmt.choices[0].message.content
 
@@ -121,12 +117,12 @@ def test_json_object(srv, c):
 )
 def test_bad_response_format_is_a_400_and_touches_nothing(srv, c, rf, param):
     model = srv.model()
-    msgs = _conv("refusals")
+    msgs = topic_chat("refusals")
     c.chat.completions.create(model=model, messages=msgs, max_tokens=2)
     h0 = srv.health()
     files0 = sorted(os.listdir(srv.kv_dir))
-    resp = _post(srv, "/v1/chat/completions", {"model": model, "messages": msgs, "response_format": rf})
-    err = _assert_error(resp, 400, param=param)
+    resp = post_json(srv, "/v1/chat/completions", {"model": model, "messages": msgs, "response_format": rf})
+    err = assert_error(resp, 400, param=param)
     assert err["type"] == "invalid_request_error"
     h1 = srv.health()
     assert h1["session"] == h0["session"] and h0["session"]["valid"]
@@ -138,7 +134,7 @@ def test_bad_schema_through_the_official_client(srv, c):
     model = srv.model()
     with pytest.raises(openai.BadRequestError) as ei:
         c.chat.completions.create(
-            model=model, messages=_conv("errors"), response_format=_fmt({"type": "object", "required": 5})
+            model=model, messages=topic_chat("errors"), response_format=_fmt({"type": "object", "required": 5})
         )
     assert ei.value.status_code == 400 and "Invalid schema" in str(ei.value)
     assert httpx.get(srv.base + "/health", timeout=10).json()["counters"]["errors"] == 0
@@ -173,7 +169,7 @@ def test_the_request_is_parsed_off_the_event_loop(monkeypatch):
     monkeypatch.setattr(RequestParser, "chat", spy)
     service = Service(TurnDriver(ds4.ReferenceEngine(), 512), "ds4-reference")
     with TestClient(create_app(service), base_url="http://127.0.0.1") as client:
-        body = {"model": "any", "messages": _conv("threads"), "max_tokens": 2, "response_format": _fmt()}
+        body = {"model": "any", "messages": topic_chat("threads"), "max_tokens": 2, "response_format": _fmt()}
         assert client.post("/v1/chat/completions", json=body).status_code == 200
         bad = {**body, "response_format": _fmt({"type": "nope"})}
         assert client.post("/v1/chat/completions", json=bad).status_code == 400

@@ -14,7 +14,7 @@ import json
 
 import anthropic
 import pytest
-from test_server import KV_FLAGS, Server, _extra
+from helpers.server import KV_FLAGS, ds4_block
 
 SYSTEM = "You are a careful assistant who answers briefly. Session tag cch=abc12; follow the house rules."
 USER = "Please explain the harbour timetable to me in a few sentences, with the ferry names."
@@ -51,77 +51,66 @@ def _chat(c, system: str, *more: dict, **kw):
     return c.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0, **kw)
 
 
-def test_divergence_null_on_a_fresh_server_then_against_live(tmp_path):
+def test_divergence_null_on_a_fresh_server_then_against_live(tmp_path, serve):
     """A fresh server: null. The next turn changes the system prompt's
     nonce: the prompt left the live state there (byte, token and both
     texts exact; the same in the log at info level)."""
-    srv = Server(str(tmp_path), "divergence", "--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS).start()
-    try:
-        c = srv.client()
-        first = _chat(c, _system("abc12"))
-        assert "divergence" in _extra(first) and _extra(first)["divergence"] is None
-        second = _chat(c, _system("def34"))
-        p1 = _render([("system", _system("abc12")), ("user", USER)])
-        p2 = _render([("system", _system("def34")), ("user", USER)])
-        want = _want("live", p1, p2, NONCE_AT)
-        assert _extra(second)["divergence"] == want
-        line = (
-            f"kv cache miss at byte {NONCE_AT} (token {want['token']}) against live: "
-            f"{json.dumps(want['cached'])} vs {json.dumps(want['prompt'])}"
-        )
-        assert line in srv.text_log()
-    finally:
-        srv.stop()
+    srv = serve("--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS, name="divergence", tmp=tmp_path)
+    c = srv.client()
+    first = _chat(c, _system("abc12"))
+    assert "divergence" in ds4_block(first) and ds4_block(first)["divergence"] is None
+    second = _chat(c, _system("def34"))
+    p1 = _render([("system", _system("abc12")), ("user", USER)])
+    p2 = _render([("system", _system("def34")), ("user", USER)])
+    want = _want("live", p1, p2, NONCE_AT)
+    assert ds4_block(second)["divergence"] == want
+    line = (
+        f"kv cache miss at byte {NONCE_AT} (token {want['token']}) against live: "
+        f"{json.dumps(want['cached'])} vs {json.dumps(want['prompt'])}"
+    )
+    assert line in srv.text_log()
 
 
-def test_divergence_against_a_checkpoint_after_a_restart(tmp_path):
+def test_divergence_against_a_checkpoint_after_a_restart(tmp_path, serve):
     """A turn, a restart (the live state stored at shutdown, none live
     after it), then the conversation grown under another nonce: the
     prompt left the stored turn at the nonce, which the block shows."""
-    srv = Server(str(tmp_path), "restart", "--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS).start()
-    try:
-        first = _chat(srv.client(), _system("abc12"))
-    finally:
-        srv.stop()  # stores the live state (the prompt and its reply): reason shutdown
+    srv = serve("--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS, name="restart", tmp=tmp_path)
+    first = _chat(srv.client(), _system("abc12"))
+    srv.stop()  # stores the live state (the prompt and its reply): reason shutdown
     srv.start()
-    try:
-        reply = first.choices[0].message.content
-        more = ({"role": "assistant", "content": reply}, {"role": "user", "content": "And on Sundays?"})
-        second = _chat(srv.client(), _system("def34"), *more)
-        p1 = _render([("system", _system("abc12")), ("user", USER)])
-        p2 = _render([("system", _system("def34")), ("user", USER), ("assistant", reply), ("user", "And on Sundays?")])
-        assert _extra(second)["rung"] == "prefill"
-        assert _extra(second)["divergence"] == _want("checkpoint", p1, p2, NONCE_AT)
-    finally:
-        srv.stop()
+    reply = first.choices[0].message.content
+    more = ({"role": "assistant", "content": reply}, {"role": "user", "content": "And on Sundays?"})
+    second = _chat(srv.client(), _system("def34"), *more)
+    p1 = _render([("system", _system("abc12")), ("user", USER)])
+    p2 = _render([("system", _system("def34")), ("user", USER), ("assistant", reply), ("user", "And on Sundays?")])
+    assert ds4_block(second)["rung"] == "prefill"
+    assert ds4_block(second)["divergence"] == _want("checkpoint", p1, p2, NONCE_AT)
 
 
-def test_every_protocol_carries_the_divergence(tmp_path):
+def test_every_protocol_carries_the_divergence(tmp_path, serve):
     """Chat, Anthropic Messages and Responses: the same ``divergence``
     field in the ``ds4`` block (a live hit on the agent protocols' next
     turn: the live state held whole, ``cached`` empty)."""
-    srv = Server(str(tmp_path), "protocols", "--no-kv-cache").start()
-    try:
-        r = srv.client().responses.create(
-            model="m", instructions=_system("abc12"), input=USER, max_output_tokens=4, store=False
-        )
-        assert r.model_extra["ds4"]["divergence"] is None  # the server's first turn
-        a = anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0)
-        m = a.messages.create(
-            model="m", system=_system("def34"), max_tokens=4, messages=[{"role": "user", "content": USER}]
-        )
-        p1 = _render([("system", _system("abc12")), ("user", USER)])
-        p2 = _render([("system", _system("def34")), ("user", USER)])
-        assert m.model_extra["ds4"]["divergence"] == _want("live", p1, p2, NONCE_AT)
-        # the same prompt again: the live state (the prompt, then the
-        # reply) is not a prefix of it; the prompt ends inside it
-        m2 = a.messages.create(
-            model="m", system=_system("def34"), max_tokens=4, messages=[{"role": "user", "content": USER}]
-        )
-        d = m2.model_extra["ds4"]["divergence"]
-        assert (d["against"], d["byte"], d["token"], d["prompt"]) == ("live", len(p2), _tokens(p2), "")
-    finally:
-        srv.stop()
+    srv = serve("--no-kv-cache", name="protocols", tmp=tmp_path)
+    r = srv.client().responses.create(
+        model="m", instructions=_system("abc12"), input=USER, max_output_tokens=4, store=False
+    )
+    assert r.model_extra["ds4"]["divergence"] is None  # the server's first turn
+    a = anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0)
+    m = a.messages.create(
+        model="m", system=_system("def34"), max_tokens=4, messages=[{"role": "user", "content": USER}]
+    )
+    p1 = _render([("system", _system("abc12")), ("user", USER)])
+    p2 = _render([("system", _system("def34")), ("user", USER)])
+    assert m.model_extra["ds4"]["divergence"] == _want("live", p1, p2, NONCE_AT)
+    # the same prompt again: the live state (the prompt, then the
+    # reply) is not a prefix of it; the prompt ends inside it
+    m2 = a.messages.create(
+        model="m", system=_system("def34"), max_tokens=4, messages=[{"role": "user", "content": USER}]
+    )
+    d = m2.model_extra["ds4"]["divergence"]
+    assert (d["against"], d["byte"], d["token"], d["prompt"]) == ("live", len(p2), _tokens(p2), "")
 
 
 # -- tenants and salts -----------------------------------------------------------
@@ -134,15 +123,13 @@ BOB_2 = "Tell me about BOB-PUBLIC-0000, and then much more about the coast, the 
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory):
+def keyed(serve_module, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("divergence-tenants")
     keys = tmp / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\n", encoding="utf-8")
     # every text a tenant may see (all): what is shown is still its namespace's only
     flags = ["--api-key-file", str(keys), "--kv-disk-dir", str(tmp / "kv"), *KV_FLAGS, "--divergence-text", "all"]
-    srv = Server(str(tmp), "tenants", *flags, key=KA).start()
-    yield srv
-    srv.stop()
+    return serve_module(*flags, name="tenants", tmp=tmp, key=KA)
 
 
 def _ask(srv, key: str | None, user: str, salt: str | None = None, hint: str | None = None) -> dict:
@@ -157,7 +144,7 @@ def _ask(srv, key: str | None, user: str, salt: str | None = None, hint: str | N
             temperature=0,
             extra_body=extra,
         )
-    return _extra(r)["divergence"]
+    return ds4_block(r)["divergence"]
 
 
 @pytest.mark.parametrize(
@@ -185,7 +172,7 @@ def test_divergence_never_shows_another_tenants_or_salts_text(keyed, mine, their
 OTHER = "Please explain the harbour timetable to me in one sentence, with the fares."
 
 
-def test_divergence_text_own_shows_another_conversations_bytes_to_nobody_but_the_operator(tmp_path):
+def test_divergence_text_own_shows_another_conversations_bytes_to_nobody_but_the_operator(tmp_path, serve):
     """--divergence-text own (the default), two tenants' keys and an admin:
     within one tenant, a turn that parts from another conversation's state
     gets the offsets and its own prompt's bytes, never the stored side's
@@ -194,28 +181,22 @@ def test_divergence_text_own_shows_another_conversations_bytes_to_nobody_but_the
     keys = tmp_path / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\nops:{KOPS}\n", encoding="utf-8")
     flags = ["--api-key-file", str(keys), "--admin-tenant", "ops", "--no-kv-cache"]
-    srv = Server(str(tmp_path), "own", *flags, key=KA).start()
-    try:
-        _ask(srv, KA, USER, hint="conv-1")
-        d = _ask(srv, KA, OTHER, hint="conv-2")  # another conversation of alice's, same resident
-        assert d["against"] == "live" and d["cached"] is None and d["prompt"] and d["byte"] > 0, d
-        d = _ask(srv, KA, USER, hint="conv-2")  # conv-2 again: its own last turn is the live state
-        assert d["cached"] and d["prompt"] and d["cached"] != d["prompt"], d
-        d = _ask(srv, KA, OTHER)  # no hint: nothing says it is the same conversation
-        assert d["cached"] is None and d["prompt"], d
-        _ask(srv, KOPS, USER)
-        d = _ask(srv, KOPS, OTHER)  # the operator's
-        assert d["cached"] and d["prompt"], d
-    finally:
-        srv.stop()
+    srv = serve(*flags, name="own", tmp=tmp_path, key=KA)
+    _ask(srv, KA, USER, hint="conv-1")
+    d = _ask(srv, KA, OTHER, hint="conv-2")  # another conversation of alice's, same resident
+    assert d["against"] == "live" and d["cached"] is None and d["prompt"] and d["byte"] > 0, d
+    d = _ask(srv, KA, USER, hint="conv-2")  # conv-2 again: its own last turn is the live state
+    assert d["cached"] and d["prompt"] and d["cached"] != d["prompt"], d
+    d = _ask(srv, KA, OTHER)  # no hint: nothing says it is the same conversation
+    assert d["cached"] is None and d["prompt"], d
+    _ask(srv, KOPS, USER)
+    d = _ask(srv, KOPS, OTHER)  # the operator's
+    assert d["cached"] and d["prompt"], d
 
 
-def test_divergence_text_off_shows_offsets_only(tmp_path):
-    srv = Server(str(tmp_path), "off", "--no-kv-cache", "--divergence-text", "off").start()
-    try:
-        _ask(srv, None, USER, hint="conv-1")
-        d = _ask(srv, None, OTHER, hint="conv-1")
-        assert d["against"] == "live" and d["byte"] > 0 and d["token"] > 0
-        assert d["cached"] is None and d["prompt"] is None
-    finally:
-        srv.stop()
+def test_divergence_text_off_shows_offsets_only(tmp_path, serve):
+    srv = serve("--no-kv-cache", "--divergence-text", "off", name="off", tmp=tmp_path)
+    _ask(srv, None, USER, hint="conv-1")
+    d = _ask(srv, None, OTHER, hint="conv-1")
+    assert d["against"] == "live" and d["byte"] > 0 and d["token"] > 0
+    assert d["cached"] is None and d["prompt"] is None

@@ -20,10 +20,9 @@ import threading
 
 import httpx
 import pytest
-from agent_helpers import ScriptedServer
-from test_server import _cached, _extra, cold_chat
-from test_server_pool import TOPICS, _long_conv, _pool_server
-from together import at_once
+from helpers.agents import ScriptedServer
+from helpers.server import TOPICS, cached_tokens, cold_chat, ds4_block, pool_server, topic_chat
+from helpers.together import at_once
 
 from ds4.server.baton import Baton
 
@@ -94,10 +93,8 @@ class Stream(threading.Thread):
 
 
 @pytest.fixture
-def pool4(tmp_path):
-    srv = ScriptedServer(tmp_path, "fair4", "--sessions", "4", "--no-kv-cache").start()
-    yield srv
-    srv.stop()
+def pool4(serve, tmp_path):
+    return serve("--sessions", "4", "--no-kv-cache", name="fair4", cls=ScriptedServer, tmp=tmp_path)
 
 
 def test_four_concurrent_streams_all_produce_tokens_before_any_finishes(pool4):
@@ -130,22 +127,19 @@ def test_a_short_request_behind_a_long_generation_gets_its_turn(pool4):
     assert _done_order(pool4) == [len(short.text), 2000], _done_order(pool4)
 
 
-def test_one_session_serves_in_arrival_order(tmp_path):
+def test_one_session_serves_in_arrival_order(tmp_path, serve):
     """The default (one resident, one lane) is today's server: the short
     request waits for the whole long generation."""
-    srv = ScriptedServer(tmp_path, "fair1", "--no-kv-cache").start()
-    try:
-        long = Stream(srv, "A long one: LONG 600", max_tokens=700)
-        long.start()
-        assert long.started.wait(120) and long.first is not None
-        short = Stream(srv, "A short one.", max_tokens=32)
-        short.start()
-        long.result()
-        short.result()
-        assert short.text == "Hello from the script." and long.text == _long(600)
-        assert _done_order(srv) == [600, len(short.text)], _done_order(srv)
-    finally:
-        srv.stop()
+    srv = serve("--no-kv-cache", name="fair1", cls=ScriptedServer, tmp=tmp_path)
+    long = Stream(srv, "A long one: LONG 600", max_tokens=700)
+    long.start()
+    assert long.started.wait(120) and long.first is not None
+    short = Stream(srv, "A short one.", max_tokens=32)
+    short.start()
+    long.result()
+    short.result()
+    assert short.text == "Hello from the script." and long.text == _long(600)
+    assert _done_order(srv) == [600, len(short.text)], _done_order(srv)
 
 
 def test_a_client_leaving_stops_only_its_own_session_which_stays_valid(pool4):
@@ -174,7 +168,7 @@ def _at_once(srv, convs: dict[str, list], max_tokens: int) -> dict[str, object]:
     )
 
 
-def test_concurrent_conversations_are_exact_and_live_on_the_reference_model(tmp_path):
+def test_concurrent_conversations_are_exact_and_live_on_the_reference_model(tmp_path, serve):
     """Four conversations of the reference transformer, each turn's four
     requests sent at once (their ~1,300-token prefills interleaved chunk by
     chunk): every reply equals a cold single-session server's, and every
@@ -182,38 +176,33 @@ def test_concurrent_conversations_are_exact_and_live_on_the_reference_model(tmp_
     48 tokens each, interleaved token by token, is exact too. (Two-token
     turns: the random model's longer replies are seldom valid UTF-8, so a
     client could not echo them byte-exact for a live hit.)"""
-    from test_server import Server
 
     (tmp_path / "c").mkdir()
-    cold = Server(str(tmp_path / "c"), "cold", "--no-kv-cache").start()
-    srv = _pool_server(tmp_path, "pool4-concurrent", 4)
-    try:
-        convs = {t: _long_conv(t) for t in TOPICS}
-        for turn in range(4):
-            last = turn == 3
-            got = _at_once(srv, convs, 48 if last else 2)
-            for t in TOPICS:
-                r = got[t]
-                ref = cold_chat(cold, convs[t], max_tokens=48 if last else 2)
-                assert r.choices[0].message.content == ref.choices[0].message.content, (t, turn)
-                if turn:
-                    assert "\ufffd" not in convs[t][-2]["content"], "pick topics whose replies echo byte-exact"
-                    assert _extra(r)["rung"] == "live", (t, turn, _extra(r))
-                    assert _cached(r) >= 0.95 * r.usage.prompt_tokens
-                text = r.choices[0].message.content
-                convs[t] = [
-                    *convs[t],
-                    {"role": "assistant", "content": text},
-                    {"role": "user", "content": f"And then, part {turn}?"},
-                ]
-        h = srv.health()
-        # the first turns: a prefill, or a disk hit on the shared system prompt another lane's prefill stored
-        assert h["levels"]["live"] == 12 and h["levels"].get("prefill", 0) + h["levels"].get("disk", 0) == 4
-        assert h["levels"]["prefill"] >= 1, h["levels"]
-        assert sorted(s["served"] for s in h["sessions"]) == [4, 4, 4, 4]
-    finally:
-        srv.stop()
-        cold.stop()
+    cold = serve("--no-kv-cache", name="cold", tmp=tmp_path / "c")
+    srv = pool_server(serve, tmp_path, "pool4-concurrent", 4)
+    convs = {t: topic_chat(t, 100) for t in TOPICS}
+    for turn in range(4):
+        last = turn == 3
+        got = _at_once(srv, convs, 48 if last else 2)
+        for t in TOPICS:
+            r = got[t]
+            ref = cold_chat(cold, convs[t], max_tokens=48 if last else 2)
+            assert r.choices[0].message.content == ref.choices[0].message.content, (t, turn)
+            if turn:
+                assert "\ufffd" not in convs[t][-2]["content"], "pick topics whose replies echo byte-exact"
+                assert ds4_block(r)["rung"] == "live", (t, turn, ds4_block(r))
+                assert cached_tokens(r) >= 0.95 * r.usage.prompt_tokens
+            text = r.choices[0].message.content
+            convs[t] = [
+                *convs[t],
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": f"And then, part {turn}?"},
+            ]
+    h = srv.health()
+    # the first turns: a prefill, or a disk hit on the shared system prompt another lane's prefill stored
+    assert h["levels"]["live"] == 12 and h["levels"].get("prefill", 0) + h["levels"].get("disk", 0) == 4
+    assert h["levels"]["prefill"] >= 1, h["levels"]
+    assert sorted(s["served"] for s in h["sessions"]) == [4, 4, 4, 4]
 
 
 # -- the baton itself ---------------------------------------------------------
@@ -247,43 +236,36 @@ def test_the_baton_hands_over_in_arrival_order_and_only_when_someone_waits():
         b.release()  # not held
 
 
-def test_the_health_levels_count_the_rung_of_every_turn(tmp_path):
-    srv = _pool_server(tmp_path, "levels", 2)
-    try:
-        msgs = _long_conv("rivers")
-        r = srv.client().chat.completions.create(model=srv.model(), messages=msgs, max_tokens=2)
-        nxt = [*msgs, {"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "?"}]
-        srv.client().chat.completions.create(model=srv.model(), messages=nxt, max_tokens=2)
-        h = httpx.get(srv.base + "/health").json()
-        assert h["levels"] == {"prefill": 1, "live": 1}, h["levels"]
-        assert [s["last_rung"] for s in h["sessions"]] == ["live", None], h["sessions"]
-    finally:
-        srv.stop()
+def test_the_health_levels_count_the_rung_of_every_turn(tmp_path, serve):
+    srv = pool_server(serve, tmp_path, "levels", 2)
+    msgs = topic_chat("rivers", 100)
+    r = srv.client().chat.completions.create(model=srv.model(), messages=msgs, max_tokens=2)
+    nxt = [*msgs, {"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "?"}]
+    srv.client().chat.completions.create(model=srv.model(), messages=nxt, max_tokens=2)
+    h = httpx.get(srv.base + "/health").json()
+    assert h["levels"] == {"prefill": 1, "live": 1}, h["levels"]
+    assert [s["last_rung"] for s in h["sessions"]] == ["live", None], h["sessions"]
 
 
-def test_agents_starting_together_prefill_their_shared_system_prompt_once(tmp_path):
+def test_agents_starting_together_prefill_their_shared_system_prompt_once(tmp_path, serve):
     """Four conversations with one long system prompt sent at once: one lane
     prefills it (storing its cold checkpoint), the other three wait for that
     prefill instead of prefilling the same tokens beside it, then resume from
     the checkpoint; every reply equals a cold server's."""
-    from test_server import SYSTEM, Server
+    from helpers.server import SYSTEM
 
     system = SYSTEM + " " + " ".join(f"Rule {i}: keep every answer short and exact." for i in range(30))
     convs = {
         t: [{"role": "system", "content": system}, {"role": "user", "content": f"Tell me of {t}."}] for t in TOPICS
     }
     (tmp_path / "c").mkdir()
-    cold = Server(str(tmp_path / "c"), "cold", "--no-kv-cache").start()
-    srv = _pool_server(tmp_path, "pool4-shared", 4)
-    try:
-        got = _at_once(srv, convs, 4)
-        for t in TOPICS:
-            ref = cold_chat(cold, convs[t], max_tokens=4)
-            assert got[t].choices[0].message.content == ref.choices[0].message.content, t
-        levels = srv.health()["levels"]
-        assert levels == {"prefill": 1, "disk": 3}, levels
-        cached = sorted(_cached(r) / r.usage.prompt_tokens for r in got.values())
-        assert cached[0] == 0 and all(c >= 0.9 for c in cached[1:]), cached  # one full prefill, three resumes
-    finally:
-        srv.stop()
-        cold.stop()
+    cold = serve("--no-kv-cache", name="cold", tmp=tmp_path / "c")
+    srv = pool_server(serve, tmp_path, "pool4-shared", 4)
+    got = _at_once(srv, convs, 4)
+    for t in TOPICS:
+        ref = cold_chat(cold, convs[t], max_tokens=4)
+        assert got[t].choices[0].message.content == ref.choices[0].message.content, t
+    levels = srv.health()["levels"]
+    assert levels == {"prefill": 1, "disk": 3}, levels
+    cached = sorted(cached_tokens(r) / r.usage.prompt_tokens for r in got.values())
+    assert cached[0] == 0 and all(c >= 0.9 for c in cached[1:]), cached  # one full prefill, three resumes

@@ -12,16 +12,14 @@ import time
 
 import httpx
 import pytest
-from metric_samples import samples
-from redis_servers import RedisClusterNodes, RedisNode
-from test_server import CTX, KV_FLAGS, Server, _cached, _conv, _extra, cold_chat
+from helpers.metric_samples import samples
+from helpers.redis_servers import RedisClusterNodes, RedisNode
+from helpers.server import CTX, KV_FLAGS, Server, cached_tokens, cold_chat, ds4_block, topic_chat
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory):
-    srv = Server(str(tmp_path_factory.mktemp("cold")), "cold", "--no-kv-cache").start()
-    yield srv
-    srv.stop()
+def cold(serve_module):
+    return serve_module("--no-kv-cache", name="cold")
 
 
 def _replica(tmp, name, url, *extra):
@@ -59,7 +57,7 @@ def _two_turns(tmp, cold, url, clients, topic):
     b = _replica(tmp, "b", url)
     try:
         model = a.model()
-        msgs = _conv(topic, 24)
+        msgs = topic_chat(topic, 24)
         r1 = a.client().chat.completions.create(model=model, messages=msgs, max_tokens=2)
         ref1 = cold_chat(cold, msgs, max_tokens=2)
         assert r1.choices[0].message.content == ref1.choices[0].message.content
@@ -73,9 +71,9 @@ def _two_turns(tmp, cold, url, clients, topic):
         ref2 = cold_chat(cold, msgs, max_tokens=6)
         assert r2.choices[0].message.content == ref2.choices[0].message.content
         assert r2.usage.prompt_tokens == ref2.usage.prompt_tokens
-        x = _extra(r2)
+        x = ds4_block(r2)
         assert x["rung"] == "remote", x
-        assert _cached(r2) == x["reused_tokens"] > 0  # counted as cached
+        assert cached_tokens(r2) == x["reused_tokens"] > 0  # counted as cached
         h = b.health()["kv"]["remote"]
         assert h["state"] == "up" and h["hits"] == 1
         _remote_metrics(b)
@@ -145,7 +143,7 @@ def test_redis_killed_mid_conversation_then_restarted(tmp_path, cold):
     a = _InProcess(tmp_path, "a", node.url, later, "--kv-remote-cooldown", "30")
     b = _InProcess(tmp_path, "b", node.url, later, "--kv-remote-cooldown", "30")
     try:
-        msgs = _conv("volcanoes", 24)
+        msgs = topic_chat("volcanoes", 24)
         r1 = a.chat(msgs, 2)
         node.stop()  # killed
         msgs = [
@@ -165,7 +163,7 @@ def test_redis_killed_mid_conversation_then_restarted(tmp_path, cold):
         assert b.remote_state() == "cooldown"  # not tried again before the cool-down ends
         later[0] += 31.0  # the cool-down is over
         with node.client() as c:
-            msgs2 = _conv("deserts", 24)
+            msgs2 = topic_chat("deserts", 24)
             r = a.chat(msgs2, 2)
             _wait_uploaded([c])
         msgs2 = [
@@ -198,7 +196,7 @@ def test_two_servers_200_mixed_requests_each(tmp_path, cold):
         model = a.model()
 
         def msgs(conv, turn):
-            out = _conv(f"topic{conv}", 16)
+            out = topic_chat(f"topic{conv}", 16)
             for t in range(turn):
                 out += [
                     {"role": "assistant", "content": f"Noted, part {t}."},
@@ -225,8 +223,8 @@ def test_two_servers_200_mixed_requests_each(tmp_path, cold):
                     errors.append(f"{key}: {e}")
                     continue
                 if r.choices[0].message.content != want[key]:
-                    errors.append(f"{key}: wrong reply (rung {_extra(r)['rung']})")
-                rungs.append(_extra(r)["rung"])
+                    errors.append(f"{key}: wrong reply (rung {ds4_block(r)['rung']})")
+                rungs.append(ds4_block(r)["rung"])
 
         threads = [threading.Thread(target=drive, args=(srv, i)) for i, srv in enumerate((a, b))]
         for t in threads:

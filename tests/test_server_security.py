@@ -14,8 +14,8 @@ import time
 import httpx
 import openai
 import pytest
-from ports import free_port
-from test_server import KV_FLAGS, Server, _assert_error, _conv
+from helpers.ports import free_port
+from helpers.server import KV_FLAGS, Server, assert_error, topic_chat
 
 from ds4.server.tenants import tenant_of
 
@@ -23,13 +23,11 @@ KEY, KEY2, KEY3 = "sk-ds4-first-key", "sk-ds4-from-the-file", "sk-ds4-from-the-e
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory):
+def keyed(serve_module, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("keyed")
     key_file = tmp / "keys"
     key_file.write_text(f"# the team's key\n\n{KEY2}\n", encoding="utf-8")
-    srv = Server(
-        str(tmp),
-        "keyed",
+    return serve_module(
         "--api-key",
         KEY,
         "--api-key-file",
@@ -38,14 +36,13 @@ def keyed(tmp_path_factory):
         tenant_of(KEY),  # health() reads the operator's counters and session
         "--cors-origin",
         "https://app.example",
-        "--kv-disk-dir",
-        str(tmp / "kv"),
         *KV_FLAGS,
+        name="keyed",
+        tmp=tmp,
+        kv=True,
         key=KEY,
         env={"DS4_API_KEY": KEY3},
-    ).start()
-    yield srv
-    srv.stop()
+    )
 
 
 def _endpoints(model):
@@ -64,7 +61,7 @@ def test_every_endpoint_needs_a_key(keyed):
     for method, path, body in _endpoints(model):
         for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"x-api-key": KEY + "x"}, {"Authorization": KEY}):
             r = httpx.request(method, keyed.base + path, json=body, headers=headers, timeout=60)
-            err = _assert_error(r, 401, code="invalid_api_key")
+            err = assert_error(r, 401, code="invalid_api_key")
             assert KEY not in r.text and "sk-wrong" not in r.text, err
             assert r.headers["www-authenticate"] == "Bearer"
         for headers in (
@@ -75,26 +72,23 @@ def test_every_endpoint_needs_a_key(keyed):
             r = httpx.request(method, keyed.base + path, json=body, headers=headers, timeout=60)
             assert r.status_code == 200, (method, path, headers, r.text)
     # unknown paths too: no key, no 404 (nothing about the routes leaks)
-    _assert_error(httpx.get(keyed.base + "/v1/nothing"), 401)
+    assert_error(httpx.get(keyed.base + "/v1/nothing"), 401)
     # the official client: a wrong key is an AuthenticationError, the right one works
     with pytest.raises(openai.AuthenticationError):
         keyed.client(key="sk-nope").models.list()
-    r = keyed.client().chat.completions.create(model=model, messages=_conv("keys"), max_tokens=2)
+    r = keyed.client().chat.completions.create(model=model, messages=topic_chat("keys"), max_tokens=2)
     assert r.usage.completion_tokens >= 1
 
 
-def test_non_loopback_host_without_a_key_refuses_to_start(tmp_path):
+def test_non_loopback_host_without_a_key_refuses_to_start(tmp_path, serve):
     port = str(free_port())
     base = [sys.executable, "-m", "ds4", "serve", "--engine", "reference", "--port", port, "--host", "0.0.0.0"]
     p = subprocess.run(base, capture_output=True, text=True, timeout=120, env=_env_without_key())
     assert p.returncode == 2, p
     assert "--api-key" in p.stderr and "--insecure-no-auth" in p.stderr and "ready" not in p.stderr
     # with a key it starts (and checks it)
-    srv = Server(str(tmp_path), "open", "--api-key", KEY, host="0.0.0.0", key=KEY).start()
-    try:
-        assert httpx.get(srv.base + "/health", timeout=10).status_code == 401
-    finally:
-        srv.stop()
+    srv = serve("--api-key", KEY, name="open", tmp=tmp_path, host="0.0.0.0", key=KEY)
+    assert httpx.get(srv.base + "/health", timeout=10).status_code == 401
 
 
 def _env_without_key():
@@ -109,13 +103,13 @@ def test_foreign_host_and_origin_are_refused(keyed):
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     url = keyed.base + "/v1/chat/completions"
     # a DNS-rebinding page: the browser sends the attacker's name as Host
-    _assert_error(httpx.post(url, json=chat, headers={**h, "Host": "evil.example"}), 400, code="invalid_host")
-    _assert_error(httpx.get(keyed.base + "/health", headers={**h, "Host": "evil.example:8000"}), 400)
+    assert_error(httpx.post(url, json=chat, headers={**h, "Host": "evil.example"}), 400, code="invalid_host")
+    assert_error(httpx.get(keyed.base + "/health", headers={**h, "Host": "evil.example:8000"}), 400)
     for ok_host in ("localhost", f"localhost:{keyed.port}", "127.0.0.1", "[::1]:80"):
         assert httpx.get(keyed.base + "/health", headers={**h, "Host": ok_host}).status_code == 200, ok_host
     # an origin that is not --cors-origin: refused, key or not
     r = httpx.post(url, json=chat, headers={**h, "Origin": "https://evil.example"})
-    _assert_error(r, 403, code="origin_not_allowed")
+    assert_error(r, 403, code="origin_not_allowed")
     assert "access-control-allow-origin" not in r.headers
     # the allowed origin: preflight 204 without a key, answers carry the header
     pre = httpx.options(
@@ -138,21 +132,18 @@ def test_foreign_host_and_origin_are_refused(keyed):
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://app.example"
 
 
-def test_no_cors_without_cors_origin(tmp_path):
-    srv = Server(str(tmp_path), "nocors").start()
-    try:
-        r = httpx.options(
-            srv.base + "/v1/chat/completions",
-            headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
-        )
-        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
-        r = httpx.options(srv.base + "/v1/chat/completions")
-        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
-        h = httpx.get(srv.base + "/health")
-        assert h.status_code == 200 and not any(k.startswith("access-control") for k in h.headers)
-        assert json.loads(h.text)["status"] == "ok"
-    finally:
-        srv.stop()
+def test_no_cors_without_cors_origin(tmp_path, serve):
+    srv = serve(name="nocors", tmp=tmp_path)
+    r = httpx.options(
+        srv.base + "/v1/chat/completions",
+        headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
+    )
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    r = httpx.options(srv.base + "/v1/chat/completions")
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    h = httpx.get(srv.base + "/health")
+    assert h.status_code == 200 and not any(k.startswith("access-control") for k in h.headers)
+    assert json.loads(h.text)["status"] == "ok"
 
 
 # -- hostile requests next to a running conversation -------------------------
@@ -247,7 +238,7 @@ def _chunked_100mib(srv):
 
 def test_hostile_requests_get_4xx_and_never_touch_the_conversation(keyed):
     c, model = keyed.client(), keyed.model()
-    msgs = _conv("hostility")
+    msgs = topic_chat("hostility")
     r = c.chat.completions.create(model=model, messages=msgs, max_tokens=1)
     for turn in range(3):
         h0 = keyed.health()
@@ -273,10 +264,10 @@ def test_hostile_requests_get_4xx_and_never_touch_the_conversation(keyed):
         assert x["rung"] == "live" and r.usage.prompt_tokens_details.cached_tokens == h0["session"]["n_past"], x
 
 
-def test_slow_and_idle_connections_are_closed(tmp_path):
-    srv = Server(
-        str(tmp_path), "timeouts", "--header-timeout", "2", "--body-timeout", "2", "--keep-alive-timeout", "1"
-    ).start()
+def test_slow_and_idle_connections_are_closed(tmp_path, serve):
+    srv = serve(
+        "--header-timeout", "2", "--body-timeout", "2", "--keep-alive-timeout", "1", name="timeouts", tmp=tmp_path
+    )
     socks: list[socket.socket] = []
     try:
         # 300 slowloris connections: a request line, then one header byte at a time
@@ -341,21 +332,18 @@ def _read_response(s: socket.socket, timeout: float) -> tuple[int, bytes]:
 
 
 # -- what the server shows, and when it says it is ready ------------------------
-def test_paths_only_with_debug_and_ready_only_after_the_bind(tmp_path):
+def test_paths_only_with_debug_and_ready_only_after_the_bind(tmp_path, serve):
     kv = str(tmp_path / "kv")
-    srv = Server(str(tmp_path), "debug", "--debug", "--kv-disk-dir", kv, *KV_FLAGS).start()
-    try:
-        assert srv.health()["kv"]["dir"] == kv
-        assert f"ds4 server ready on 127.0.0.1:{srv.port}" in srv.text_log()
-        # a second server on the same port: the bind fails, and it never says ready
-        taken = Server(str(tmp_path), "taken", "--kv-disk-dir", kv)
-        taken.args[taken.args.index("--port") + 1] = str(srv.port)
-        p = subprocess.run(taken.args, capture_output=True, text=True, timeout=120)
-        assert p.returncode != 0, p
-        out = p.stdout + p.stderr
-        assert "server ready" not in out and "address already in use" in out.lower(), out
-    finally:
-        srv.stop()
+    srv = serve("--debug", "--kv-disk-dir", kv, *KV_FLAGS, name="debug", tmp=tmp_path)
+    assert srv.health()["kv"]["dir"] == kv
+    assert f"ds4 server ready on 127.0.0.1:{srv.port}" in srv.text_log()
+    # a second server on the same port: the bind fails, and it never says ready
+    taken = Server(str(tmp_path), "taken", "--kv-disk-dir", kv)
+    taken.args[taken.args.index("--port") + 1] = str(srv.port)
+    p = subprocess.run(taken.args, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0, p
+    out = p.stdout + p.stderr
+    assert "server ready" not in out and "address already in use" in out.lower(), out
 
 
 def test_error_bodies_show_no_absolute_path_unless_debug():

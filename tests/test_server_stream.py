@@ -9,19 +9,15 @@ import time
 
 import httpx
 import pytest
-from test_server import Server
 
 CTX = 8192
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("stream")
+def srv(serve_module):
     # a keepalive far shorter than the prefill: the stream starts reading events some time
     # after the job starts, so on a fast machine a 0.2 s interval could fit no comment at all
-    s = Server(str(tmp), "stream", "--kv-disk-dir", str(tmp / "kv"), "--sse-keepalive", "0.03", ctx=CTX).start()
-    yield s
-    s.stop()
+    return serve_module("--sse-keepalive", "0.03", name="stream", kv=True, ctx=CTX)
 
 
 def _long_messages(word="item", n_words=1000):

@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 import pytest
+from helpers.kv import toks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_helpers import toks
 
 import ds4
 from ds4 import Rewrite

@@ -18,7 +18,7 @@ import threading
 
 import httpx
 import pytest
-from agent_helpers import ScriptedServer
+from helpers.agents import ScriptedServer
 
 LONG = "Say LONG 7000 please."
 GRACE = "2"
@@ -49,8 +49,8 @@ def _events(lines: list[str]) -> list[tuple[str | None, str]]:
 
 
 @pytest.mark.parametrize("proto", list(BODIES))
-def test_sigterm_sends_each_open_stream_a_final_event(tmp_path, proto):
-    srv = ScriptedServer(tmp_path, proto, "--no-kv-cache", "--shutdown-grace", GRACE).start()
+def test_sigterm_sends_each_open_stream_a_final_event(tmp_path, serve, proto):
+    srv = serve("--no-kv-cache", "--shutdown-grace", GRACE, name=proto, cls=ScriptedServer, tmp=tmp_path)
     path, body = BODIES[proto]
     lines: list[str] = []
     try:
@@ -86,8 +86,8 @@ def test_sigterm_sends_each_open_stream_a_final_event(tmp_path, proto):
     assert "ended with a final error event" in srv.text_log()
 
 
-def test_sigterm_answers_a_request_not_streamed_with_a_503(tmp_path):
-    srv = ScriptedServer(tmp_path, "plain", "--no-kv-cache", "--shutdown-grace", GRACE).start()
+def test_sigterm_answers_a_request_not_streamed_with_a_503(tmp_path, serve):
+    srv = serve("--no-kv-cache", "--shutdown-grace", GRACE, name="plain", cls=ScriptedServer, tmp=tmp_path)
     path, body = BODIES["chat"]
     got: dict[str, httpx.Response] = {}
     t = threading.Thread(

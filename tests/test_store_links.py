@@ -15,8 +15,8 @@ import sys
 
 import openai
 import pytest
-from agent_helpers import KV_FLAGS, ScriptedServer
-from kv_helpers import prefilled
+from helpers.agents import KV_FLAGS, ScriptedServer
+from helpers.kv import prefilled
 
 import ds4
 from ds4.errors import StoreError
@@ -85,22 +85,20 @@ def test_a_records_file_is_refused_and_kept(tmp_path):
     assert ei.value.errno == errno.ENOTDIR and (kv / "records").read_bytes() == b"mine"
 
 
-def test_the_server_answers_and_stores_nothing_through_a_records_link(tmp_path):
+def test_the_server_answers_and_stores_nothing_through_a_records_link(tmp_path, serve):
     out, before = _outside(tmp_path)
     kv = tmp_path / "kv"
     kv.mkdir(mode=0o700)
     os.symlink(out, kv / "records")
-    srv = ScriptedServer(tmp_path, "links", "--kv-disk-dir", str(kv), *KV_FLAGS).start()
-    try:
-        c = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0)
-        r = c.responses.create(model="m", input="Say something.", max_output_tokens=4)
-        assert r.status in ("completed", "incomplete") and r.output  # answered
-        with pytest.raises(openai.NotFoundError):
-            c.responses.retrieve(r.id)  # not stored: the records directory is refused
-        with pytest.raises(openai.NotFoundError):
-            c.responses.retrieve("old")
-    finally:
-        srv.stop()
+    srv = serve("--kv-disk-dir", str(kv), *KV_FLAGS, name="links", cls=ScriptedServer, tmp=tmp_path)
+    c = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0)
+    r = c.responses.create(model="m", input="Say something.", max_output_tokens=4)
+    assert r.status in ("completed", "incomplete") and r.output  # answered
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)  # not stored: the records directory is refused
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve("old")
+    srv.stop()
     assert "records directory is a symlink" in srv.text_log()
     assert _snap(out) == before
 

@@ -17,12 +17,12 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import models
 import pytest
 import redis
-from cknames import stored_name
-from redis_servers import RedisNode
-from test_server import Server
+from helpers import models
+from helpers.checkpoints import stored_name
+from helpers.redis_servers import RedisNode
+from helpers.server import Server
 
 from ds4 import _core
 from ds4.checkpoint import open_checkpoint
@@ -81,14 +81,47 @@ def kv_files(kv) -> list[str]:
     return sorted(f for f in os.listdir(kv) if is_checkpoint_name(f))
 
 
-def test_two_models_keep_and_resume_their_own_checkpoint_of_one_text(twin, tmp_path):
+def _moved(report: dict, src, dst) -> dict:
+    """``report`` with the paths under directory ``src`` named under ``dst``."""
+    return json.loads(json.dumps(report).replace(os.path.join(str(src), ""), os.path.join(str(dst), "")))
+
+
+@pytest.fixture(scope="module")
+def a_first(tmp_path_factory):
+    """``a_first(kv, copy_ok=False) -> report``: A's first run (``run(A,
+    kv)``: a cold prefill that saves its checkpoint) on the empty directory
+    ``kv``, made once for the tests that start from it. The first test runs
+    it in its own directory, and a copy of the directory as that process
+    left it is kept for a later test that takes a copy (``copy_ok``: the
+    copy's index file names another directory, by its inode, and is rebuilt
+    from the headers: fine for a test that rebuilds it anyway), handed over
+    by a rename; any other test runs A itself. The report's paths name the
+    taker's directory."""
+    spare: dict[str, dict] = {}
+
+    def first(kv, copy_ok=False):
+        if copy_ok and spare:
+            src, report = spare.popitem()
+            os.rename(src, kv)
+            return _moved(report, src, kv)
+        report = run(models.model_path("smollm2"), kv)
+        if not spare:
+            d = str(tmp_path_factory.mktemp("a-first") / "kv")
+            shutil.copytree(kv, d, symlinks=True)
+            spare[d] = _moved(report, kv, d)
+        return report
+
+    return first
+
+
+def test_two_models_keep_and_resume_their_own_checkpoint_of_one_text(twin, a_first, tmp_path):
     """A, B, A, B on one directory, each a new process: each model's cold run
     saves its own file (B's is not refused for A's name), each second run
     resumes from its own file from disk with its own cold run's tokens, and
     neither loads the other's."""
     a_model, kv = models.model_path("smollm2"), tmp_path / "kv"
     abi_a, abi_b = models.engine("smollm2").payload_abi(), None
-    a1 = run(a_model, kv)
+    a1 = a_first(kv)  # run(a_model, kv)
     assert a1["report"]["rung"] == "prefill" and a1["report"]["cold_saved"]
     b1 = run(twin, kv)
     rep = b1["report"]
@@ -132,13 +165,13 @@ def kv_cli(*args) -> dict:
     return json.loads(p.stdout)
 
 
-def test_a_directory_of_the_earlier_layout_resumes_after_the_upgrade(twin, tmp_path):
+def test_a_directory_of_the_earlier_layout_resumes_after_the_upgrade(twin, a_first, tmp_path):
     """A checkpoint under its old name (``<sha1>.kv``) and a version 2 index
     file, as today's release leaves a directory: the upgraded store rebuilds
     the index, resumes from the old file, writes no duplicate of it, and
     the other model still gets its own file beside it."""
     a_model, kv = models.model_path("smollm2"), tmp_path / "kv"
-    a1 = run(a_model, kv)
+    a1 = a_first(kv, copy_ok=True)  # run(a_model, kv): its index is rewritten below
     new = a1["report"]["cold_saved"]
     old = os.path.join(kv, legacy_name(os.path.basename(new)[:40]))
     os.rename(new, old)

@@ -1,5 +1,5 @@
 """The store's verdict on a candidate that failed to open or load
-(:func:`ds4.kvstore.loads.refuse`), one test per branch: what it is
+(:meth:`ds4.kvstore.KVStore.refuse`), one test per branch: what it is
 rejected as, whether its file stays, whether the session it was loading
 into must be invalidated, and what is counted. The ladder
 (:mod:`ds4.loading`) acts on these verdicts; its tests (test_ladder,
@@ -13,11 +13,12 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-from kv_helpers import prefilled
+from helpers.kv import prefilled
 
 import ds4
 from ds4.errors import BadMagicError, IncompatibleCheckpointError, NotRegularFileError
-from ds4.kvstore import KVStore, loads
+from ds4.kvstore import KVStore
+from ds4.kvstore.admission import version_of
 from ds4.kvstore.rejection import Refusal, Rejection
 from ds4.loading import try_load_text
 
@@ -41,7 +42,7 @@ def test_a_file_gone_is_forgotten_and_not_counted(stored):
     st, e = stored
     os.remove(e.path)
     before = st.counters["rejected"]
-    assert loads.refuse(st, e, FileNotFoundError(errno.ENOENT, "gone"), None) is None
+    assert st.refuse(e, FileNotFoundError(errno.ENOENT, "gone"), None) is None
     assert e.name not in _indexed(st)
     assert st.counters["rejected"] == before
 
@@ -49,10 +50,10 @@ def test_a_file_gone_is_forgotten_and_not_counted(stored):
 def test_an_unreadable_file_is_a_typed_rejection_kept_without_invalidating(stored):
     st, e = stored
     before = st.counters["rejected"]
-    r = loads.refuse(st, e, PermissionError(errno.EACCES, "Permission denied"), None)
+    r = st.refuse(e, PermissionError(errno.EACCES, "Permission denied"), None)
     assert r == Refusal(Rejection(e.path, "open", "unreadable", "Permission denied"), "")
     # an OSError without a message is named by its class
-    assert loads.refuse(st, e, OSError(), None) == Refusal(Rejection(e.path, "open", "unreadable", "OSError"), "")
+    assert st.refuse(e, OSError(), None) == Refusal(Rejection(e.path, "open", "unreadable", "OSError"), "")
     assert st.counters["rejected"] == before + 2  # each one counted
     assert os.path.exists(e.path) and e.name in _indexed(st)
 
@@ -60,7 +61,7 @@ def test_an_unreadable_file_is_a_typed_rejection_kept_without_invalidating(store
 def test_an_incompatible_file_is_kept_without_invalidating(stored):
     st, e = stored
     err = IncompatibleCheckpointError("another engine's", path=e.path, stage="abi")
-    assert loads.refuse(st, e, err, loads.version_of(e)) == Refusal(Rejection(e.path, "abi", err.code, err.reason), "")
+    assert st.refuse(e, err, version_of(e)) == Refusal(Rejection(e.path, "abi", err.code, err.reason), "")
     assert os.path.exists(e.path)
 
 
@@ -68,7 +69,7 @@ def test_a_corrupt_file_is_removed_and_invalidates(stored):
     st, e = stored
     before = st.counters["rejected"]
     err = BadMagicError(path=e.path)
-    r = loads.refuse(st, e, err, loads.version_of(e))
+    r = st.refuse(e, err, version_of(e))
     assert r == Refusal(Rejection(e.path, err.stage, err.code, err.reason), f"corrupt checkpoint {e.name}")
     assert not os.path.exists(e.path) and e.name not in _indexed(st)
     assert st.counters["rejected"] == before + 1
@@ -76,11 +77,11 @@ def test_a_corrupt_file_is_removed_and_invalidates(stored):
 
 def test_a_corrupt_verdict_removes_only_the_version_it_judged(stored, tmp_path):
     st, e = stored
-    judged = loads.version_of(e)
+    judged = version_of(e)
     fresh = tmp_path / "fresh.kv.part"
     shutil.copyfile(e.path, fresh)
     os.replace(fresh, e.path)  # another writer's file in its place after the verdict
-    r = loads.refuse(st, e, BadMagicError(path=e.path), judged)
+    r = st.refuse(e, BadMagicError(path=e.path), judged)
     assert r is not None and r.invalidate == f"corrupt checkpoint {e.name}"
     assert os.path.exists(e.path)  # not the file that was judged: kept
 
@@ -88,14 +89,14 @@ def test_a_corrupt_verdict_removes_only_the_version_it_judged(stored, tmp_path):
 def test_a_corrupt_verdict_on_something_not_a_file_keeps_it(stored):
     st, e = stored
     err = NotRegularFileError(path=e.path)
-    assert loads.refuse(st, e, err, None) == Refusal(Rejection(e.path, err.stage, err.code, err.reason), "")
+    assert st.refuse(e, err, None) == Refusal(Rejection(e.path, err.stage, err.code, err.reason), "")
     assert os.path.exists(e.path)
 
 
 def test_a_failed_import_is_kept_and_invalidates(stored):
     st, e = stored
     before = st.counters["rejected"]
-    r = loads.refuse(st, e, RuntimeError("device lost"), None)
+    r = st.refuse(e, RuntimeError("device lost"), None)
     want = Rejection(e.path, "engine", "import_failed", "RuntimeError: device lost")
     assert r == Refusal(want, f"checkpoint {e.name} failed to load")
     assert os.path.exists(e.path) and st.counters["rejected"] == before + 1
@@ -106,9 +107,9 @@ def test_each_corrupt_file_removed_is_counted_once(eng, stored):
     st.store_live_prefix(prefilled(eng, "a second conversation about harbours and tides"))
     (e2,) = st.lookup("a second conversation about harbours and tides, go on")
     before = st.counters["removed_corrupt"]
-    judged = loads.version_of(e)
+    judged = version_of(e)
     assert st.discard(e.path, BadMagicError(path=e.path), "test", judged) == e.path  # removed: its own path
-    assert st.discard(e2.path, BadMagicError(path=e2.path), "test", loads.version_of(e2)) == e2.path
+    assert st.discard(e2.path, BadMagicError(path=e2.path), "test", version_of(e2)) == e2.path
     assert st.counters["removed_corrupt"] == before + 2
     assert st.discard(e.path, BadMagicError(path=e.path), "test", judged) is None  # gone: not counted
     assert st.counters["removed_corrupt"] == before + 2

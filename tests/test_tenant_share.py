@@ -15,7 +15,7 @@ import struct
 
 import pytest
 import xxhash
-from test_server import KV_FLAGS, SYSTEM, Server
+from helpers.server import KV_FLAGS, SYSTEM
 
 import ds4
 from ds4 import kvstore
@@ -211,13 +211,11 @@ KA, KB = "sk-share-alice", "sk-share-bob"
 
 
 @pytest.mark.parametrize("share", ["1", "0.5"])
-def test_a_tenants_system_prompt_survives_anothers_flood(tmp_path, share):
+def test_a_tenants_system_prompt_survives_anothers_flood(tmp_path, serve, share):
     keys = tmp_path / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\n", encoding="utf-8")
     kv = tmp_path / "kv"
-    srv = Server(
-        str(tmp_path),
-        f"share-{share}",
+    srv = serve(
         "--api-key-file",
         str(keys),
         "--kv-disk-dir",
@@ -229,33 +227,33 @@ def test_a_tenants_system_prompt_survives_anothers_flood(tmp_path, share):
         "--admin-tenant",
         "alice",  # her key reads the operator's /health (the store's counters)
         *KV_FLAGS,
+        name=f"share-{share}",
+        tmp=tmp_path,
         key=KA,
-    ).start()
-    try:
-        a, b = srv.client(KA), srv.client(KB)
-        model = srv.model()
-        ask = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
-        a.chat.completions.create(model=model, messages=ask, max_tokens=4)
-        alice = {e.name for e in KVStore(kv, scan=True).entries() if e.tenant == "alice"}
-        assert alice  # the system prompt's cold save (the chat anchor)
-        for i in range(6):
-            flood = [
-                {"role": "system", "content": f"Bob's system prompt number {i}: " + "be terse and exact. " * 6},
-                {"role": "user", "content": f"Question {i}?"},
-            ]
-            b.chat.completions.create(model=model, messages=flood, max_tokens=4)
-        assert srv.health()["kv"]["evictions"] > 0
-        left = {e.name for e in KVStore(kv, scan=True).entries() if e.tenant == "alice"}
-        again = a.chat.completions.create(
-            model=model, messages=[*ask[:1], {"role": "user", "content": "Another colour?"}], max_tokens=4
-        )
-        cached = again.usage.prompt_tokens_details.cached_tokens
-        if share == "0.5":
-            assert alice <= left and cached > 0  # her system prompt is still on disk, and loaded
-        else:
-            assert not alice & left and cached == 0  # bob's flood evicted it
-    finally:
-        srv.stop()
+    )
+    a, b = srv.client(KA), srv.client(KB)
+    model = srv.model()
+    ask = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
+    a.chat.completions.create(model=model, messages=ask, max_tokens=4)
+    alice = {e.name for e in KVStore(kv, scan=True).entries() if e.tenant == "alice"}
+    assert alice  # the system prompt's cold save (the chat anchor)
+    for i in range(6):
+        flood = [
+            {"role": "system", "content": f"Bob's system prompt number {i}: " + "be terse and exact. " * 6},
+            {"role": "user", "content": f"Question {i}?"},
+        ]
+        b.chat.completions.create(model=model, messages=flood, max_tokens=4)
+    assert srv.health()["kv"]["evictions"] > 0
+    left = {e.name for e in KVStore(kv, scan=True).entries() if e.tenant == "alice"}
+    again = a.chat.completions.create(
+        model=model, messages=[*ask[:1], {"role": "user", "content": "Another colour?"}], max_tokens=4
+    )
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    if share == "0.5":
+        assert alice <= left and cached > 0  # her system prompt is still on disk, and loaded
+    else:
+        assert not alice & left and cached == 0  # bob's flood evicted it
+    srv.stop()
     shutil.rmtree(kv, ignore_errors=True)
 
 

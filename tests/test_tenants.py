@@ -16,9 +16,9 @@ import sys
 
 import openai
 import pytest
+from helpers.server import KV_FLAGS
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_server import KV_FLAGS, Server
 
 import ds4
 from ds4 import _core
@@ -281,23 +281,14 @@ def _probe_run(srv, a_client, b_client, secret, k, a_salt=None, b_salt=None, a_t
 KA, KB = "sk-tenant-alice", "sk-tenant-bob"
 
 
-def _keyed_server(tmp_path, engine, *flags):
+def _keyed_server(serve, tmp_path, engine, *flags):
     keys = tmp_path / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\n", encoding="utf-8")
-    return Server(
-        str(tmp_path),
-        f"tenants-{engine}",
-        "--api-key-file",
-        str(keys),
-        "--kv-disk-dir",
-        str(tmp_path / "kv"),
-        *flags,
-        engine=engine,
-        key=KA,
-    ).start()
+    flags = ("--api-key-file", str(keys), "--kv-disk-dir", str(tmp_path / "kv"), *flags)
+    return serve(*flags, name=f"tenants-{engine}", tmp=tmp_path, engine=engine, key=KA)
 
 
-def test_side_channel_closed_between_tenants_and_salts_reference(eng, tmp_path):
+def test_side_channel_closed_between_tenants_and_salts_reference(eng, tmp_path, serve):
     """Reference engine. A's first prompt is cold-saved ending right after
     the digit B probes (trim chosen so), so under one tenant the right guess
     loads A's checkpoint and every wrong one does not: the channel the
@@ -318,81 +309,69 @@ def test_side_channel_closed_between_tenants_and_salts_reference(eng, tmp_path):
         "--kv-cache-continued-interval-tokens",
         "100000",
     ]
-    srv = _keyed_server(tmp_path, "reference", *flags)
-    try:
-        a, b = srv.client(KA), srv.client(KB)
-        # control: B uses A's key (one tenant): the right digit shows
-        seen, _ = _probe_run(srv, a, a, "8273645190", k)
-        right = seen.pop("4")
-        assert right[0] > 0 and {v[0] for v in seen.values()} == {0}
-        # two tenants
-        seen, a_frac = _probe_run(srv, a, b, "5938271640", k)
-        assert len(set(seen.values())) == 1, seen
-        assert min(a_frac) >= 0.9, a_frac
-        # one key, two salts
-        seen, a_frac = _probe_run(srv, a, a, "1029384756", k, a_salt="alice-salt", b_salt="mallory-salt")
-        assert len(set(seen.values())) == 1, seen
-        assert min(a_frac) >= 0.9, a_frac
-        # ds4 kv ls names the tenants, never a key
-        out = subprocess.run(
-            [sys.executable, "-m", "ds4", "kv", "ls", str(tmp_path / "kv")], capture_output=True, text=True, check=True
-        ).stdout
-        assert "alice" in out and "bob" in out and KA not in out and KB not in out
-        assert out.splitlines()[0].split()[:2] == ["NAME", "TENANT"]
-    finally:
-        srv.stop()
+    srv = _keyed_server(serve, tmp_path, "reference", *flags)
+    a, b = srv.client(KA), srv.client(KB)
+    # control: B uses A's key (one tenant): the right digit shows
+    seen, _ = _probe_run(srv, a, a, "8273645190", k)
+    right = seen.pop("4")
+    assert right[0] > 0 and {v[0] for v in seen.values()} == {0}
+    # two tenants
+    seen, a_frac = _probe_run(srv, a, b, "5938271640", k)
+    assert len(set(seen.values())) == 1, seen
+    assert min(a_frac) >= 0.9, a_frac
+    # one key, two salts
+    seen, a_frac = _probe_run(srv, a, a, "1029384756", k, a_salt="alice-salt", b_salt="mallory-salt")
+    assert len(set(seen.values())) == 1, seen
+    assert min(a_frac) >= 0.9, a_frac
+    # ds4 kv ls names the tenants, never a key
+    out = subprocess.run(
+        [sys.executable, "-m", "ds4", "kv", "ls", str(tmp_path / "kv")], capture_output=True, text=True, check=True
+    ).stdout
+    assert "alice" in out and "bob" in out and KA not in out and KB not in out
+    assert out.splitlines()[0].split()[:2] == ["NAME", "TENANT"]
 
 
-def test_side_channel_closed_between_tenants_smollm2(tmp_path):
+def test_side_channel_closed_between_tenants_smollm2(tmp_path, serve):
     """SmolLM2 (the issue's observation: the live session rewinds to the
     common prefix, so the right digit got one more cached token). The
     control (one tenant, no disk cache: a state loaded from disk cannot be
     rewound, which would hide the channel) shows it; two tenants see
     identical answers, and A's turns stay cached."""
-    control = Server(str(tmp_path), "llama-control", "--no-kv-cache", "--api-key", KA, engine="llamacpp", key=KA)
-    control.start()
-    try:
-        a = control.client(KA)
-        seen, _ = _probe_run(control, a, a, "8273645190", 5, a_reps=1)
-        right = seen.pop("4")
-        wrong = {v[0] for v in seen.values()}
-        assert len(wrong) == 1 and right[0] == wrong.pop() + 1
-    finally:
-        control.stop()
-    srv = _keyed_server(tmp_path, "llamacpp", *KV_FLAGS, "--threads", "2")
-    try:
-        seen, a_frac = _probe_run(srv, srv.client(KA), srv.client(KB), "5938271640", 5)
-        assert len(set(seen.values())) == 1, seen
-        assert min(a_frac) >= 0.9, a_frac
-    finally:
-        srv.stop()
+    control = serve("--no-kv-cache", "--api-key", KA, name="llama-control", tmp=tmp_path, engine="llamacpp", key=KA)
+    a = control.client(KA)
+    seen, _ = _probe_run(control, a, a, "8273645190", 5, a_reps=1)
+    right = seen.pop("4")
+    wrong = {v[0] for v in seen.values()}
+    assert len(wrong) == 1 and right[0] == wrong.pop() + 1
+    control.stop()
+    srv = _keyed_server(serve, tmp_path, "llamacpp", *KV_FLAGS, "--threads", "2")
+    seen, a_frac = _probe_run(srv, srv.client(KA), srv.client(KB), "5938271640", 5)
+    assert len(set(seen.values())) == 1, seen
+    assert min(a_frac) >= 0.9, a_frac
 
 
-def test_cache_salt_must_be_a_non_empty_string(tmp_path):
-    srv = Server(str(tmp_path), "salt").start()
-    try:
-        c = srv.client()
-        for bad in ("", 3, ["x"]):
-            with pytest.raises(openai.BadRequestError) as ei:
-                c.chat.completions.create(
-                    model="m",
-                    messages=[{"role": "user", "content": "hi"}],
-                    max_tokens=1,
-                    extra_body={"cache_salt": bad},
-                )
-            assert ei.value.status_code == 400 and ei.value.body["param"] == "cache_salt"
-    finally:
-        srv.stop()
+def test_cache_salt_must_be_a_non_empty_string(tmp_path, serve):
+    srv = serve(name="salt", tmp=tmp_path)
+    c = srv.client()
+    for bad in ("", 3, ["x"]):
+        with pytest.raises(openai.BadRequestError) as ei:
+            c.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=1,
+                extra_body={"cache_salt": bad},
+            )
+        assert ei.value.status_code == 400 and ei.value.body["param"] == "cache_salt"
 
 
 @pytest.mark.parametrize("protocol", ["messages", "responses"])
-def test_cache_salt_separates_the_agent_protocols_too(tmp_path, protocol):
+def test_cache_salt_separates_the_agent_protocols_too(tmp_path, serve, protocol):
     """``cache_salt`` is taken on /v1/messages and /v1/responses as on chat:
     a second salt shares nothing with the first (not even the system
     prompt's checkpoint), and the first salt's next turn finds its own."""
     import anthropic
 
-    srv = Server(str(tmp_path), f"salt-{protocol}", "--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS).start()
+    srv = serve("--kv-disk-dir", str(tmp_path / "kv"), *KV_FLAGS, name=f"salt-{protocol}", tmp=tmp_path)
     system = "You are a careful assistant. Follow the house rules. " * 16
 
     def ask(salt: str, question: str) -> int:
@@ -412,11 +391,8 @@ def test_cache_salt_separates_the_agent_protocols_too(tmp_path, protocol):
         )
         return r.usage.input_tokens_details.cached_tokens
 
-    try:
-        assert ask("team-a", "First question?") == 0
-        assert ask("team-b", "Second question?") == 0  # A's system prompt is not B's to resume
-        assert ask("team-a", "Third question?") >= len(system) // 2  # A's own checkpoint
-        with pytest.raises((anthropic.BadRequestError, openai.BadRequestError)):
-            ask("", "Empty salt?")
-    finally:
-        srv.stop()
+    assert ask("team-a", "First question?") == 0
+    assert ask("team-b", "Second question?") == 0  # A's system prompt is not B's to resume
+    assert ask("team-a", "Third question?") >= len(system) // 2  # A's own checkpoint
+    with pytest.raises((anthropic.BadRequestError, openai.BadRequestError)):
+        ask("", "Empty salt?")

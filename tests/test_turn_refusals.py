@@ -87,12 +87,12 @@ def test_an_unreadable_checkpoint_is_skipped_and_kept(eng, tmp_path, monkeypatch
     g.generate(prompt, GenParams(max_tokens=2))
     stored = [p for p in (tmp_path / "kv").iterdir() if p.suffix == ".kv"]
     assert stored
-    real = ds4.kvstore.loads.open_checkpoint  # where a load opens a file
+    real = ds4.kvstore.admission.open_checkpoint  # where a load opens a file
 
     def denied(path, *a, **kw):  # as after chmod 000 by another user (the suite may run as root)
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(ds4.kvstore.loads, "open_checkpoint", denied)
+    monkeypatch.setattr(ds4.kvstore.admission, "open_checkpoint", denied)
     fresh = TurnDriver(eng, CTX, store=store)
     for _ in range(2):  # every request with that prefix: served, never a failure
         res = fresh.generate(prompt + " more", GenParams(max_tokens=2))
@@ -101,7 +101,7 @@ def test_an_unreadable_checkpoint_is_skipped_and_kept(eng, tmp_path, monkeypatch
         assert res.report.rung in ("prefill", "live")
     assert fresh.counters["ladder_retries"] == 0 and fresh.counters["errors"] == 0
     assert all(p.exists() for p in stored), "an unreadable checkpoint was removed"
-    monkeypatch.setattr(ds4.kvstore.loads, "open_checkpoint", real)
+    monkeypatch.setattr(ds4.kvstore.admission, "open_checkpoint", real)
     again = TurnDriver(eng, CTX, store=store).generate(prompt + " more", GenParams(max_tokens=2))
     assert again.report.rung == "disk" and not again.report.rejected
 

@@ -11,13 +11,13 @@ error."""
 from __future__ import annotations
 
 import pytest
+from helpers.server import KV_FLAGS, topic_chat
 from selenium import webdriver
 from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.chrome.service import Service as ChromeService
 from selenium.webdriver.common import selenium_manager
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
-from test_server import KV_FLAGS, Server, _conv
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 KA, KB, KOPS = "sk-ui-alice", "sk-ui-bob", "sk-ui-ops"
@@ -25,24 +25,13 @@ WAIT_S = 60
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+def srv(serve_module, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ui")
     keys = tmp / "keys"
     keys.write_text(f"alice:{KA}\nbob:{KB}\nops:{KOPS}\n", encoding="utf-8")
-    s = Server(
-        str(tmp),
-        "ui",
-        "--api-key-file",
-        str(keys),
-        "--admin-tenant",
-        "ops",
-        "--kv-disk-dir",
-        str(tmp / "kv"),
-        *KV_FLAGS,
-        key=KOPS,
-    ).start()
-    yield s
-    s.stop()
+    return serve_module(
+        "--api-key-file", str(keys), "--admin-tenant", "ops", *KV_FLAGS, name="ui", tmp=tmp, kv=True, key=KOPS
+    )
 
 
 @pytest.fixture
@@ -113,8 +102,8 @@ def test_page_shows_turns_and_redraws_its_chart(srv, browser, tmp_path):
 
     model = srv.model()
     a, b = srv.client(KA), srv.client(KB)
-    first = a.chat.completions.create(model=model, messages=_conv("lighthouses"), max_tokens=4)
-    follow = [*_conv("lighthouses"), first.choices[0].message.model_dump(exclude_none=True)]
+    first = a.chat.completions.create(model=model, messages=topic_chat("lighthouses"), max_tokens=4)
+    follow = [*topic_chat("lighthouses"), first.choices[0].message.model_dump(exclude_none=True)]
     a.chat.completions.create(model=model, messages=[*follow, {"role": "user", "content": "More?"}], max_tokens=3)
     b.completions.create(model=model, prompt="Tides rise because", max_tokens=3)
 

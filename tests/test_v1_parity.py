@@ -14,13 +14,11 @@ chat anchor, as ds4 does.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
+from helpers.procs import dead_pid, ds4_json
 from test_core_v1 import TEXT, v1_file
 
 import ds4
@@ -29,25 +27,12 @@ from ds4.checkpoint import open_checkpoint
 from ds4.kvstore import KVStore, chat_anchor
 
 
-def ds4_json(*args):
-    p = subprocess.run(
-        [sys.executable, "-m", "ds4", *map(str, args), "--json"], capture_output=True, text=True, timeout=120
-    )
-    assert p.returncode in (0, 1), p.stderr
-    return json.loads(p.stdout)
-
-
 def put(d, data: bytes, *, upper: bool = False) -> str:
     name = hashlib.sha1(TEXT).hexdigest()
     path = os.path.join(d, (name.upper() if upper else name) + ".kv")
     with open(path, "wb") as f:
         f.write(data)
     return path
-
-
-def _dead_pid() -> int:
-    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    return int(p.stdout)
 
 
 def test_trailer_room_without_the_ext_bit_loads_and_is_never_deleted(tmp_path):
@@ -61,9 +46,9 @@ def test_trailer_room_without_the_ext_bit_loads_and_is_never_deleted(tmp_path):
     assert ck.dsv4 is not None and ck.dsv4["tokens"] == ck.tokens
     st = KVStore(d, min_tokens=1)
     assert [e.path for e in st.entries()] == [p]
-    out = ds4_json("kv", "gc", d)
+    out = ds4_json("kv", "gc", d, check=(0, 1))[0]
     assert out["removed_corrupt"] == [] and os.path.exists(p)
-    assert ds4_json("kv", "verify", d)["ok"] == 1
+    assert ds4_json("kv", "verify", d, check=(0, 1))[0]["ok"] == 1
 
 
 @pytest.mark.parametrize(
@@ -78,10 +63,10 @@ def test_a_header_ds4_ignores_is_refused_and_kept(tmp_path, quant, tokens, why):
     assert isinstance(ei.value, E.IncompatibleCheckpointError) and ei.value.stage == "header"
     st = KVStore(d, min_tokens=1)
     assert st.entries() == [] and os.path.exists(p)  # not listed as usable, not deleted
-    info = ds4_json("kv", "ls", d)
+    info = ds4_json("kv", "ls", d, check=(0, 1))[0]
     row = info[0] if isinstance(info, list) else info["files"][0]
     assert row["status"] == "incompatible" and row["error"]["code"] == "v1_ignored"
-    assert ds4_json("kv", "gc", d)["removed_corrupt"] == [] and os.path.exists(p)
+    assert ds4_json("kv", "gc", d, check=(0, 1))[0]["removed_corrupt"] == [] and os.path.exists(p)
 
 
 @pytest.mark.parametrize("quant", [2, 4])
@@ -100,7 +85,7 @@ def test_an_upper_case_name_is_a_checkpoint_name(tmp_path):
     assert ck.text == TEXT
     st = KVStore(d, min_tokens=1)
     assert [e.path for e in st.lookup(TEXT + b"!")] == [p]
-    assert ds4_json("kv", "gc", d)["removed_corrupt"] == [] and os.path.exists(p)
+    assert ds4_json("kv", "gc", d, check=(0, 1))[0]["removed_corrupt"] == [] and os.path.exists(p)
 
 
 def test_a_fresh_foreign_temp_file_survives_whatever_its_pid(tmp_path):
@@ -109,7 +94,7 @@ def test_a_fresh_foreign_temp_file_survives_whatever_its_pid(tmp_path):
     d = tmp_path / "kv"
     d.mkdir(mode=0o700)
     sha = hashlib.sha1(TEXT).hexdigest()
-    dead = _dead_pid()
+    dead = dead_pid()
     fresh = d / f"{sha}.kv.tmp.{dead}"
     fresh.write_bytes(v1_file(TEXT)[:100])  # a save in flight
     old = d / f"{'0' * 40}.kv.tmp.{dead}"
@@ -118,9 +103,9 @@ def test_a_fresh_foreign_temp_file_survives_whatever_its_pid(tmp_path):
     os.utime(old, (t, t))
     KVStore(d)
     assert fresh.exists() and not old.exists()
-    out = ds4_json("kv", "gc", d)
+    out = ds4_json("kv", "gc", d, check=(0, 1))[0]
     assert fresh.exists() and out["removed_temp"] == []
-    out = ds4_json("kv", "gc", d, "--tmp-age", "0")  # an explicit age limit still applies
+    out = ds4_json("kv", "gc", d, "--tmp-age", "0", check=(0, 1))[0]  # an explicit age limit still applies
     assert not fresh.exists()
 
 

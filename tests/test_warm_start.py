@@ -13,9 +13,9 @@ import sys
 import time
 
 import httpx
-import models
 import pytest
-from ports import free_port
+from helpers import models
+from helpers.ports import free_port
 
 import ds4
 from ds4.engines import chat_template

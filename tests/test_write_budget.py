@@ -14,7 +14,7 @@ import os
 import time
 
 import pytest
-from kv_helpers import prefilled
+from helpers.kv import prefilled
 
 import ds4
 from ds4.config import add_kv_args, check_kv_args, make_store

@@ -175,7 +175,7 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         default="off",
         help="on: a checkpoint's append-only state (attention K/V) goes into block files shared by every checkpoint "
         "of the same tokens, the checkpoint a manifest naming them, so a conversation saved each turn writes each "
-        "token's state once; off: one file per checkpoint (default off; not with --kv-remote)",
+        "token's state once; off: one file per checkpoint (default off; with --kv-remote the tier stores each block once too)",
     )
     g.add_argument(
         "--kv-block-tokens",
@@ -239,7 +239,7 @@ def add_kv_args(p: argparse.ArgumentParser, *, dir_default: str | None = None) -
         default="none",
         help="payload codec of the checkpoints written: none (v2, loaded zero-copy; the default) or zstd "
         "(v3: 1 MiB frames, bytes of each f16 split, then zstd; 13.5-14.7%% fewer bytes on disk and to the "
-        "shared tier, a slower load: docs/BENCHMARKS.md section 14)",
+        "shared tier, a slower load: docs/BENCHMARKS.md section 2.4)",
     )
     g.add_argument(
         "--kv-codec-level",

@@ -2,8 +2,8 @@
 prefix of a prompt into a session (docs/DESIGN.md, "Recovery ladder").
 
 The store only proposes and judges (:meth:`ds4.kvstore.KVStore.candidates`,
-:mod:`ds4.kvstore.loads`), the shared tier only downloads
-(:meth:`ds4.kvstore.tiered.SharedTier.fetch`); the session is loaded, and
+its verdicts: :mod:`ds4.kvstore.admission`), the shared tier only downloads
+(:meth:`ds4.kvstore.remote.RemoteTier.fetch`); the session is loaded, and
 invalidated after a corrupt candidate, here and in :mod:`ds4.recovery` only.
 """
 
@@ -15,9 +15,10 @@ from collections.abc import Iterable
 
 from .checkpoint import open_checkpoint
 from .errors import BlockError, CheckpointError, CorruptCheckpointError, ImportFailedError
-from .kvstore import Candidates, Entry, KVStore, LoadResult, Matches, RejectionLog, loads
+from .kvstore import Candidates, Entry, KVStore, LoadResult, Matches, RejectionLog
+from .kvstore.admission import version_of
 from .kvstore.entries import NamedLoad
-from .kvstore.files import NOT_REGULAR, StatKey, checkpoint_name, is_checkpoint_name, legacy_name, stat_key
+from .kvstore.files import NOT_REGULAR, StatKey, stat_key
 from .kvstore.rejection import import_failure
 from .kvstore.remote import RemoteEntry
 from .session import Session
@@ -105,25 +106,25 @@ def _load_entries(
     """Load the first of ``entries`` that the store verifies and the session
     takes (each next one is found only when the one before is refused:
     :class:`ds4.kvstore.Matches`); a refused one is the store's to count, remove or keep
-    (:func:`ds4.kvstore.loads.refuse`), and invalidates the session when its verdict
+    (:meth:`ds4.kvstore.KVStore.refuse`), and invalidates the session when its verdict
     says so (a corrupt file, a failed import)."""
     for e in entries:
         _refused(entries, report)
         t0 = load_clock()
         judged: StatKey | None = None  # the version a corrupt verdict is about
         try:
-            judged = loads.version_of(e)
-            ck = loads.open_for(store, sess, e.path, prompt)
+            judged = version_of(e)
+            ck = store.open_for(sess, e.path, prompt)
             sess.load_checkpoint(ck)
         except Exception as err:
-            refusal = loads.refuse(store, e, err, judged)
+            refusal = store.refuse(e, err, judged)
             if refusal is not None:
                 if refusal.invalidate:
                     sess.invalidate(refusal.invalidate)
                 if report is not None:
                     report.rejected.append(refusal.rejection)
             continue
-        return loads.hit(store, e, ck, (load_clock() - t0) * 1000, judged)
+        return store.count_hit(e, ck, (load_clock() - t0) * 1000, judged)
     _refused(entries, report)
     return None
 
@@ -142,16 +143,10 @@ def load_named(store: KVStore, sess: Session, sha: str, text: bytes, *, exact: b
     against ``text`` (its stored text must be a prefix of it; with
     ``exact``, equal to it). A corrupt file invalidates the session and is
     discarded by the store; an unusable one invalidates it and is kept.
-    ``sha`` must be 40 lowercase hex digits: a name from an index file never
+    ``sha`` must be 40 hex digits: a name from an index file never
     reaches outside the directory."""
-    if not is_checkpoint_name(legacy_name(sha)):
-        raise ValueError(f"not a checkpoint key: {sha!r}")
-    name = checkpoint_name(sha, sess.payload_abi)
-    if not os.path.lexists(os.path.join(store.dir, name)) and os.path.lexists(
-        os.path.join(store.dir, legacy_name(sha))
-    ):
-        name = legacy_name(sha)
-    path = os.path.join(store.dir, name)
+    path = store.find_named(sha, sess.payload_abi) or store.path_for(sha, sess.payload_abi)
+    name = os.path.basename(path)
     t0 = time.perf_counter()
     try:
         judged = stat_key(os.lstat(path))

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from . import _core, frontier
 from .errors import InvalidSessionError, PromptError
 from .keytext import parting, plain_len, snippet, tokenize_prompt, transient_span
-from .kvstore import Candidates, Entry, KVStore, LoadResult, considered
+from .kvstore import Candidates, Entry, KVStore, LoadResult
 from .kvstore.skips import cold_too_long, cold_too_short
 from .loading import load_first, load_shorter, try_load_text
 from .report import RecoveryReport
@@ -167,7 +167,7 @@ class _Ladder:
             self.rep.remote = self._found.remote_state
             # what the lookup considered, before this run stores anything (a
             # pass over the index rows in Python: see DESIGN, "Why a turn missed")
-            self.considered = considered.longest_considered(self.store, self._found, ctx=self.sess.ctx)
+            self.considered = self.store.longest_considered(self._found, ctx=self.sess.ctx)
         return self._found
 
     def run(self, cold_save: bool) -> RecoveryReport:
@@ -302,7 +302,7 @@ class _Ladder:
         prompt's namespace: :func:`switch_namespace` drops any other), the
         checkpoint the disk rung loaded, and the longest checkpoint of the
         namespace the store's lookup considered
-        (:func:`ds4.kvstore.considered.longest_considered`, noted at the lookup,
+        (:meth:`ds4.kvstore.KVStore.longest_considered`, noted at the lookup,
         so nothing this run stores is one; its header and text are read only
         when it could be the best). A live state the prompt holds
         whole (the live rung) is the candidate; otherwise the one the prompt
@@ -326,7 +326,7 @@ class _Ladder:
                 best = (self.loaded.text_bytes, "checkpoint", None)
             e = self.considered
             if self.store is not None and e is not None and (best is None or e.text_bytes > best[0]):
-                text = considered.stored_text(self.store, e, self.sess.namespace)
+                text = self.store.stored_text(e, self.sess.namespace)
                 if text is not None:
                     agreed = _core.common_prefix_len(text, prompt)
                     if best is None or agreed > best[0]:

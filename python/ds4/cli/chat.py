@@ -20,7 +20,7 @@ from ..config import build_engine, check_kv_args, make_store
 from ..durable import write_durably
 from ..errors import ContextOverflowError, EngineError, StoreError
 from ..keytext import tokenize_prompt
-from ..kvstore import KVStore, checkpoint_name, is_checkpoint_name
+from ..kvstore import KVStore, is_checkpoint_name
 from ..kvstore.files import legacy_name
 from ..loading import load_named
 from ..recovery import RecoveryReport, recover
@@ -192,8 +192,8 @@ class ChatREPL:
     def _file_state(self, sha: object) -> str:
         if not isinstance(sha, str) or not is_checkpoint_name(legacy_name(sha)):
             return "bad"
-        names = (checkpoint_name(sha, self.sess.payload_abi), legacy_name(sha))
-        return "ok" if any(os.path.exists(os.path.join(self._store().dir, n)) for n in names) else "gone"
+        paths = (self._store().path_for(sha, abi) for abi in (self.sess.payload_abi, None))
+        return "ok" if any(os.path.exists(p) for p in paths) else "gone"
 
     def cmd_list(self) -> None:
         sessions = self.load_index()

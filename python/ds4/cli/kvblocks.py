@@ -297,7 +297,7 @@ def blocks_cell(i: Info) -> str:
 
 
 def plan_evict(store: KVStore, ents: list[Entry], m: Manifests, gone_blocks: Iterable[str]) -> tuple[list[str], int]:
-    """What the store's eviction (``KVStore.evict_locked``) would remove of
+    """What the store's eviction (``KVStore.evict_names``) would remove of
     ``ents``, planned without removing: each manifest charged an equal share
     of every block it names, as the store charges it, planned again while
     blocks are left; the names in order and how many blocks would go with

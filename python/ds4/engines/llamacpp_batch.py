@@ -262,6 +262,12 @@ class SharedContext:
         got = self.eval_many([(sc, np.array([int(tok)], dtype=np.int32)) for sc, tok in items])
         return [logits for _n, logits in got]
 
+    def copy_stream(self, src: int, dst: int) -> None:
+        """Copy every cell of sequence ``src``'s stream into ``dst``'s (a
+        windowed layer's masked ones too, as ``swa_full`` keeps them); the
+        buffers are copied at the next decode's memory update."""
+        self._lc.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+
     # -- lifetime ----------------------------------------------------------
     def released(self, seq: int) -> None:
         """A sequence's context closed; the llama context goes with the last."""
@@ -297,23 +303,26 @@ class SeqContext(LlamaCppContext):
     """One sequence (one KV stream) of a :class:`SharedContext`: a
     :class:`~ds4.engines.llamacpp_context.LlamaCppContext` in every way
     (prefill, rewind, export, import, all on its own stream), but its
-    one-token decode steps, which are batched with the other sequences'."""
+    one-token decode steps, which are batched with the other sequences'.
+    It extends its base through the base's protected interface only
+    (:data:`~ds4.engines.llamacpp_context.LlamaCppContext.PROTECTED`)."""
 
     def __init__(self, shared: SharedContext, seq: int):
         eng = shared.engine
         own = Batch(eng.lc, eng.batch_room, seq)
-        super().__init__(eng, shared.n_ctx, reuse=Idle(shared.n_ctx, shared.ctx, shared.mem, own))
-        self.seq = seq
-        self._shared = shared
         # its decode steps are the batch's (padded on their own): none unpadded
-        self._canonical = False
+        idle = Idle(shared.n_ctx, shared.ctx, shared.mem, own)
+        super().__init__(eng, shared.n_ctx, reuse=idle, unpadded_steps=False)
+        self.seq = seq
+        #: the batched context this is a sequence of
+        self.shared = shared
 
     def _clear(self, data: bool = True) -> None:
         # this sequence's cells only (their bytes left, ``data`` or not): the other streams are other residents'
-        self._lc.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
+        self._drop_positions()
 
     def _layout(self) -> Any:
-        layout = self._engine.state_layout
+        layout = self.shared.engine.state_layout
         if layout is None:
             raise EngineError("a batched context needs the engine's learnt state layout")
         return layout
@@ -321,50 +330,37 @@ class SeqContext(LlamaCppContext):
     def _portable(self, blob: np.ndarray) -> np.ndarray:
         # stored as a one-sequence context's state: a checkpoint of a pool
         # loads anywhere, and every check reads it as it reads any other
-        return restream(blob, self._layout(), seq=(self.seq, self._shared.n_seq), to=(0, 1))
+        return restream(blob, self._layout(), seq=(self.seq, self.shared.n_seq), to=(0, 1))
 
     def _native(self, blob: np.ndarray) -> np.ndarray:
-        return restream(blob, self._layout(), seq=(0, 1), to=(self.seq, self._shared.n_seq))
+        return restream(blob, self._layout(), seq=(0, 1), to=(self.seq, self.shared.n_seq))
 
     def _feed(self, chunk: np.ndarray, last: bool) -> int:
         """A piece of a chunk through the shared context's steps, batched
         with the other sequences' pieces (it may go in part); a prefill
         piece without ``batch_prefill``, or outside exact mode, on this
         sequence's own, as a single context feeds it."""
-        if not self._exact or (chunk.size > 1 and not self._shared.batch_prefill):
+        if not self.shared.engine.exact or (chunk.size > 1 and not self.shared.batch_prefill):
             return super()._feed(chunk, last)
-        n, logits = self._shared.step(self, chunk)
+        n, logits = self.shared.step(self, chunk)
         self.accept_many(chunk[:n], logits)
         return n
 
     def copy_prefix(self, other: object, n_tokens: int) -> bool:
         """``other``'s first ``n_tokens`` positions, copied: its whole
-        stream (``llama_memory_seq_cp`` across streams copies every cell, a
-        windowed layer's masked ones too, as ``swa_full`` keeps them), then
-        cut at ``n_tokens`` as a rewind cuts (the last kept token decoded
-        again). Bit-identical to a cold prefill of those tokens on both
-        models (``tests/test_engine_llamacpp_batch.py``). False, this
-        context unchanged, when ``other`` is not another sequence of the same
+        stream (:meth:`SharedContext.copy_stream`), then cut at ``n_tokens``
+        as a rewind cuts (the last kept token decoded again:
+        :meth:`~ds4.engines.llamacpp_context.LlamaCppContext._adopt_prefix`).
+        Bit-identical to a cold prefill of those tokens on both models
+        (``tests/test_engine_llamacpp_batch.py``). False, this context
+        unchanged, when ``other`` is not another sequence of the same
         batched context, or when it could not rewind to ``n_tokens`` itself
         (unknown ids, a windowed import longer than its window)."""
         self._check_open()
-        n = int(n_tokens)
-        if not isinstance(other, SeqContext) or other._shared is not self._shared or other is self:  # noqa: SLF001 (another sequence of this class)
+        if not isinstance(other, SeqContext) or other.shared is not self.shared or other is self:
             return False
-        if not 1 <= n <= other.n_past or n >= self.n_ctx or not other._rewindable(n):  # noqa: SLF001 (another sequence of this class)
-            return False
-        lc = self._lc
-        self._clear()
-        # the buffers are copied at the next decode's memory update: the
-        # cut's own decode, at once, before another sequence can change its cells
-        lc.llama_memory_seq_cp(self._mem, other.seq, self.seq, -1, -1)
-        # what the source could not rewind into, this copy cannot either
-        self._tokens = list(other._tokens[:n])  # noqa: SLF001 (another sequence of this class)
-        self._known_from, self._rewind_min, self._logits = other._known_from, other._rewind_min, None  # noqa: SLF001 (another sequence of this class)
-        if self._cut(n):  # an engine error resets this context and is raised
-            return True
-        self.reset()  # pragma: no cover - llama.cpp refused a tail removal it allows
-        return False
+        # copied at the cut's own decode, at once, before another sequence can change its cells
+        return self._adopt_prefix(other, int(n_tokens), lambda: self.shared.copy_stream(other.seq, self.seq))
 
     def accept(self, token: int, logits: np.ndarray) -> None:
         """``token`` was decoded in a batched step with these logits."""
@@ -372,21 +368,17 @@ class SeqContext(LlamaCppContext):
 
     def accept_many(self, tokens: Sequence[int] | np.ndarray, logits: np.ndarray) -> None:
         """``tokens`` went in, in a batched piece, with these logits after them."""
-        self._tokens.extend(int(t) for t in tokens)
-        self._logits = logits
+        self._record_decoded(tokens, logits)
 
-    def close(self) -> None:
-        ctx, self._ctx = self._ctx, None
-        if ctx is None:
-            return
+    def _release(self, ctx: Any) -> None:
+        # the llama context is the shared one's: this sequence's cells emptied and
+        # its own batch freed; the shared context frees its context with its last sequence
         try:
             self._clear()
-            if self._batch is not None:
-                self._lc.llama_batch_free(self._batch.raw)
-                self._batch = None
+            self._free_batch()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
-        self._shared.released(self.seq)
+        self.shared.released(self.seq)
 
 
 def _prefill_together(shared: SharedContext, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -45,9 +45,17 @@ class _Mark:
 class LlamaCppContext:
     """One llama_context holding one token sequence (seq_id 0). Closing it
     (or dropping it) hands its llama context, cleared, to the engine, which
-    gives it to the next context of the same size."""
+    gives it to the next context of the same size.
 
-    def __init__(self, engine: Owner, n_ctx: int, *, reuse: Idle | None = None):
+    A subclass (:class:`~ds4.engines.llamacpp_batch.SeqContext`) extends it
+    through :data:`PROTECTED` only (each member's doc says "protected"); every
+    other underscore member is this class's own (a test holds it to that)."""
+
+    #: the protected interface: the hooks a subclass may override, then what it may call
+    PROTECTED: ClassVar[tuple[str, ...]] = ("_feed", "_clear", "_portable", "_native", "_release")
+    PROTECTED += ("_check_open", "_drop_positions", "_free_batch", "_record_decoded", "_adopt_prefix")
+
+    def __init__(self, engine: Owner, n_ctx: int, *, reuse: Idle | None = None, unpadded_steps: bool = True):
         lc = engine.lc
         self._lc = lc
         self._engine = engine
@@ -72,8 +80,9 @@ class LlamaCppContext:
         self._rewind_min = 0
         self._logits: np.ndarray | None = None
         # canonical mode: decode steps go unpadded from here on (None: the
-        # state is canonical, what a prefill of its tokens gives)
-        self._canonical = bool(getattr(engine, "canonical", False))
+        # state is canonical, what a prefill of its tokens gives); never with
+        # ``unpadded_steps`` off (a batched sequence's steps are its batch's)
+        self._canonical = unpadded_steps and bool(getattr(engine, "canonical", False))
         self._dirty_from: int | None = None
         # where the memory cannot drop the reply's positions (recurrent,
         # hybrid, a windowed import): the state at the reply's start
@@ -101,40 +110,50 @@ class LlamaCppContext:
         return len(self._tokens)
 
     def _check_open(self) -> None:
+        """(protected) EngineError when the context is closed."""
         if self._ctx is None:
             raise EngineError("the context is closed")
 
     def _clear(self, data: bool = True) -> None:
-        """Empty the context's cells (a restore then puts position i in cell i, as a cold prefill
-        does); ``data``: zero the buffers too (a restore needs not: empty cells are masked)."""
+        """(protected hook) Empty the context's cells (a restore then puts position i in cell i, as a cold
+        prefill does); ``data``: zero the buffers too (a restore needs not: empty cells are masked)."""
         self._lc.llama_memory_clear(self._mem, data)
+
+    def _drop_positions(self, start: int = -1, end: int = -1) -> bool:
+        """(protected) Drop the sequence's cells at positions ``start`` to ``end``
+        (exclusive; -1: unbounded, so no argument drops them all); whether llama.cpp did."""
+        return bool(self._lc.llama_memory_seq_rm(self._mem, self.seq, start, end))
 
     def reset(self) -> None:
         self._check_open()
         self._clear()
-        self._tokens = []
-        self._known_from = 0
-        self._rewind_min = 0
-        self._logits = None
-        self._dirty_from = None
-        self._mark = None
+        self._tokens, self._known_from, self._rewind_min = [], 0, 0
+        self._logits, self._dirty_from, self._mark = None, None, None
 
     def close(self) -> None:
         ctx, self._ctx = self._ctx, None
-        if ctx is None:
-            return
+        if ctx is not None:
+            self._release(ctx)
+
+    def _release(self, ctx: Any) -> None:
+        """(protected hook) Give up the llama context ``ctx`` (this context just
+        closed): to the engine, for the next context of its size, or freed."""
         eng = self._engine
         if self._batch is not None and eng.keep(Idle(self.n_ctx, ctx, self._mem, self._batch)):
             self._batch = None
             return
         try:
-            if self._batch is not None:
-                self._lc.llama_batch_free(self._batch.raw)
-                self._batch = None
+            self._free_batch()
             self._lc.llama_free(ctx)
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
         eng.context_freed()
+
+    def _free_batch(self) -> None:
+        """(protected) Free this context's own batch (nothing once freed or handed on)."""
+        if self._batch is not None:
+            self._lc.llama_batch_free(self._batch.raw)
+            self._batch = None
 
     def __del__(self) -> None:  # pragma: no cover - GC timing
         try:
@@ -162,7 +181,7 @@ class LlamaCppContext:
         batch.logits[n - 1] = 0
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} at position {pos0}")
-        if m > n and not self._lc.llama_memory_seq_rm(self._mem, self.seq, pos0 + n, -1):
+        if m > n and not self._drop_positions(pos0 + n):
             # a recurrent memory without enough rollback snapshots; the
             # start-up probe only picks a padded policy it saw work
             raise EngineError(f"llama.cpp could not drop the {m - n} pad tokens at position {pos0 + n}")
@@ -197,9 +216,9 @@ class LlamaCppContext:
         return self.last_logits()
 
     def _feed(self, chunk: np.ndarray, last: bool) -> int:
-        """Evaluate ``chunk`` (a piece of one aligned chunk) at the next
-        position, the logits read when it is the ``last`` of the eval; how
-        many of its tokens went in (here all: one llama_decode)."""
+        """(protected hook) Evaluate ``chunk`` (a piece of one aligned chunk)
+        at the next position, the logits read when it is the ``last`` of the
+        eval; how many of its tokens went in (here all: one llama_decode)."""
         self._decode(chunk, self.n_past)
         self._tokens.extend(chunk.tolist())
         if last:
@@ -319,7 +338,7 @@ class LlamaCppContext:
         """Keep positions < ``n`` (1 <= n <= n_past, the ids known): drop
         the rest and the last kept token, and decode that token again for
         its logits."""
-        if not self._lc.llama_memory_seq_rm(self._mem, self.seq, n - 1, -1):
+        if not self._drop_positions(n - 1):
             return False
         last = self._tokens[n - 1]
         del self._tokens[n - 1 :]
@@ -364,6 +383,27 @@ class LlamaCppContext:
         self.reset()
         return False
 
+    def _adopt_prefix(self, other: LlamaCppContext, n: int, copy_cells: Callable[[], None]) -> bool:
+        """(protected) Hold ``other``'s first ``n`` positions: the sequence emptied, ``copy_cells()``
+        puts ``other``'s cells in it, its ids and rewind limits taken, then cut at ``n`` as a rewind
+        cuts (an engine error resets this context and is raised). False, nothing changed, when
+        ``other`` could not rewind to ``n`` itself or ``n`` leaves no room here."""
+        if not 1 <= n <= other.n_past or n >= self.n_ctx or not other._rewindable(n):
+            return False
+        self._clear()
+        copy_cells()
+        self._tokens = list(other._tokens[:n])
+        self._known_from, self._rewind_min, self._logits = other._known_from, other._rewind_min, None
+        if self._cut(n):
+            return True
+        self.reset()  # pragma: no cover - llama.cpp refused a tail removal it allows
+        return False
+
+    def _record_decoded(self, tokens: Sequence[int] | np.ndarray, logits: np.ndarray) -> None:
+        """(protected) ``tokens`` went in at the next positions (a batched step), ``logits`` after the last."""
+        self._tokens.extend(int(t) for t in tokens)
+        self._logits = logits
+
     # -- state -------------------------------------------------------------
     def export_state(self) -> dict[str, np.ndarray]:
         self._check_open()
@@ -407,11 +447,11 @@ class LlamaCppContext:
             )
 
     def _portable(self, blob: np.ndarray) -> np.ndarray:
-        """The exported blob as every context reads it (this one's: as is)."""
+        """(protected hook) The exported blob as every context reads it (this one's: as is)."""
         return blob
 
     def _native(self, blob: np.ndarray) -> np.ndarray:
-        """A checked blob as this context's llama.cpp restores it (as is)."""
+        """(protected hook) A checked blob as this context's llama.cpp restores it (as is)."""
         return blob
 
     def import_state(self, arrays: Mapping[str, np.ndarray], n_tokens: int) -> None:

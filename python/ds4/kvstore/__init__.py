@@ -1,39 +1,23 @@
-"""KVStore: a directory of checkpoints with ds4's policy on top.
+"""KVStore: a directory of checkpoints with ds4's policy on top (docs/DESIGN.md,
+"Store policy"). The store is the one door; each part owns its concern:
 
-* Files are ``<sha1 of the key text>-<model tag>.kv`` (:func:`checkpoint_name`;
-  an earlier release's ``<sha1>.kv`` is read too), format v2, written by the
-  Rust core: temp file, fsync, rename, fsync of the directory, mode 0600.
-* The index (name -> header facts and stat key) lives in the Rust core
-  (``_core.StoreIndex``) and persists in the directory (``.ds4.index``:
-  written under the lock through a temp file, fsync'd, renamed, checksummed).
-  Opening a store reads it and lists the directory once (names and inode
-  numbers, no ``stat``): a file that is new or was replaced is indexed from
-  its header, never by hashing its text; a damaged, foreign or missing index
-  file is rebuilt from the headers. The index only proposes candidates:
-  every load runs the whole verification pipeline (:mod:`.indexed`).
-  A running store rescans only when the directory's mtime changes.
-* Lookup is one call into the core, the GIL released (:class:`Matches`).
-* With ``StorePolicy.blocks``, a checkpoint's append-only state goes into
-  shared block files and the checkpoint is a manifest naming them (:mod:`.blocks`).
-* Candidates are tried longest first by the ladder
-  (:func:`ds4.recovery.load_first`, the one place a session is loaded from
-  here); the store's verdict on one that fails (:mod:`.loads`): a corrupt
-  one is removed (or moved to the quarantine directory), an incompatible
-  one skipped and kept (docs/DESIGN.md, "Store policy"). The knobs are one
-  :class:`StorePolicy` (:mod:`.policy`).
-* Budget in MiB with 1 % slack; eviction by ds4's score
-  ``(hits * 2^(-age/6h) + 1) * tokens / file_size`` (explicit checkpoints
-  weighted, fresh files last: :class:`StorePolicy`), the newest file
-  protected; one failed unlink does not stop eviction; a continued save
-  supersedes the continued snapshots of its prefixes (:func:`.save.supersede`). With
-  ``tenant_share`` F < 1, a tenant over F of the budget loses its own
-  files first (:func:`.entries.plan_eviction`).
-* Crashed writers' temp files and files whose header is corrupt are removed
-  on refresh, blocks no manifest names at eviction: nothing leaks outside the budget.
-* Stores, evictions, discards and removals take an exclusive ``flock`` on
-  ``.ds4.lock``: processes share a directory. No other module removes a checkpoint.
-* With ``remote=`` (a Redis URL, :mod:`.remote`), a shared second tier a
-  lookup also asks; every local store is queued for upload (:mod:`.tiered`).
+* files ``<sha1 of the key text>-<model tag>.kv`` (:meth:`KVStore.path_for`;
+  an earlier release's ``<sha1>.kv`` is read too), written by the Rust core
+  (temp file, fsync, rename, fsync of the directory, mode 0600): :mod:`.save`;
+* the index, in the core and in ``.ds4.index``, kept in step with the
+  directory; it only proposes candidates, every load verifies the whole file:
+  :mod:`.indexed`; lookup is one call into the core (:class:`Matches`);
+* the store's verdict on a candidate the ladder (:mod:`ds4.loading`) loads:
+  a corrupt file removed or quarantined, an incompatible one kept:
+  :mod:`.admission`, through the one removal (:mod:`.remove`);
+* the budget and ds4's eviction score, tenant shares, superseded snapshots:
+  :mod:`.eviction`, :mod:`.entries`, :class:`StorePolicy`;
+* shared block files and manifests (:mod:`.blocks`), stored Responses
+  (:mod:`.records`), the write log and budget (:mod:`.writes`);
+* an exclusive ``flock`` on ``.ds4.lock`` around stores, evictions,
+  discards and removals: processes share a directory;
+* with ``remote=`` (a Redis URL), a shared second tier (:mod:`.remote`,
+  :mod:`.tiered`).
 """
 
 from __future__ import annotations
@@ -44,19 +28,21 @@ import functools
 import importlib
 import logging
 import os
-import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from .. import _core
 from ..errors import CheckpointError
 from ..errors import StoreError as StoreError  # what opening a store raises (re-exported)
+from .admission import Admission
 from .blocks import BlockStore
+from .considered import longest_considered, stored_text
 from .counters import Counted, Counters, merged
 from .entries import (
     HALF_LIFE_S,
     Candidates,
     Entry,
+    IndexRow,
     LoadResult,
     Matches,
     NamedLoad,
@@ -64,6 +50,7 @@ from .entries import (
     plan_eviction,
     tenant_usage,
 )
+from .eviction import Eviction
 from .files import (
     INDEX_NAME,
     LOCK_NAME,
@@ -73,6 +60,7 @@ from .files import (
     StatKey,
     checkpoint_name,
     is_checkpoint_name,
+    legacy_name,
     open_cache_dir,
     remove_orphaned_temp,
     scan_dir,
@@ -81,19 +69,19 @@ from .files import (
     temp_writer_pid,
 )
 from .indexed import DirIndex
-from .loads import open_for
-from .policy import StorePolicy
+from .parts import StoreParts
+from .policy import CHATML_MARKERS, StorePolicy, chat_anchor
 from .records import RecordStore
 from .rejection import Refusal, Rejection, RejectionLog
-from .remove import evict_entries, is_regular, remove_exact
-from .save import CHATML_MARKERS, adopt_download, chat_anchor, store_checked, store_live
+from .remove import discard_exact, is_regular, remove_exact
+from .save import Saves
 from .skips import SaveSkip
 from .writes import WriteLog
 
 if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
     from ..session import Session
     from .remote import RemoteEntry, RemoteTier
-    from .tiered import SharedTier
 
 log = logging.getLogger("ds4.kvstore")
 
@@ -138,7 +126,7 @@ __all__ = [
 
 
 #: the shared tier's names this package re-exports, imported when first asked for
-_LAZY = {"RemoteTier": "remote", "RemoteEntry": "remote", "DEFAULT_NAMESPACE": "remote", "SharedTier": "tiered"}
+_LAZY = {"RemoteTier": "remote", "RemoteEntry": "remote", "DEFAULT_NAMESPACE": "remote"}
 
 
 def __getattr__(name: str) -> object:
@@ -172,8 +160,7 @@ class KVStore:
         :class:`StorePolicy` field given by keyword on top of it."""
         if budget_mb is not None:
             knobs["budget_mb"] = budget_mb
-        #: the store's knobs (:class:`StorePolicy`)
-        self.policy = dataclasses.replace(policy or StorePolicy(), **knobs)
+        policy = dataclasses.replace(policy or StorePolicy(), **knobs)
         self.dir = open_cache_dir(directory, trust_dir)
         if auth_key is not None and len(auth_key) != 32:
             raise ValueError("auth_key must be 32 bytes (ds4._core.derive_auth_key of the key file's bytes)")
@@ -189,18 +176,17 @@ class KVStore:
         self.remote = remote
         self._lock = DirLock(self.dir, trust_dir)
         #: the bytes its saves write, by reason, and the write budget (:mod:`.writes`)
-        self.writes = WriteLog(self.dir, self.policy.write_budget_bytes)
+        self.writes = WriteLog(self.dir, policy.write_budget_bytes)
         # small JSON records (stored Responses) in records/: at most 1 % of
         # the budget, and counted in it (eviction makes room for them)
-        self.records = RecordStore(self.dir, max(1 << 16, self.budget_bytes // 100), self.locked)
+        self.records = RecordStore(self.dir, max(1 << 16, policy.budget_bytes // 100), self.locked)
         #: the store's own counters (its index and tier keep theirs: :attr:`stats`)
         self.counters = Counters(
             "hits", "misses", "stores", "evictions", "superseded", "rejected", "removed_corrupt", "scans"
         )
         #: the index and its file, kept in step with the directory
         #: (:mod:`.indexed`); headers are read through :func:`index_header`,
-        #: looked up when called. The store's parts (:mod:`.loads`,
-        #: :mod:`.save`, :mod:`.considered`) reach the index here.
+        #: looked up when called
         self.index = DirIndex(
             self.dir,
             read_header=lambda idx, path: index_header(idx, path),
@@ -209,15 +195,20 @@ class KVStore:
         )
         #: the shared block files and which manifest names which (:mod:`.blocks`)
         self.blocks = BlockStore(self.dir, auth_key, self.index)
-        #: what this directory does with the tier's files (:mod:`.tiered`)
-        self._tiered = None
-        if self.remote is not None:
-            from .tiered import SharedTier
-
-            # a download is verified for a session (:mod:`.loads`), then renamed in (:mod:`.save`)
-            opener = functools.partial(open_for, self, check_name=False)
-            adopt = functools.partial(adopt_download, self)
-            self._tiered = SharedTier(self.remote, self.blocks, open_for=opener, adopt=adopt, locked=self.locked)
+        # what the store's collaborators share (:mod:`.parts`): its loads'
+        # verdicts, its saves, its eviction
+        parts = StoreParts(
+            self.dir, policy, auth_key, self.index, self.blocks, self.writes, self.records, self.counters,
+            self.remote, self.locked, self.discard,
+        )  # fmt: skip
+        self._parts = parts
+        self._admission = Admission(parts)
+        self._eviction = Eviction(parts)
+        self._saves = Saves(parts, self._eviction)
+        if self.remote is not None:  # the tier's side in this directory (:mod:`.tiered`)
+            # a download is verified for a session (:mod:`.admission`), then renamed in (:mod:`.save`)
+            opener = functools.partial(self._admission.open, check_name=False)
+            self.remote.attach(self.blocks, open_for=opener, adopt=self._saves.adopt, locked=self.locked)
         if scan:
             self.index.open()
             if self.total_bytes() > self.budget_bytes:
@@ -251,22 +242,27 @@ class KVStore:
         return sorted(self._entries(), key=lambda e: (-e.text_bytes, e.name))
 
     def _entries(self) -> list[Entry]:
-        return [Entry.from_row(self.dir, row) for row in self.index.idx.entries()]
+        return [Entry.from_row(self.dir, row) for row in self.index.rows()]
+
+    def rows(self) -> list[IndexRow]:
+        """The index's rows as it stands: no refresh, no lock (what a status
+        page lists)."""
+        return self.index.rows()
 
     def total_bytes(self) -> int:
-        return self.index.idx.total_bytes() + self.blocks.total_bytes()
+        return self.index.total_bytes() + self.blocks.total_bytes()
 
     @property
     def stats(self) -> dict[str, int]:
         """The counters of the store, its index and its use of the shared
         tier, merged (:mod:`.counters`)."""
-        parts: list[Counted] = [self, self.index, self.writes, *([] if self._tiered is None else [self._tiered])]
+        parts: list[Counted] = [self, self.index, self.writes, *([] if self.remote is None else [self.remote.local])]
         return merged(*parts)
 
     def summary(self) -> dict[str, object]:
         """The directory, its indexed files and bytes, and the counters
         (what a status page shows), from the index as it stands (its heap too)."""
-        idx = self.index.idx  # each model's bytes, files and hits too (``models``: :func:`.entries.model_usage`)
+        idx = self.index  # each model's bytes, files and hits too (``models``: :func:`.entries.model_usage`)
         out: dict[str, object] = {"dir": self.dir, "files": len(idx), "bytes": self.total_bytes(), **self.stats}
         out.update(index_heap_bytes=idx.heap_bytes(), tenants=self.tenant_usage(), models=model_usage(idx.abi_usage()))
         out.update(**self.writes.summary(), **self.blocks.summary(self._entries, idx.total_bytes()))
@@ -278,7 +274,7 @@ class KVStore:
         """Bytes and checkpoints of each tenant (:func:`.entries.tenant_usage`)
         from the index as it stands: no directory scan, no file read (the
         core sums each namespace; Python names its tenant)."""
-        return tenant_usage(self.index.idx.namespace_usage())
+        return tenant_usage(self.index.namespace_usage())
 
     # -- lookup --------------------------------------------------------------
     def lookup(self, prompt: str | bytes, abi: str | None = None, ctx: int | None = None) -> list[Entry]:
@@ -289,7 +285,7 @@ class KVStore:
         verifies the whole file again."""
         self.refresh()
         pb = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
-        rows = self.index.idx.lookup(pb, min_tokens=max(0, self.min_tokens), abi=abi, ctx=ctx)
+        rows = self.index.lookup(pb, min_tokens=max(0, self.min_tokens), abi=abi, ctx=ctx)
         return list(Matches(self.dir, rows, self.index.checker(self.min_tokens, abi, ctx, hold=False)))
 
     def candidates(
@@ -309,12 +305,12 @@ class KVStore:
         ``prompt`` too (skipped while the tier cools down). The local ones are
         :class:`Matches`: the longest found here, the next ones when asked for."""
         self.refresh()
-        rows = self.index.idx.prefixes(prompt, min_tokens=max(0, self.min_tokens), ctx=ctx)
+        rows = self.index.prefixes(prompt, min_tokens=max(0, self.min_tokens), ctx=ctx)
         entries = Matches(self.dir, rows, self.index.checker(self.min_tokens, None, ctx))
         rejected = self.index.take_unreported()
         found = Candidates(prompt, entries, [] if namespace is not None else rejected, namespace)
-        if self._tiered is not None and abi is not None:
-            self._tiered.lookup(found, abi, min_tokens=self.min_tokens, ctx=ctx)
+        if self.remote is not None and abi is not None:
+            self.remote.add_candidates(found, abi, min_tokens=self.min_tokens, ctx=ctx)
         return found
 
     # -- removal -------------------------------------------------------------
@@ -331,26 +327,15 @@ class KVStore:
         if not is_checkpoint_name(name):
             return None
         self.index.drop(name, expect)  # read again if it stays and changes (a rewrite in progress)
-        how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
         try:
             with self.locked():
-                dest = remove_exact(
-                    self.dir,
-                    name,
-                    expect,
-                    quarantine_dir=self.policy.quarantine_dir,
-                    tag=f"{int(time.time())}.{err.code}",
-                )
+                dest = discard_exact(self.dir, name, err, where, expect, self.policy.quarantine_dir)
                 self.index.persist()
         except OSError as e:
             log.error("kv cache could not remove corrupt file %s: %s", name, e)
             return None
         if dest is not None:
             self.counters["removed_corrupt"] += 1
-            if dest == os.path.join(self.dir, name):
-                log.warning("kv cache removed corrupt file=%s %s", name, how)
-            else:
-                log.warning("kv cache quarantined corrupt file=%s %s -> %s", name, how, dest)
         return dest
 
     def remove(self, name_or_path: str) -> bool:
@@ -367,14 +352,54 @@ class KVStore:
             self.index.persist()
         return gone
 
-    # -- load ----------------------------------------------------------------
+    # -- files ----------------------------------------------------------------
+    def path_for(self, sha: str, abi: str | None = None) -> str:
+        """Where the checkpoint of key SHA-1 ``sha`` lives in this directory:
+        ``<sha>-<model tag>.kv`` for payload ABI ``abi``, an earlier
+        release's ``<sha>.kv`` without one. ``sha`` must be 40 hex
+        digits (ValueError): a name never reaches outside the directory."""
+        if not is_checkpoint_name(legacy_name(sha)):
+            raise ValueError(f"not a checkpoint key: {sha!r}")
+        return os.path.join(self.dir, legacy_name(sha) if abi is None else checkpoint_name(sha, abi))
+
+    def find_named(self, sha: str, abi: str) -> str | None:
+        """The path of ``sha``'s checkpoint for ``abi`` that exists: this
+        model's name, else an earlier release's; None when neither does."""
+        return next((p for p in (self.path_for(sha, abi), self.path_for(sha)) if os.path.lexists(p)), None)
+
+    # -- load (the store's side, :mod:`.admission`; the ladder loads: :mod:`ds4.loading`)
+    def open_for(self, sess: Session, path: str, prompt: bytes) -> Checkpoint:
+        """Open ``path`` for a load into ``sess`` with this store's checks
+        (:meth:`.admission.Admission.open`); raises what the pipeline raises."""
+        return self._admission.open(sess, path, prompt)
+
+    def refuse(self, e: Entry, err: Exception, judged: StatKey | None) -> Refusal | None:
+        """The store's verdict on a candidate that failed to open or load
+        (:meth:`.admission.Admission.refuse`)."""
+        return self._admission.refuse(e, err, judged)
+
+    def count_hit(self, e: Entry, ck: Checkpoint, ms: float, judged: StatKey | None) -> LoadResult:
+        """Count a load of ``e`` (:meth:`.admission.Admission.hit`)."""
+        return self._admission.hit(e, ck, ms, judged)
+
+    def longest_considered(
+        self, found: Candidates, *, ctx: int | None = None, exclude: Collection[str] = ()
+    ) -> Entry | None:
+        """The longest checkpoint ``found``'s lookup considered
+        (:func:`.considered.longest_considered`)."""
+        return longest_considered(self._parts, found, ctx=ctx, exclude=exclude)
+
+    def stored_text(self, entry: Entry, namespace: str | None) -> bytes | None:
+        """``entry``'s key text when it is in ``namespace`` (:func:`.considered.stored_text`)."""
+        return stored_text(self._parts, entry, namespace)
+
     def miss(self) -> None:
         """Count a disk rung that loaded nothing."""
         self.counters["misses"] += 1
 
     def remote_longer(self, found: Candidates) -> list[RemoteEntry]:
-        """:meth:`.tiered.SharedTier.longer` (none without a shared tier)."""
-        return [] if self._tiered is None else self._tiered.longer(found)
+        """:meth:`.remote.RemoteTier.longer` (none without a shared tier)."""
+        return [] if self.remote is None else self.remote.longer(found)
 
     # -- the shared tier (kvstore/tiered.py) ----------------------------------
     def pull(self, r: RemoteEntry, report: RejectionLog | None = None) -> Entry | None:
@@ -390,16 +415,25 @@ class KVStore:
         return self._shared_tier().push(self.entries())
 
     @property
-    def shared(self) -> SharedTier | None:
-        """What this directory does with its shared tier (None: no tier)."""
-        return self._tiered
+    def shared(self) -> RemoteTier | None:
+        """The shared tier, attached to this directory (None: no tier)."""
+        return self.remote
 
-    def _shared_tier(self) -> SharedTier:
-        if self._tiered is None:
+    def _shared_tier(self) -> RemoteTier:
+        if self.remote is None:
             raise ValueError("this store has no remote tier")
-        return self._tiered
+        return self.remote
 
     # -- store policy (:class:`StorePolicy`) ------------------------------------
+    @property
+    def policy(self) -> StorePolicy:
+        """The store's knobs; a new value takes effect at the next call."""
+        return self._parts.policy
+
+    @policy.setter
+    def policy(self, value: StorePolicy) -> None:
+        self._parts.policy = value
+
     @property
     def budget_bytes(self) -> int:
         return self.policy.budget_bytes
@@ -429,9 +463,9 @@ class KVStore:
         (too short, over budget, key held by another engine's file).
         ``min_tokens`` overrides the store's minimum (named and system-prompt
         checkpoints may be short); a continued save prunes what it supersedes
-        of ``supersedes``, its prefill's earlier snapshots (:func:`.save.supersede`).
+        of ``supersedes``, its prefill's earlier snapshots (:meth:`.save.Saves.supersede`).
         Why it declined: :meth:`store_live_checked`."""
-        got = store_live(self, sess, reason, min_tokens, supersedes)
+        got = self._saves.live(sess, reason, min_tokens, supersedes)
         return got if isinstance(got, str) else None
 
     def store_live_checked(
@@ -441,10 +475,10 @@ class KVStore:
         path, or a :class:`.skips.SaveSkip` of kind ``reason`` whose code
         (:data:`.skips.SKIP_CODES`) is the policy's refusal, a failed write
         (``disk_full``, ``write_error``: no OSError is raised) or a session
-        without a valid state (``session_invalid``): :func:`.save.store_checked`."""
-        return store_checked(self, sess, reason, min_tokens, supersedes)
+        without a valid state (``session_invalid``): :meth:`.save.Saves.checked`."""
+        return self._saves.checked(sess, reason, min_tokens, supersedes)
 
-    # -- eviction --------------------------------------------------------------
+    # -- eviction (:mod:`.eviction`) -------------------------------------------
     def evict(self) -> int:
         """Evict down to the budget; returns how many files went."""
         return len(self.evict_names())
@@ -452,48 +486,15 @@ class KVStore:
     def evict_names(self) -> list[str]:
         """Evict down to the budget (:meth:`plan_evict`'s plan); returns the
         names removed, in the plan's order."""
-        with self.locked():
-            removed = self.evict_locked(protect=None)
-            self.index.persist()
-            return removed
+        return self._eviction.run()
 
     def eviction_limit(self) -> int:
         """The bytes the checkpoints may hold: the budget, less what the
         records (stored Responses) take of it."""
-        return self.budget_bytes - self.records.total_bytes()
+        return self._eviction.limit()
 
     def plan_evict(self, entries: list[Entry], protect: str | None = None) -> list[Entry]:
         """What an eviction of ``entries`` removes, in order, with this
         store's limit and tenant share (:func:`.entries.plan_eviction`):
         :meth:`evict` and ``ds4 kv gc --dry-run`` plan with it."""
-        pol = self.policy
-        return plan_eviction(
-            entries,
-            self.eviction_limit(),
-            time.time(),
-            protect,
-            pol.tenant_share,
-            explicit_weight=pol.explicit_weight,
-            fresh_guard_s=pol.fresh_guard_s,
-        )
-
-    def evict_locked(self, protect: str | None) -> list[str]:
-        """Evict down to the budget, the caller holding :meth:`locked`
-        (``protect``: a name that stays); the names removed."""
-        removed: list[str] = []
-        while True:  # again while shared blocks freed less than their manifests' shares
-            self.refresh(force=True)
-            entries = self.blocks.charge(self._entries())  # a block counted once, shared among its manifests
-            victims = self.plan_evict(entries, protect)
-            for victim in victims:
-                self.index.forget(victim.name)
-                self.blocks.forget(victim.name)
-            gone = evict_entries(self.dir, victims)
-            self.counters["evictions"] += len(gone)
-            if gone:
-                _core.sync_dir(self.dir)
-                self.index.stale()
-            removed += gone
-            self.blocks.settle(entries, set(gone))  # orphans out, the references kept (in the index)
-            if not gone or not len(self.blocks):
-                return removed
+        return self._eviction.plan(entries, protect)

@@ -1,4 +1,6 @@
-"""What the ladder reports of a miss (:meth:`ds4.recovery._Ladder.divergence`):
+"""What the ladder reports of a miss (:meth:`ds4.recovery._Ladder.divergence`,
+through :meth:`ds4.kvstore.KVStore.longest_considered` and
+:meth:`~ds4.kvstore.KVStore.stored_text`):
 the longest checkpoint a lookup considered, from the index as it stands, and
 its stored text, read and verified (never another namespace's)."""
 
@@ -7,16 +9,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
 from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError
 from ..keytext import namespace_of
 from .entries import Candidates, Entry
 from .files import is_checkpoint_name
-
-if TYPE_CHECKING:
-    from . import KVStore
+from .parts import StoreParts
 
 log = logging.getLogger("ds4.kvstore")
 
@@ -24,7 +23,7 @@ __all__ = ["longest_considered", "stored_text"]
 
 
 def longest_considered(
-    store: KVStore, found: Candidates, *, ctx: int | None = None, exclude: Collection[str] = ()
+    parts: StoreParts, found: Candidates, *, ctx: int | None = None, exclude: Collection[str] = ()
 ) -> Entry | None:
     """The longest checkpoint that the lookup of ``found`` considered,
     from the index as it stands (call it right after the lookup: no
@@ -37,13 +36,13 @@ def longest_considered(
     :meth:`stored_text` reads its text). Names in ``exclude`` are left
     out. One call into the core (``StoreIndex.longest``: the length-sorted
     table walked down to the first file of the namespace)."""
-    row = store.index.idx.longest(
-        len(found.prompt), found.namespace, min_tokens=max(0, store.min_tokens), ctx=ctx, exclude=list(exclude)
+    row = parts.index.longest(
+        len(found.prompt), found.namespace, min_tokens=max(0, parts.policy.min_tokens), ctx=ctx, exclude=list(exclude)
     )
-    return None if row is None else Entry.from_row(store.dir, row)
+    return None if row is None else Entry.from_row(parts.dir, row)
 
 
-def stored_text(store: KVStore, entry: Entry, namespace: str | None) -> bytes | None:
+def stored_text(parts: StoreParts, entry: Entry, namespace: str | None) -> bytes | None:
     """The stored key text of ``entry`` when it is in ``namespace``:
     its header and text read and verified
     (:func:`ds4.checkpoint.open_checkpoint` without the payload; with
@@ -53,7 +52,7 @@ def stored_text(store: KVStore, entry: Entry, namespace: str | None) -> bytes | 
     if not is_checkpoint_name(entry.name):
         return None
     try:
-        ck = open_checkpoint(os.path.join(store.dir, entry.name), load_payload=False, auth_key=store.auth_key)
+        ck = open_checkpoint(os.path.join(parts.dir, entry.name), load_payload=False, auth_key=parts.auth_key)
         text = bytes(ck.text)
     except (OSError, CheckpointError) as e:
         log.debug("kv cache could not read the text of %s: %s", entry.name, e)

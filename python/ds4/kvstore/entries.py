@@ -19,7 +19,7 @@ from .rejection import Rejection, import_failure
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
     from ..errors import CheckpointError
-    from .remote import RemoteEntry
+    from .remote_layout import RemoteEntry
 
 __all__ = [
     "EXPLICIT_REASONS",

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from .. import _core
 from ..errors import CheckpointError, CorruptCheckpointError, StoreError
 from .counters import Counters
-from .entries import Check, Entry
+from .entries import Check, Entry, IndexRow
 from .files import (
     INDEX_NAME,
     INDEX_TMP_NAME,
@@ -101,7 +101,7 @@ class DirIndex:
         self._try_lock = try_lock
         #: name -> header facts and stat key; also the files kept but not
         #: indexed (another format's), by stat key, so a rescan reports them once
-        self.idx = _core.StoreIndex()
+        self._idx = _core.StoreIndex()
         #: files rejected while indexing, not yet reported to a ladder run
         self.unreported: list[Rejection] = []
         self._dir_mtime: int | None = None
@@ -138,10 +138,10 @@ class DirIndex:
                     seen[name] = de
                 elif is_temp_name(name):
                     remove_orphaned_temp(de.path, now)
-        known = self.idx.keys()
+        known = self._idx.keys()
         for name in known:
             if name not in seen:
-                self.idx.remove(name)
+                self._idx.remove(name)
                 self._dirty = True
         for name, de in seen.items():
             try:
@@ -152,7 +152,7 @@ class DirIndex:
             old = known.get(name)
             if old is not None and old[0] == key:
                 continue
-            self.idx.remove(name)
+            self._idx.remove(name)
             self.index_file(name, de.path, key)
         self._dir_mtime = mt
 
@@ -178,7 +178,7 @@ class DirIndex:
             if cur != key or due:
                 del self.dropped[name]
                 self.counters["index_retries"] += 1
-                self.idx.remove(name)
+                self._idx.remove(name)
                 self.index_file(name, os.path.join(self.dir, name), cur)
 
     def checker(self, min_tokens: int, abi: str | None, ctx: int | None, hold: bool = True) -> Check:
@@ -211,12 +211,12 @@ class DirIndex:
         if key == e.stat_key:
             return e, []
         before = len(self.unreported)
-        self.idx.remove(e.name)
+        self._idx.remove(e.name)
         self.index_file(e.name, e.path, key)
         refused: list[Rejection] = []
         if hold:
             refused, self.unreported = self.unreported[before:], self.unreported[:before]
-        row = self.idx.get(e.name)
+        row = self._idx.get(e.name)
         fresh = None if row is None else Entry.from_row(self.dir, row)
         if fresh is None or fresh.text_bytes != e.text_bytes or not ok(fresh):
             return None, refused
@@ -239,7 +239,7 @@ class DirIndex:
             self._dirty = True
             self.refresh(force=True)
         else:
-            self.idx = idx
+            self._idx = idx
             self.counters["scans"] += 1
             changed, others, gone = idx.sync_listing(self.dir)
             now = time.time()
@@ -264,7 +264,7 @@ class DirIndex:
         A stale stat key (a hit the index file was not written after) is
         read again silently; any other disagreement is counted
         (``index_mismatches``) and warned of once."""
-        bad = self.idx.check_files(self.dir, threads=CHECK_THREADS)
+        bad = self._idx.check_files(self.dir, threads=CHECK_THREADS)
         lied: dict[str, int] = {}
         for name, how in bad:
             if how not in ("changed", "unreadable"):
@@ -304,7 +304,7 @@ class DirIndex:
             return
         if known is not None and known[0] == key:
             return
-        self.idx.remove(name)
+        self._idx.remove(name)
         self.index_file(name, path, key)
 
     def persist(self) -> None:
@@ -313,7 +313,7 @@ class DirIndex:
         now: a lookup never waits for it), never over an entry that is not a
         regular file. A failure costs the next open a rescan, nothing more."""
         path = os.path.join(self.dir, INDEX_NAME)
-        if not self._dirty or (len(self.idx) == 0 and not os.path.lexists(path)):
+        if not self._dirty or (len(self._idx) == 0 and not os.path.lexists(path)):
             return
         try:
             before = os.stat(self.dir).st_mtime_ns
@@ -322,7 +322,7 @@ class DirIndex:
                     return
                 st = os.stat(self.dir)
                 stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, int(time.time() * 1e9))
-                self.idx.save(path, os.path.join(self.dir, INDEX_TMP_NAME), stamp)
+                self._idx.save(path, os.path.join(self.dir, INDEX_TMP_NAME), stamp)
                 after = os.stat(self.dir).st_mtime_ns
         except (StoreError, CheckpointError, OSError) as e:
             log.warning("kv cache could not write its index file: %s", e)
@@ -338,7 +338,7 @@ class DirIndex:
         self._dirty = True
         self.dropped.pop(name, None)
         try:
-            self._read_header(self.idx, path)
+            self._read_header(self._idx, path)
         except CorruptCheckpointError as e:
             if e.code == NOT_REGULAR:
                 log.warning("kv cache ignoring %s: %s", name, e.reason)
@@ -349,7 +349,7 @@ class DirIndex:
         except CheckpointError as e:
             log.info("kv cache skipped file=%s stage=%s code=%s reason=%s (kept)", name, e.stage, e.code, e.reason)
             self.unreported.append(rejection_of(path, e))
-            self.idx.keep(name, key)
+            self._idx.keep(name, key)
             return
         except OSError as e:  # gone meanwhile (a rename in progress), locked, unreadable: retried
             if not isinstance(e, FileNotFoundError):
@@ -361,17 +361,62 @@ class DirIndex:
         """The blocks (hex names) recorded for the version of ``name`` the
         index holds (an index file's block section, or :meth:`set_blocks`);
         None when none are: its file is read then."""
-        got = self.idx.blocks_of(name)
+        got = self._idx.blocks_of(name)
         return None if got is None else tuple(got[i : i + 32].hex() for i in range(0, len(got), 32))
 
     def set_blocks(self, name: str, key: StatKey, blocks: tuple[str, ...]) -> None:
         """Record the blocks ``name``'s file names, read from the version of
         stat key ``key`` (kept only while the index holds that version);
         written with the index file."""
-        if self.idx.set_blocks(name, key, bytes.fromhex("".join(blocks))):
+        if self._idx.set_blocks(name, key, bytes.fromhex("".join(blocks))):
             self._dirty = True
 
     def forget(self, name: str) -> None:
         """Drop ``name`` from the index (the file is gone or going)."""
-        if self.idx.remove(name):
+        if self._idx.remove(name):
             self._dirty = True
+
+    # -- what the index holds, as it stands (no refresh: :meth:`refresh`) ------
+    def rows(self) -> list[IndexRow]:
+        """Every indexed file's row (``StoreIndex.entries``)."""
+        return self._idx.entries()
+
+    def row(self, name: str) -> IndexRow | None:
+        """The row of ``name``; None when it is not indexed."""
+        return self._idx.get(name)
+
+    def lookup(self, text: bytes, *, min_tokens: int, abi: str | None, ctx: int | None) -> list[IndexRow]:
+        """The rows whose text is a prefix of ``text``, longest first, with
+        the core's filters (``StoreIndex.lookup``)."""
+        return self._idx.lookup(text, min_tokens=min_tokens, abi=abi, ctx=ctx)
+
+    def prefixes(self, prompt: bytes, *, min_tokens: int, ctx: int | None) -> _core.Prefixes:
+        """The prefixes of ``prompt`` found one at a time, longest first
+        (``StoreIndex.prefixes``: the next is hashed when asked for)."""
+        return self._idx.prefixes(prompt, min_tokens=min_tokens, ctx=ctx)
+
+    def longest(
+        self, text_bytes: int, namespace: str | None, *, min_tokens: int, ctx: int | None, exclude: list[str]
+    ) -> IndexRow | None:
+        """The longest row of ``namespace`` no longer than ``text_bytes``
+        (``StoreIndex.longest``)."""
+        return self._idx.longest(text_bytes, namespace, min_tokens=min_tokens, ctx=ctx, exclude=exclude)
+
+    def set_hit(self, name: str, hits: int, last_used: int, key: StatKey) -> None:
+        """Record a hit stamped in ``name``'s file (its new stat key ``key``)."""
+        self._idx.set_hit(name, hits, last_used, key)
+
+    def total_bytes(self) -> int:
+        return self._idx.total_bytes()
+
+    def namespace_usage(self) -> list[tuple[str | None, int, int]]:
+        return self._idx.namespace_usage()
+
+    def abi_usage(self) -> list[tuple[str, int, int, int]]:
+        return self._idx.abi_usage()
+
+    def heap_bytes(self) -> int:
+        return self._idx.heap_bytes()
+
+    def __len__(self) -> int:
+        return len(self._idx)

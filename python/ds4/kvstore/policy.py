@@ -5,13 +5,41 @@ length, the chat anchor, the continued interval)."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
-from .save import CHATML_MARKERS, chat_anchor
+__all__ = ["CHATML_MARKERS", "StorePolicy", "chat_anchor"]
 
-__all__ = ["StorePolicy"]
+
+#: the user and assistant turn markers of the ChatML template both engines
+#: render (ds4's own template has its own User and Assistant marker tokens)
+CHATML_MARKERS = (b"<|im_start|>user", b"<|im_start|>assistant")
+
+
+def chat_anchor(
+    tokens: Sequence[int], token_bytes: Callable[[int], bytes], markers: tuple[bytes, bytes] = CHATML_MARKERS
+) -> int | None:
+    """ds4's chat anchor (``ds4_kvstore_chat_anchor_pos``): the token
+    position where the last user marker before the first assistant marker
+    begins, in the text ``tokens`` render. A prefix ending there is the
+    conversation's shared head (system prompt, earlier turns) without the
+    task's own user turn. None when there is no such marker, or when it
+    does not begin on a token boundary."""
+    user, assistant = markers
+    text = bytearray()
+    starts: list[int] = []  # byte offset where each token begins
+    for t in tokens:
+        starts.append(len(text))
+        text += token_bytes(t)
+    first_asst = text.find(assistant)
+    head = text if first_asst < 0 else text[:first_asst]
+    at = head.rfind(user)
+    if at <= 0:
+        return None
+    i = bisect.bisect_left(starts, at)
+    return i if i < len(starts) and starts[i] == at else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +86,7 @@ class StorePolicy:
     frontier_tokens: int = 512
     #: the payload codec of the checkpoints written: "none" (v2, loaded
     #: zero-copy) or "zstd" (v3: 1 MiB frames, shuffle2 then zstd at
-    #: ``codec_level``; BENCHMARKS.md §14 for why "none" is the default)
+    #: ``codec_level``; BENCHMARKS.md §2.4 for why "none" is the default)
     codec: str = "none"
     codec_level: int = 1
     #: a checkpoint's append-only state in shared block files of this many
@@ -113,7 +141,7 @@ class StorePolicy:
 
     def cold_store_at(self, tokens: Sequence[int], token_bytes: Callable[[int], bytes]) -> int | None:
         """Where ds4 stores a prompt's cold checkpoint: at the chat anchor
-        (:func:`.save.chat_anchor`: the last user marker before the first
+        (:func:`chat_anchor`: the last user marker before the first
         assistant marker, so the key leaves out the task's own user turn)
         when it is at least ``min_tokens``, not aligned, as ds4; otherwise
         :meth:`cold_store_len`."""

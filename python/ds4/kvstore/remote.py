@@ -7,9 +7,14 @@ trusted: a download lands in a temp file of the local directory and goes
 through the whole verification pipeline (:mod:`ds4.kvstore`) before it is
 renamed and loaded like any local checkpoint.
 
-The key layout, the manifests and the URLs are :mod:`.remote_layout`'s,
-the plumbing :mod:`.remote_io`'s, the shared blocks :mod:`.remote_blocks`'s;
-this module runs them through one client and one breaker.
+:class:`RemoteTier` is the one object the store (and ``ds4 kv --remote``)
+talks to. Its parts are its own: the connection, one client and one breaker
+(:class:`.remote_io.Connection`), the background uploads
+(:class:`.uploads.UploadQueue`) and, once a store attaches it, its side in
+the store's directory (:class:`.tiered.DirectorySide`: downloads verified
+and adopted there, pulls and pushes). The key layout, the manifests and
+the URLs are :mod:`.remote_layout`'s, the plumbing :mod:`.remote_io`'s,
+the shared blocks :mod:`.remote_blocks`'s.
 
 Failures of the tier never fail a request: every operation has bounded
 connect and socket timeouts, errors are counted, and after
@@ -19,19 +24,27 @@ connect and socket timeouts, errors are counted, and after
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RemoteManifestError, RemoteTierError
 from . import remote_blocks as rb
 from . import remote_io as rio
-from .counters import Counters, merged
-from .rejection import Rejection, rejection_of
-from .remote_io import Breaker, RemoteLookup, RemoteScan, delete_checkpoint, fetch_chunks, read_chunks, scan_namespace
+from .counters import Counted, Counters, merged
+from .rejection import Rejection, RejectionLog, rejection_of
+from .remote_io import (
+    Breaker,
+    Connection,
+    RemoteLookup,
+    RemoteScan,
+    delete_checkpoint,
+    fetch_chunks,
+    scan_namespace,
+)
 from .remote_layout import (
     CHUNK_BYTES,
     DEFAULT_NAMESPACE,
@@ -45,11 +58,18 @@ from .remote_layout import (
     parse_remote_url,
     redact_url,
 )
-from .uploads import UploadQueue
+from .uploads import UploadQueue, store_file
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from redis import Redis
     from redis.cluster import RedisCluster
+
+    from ..session import Session
+    from .blocks import BlockStore
+    from .entries import Candidates, Entry
+    from .tiered import Adopt, DirectorySide, OpenFor
 
 log = logging.getLogger("ds4.kvstore")
 
@@ -73,14 +93,19 @@ __all__ = [
 PRUNE_SAMPLE = 16
 
 Client = Any  # redis.Redis or redis.cluster.RedisCluster
-T = TypeVar("T")
 
 
 class RemoteTier:
-    """A Redis (or Redis Cluster) tier for one store. Thread-safe: lookups
-    and downloads run on the caller's thread, uploads on one background
-    thread fed by a bounded queue (:mod:`.uploads`: a full queue drops its
-    oldest entry)."""
+    """A Redis (or Redis Cluster) tier for one store, the one object the
+    store holds of it. Thread-safe: lookups and downloads run on the
+    caller's thread, uploads on one background thread fed by a bounded
+    queue (:mod:`.uploads`: a full queue drops its oldest entry).
+
+    Alone (``ds4 kv ls|stats|gc|rm --remote``) it reads and deletes what
+    Redis holds; attached to a store (:meth:`attach`, which
+    :class:`ds4.kvstore.KVStore` does), it also adds its candidates to the
+    store's lookups and downloads, verifies and adopts them into its
+    directory (:meth:`fetch`, :meth:`pull`) and uploads it (:meth:`push`)."""
 
     def __init__(
         self,
@@ -104,88 +129,96 @@ class RemoteTier:
         KeyLayout(namespace, "")  # validates the namespace
         self.ttl_s = int(ttl_s)
         self.namespace = namespace
-        self.connect_timeout_s = connect_timeout_s
-        self.op_timeout_s = op_timeout_s
         self.chunk_bytes = chunk_bytes
         self.queue_max = max(1, queue_max)
-        self.breaker = Breaker(fail_threshold, cooldown_s)
-        #: the tier's own counters (its upload queue keeps its own: :attr:`stats`)
+        #: the tier's own counters, in the order :attr:`stats` shows them (its
+        #: connection counts ``errors``, its upload queue ``upload_dropped``)
         names = "lookups hits rejected deleted pruned uploads upload_present upload_dropped upload_failed errors"
         names += " blocks_uploaded blocks_present blocks_downloaded blocks_rejected"
         self.counters = Counters(*names.split(), "bytes_uploaded", "bytes_downloaded")
-        self._client: Client | None = None
-        self._client_lock = threading.Lock()
-        self._closed = False
+        #: the client and the failure breaker (:class:`.remote_io.Connection`)
+        self._conn = Connection(
+            self._url,
+            self.cluster,
+            Breaker(fail_threshold, cooldown_s),
+            connect_timeout_s=connect_timeout_s,
+            op_timeout_s=op_timeout_s,
+        )
+        self.breaker = self._conn.breaker
         #: the background uploads (:mod:`.uploads`): each runs this tier's
         #: :meth:`upload` as it is when the upload runs
         self._uploads = UploadQueue(lambda *item: self.upload(*item), self.queue_max)
+        #: its side in its store's directory (:meth:`attach`; None: no store)
+        self._local: DirectorySide | None = None
 
     # -- connection ---------------------------------------------------------
     def client(self) -> Redis | RedisCluster:
         """The client, created on first use (a cluster's slot map is read then)."""
-        with self._client_lock:
-            if self._client is None:
-                from redis.backoff import NoBackoff
-                from redis.retry import Retry
-
-                kw: dict[str, Any] = {
-                    "socket_connect_timeout": self.connect_timeout_s,
-                    "socket_timeout": self.op_timeout_s,
-                    "retry": Retry(NoBackoff(), 0),
-                }
-                if self.cluster:
-                    from redis.cluster import RedisCluster
-
-                    self._client = RedisCluster.from_url(self._url, **kw)
-                else:
-                    from redis import Redis
-
-                    self._client = Redis.from_url(self._url, **kw)
-            return self._client
-
-    def _drop_client(self) -> None:
-        with self._client_lock:
-            c, self._client = self._client, None
-        if c is not None:
-            try:
-                c.close()
-            except Exception as e:  # closing a broken client must not fail a request
-                log.debug("kv remote close failed: %s", e)
+        return self._conn.client()
 
     def available(self) -> bool:
-        return not self._closed and self.breaker.allow()
+        """Whether the tier may be asked now (not cooling down, not closed)."""
+        return self._conn.available()
 
-    def _call(self, what: str, fn: Callable[[Client], T]) -> T | None:
-        """Run ``fn(client)``; a Redis or socket failure is logged, counted
-        (the breaker) and returns None. Errors of ds4's own (a corrupt
-        chunk) pass through."""
-        from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
+    # -- the store's directory (:mod:`.tiered`) --------------------------------
+    def attach(
+        self, blocks: BlockStore, *, open_for: OpenFor, adopt: Adopt, locked: Callable[[], AbstractContextManager[None]]
+    ) -> None:
+        """Serve the store whose block files ``blocks`` holds (once: a tier
+        serves one store). Its hooks: ``open_for`` opens a downloaded temp
+        file for a session against a prompt (the whole pipeline, no name
+        check), ``adopt`` renames a verified one in and indexes it,
+        ``locked`` is the directory's lock."""
+        if self._local is not None:
+            raise ValueError("this remote tier serves another store already")
+        from .tiered import DirectorySide
 
-        if not self.available():
-            return None
-        try:
-            out = fn(self.client())
-        except ResponseError as e:
-            if isinstance(e, ClusterError):  # the cluster is down: an outage
-                self._failed(what, e)
-                return None
-            # the server answered (out of memory, a refused command): not an outage
-            self.counters.add("errors")
-            log.warning("kv remote %s refused: %s", what, e)
-            return None
-        except (RedisError, RedisClusterException, OSError) as e:
-            self._failed(what, e)
-            return None
-        self.breaker.success()
-        return out
+        self._local = DirectorySide(self, blocks, open_for=open_for, adopt=adopt, locked=locked)
 
-    def _failed(self, what: str, e: BaseException) -> None:
-        """Count a failure of the tier (the breaker) and log it."""
-        self.counters.add("errors")
-        self.breaker.failure(e)
-        log.warning("kv remote %s failed: %s: %s", what, type(e).__name__, e)
-        if self.cluster:
-            self._drop_client()  # a cluster client re-reads the slot map when rebuilt
+    def _side(self) -> DirectorySide:
+        if self._local is None:
+            raise ValueError("this remote tier serves no store (KVStore(remote=...) attaches it)")
+        return self._local
+
+    @property
+    def local(self) -> Counted:
+        """Its side in the store's directory, as the store's counters
+        (:attr:`ds4.kvstore.KVStore.stats`) merge it: the remote entries
+        the directory rejected."""
+        return self._side()
+
+    def add_candidates(self, found: Candidates, abi: str, *, min_tokens: int, ctx: int | None) -> None:
+        """Add this tier's prefixes of ``found.prompt`` of ``abi`` to ``found``
+        (skipped while the tier cools down), and its state when asked."""
+        self._side().add_candidates(found, abi, min_tokens=min_tokens, ctx=ctx)
+
+    def longer(self, found: Candidates) -> list[RemoteEntry]:
+        """The remote candidates of ``found`` longer than every local one of
+        the session's model (the ladder tries them first)."""
+        return self._side().longer(found)
+
+    def fetch(self, sess: Session, prompt: bytes, r: RemoteEntry, report: RejectionLog | None) -> Entry | None:
+        """Download ``r`` into the store's directory for a load into ``sess``
+        against ``prompt``, verified as a load verifies, and adopted: the
+        local entry it became, or None (:meth:`.tiered.DirectorySide.download`)."""
+        return self._side().fetch(sess, prompt, r, report)
+
+    def loaded(self, r: RemoteEntry, t0: float) -> None:
+        """The download of ``r`` (started at ``t0``) loaded: a hit of the tier."""
+        self._side().loaded(r, t0)
+
+    def not_loaded(self, r: RemoteEntry, e: Entry) -> None:
+        """The download of ``r`` (``e``) did not load: deleted from the tier
+        when the load judged it corrupt."""
+        self._side().not_loaded(r, e)
+
+    def pull(self, r: RemoteEntry, report: RejectionLog | None, *, auth_key: bytes | None, mmap: bool) -> Entry | None:
+        """See :meth:`ds4.kvstore.KVStore.pull`."""
+        return self._side().pull(r, report, auth_key=auth_key, mmap=mmap)
+
+    def push(self, entries: Iterable[Entry]) -> dict[str, int]:
+        """See :meth:`ds4.kvstore.KVStore.push`."""
+        return self._side().push(entries)
 
     # -- lookup ------------------------------------------------------------
     def lookup(self, prompt: bytes, abi: str, *, min_tokens: int = 1, ctx: int | None = None) -> RemoteLookup:
@@ -194,70 +227,44 @@ class RemoteTier:
         pruned; a manifest that does not parse is deleted (and reported)."""
         keys = KeyLayout(self.namespace, abi)
         self.counters["lookups"] += 1
-        found = self._call("lookup", lambda c: self._lookup(c, keys, prompt, min_tokens, ctx))
+        found = self._conn.call("lookup", lambda c: self._lookup(c, keys, prompt, min_tokens, ctx))
         return found if found is not None else RemoteLookup([], [])
 
     def _lookup(self, c: Client, keys: KeyLayout, prompt: bytes, min_tokens: int, ctx: int | None) -> RemoteLookup:
-        hits = rio.matching(c, keys, prompt)
-        if not hits:
-            return RemoteLookup([], [])
-        pipe = c.pipeline(transaction=False)
-        for _, sha in hits:
-            pipe.get(keys.manifest(sha))
-        raws = pipe.execute()
-        out: list[RemoteEntry] = []
-        skipped: list[RemoteEntry] = []
-        rejected: list[Rejection] = []
-        gone = []
-        for (n, sha), raw in zip(hits, raws, strict=True):
-            if raw is None:
-                gone.append(keys.member(n, sha))
-                continue
-            try:
-                e = RemoteEntry.from_bytes(raw, sha, keys.abi)
-                if e.text_bytes != n:
-                    raise RemoteManifestError("manifest's text length differs from the index")
-            except RemoteManifestError as err:
-                self._reject(c, keys, sha, err, rejected, text_bytes=n, raw=raw)
-                continue
-            usable = e.tokens >= min_tokens and (ctx is None or e.tokens < ctx)
-            (out if usable else skipped).append(e)
-        if skipped:  # another replica's sizes, or a manifest lying to stay unused: its header decides
-            pipe = c.pipeline(transaction=False)
-            for e in skipped:
-                pipe.getrange(keys.chunk(e.sha, 0), 0, HEADER_BYTES - 1)
-            for e, head in zip(skipped, pipe.execute(), strict=True):
-                try:
-                    e.check_header(head)
-                except RemoteManifestError as err:
-                    self._reject(c, keys, e.sha, err, rejected, entry=e)
-        if gone:
-            self.counters["pruned"] += c.zrem(keys.index, *gone)
-        return RemoteLookup(out, rejected)
+        found, pruned = rio.lookup_prefixes(c, keys, prompt, min_tokens, ctx, functools.partial(self._reject, c, keys))
+        self.counters["pruned"] += pruned
+        return found
 
     def _reject(
-        self, c: Client, keys: KeyLayout, sha: str, err: RemoteManifestError, into: list[Rejection], **kw: Any
-    ) -> None:
+        self,
+        c: Client,
+        keys: KeyLayout,
+        sha: str,
+        err: RemoteManifestError,
+        entry: RemoteEntry | None,
+        text_bytes: int | None,
+        raw: bytes | None,
+    ) -> Rejection:
         """A manifest rejected by a lookup: reported, counted, deleted."""
-        into.append(rejection_of(f"remote:{sha}-{keys.abi_id}.kv", err))
         self.counters["rejected"] += 1
         log.warning("kv remote rejected manifest of %s: %s (deleted)", sha[:12], err.reason)
-        self._delete(c, keys, sha, kw.get("entry"), kw.get("text_bytes"), kw.get("raw"))
+        self._delete(c, keys, sha, entry, text_bytes, raw)
+        return rejection_of(f"remote:{sha}-{keys.abi_id}.kv", err)
 
     # -- download ----------------------------------------------------------
-    def fetch(self, entry: RemoteEntry, fd: int) -> bool:
+    def fetch_file(self, entry: RemoteEntry, fd: int) -> bool:
         """Write ``entry``'s bytes to ``fd``, each chunk checked against its
         length and digest on the way (:class:`RemoteChunkError`: missing,
         truncated or altered). False when the tier failed meanwhile."""
         keys = KeyLayout(self.namespace, entry.abi)
-        return self._call("download", lambda c: fetch_chunks(c, keys, entry, fd)) is not None
+        return self._conn.call("download", lambda c: fetch_chunks(c, keys, entry, fd)) is not None
 
     def fetch_block(self, name: str, abi: str, fd: int) -> BlockRecord | None:
         """Write shared block ``name``'s file to ``fd``, each chunk checked
         on the way (:func:`.remote_blocks.fetch_block`: missing, damaged);
         None when the tier failed meanwhile."""
         keys = KeyLayout(self.namespace, abi)
-        rec = self._call("download", lambda c: rb.fetch_block(c, keys, name, fd))
+        rec = self._conn.call("download", lambda c: rb.fetch_block(c, keys, name, fd))
         if rec is not None:
             self.counters.add("blocks_downloaded")  # on the download's fetch threads
             self.counters.add("bytes_downloaded", rec.size)
@@ -268,7 +275,7 @@ class RemoteTier:
         ABI whose id is ``abi_id``): a damaged or forged one, or one no
         manifest names (``ds4 kv gc --remote``)."""
         keys = KeyLayout(self.namespace, abi) if abi_id is None else KeyLayout.of_abi_id(self.namespace, abi_id)
-        return bool(self._call("delete", lambda c: rb.delete_block(c, keys, name)))
+        return bool(self._conn.call("delete", lambda c: rb.delete_block(c, keys, name)))
 
     def touch(self, entry: RemoteEntry) -> None:
         """Refresh the TTL of a checkpoint that served a request."""
@@ -286,7 +293,7 @@ class RemoteTier:
             if entry.blocks:  # the blocks it names live as long as it does
                 rb.refresh_blocks(c, keys, rb.records_of(c, keys, entry.blocks), ttl)
 
-        self._call("touch", run)
+        self._conn.call("touch", run)
 
     # -- removal -----------------------------------------------------------
     def delete(self, sha: str, abi: str, entry: RemoteEntry | None = None, text_bytes: int | None = None) -> bool:
@@ -295,7 +302,7 @@ class RemoteTier:
         still holds the manifest it was read from (:func:`.remote_io.delete_checkpoint`)."""
         keys = KeyLayout(self.namespace, abi)
         n_text = entry.text_bytes if entry is not None else text_bytes
-        return bool(self._call("delete", lambda c: self._delete(c, keys, sha, entry, n_text)))
+        return bool(self._conn.call("delete", lambda c: self._delete(c, keys, sha, entry, n_text)))
 
     def _delete(
         self,
@@ -342,20 +349,20 @@ class RemoteTier:
             self.counters["pruned"] += n
             return n
 
-        return self._call("prune", run) or 0
+        return self._conn.call("prune", run) or 0
 
     def entries(self, abi: str) -> list[RemoteEntry]:
         """Every readable remote checkpoint of ``abi`` (``ds4 kv ls --remote``)."""
         keys = KeyLayout(self.namespace, abi)
 
-        return self._call("list", lambda c: rio.read_entries(c, keys)) or []
+        return self._conn.call("list", lambda c: rio.read_entries(c, keys)) or []
 
     def scan(self) -> RemoteScan:
         """Every remote checkpoint of this namespace, of every ABI (``ds4 kv
         ls|stats|gc --remote``): the readable ones, the index members whose
         manifest is gone, and those whose manifest does not parse."""
         ns, now = self.namespace, time.time()
-        out = self._call("scan", lambda c: rb.scan_blocks(c, scan_namespace(c, ns), ns, now))
+        out = self._conn.call("scan", lambda c: rb.scan_blocks(c, scan_namespace(c, ns), ns, now))
         if out is None:
             raise RemoteTierError(0, f"the remote tier {self.url} cannot be read ({self.breaker.last_error})")
         return out
@@ -369,14 +376,14 @@ class RemoteTier:
         def run(c: Client) -> bool:
             return self._delete(c, keys, sha, None, int(n_text) if n_text.isdigit() else None)
 
-        return bool(self._call("delete", run))
+        return bool(self._conn.call("delete", run))
 
     # -- upload ------------------------------------------------------------
     def enqueue(self, path: str, abi: str, tokens: int, text_bytes: int, blocks: Sequence[str] = ()) -> None:
         """Queue a freshly stored checkpoint (and the paths of the block
         files a manifest names) for upload; returns at once. A full queue
         drops its oldest entry (logged)."""
-        if not self._closed:
+        if not self._conn.closed:
             self._uploads.put(path, abi, tokens, text_bytes, tuple(blocks))
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -396,7 +403,7 @@ class RemoteTier:
         if not self.available():
             return "skipped"
         if blocks:  # first: a manifest in the tier names only blocks the tier holds
-            up = self._call(
+            up = self._conn.call(
                 "upload", lambda c: rb.upload_blocks(c, keys, blocks, ttl=self.ttl_s, chunk_bytes=self.chunk_bytes)
             )
             if up is None:
@@ -413,7 +420,7 @@ class RemoteTier:
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             facts = (size, tokens, text_bytes)
-            out = self._call("upload", lambda c: self._upload(c, keys, sha, f, facts, names))
+            out = self._conn.call("upload", lambda c: self._upload(c, keys, sha, f, facts, names))
         if out is None:
             self.counters["upload_failed"] += 1
             return "failed"
@@ -428,45 +435,18 @@ class RemoteTier:
     def _upload(
         self, c: Client, keys: KeyLayout, sha: str, f: Any, facts: tuple[int, int, int], blocks: tuple[str, ...]
     ) -> str:
-        ttl, (size, tokens, text_bytes) = self.ttl_s, facts
-        there = c.get(keys.manifest(sha))
-        if there is not None:
-            if RemoteEntry.describes(there, sha, keys.abi, facts):
-                if ttl:
-                    c.expire(keys.manifest(sha), ttl)
-                return "present"
-            log.warning("kv remote replaces %s: its manifest is not this checkpoint's", sha[:12])
-            if not self._delete(c, keys, sha, None, None, there):
-                return "claimed"  # another upload replaced it meanwhile
-        if not c.set(keys.claim(sha), str(os.getpid()), nx=True, ex=rb.UPLOAD_TTL_S):
-            return "claimed"
-        if c.exists(keys.manifest(sha)):  # committed by another upload since the read
-            c.delete(keys.claim(sha))
-            return "claimed"
-        digests: list[str] = []
-        total = 0
-        for chunk in read_chunks(f, self.chunk_bytes):
-            digests.append(chunk_digest(chunk))
-            c.set(keys.chunk(sha, len(digests) - 1), chunk, ex=rb.UPLOAD_TTL_S)
-            total += len(chunk)
-        entry = RemoteEntry(sha, keys.abi, tokens, text_bytes, total, self.chunk_bytes, tuple(digests), blocks)
-        if total != size or total == 0:  # the file changed under us: leave nothing behind
-            self._delete(c, keys, sha, entry, None)
-            return "gone"
-        # The commit, in one transaction on the tag's node: chunks made
-        # permanent (or given the TTL), then the manifest; nobody sees a
-        # manifest whose chunks are not all there.
-        rio.commit(c, keys, sha, len(digests), keys.manifest(sha), entry.to_bytes(), ttl, keys.claim(sha))
-        c.zadd(keys.index, {keys.member(text_bytes, sha): text_bytes})
-        if ttl:
-            c.expire(keys.index, ttl)
-        return "stored"
+        """:func:`.uploads.store_file` through this tier's TTL, chunk size and deletion."""
+
+        def delete(sha: str, entry: RemoteEntry | None, raw: bytes | None) -> bool:
+            return self._delete(c, keys, sha, entry, None, raw)
+
+        return store_file(c, keys, sha, f, facts, blocks, ttl=self.ttl_s, chunk_bytes=self.chunk_bytes, delete=delete)
 
     # -- state -------------------------------------------------------------
     @property
     def stats(self) -> dict[str, int]:
-        """The tier's counters and its upload queue's, merged."""
-        return merged(self, self._uploads)
+        """The tier's counters, its connection's and its upload queue's, merged."""
+        return merged(self, self._conn, self._uploads)
 
     def status(self) -> dict[str, object]:
         """What ``/health`` and the ladder report show of the tier."""
@@ -476,16 +456,16 @@ class RemoteTier:
 
     @property
     def state(self) -> str:
-        return "closed" if self._closed else self.breaker.state
+        return "closed" if self._conn.closed else self.breaker.state
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the queued uploads (up to ``timeout``), stop the uploader
         and close the connections."""
-        if self._closed:
+        if self._conn.closed:
             return
         self.flush(timeout)
-        self._closed = True
+        self._conn.closed = True
         dropped = self._uploads.stop(timeout)
         if dropped:
             log.warning("kv remote closed with %d uploads not done", dropped)
-        self._drop_client()
+        self._conn.drop()

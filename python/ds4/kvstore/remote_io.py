@@ -1,5 +1,6 @@
 """The shared tier's plumbing (:mod:`.remote`): what one lookup or scan
-found (and the scan of a namespace itself), the failure breaker that skips a failing tier for a while, a
+found (and the scan of a namespace itself), the tier's connection (its
+client and the failure breaker that skips a failing tier for a while), a
 checkpoint's removal, and the download: chunks checked against their
 manifest, written by a thread of their own (disk writes overlapping network
 reads)."""
@@ -14,23 +15,30 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _core
 from ..errors import RemoteChunkError, RemoteManifestError
+from .counters import Counters
 from .rejection import Rejection
-from .remote_layout import BlockRecord, KeyLayout, RemoteEntry, chunk_digest, is_sha
+from .remote_layout import HEADER_BYTES, BlockRecord, KeyLayout, RemoteEntry, chunk_digest, is_sha
+
+if TYPE_CHECKING:
+    from redis import Redis
+    from redis.cluster import RedisCluster
 
 log = logging.getLogger("ds4.kvstore")
 
 __all__ = [
     "Breaker",
+    "Connection",
     "FileWriter",
     "RemoteLookup",
     "RemoteScan",
     "commit",
     "delete_checkpoint",
     "fetch_chunks",
+    "lookup_prefixes",
     "matching",
     "read_chunks",
     "read_entries",
@@ -39,6 +47,13 @@ __all__ = [
 
 #: chunks fetched per pipelined round trip (bounds the memory of a download)
 FETCH_BATCH_BYTES = 16 * 2**20
+
+T = TypeVar("T")
+
+#: a lookup's verdict on a manifest it cannot use (:func:`lookup_prefixes`):
+#: (its SHA-1, why, the entry when it parsed, its index member's text length,
+#: the manifest's bytes) -> the rejection reported (the tier counts and deletes it)
+Reject = Callable[[str, RemoteManifestError, RemoteEntry | None, int | None, bytes | None], Rejection]
 
 #: Deletes KEYS (a manifest, then its chunks: one hash tag, one slot) while
 #: the manifest still holds ARGV[1], atomically: a rejection never deletes
@@ -119,6 +134,92 @@ class Breaker:
         return "degraded" if self.failures else "up"
 
 
+class Connection:
+    """One tier's Redis client (redis.Redis or redis.cluster.RedisCluster,
+    made on first use: a cluster's slot map is read then; bounded connect
+    and socket timeouts, no retries) and its :class:`Breaker`. Every
+    operation of the tier runs through :meth:`call`; a failure is counted
+    (``errors``, in its own :attr:`counters`, merged into the tier's stats),
+    logged and fed to the breaker. Nothing runs while the breaker is open or
+    once :attr:`closed`."""
+
+    def __init__(self, url: str, cluster: bool, breaker: Breaker, *, connect_timeout_s: float, op_timeout_s: float):
+        self.url, self.cluster, self.breaker = url, cluster, breaker
+        self.connect_timeout_s, self.op_timeout_s = connect_timeout_s, op_timeout_s
+        self.counters = Counters("errors")
+        #: set when its tier closes: no operation runs from then on
+        self.closed = False
+        self._client: Redis | RedisCluster | None = None
+        self._lock = threading.Lock()
+
+    def client(self) -> Redis | RedisCluster:
+        """The client, created on first use."""
+        with self._lock:
+            if self._client is None:
+                from redis.backoff import NoBackoff
+                from redis.retry import Retry
+
+                kw: dict[str, Any] = {
+                    "socket_connect_timeout": self.connect_timeout_s,
+                    "socket_timeout": self.op_timeout_s,
+                    "retry": Retry(NoBackoff(), 0),
+                }
+                if self.cluster:
+                    from redis.cluster import RedisCluster
+
+                    self._client = RedisCluster.from_url(self.url, **kw)
+                else:
+                    from redis import Redis
+
+                    self._client = Redis.from_url(self.url, **kw)
+            return self._client
+
+    def drop(self) -> None:
+        """Close the client (the next :meth:`client` makes a new one)."""
+        with self._lock:
+            c, self._client = self._client, None
+        if c is not None:
+            try:
+                c.close()
+            except Exception as e:  # closing a broken client must not fail a request
+                log.debug("kv remote close failed: %s", e)
+
+    def available(self) -> bool:
+        return not self.closed and self.breaker.allow()
+
+    def call(self, what: str, fn: Callable[[Any], T]) -> T | None:
+        """Run ``fn(client)``; a Redis or socket failure is logged, counted
+        (the breaker) and returns None. Errors of ds4's own (a corrupt
+        chunk) pass through."""
+        from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
+
+        if not self.available():
+            return None
+        try:
+            out = fn(self.client())
+        except ResponseError as e:
+            if isinstance(e, ClusterError):  # the cluster is down: an outage
+                self._failed(what, e)
+                return None
+            # the server answered (out of memory, a refused command): not an outage
+            self.counters.add("errors")
+            log.warning("kv remote %s refused: %s", what, e)
+            return None
+        except (RedisError, RedisClusterException, OSError) as e:
+            self._failed(what, e)
+            return None
+        self.breaker.success()
+        return out
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        """Count a failure of the tier (the breaker) and log it."""
+        self.counters.add("errors")
+        self.breaker.failure(e)
+        log.warning("kv remote %s failed: %s: %s", what, type(e).__name__, e)
+        if self.cluster:
+            self.drop()  # a cluster client re-reads the slot map when rebuilt
+
+
 def scan_namespace(c: Any, namespace: str) -> RemoteScan:
     """What one namespace of the tier holds, read through the client ``c``
     (:meth:`.remote.RemoteTier.scan`): every index of every ABI, each
@@ -191,6 +292,54 @@ def matching(c: Any, keys: KeyLayout, prompt: bytes) -> list[tuple[int, str]]:
     lengths = sorted({n for n, _ in members if n <= len(prompt)})
     digests = dict(zip(lengths, _core.sha1_prefixes(prompt, lengths), strict=True)) if lengths else {}
     return sorted(((n, sha) for n, sha in members if digests.get(n) == sha), reverse=True)
+
+
+def lookup_prefixes(
+    c: Any, keys: KeyLayout, prompt: bytes, min_tokens: int, ctx: int | None, reject: Reject
+) -> tuple[RemoteLookup, int]:
+    """The checkpoints of ``keys``' index whose text is a prefix of
+    ``prompt`` (:func:`matching`) with at least ``min_tokens`` and fewer
+    than ``ctx`` tokens, longest first, their manifests read in one
+    pipelined round trip; and how many index members whose manifest is
+    gone were pruned. A manifest that does not parse, or whose text length
+    is not its index member's, goes to ``reject``; so does one skipped for
+    its size whose claims are not its file's header's (another replica's
+    sizes, or a manifest lying to stay unused: its header decides)."""
+    hits = matching(c, keys, prompt)
+    if not hits:
+        return RemoteLookup([], []), 0
+    pipe = c.pipeline(transaction=False)
+    for _, sha in hits:
+        pipe.get(keys.manifest(sha))
+    raws = pipe.execute()
+    out: list[RemoteEntry] = []
+    skipped: list[RemoteEntry] = []
+    rejected: list[Rejection] = []
+    gone = []
+    for (n, sha), raw in zip(hits, raws, strict=True):
+        if raw is None:
+            gone.append(keys.member(n, sha))
+            continue
+        try:
+            e = RemoteEntry.from_bytes(raw, sha, keys.abi)
+            if e.text_bytes != n:
+                raise RemoteManifestError("manifest's text length differs from the index")
+        except RemoteManifestError as err:
+            rejected.append(reject(sha, err, None, n, raw))
+            continue
+        usable = e.tokens >= min_tokens and (ctx is None or e.tokens < ctx)
+        (out if usable else skipped).append(e)
+    if skipped:
+        pipe = c.pipeline(transaction=False)
+        for e in skipped:
+            pipe.getrange(keys.chunk(e.sha, 0), 0, HEADER_BYTES - 1)
+        for e, head in zip(skipped, pipe.execute(), strict=True):
+            try:
+                e.check_header(head)
+            except RemoteManifestError as err:
+                rejected.append(reject(e.sha, err, e, None, None))
+    pruned = int(c.zrem(keys.index, *gone)) if gone else 0
+    return RemoteLookup(out, rejected), pruned
 
 
 def read_entries(c: Any, keys: KeyLayout) -> list[RemoteEntry]:

@@ -29,13 +29,15 @@ import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterable
 
 from .. import _core
+from ..errors import CheckpointError
 from .entries import Entry
 from .files import StatKey, stat_key
 
-__all__ = ["evict_entries", "is_regular", "quarantine_file", "remove_exact"]
+__all__ = ["discard_exact", "evict_entries", "is_regular", "quarantine_file", "remove_exact"]
 
 log = logging.getLogger("ds4.kvstore")
 
@@ -144,6 +146,22 @@ def remove_exact(
         _put_back(aside, path)  # swapped between the check and the rename
         return None
     return _dispose(directory, aside, path, quarantine_dir, f"{name}.{tag}" if tag else name, sync)
+
+
+def discard_exact(
+    directory: str, name: str, err: CheckpointError, where: str, expect: StatKey | None, quarantine_dir: str | None
+) -> str | None:
+    """:func:`remove_exact` for a corrupt file (``err``, found by ``where``),
+    the caller holding the directory's lock: removed, or moved to
+    ``quarantine_dir`` tagged with the time and the error's code, and
+    logged. Where it went, or None when it was gone or replaced."""
+    dest = remove_exact(directory, name, expect, quarantine_dir=quarantine_dir, tag=f"{int(time.time())}.{err.code}")
+    how = f"stage={err.stage} code={err.code} reason={err.reason} ({where})"
+    if dest == os.path.join(directory, name):
+        log.warning("kv cache removed corrupt file=%s %s", name, how)
+    elif dest is not None:
+        log.warning("kv cache quarantined corrupt file=%s %s -> %s", name, how, dest)
+    return dest
 
 
 def _dispose(directory: str, aside: str, path: str, quarantine_dir: str | None, dest_name: str, sync: bool) -> str:

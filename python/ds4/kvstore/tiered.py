@@ -1,5 +1,7 @@
-"""The directory's side of the shared tier (:mod:`.remote`): what
-:class:`ds4.kvstore.KVStore` does with what Redis holds.
+"""The directory's side of the shared tier: what the tier
+(:class:`.remote.RemoteTier`, the one object the store holds) does in its
+store's directory with what Redis holds (:class:`DirectorySide`, the
+tier's private collaborator, made when a store attaches the tier).
 
 * A lookup also asks the tier (skipped while it cools down).
 * A remote candidate is streamed into a temp file of the directory, the
@@ -16,7 +18,9 @@
 * ``ds4 kv pull`` and ``ds4 kv push`` move files between the two tiers.
 
 This module never names a file or takes the lock itself: the store does
-(through the hooks it hands over), as it does for every file it holds.
+(through the hooks it hands over), as it does for every file it holds. It
+knows the store only by those hooks and its block files, and the tier only
+by what it asks of it (:class:`Tier`): it imports neither.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import (
@@ -45,7 +49,7 @@ from .counters import Counters
 from .entries import Candidates, Entry
 from .files import create_temp
 from .rejection import RejectionLog, rejection_of
-from .remote import HEADER_BYTES, RemoteEntry, RemoteTier
+from .remote_layout import HEADER_BYTES, BlockRecord, RemoteEntry
 
 #: the blocks of one download fetched at once (round trips, fsyncs and checks overlapping)
 FETCH_THREADS = 4
@@ -54,10 +58,11 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from ..session import Session
+    from .remote_io import RemoteLookup
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["SharedTier"]
+__all__ = ["Adopt", "DirectorySide", "OpenFor", "Tier"]
 
 #: the store's hooks: open a file for a session against a prompt (without
 #: the name check), adopt a verified temp file under its name
@@ -75,14 +80,43 @@ Adopt = Callable[[str, str, Checkpoint], "Entry | None"]
 FORGED = (CorruptCheckpointError, CheckpointMismatchError, MacMissingError, AbiMismatchError)
 
 
-class SharedTier:
-    """One store's use of one :class:`RemoteTier`. A rejected remote entry
-    counts in its :attr:`counters` (merged into the store's stats) and in
-    the tier's."""
+class Tier(Protocol):
+    """What the directory's side asks of its tier (:class:`.remote.RemoteTier`):
+    its state, its lookups, downloads, deletions, refreshes and uploads,
+    and its counters (a hit, the bytes of a download, a rejection)."""
+
+    @property
+    def counters(self) -> Counters: ...
+
+    @property
+    def state(self) -> str: ...
+
+    def available(self) -> bool: ...
+
+    def lookup(self, prompt: bytes, abi: str, *, min_tokens: int = 1, ctx: int | None = None) -> RemoteLookup: ...
+
+    def fetch_file(self, entry: RemoteEntry, fd: int) -> bool: ...
+
+    def fetch_block(self, name: str, abi: str, fd: int) -> BlockRecord | None: ...
+
+    def delete(self, sha: str, abi: str, entry: RemoteEntry | None = None, text_bytes: int | None = None) -> bool: ...
+
+    def delete_block(self, name: str, abi: str, *, abi_id: str | None = None) -> bool: ...
+
+    def touch(self, entry: RemoteEntry) -> None: ...
+
+    def upload(self, path: str, abi: str, tokens: int, text_bytes: int, blocks: Sequence[str] = ()) -> str: ...
+
+
+class DirectorySide:
+    """One tier's side in its store's directory (the tier's private part:
+    the store reaches it through :class:`.remote.RemoteTier`). A rejected
+    remote entry counts in its :attr:`counters` (merged into the store's
+    stats) and in the tier's."""
 
     def __init__(
         self,
-        tier: RemoteTier,
+        tier: Tier,
         blocks: BlockStore,
         *,
         open_for: OpenFor,
@@ -97,7 +131,7 @@ class SharedTier:
         self._adopt = adopt
         self._locked = locked
 
-    def lookup(self, found: Candidates, abi: str, *, min_tokens: int, ctx: int | None) -> None:
+    def add_candidates(self, found: Candidates, abi: str, *, min_tokens: int, ctx: int | None) -> None:
         """Add the tier's prefixes of ``found.prompt`` to ``found`` (and, in
         the default namespace, the remote entries rejected on the way), and
         the tier's state when it was asked."""
@@ -116,10 +150,6 @@ class SharedTier:
         abi = found.remote[0].abi  # the session's: another model's local file of the text does not count
         best = next((e.text_bytes for e in found.entries if e.abi == abi), -1)
         return [r for r in found.remote if r.text_bytes > best]
-
-    def available(self) -> bool:
-        """Whether the tier may be asked now (not cooling down, not closed)."""
-        return self.tier.available()
 
     def fetch(self, sess: Session, prompt: bytes, r: RemoteEntry, report: RejectionLog | None) -> Entry | None:
         """Download ``r`` for a load into ``sess`` against ``prompt``
@@ -146,7 +176,8 @@ class SharedTier:
             self.tier.delete(r.sha, r.abi, r)
 
     def pull(self, r: RemoteEntry, report: RejectionLog | None, *, auth_key: bytes | None, mmap: bool) -> Entry | None:
-        """See :meth:`ds4.kvstore.KVStore.pull`."""
+        """Download ``r`` on its own (``ds4 kv pull``: :meth:`ds4.kvstore.KVStore.pull`),
+        verified whole with the store's key and the tensor checks of a load."""
 
         def opener(tmp: str) -> Checkpoint:
             ck = open_checkpoint(tmp, check_name=False, auth_key=auth_key, mmap=mmap)
@@ -156,7 +187,8 @@ class SharedTier:
         return self.download(r, opener, report)
 
     def push(self, entries: Iterable[Entry]) -> dict[str, int]:
-        """See :meth:`ds4.kvstore.KVStore.push`."""
+        """Upload ``entries`` now (``ds4 kv push``: :meth:`ds4.kvstore.KVStore.push`);
+        counts by outcome."""
         out: dict[str, int] = {}
         for e in entries:
             if e.version == 1:
@@ -180,7 +212,7 @@ class SharedTier:
         fd, tmp = create_temp(self.dir, r.name)
         try:
             try:
-                ok = self.tier.fetch(r, fd)
+                ok = self.tier.fetch_file(r, fd)
                 if ok:
                     os.fsync(fd)
             finally:

@@ -1,7 +1,9 @@
-"""The shared tier's background uploads (:class:`.remote.RemoteTier`): a
-bounded FIFO of checkpoint files to upload and the one thread that uploads
-them, so that sharing a checkpoint never adds to a request's latency. What
-an upload does is the tier's; this module only queues, runs and waits."""
+"""The shared tier's uploads (:class:`.remote.RemoteTier`): a bounded FIFO
+of checkpoint files to upload and the one thread that uploads them, so that
+sharing a checkpoint never adds to a request's latency; and what one
+checkpoint file's upload writes in Redis (:func:`store_file`: a claim, its
+chunks, then its manifest in one commit). When an upload runs, its blocks
+first, and what it counts are the tier's."""
 
 from __future__ import annotations
 
@@ -11,12 +13,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, BinaryIO
 
 from .counters import Counters
+from .remote_blocks import UPLOAD_TTL_S
+from .remote_io import commit, read_chunks
+from .remote_layout import KeyLayout, RemoteEntry, chunk_digest
 
 log = logging.getLogger("ds4.kvstore")
 
-__all__ = ["UploadQueue"]
+__all__ = ["UploadQueue", "store_file"]
 
 #: (path, payload ABI, tokens, text bytes, its block files' paths) of one checkpoint file
 Upload = tuple[str, str, int, int, tuple[str, ...]]
@@ -98,3 +104,62 @@ class UploadQueue:
         if self._thread is not None:
             self._thread.join(timeout)
         return dropped
+
+
+#: the tier's deletion of one checkpoint of a key layout (:meth:`.remote.RemoteTier.delete`'s
+#: work, counted): (its SHA-1, the entry or None, the manifest bytes judged or None) -> deleted
+Delete = Callable[[str, RemoteEntry | None, bytes | None], bool]
+
+
+def store_file(
+    c: Any,
+    keys: KeyLayout,
+    sha: str,
+    f: BinaryIO,
+    facts: tuple[int, int, int],
+    blocks: tuple[str, ...],
+    *,
+    ttl: int,
+    chunk_bytes: int,
+    delete: Delete,
+) -> str:
+    """Store the checkpoint file ``f`` of key ``sha`` (``facts``: its size,
+    tokens and text bytes; ``blocks``: the block names its manifest lists)
+    through the client ``c``: ``present`` (a manifest there describes this
+    file: its TTL refreshed; one that describes another file is deleted and
+    this one stored), ``claimed`` (another uploader holds the claim, or
+    committed meanwhile), ``gone`` (the file changed under us: nothing left
+    behind) or ``stored``."""
+    size, tokens, text_bytes = facts
+    there = c.get(keys.manifest(sha))
+    if there is not None:
+        if RemoteEntry.describes(there, sha, keys.abi, facts):
+            if ttl:
+                c.expire(keys.manifest(sha), ttl)
+            return "present"
+        log.warning("kv remote replaces %s: its manifest is not this checkpoint's", sha[:12])
+        if not delete(sha, None, there):
+            return "claimed"  # another upload replaced it meanwhile
+    if not c.set(keys.claim(sha), str(os.getpid()), nx=True, ex=UPLOAD_TTL_S):
+        return "claimed"
+    if c.exists(keys.manifest(sha)):  # committed by another upload since the read
+        c.delete(keys.claim(sha))
+        return "claimed"
+    digests: list[str] = []
+    total = 0
+    for chunk in read_chunks(f, chunk_bytes):
+        digests.append(chunk_digest(chunk))
+        c.set(keys.chunk(sha, len(digests) - 1), chunk, ex=UPLOAD_TTL_S)
+        total += len(chunk)
+    entry = RemoteEntry(sha, keys.abi, tokens, text_bytes, total, chunk_bytes, tuple(digests), blocks)
+    if total != size or total == 0:  # the file changed under us: leave nothing behind
+        delete(sha, entry, None)
+        return "gone"
+    # The commit, in one transaction on the tag's node: chunks made
+    # permanent (or given the TTL), then the manifest; nobody sees a
+    # manifest whose chunks are not all there.
+    commit(c, keys, sha, len(digests), keys.manifest(sha), entry.to_bytes(), ttl, keys.claim(sha))
+    c.zadd(keys.index, {keys.member(text_bytes, sha): text_bytes})
+    if ttl:
+        c.expire(keys.index, ttl)
+    return "stored"

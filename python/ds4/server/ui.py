@@ -206,7 +206,7 @@ class Dashboard:
             store = self.service.gen.store
             assert store is not None
             # the index's rows as it stands: no refresh, no directory lock (the worker's)
-            rows = await asyncio.to_thread(store.index.idx.entries)
+            rows = await asyncio.to_thread(store.rows)
             table = checkpoint_table(rows, time.time())
             self._checkpoints = (now, table)
         return table

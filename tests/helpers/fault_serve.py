@@ -10,7 +10,8 @@ checkpoint write of this process (1-based) fails, as
   directory's fsync failed: the store is told the save failed while the
   file is there).
 
-Each injected fault is logged as ``injected write fault N kind``."""
+Each injected fault is logged as ``injected write fault N kind``. Started by
+path (``python tests/helpers/fault_serve.py <serve's flags>``)."""
 
 import errno
 import logging

@@ -21,7 +21,7 @@ prompt cache is concerned:
   continuing its live tool state).
 
 :func:`script` is the model's side: a scripted reference engine
-(tests/cc_serve.py) answers every request that declares tools with one
+(tests/helpers/cc_serve.py) answers every request that declares tools with one
 ``Bash`` call in ds4's convention (python/ds4/server/tools.py), so the loop
 never ends and every turn is ``tool_use``.
 """
@@ -184,7 +184,7 @@ def script(prompt: str) -> str:
 
 def serve_command() -> list[str]:
     """The command line of ``ds4 serve`` over the scripted engine with
-    :func:`script` (tests/cc_serve.py)."""
+    :func:`script` (tests/helpers/cc_serve.py)."""
     return [sys.executable, os.path.join(HERE, "cc_serve.py"), "--engine", "reference"]
 
 

@@ -1,6 +1,6 @@
 """How much of a file the page cache holds: ``mincore(2)`` over a shared
 read-only map of the whole file (through ctypes: Python has no binding).
-Shared by the page-cache test and its bench (benches/bench_page_cache.py)."""
+Shared by the page-cache test (tests/test_page_cache.py) and its bench (benches/bench_page_cache.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A free TCP port on 127.0.0.1: the one copy, for the tests' servers (ds4
 serve, redis-server) and the benches' (which put ``tests/`` on their path to
-import it, as they import ``redis_servers`` and ``test_server``). No pytest
-here, nothing of ds4: a bench can import it as a plain module.
+import ``helpers.ports``, as they import ``helpers.redis_servers`` and
+``helpers.server``). No pytest here, nothing of ds4: a bench can import it
+as a plain module.
 
 ``DS4_TEST_PORTS=lo-hi`` (inclusive) keeps every port the tests' servers
 take inside that range, for a machine where other ports are taken or

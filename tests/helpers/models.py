@@ -15,11 +15,18 @@ seed; SmolLM2's tokenizer): ``mamba2`` (recurrent), ``lfm2`` and
 ``qwen3`` (GQA 4:1) and ``phi3`` (fused QKV; its file is named without
 "phi3").
 
-None is ever skipped: a missing model is a failed test."""
+None is ever skipped: a missing model is a failed test.
+
+And greedy decoding, as the exactness tests compare a resumed state's
+continuation with a cold one's: on an engine context (:func:`greedy`) or a
+``ds4.Session`` (:func:`greedy_session`)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+import numpy as np
 
 from ds4.engines.llamacpp import LlamaCppEngine, default_model_path
 
@@ -46,7 +53,9 @@ def tiny_paths() -> dict[str, str]:
     import importlib.util
 
     here = os.path.dirname(os.path.abspath(__file__))
-    spec = importlib.util.spec_from_file_location("tiny_models", os.path.join(here, "..", "scripts", "tiny_models.py"))
+    spec = importlib.util.spec_from_file_location(
+        "tiny_models", os.path.join(here, "..", "..", "scripts", "tiny_models.py")
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -106,3 +115,27 @@ def twin_model(directory: str) -> str:
             f.write(bytes([b[0] ^ 0x01]))
         os.replace(dst + ".tmp", dst)
     return dst
+
+
+def greedy_steps(step: Callable[[int], np.ndarray], logits: np.ndarray, n: int) -> tuple[list[int], list[np.ndarray]]:
+    """``n`` greedy tokens from ``logits``, each the argmax of the logits
+    before it, fed to ``step`` (a token in, the next logits out): the
+    tokens, and the logits each step saw (``n + 1``, ``logits`` first)."""
+    out, seen = [], [logits]
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        out.append(t)
+        logits = step(t)
+        seen.append(logits)
+    return out, seen
+
+
+def greedy(ctx, logits: np.ndarray, n: int) -> tuple[list[int], list[np.ndarray]]:
+    """:func:`greedy_steps` on an engine context (``ctx.eval([token])``)."""
+    return greedy_steps(lambda t: ctx.eval([t]), logits, n)
+
+
+def greedy_session(s, n: int) -> list[int]:
+    """The ``n`` greedy tokens a ``ds4.Session`` decodes from its logits
+    (``s.eval_token``), the session left past them."""
+    return greedy_steps(s.eval_token, s.logits, n)[0]

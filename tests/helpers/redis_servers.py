@@ -11,7 +11,8 @@ import subprocess
 import time
 
 import redis
-from ports import bindable, free_port, free_ports, port_range
+
+from helpers.ports import bindable, free_port, free_ports, port_range
 
 
 def cluster_ports(n: int) -> list[tuple[int, int]]:
