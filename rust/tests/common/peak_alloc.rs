@@ -7,16 +7,18 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 struct Tracking;
-static PEAK: AtomicUsize = AtomicUsize::new(0);
+// Both per thread: the harness runs a binary's tests on several threads at
+// once, and one test's tracked allocations must never count in another's
+// peak (a shared peak did, now and then).
 thread_local! {
     static TRACK: Cell<bool> = const { Cell::new(false) };
+    static PEAK: Cell<usize> = const { Cell::new(0) };
 }
 fn note(size: usize) {
     if TRACK.try_with(Cell::get).unwrap_or(false) {
-        PEAK.fetch_max(size, Ordering::Relaxed);
+        let _ = PEAK.try_with(|p| p.set(p.get().max(size)));
     }
 }
 // SAFETY: forwards every call to `System` unchanged; only records sizes.
@@ -42,9 +44,9 @@ static A: Tracking = Tracking;
 
 /// The largest single allocation made by this thread while running `f`.
 pub fn peak_alloc<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    PEAK.store(0, Ordering::Relaxed);
+    PEAK.with(|p| p.set(0));
     TRACK.with(|t| t.set(true));
     let r = f();
     TRACK.with(|t| t.set(false));
-    (r, PEAK.load(Ordering::Relaxed))
+    (r, PEAK.with(Cell::get))
 }
