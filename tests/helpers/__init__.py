@@ -7,6 +7,8 @@ path, so a test imports ``from helpers.ports import free_port``; a bench puts
 * ``cc_loop``: the Claude-Code-shaped agent loop (its bench's too);
 * ``checkpoints``: checkpoint names as the store writes them, and the
   damage the tests do to a file (a flipped payload byte);
+* ``cold_cache``: cold results (a prefill's reply, logits, state) computed
+  once per test process, frozen;
 * ``kv``: a text's tokens and a session prefilled cold with it;
 * ``metric_samples``: a ``/metrics`` scrape as a dict;
 * ``models``: the real models (one shared engine each) and greedy decoding;

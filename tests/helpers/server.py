@@ -192,11 +192,11 @@ def cached_tokens(resp) -> int:
 
 def cold_chat(cold, messages, **kw):
     """The answer of a cold prefill (its live session replaced first)."""
-    c = cold.client()
     model = cold.model()
-    # a raw prompt sharing no token with a chat prompt: nothing to rewind to
-    c.completions.create(model=model, prompt="reset", max_tokens=1)
-    r = c.chat.completions.create(model=model, messages=messages, **kw)
+    with cold.client() as c:  # closed: no socket left to the collector
+        # a raw prompt sharing no token with a chat prompt: nothing to rewind to
+        c.completions.create(model=model, prompt="reset", max_tokens=1)
+        r = c.chat.completions.create(model=model, messages=messages, **kw)
     assert cached_tokens(r) == 0, "the reference run was not cold"
     return r
 
